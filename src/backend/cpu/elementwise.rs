@@ -1,0 +1,133 @@
+//! Unary, affine, power and broadcast binary ops.
+
+use num_traits::Float;
+use rayon::prelude::*;
+
+use super::{Elem, PAR_THRESHOLD};
+use crate::backend::{BinaryOp, UnaryOp};
+use crate::tensor::Shape;
+
+/// Applies `f` elementwise, in parallel for large inputs.
+pub(crate) fn map<T: Elem>(x: &[T], f: impl Fn(T::Acc) -> T::Acc + Sync) -> Vec<T> {
+    if x.len() >= PAR_THRESHOLD {
+        x.par_iter().map(|&v| T::from_acc(f(v.to_acc()))).collect()
+    } else {
+        x.iter().map(|&v| T::from_acc(f(v.to_acc()))).collect()
+    }
+}
+
+pub fn unary<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
+    let zero = <T::Acc as num_traits::Zero>::zero();
+    match op {
+        UnaryOp::Neg => map(x, |v| -v),
+        UnaryOp::Relu => map(x, |v| if v > zero { v } else { zero }),
+        UnaryOp::Exp => map(x, |v| v.exp()),
+        UnaryOp::Log => map(x, |v| v.ln()),
+        UnaryOp::Sqrt => map(x, |v| v.sqrt()),
+        UnaryOp::Sqr => map(x, |v| v * v),
+        UnaryOp::Abs => map(x, |v| v.abs()),
+    }
+}
+
+pub fn affine<T: Elem>(x: &[T], mul: f64, add: f64) -> Vec<T> {
+    let (m, a) = (T::acc(mul), T::acc(add));
+    map(x, |v| v * m + a)
+}
+
+pub fn powf<T: Elem>(x: &[T], e: f64) -> Vec<T> {
+    let e = T::acc(e);
+    map(x, |v| v.powf(e))
+}
+
+fn apply<A: Float>(op: BinaryOp, a: A, b: A) -> A {
+    match op {
+        BinaryOp::Add => a + b,
+        BinaryOp::Sub => a - b,
+        BinaryOp::Mul => a * b,
+        BinaryOp::Div => a / b,
+        // NaN propagates, as torch.maximum/minimum.
+        BinaryOp::Maximum => {
+            if a.is_nan() || b.is_nan() {
+                A::nan()
+            } else {
+                a.max(b)
+            }
+        }
+        BinaryOp::Minimum => {
+            if a.is_nan() || b.is_nan() {
+                A::nan()
+            } else {
+                a.min(b)
+            }
+        }
+    }
+}
+
+/// Binary op with numpy broadcasting. Rows of the last output dimension are the unit of work:
+/// each row computes its two base offsets once, then walks with stride 0 or 1.
+pub fn binary<T: Elem>(
+    a: &[T],
+    b: &[T],
+    op: BinaryOp,
+    sa: &Shape,
+    sb: &Shape,
+    out: &Shape,
+) -> Vec<T> {
+    let n = out.elem_count();
+    if sa == sb {
+        let f = |(x, y): (&T, &T)| T::from_acc(apply(op, x.to_acc(), y.to_acc()));
+        return if n >= PAR_THRESHOLD {
+            a.par_iter().zip(b.par_iter()).map(f).collect()
+        } else {
+            a.iter().zip(b.iter()).map(f).collect()
+        };
+    }
+    if n == 0 {
+        return Vec::new();
+    }
+    let (stra, strb) = (sa.broadcast_strides(out), sb.broadcast_strides(out));
+    let dims = out.dims();
+    let rank = dims.len();
+    let last = if rank == 0 { 1 } else { dims[rank - 1] };
+    let (la, lb) = if rank == 0 {
+        (0, 0)
+    } else {
+        (stra[rank - 1], strb[rank - 1])
+    };
+    let mut res = vec![T::default(); n];
+    let row = |(r, dst): (usize, &mut [T])| {
+        // Decompose the row index into the leading coordinates.
+        let (mut oa, mut ob, mut rem) = (0usize, 0usize, r);
+        for d in (0..rank.saturating_sub(1)).rev() {
+            let c = rem % dims[d];
+            rem /= dims[d];
+            oa += c * stra[d];
+            ob += c * strb[d];
+        }
+        for (j, o) in dst.iter_mut().enumerate() {
+            *o = T::from_acc(apply(op, a[oa + j * la].to_acc(), b[ob + j * lb].to_acc()));
+        }
+    };
+    if n >= PAR_THRESHOLD {
+        res.par_chunks_mut(last).enumerate().for_each(row);
+    } else {
+        res.chunks_mut(last).enumerate().for_each(row);
+    }
+    res
+}
+
+pub fn relu_backward<T: Elem>(g: &[T], x: &[T]) -> Vec<T> {
+    let zero = <T::Acc as num_traits::Zero>::zero();
+    let f = |(g, x): (&T, &T)| {
+        if x.to_acc() > zero {
+            *g
+        } else {
+            T::from_acc(zero)
+        }
+    };
+    if g.len() >= PAR_THRESHOLD {
+        g.par_iter().zip(x.par_iter()).map(f).collect()
+    } else {
+        g.iter().zip(x.iter()).map(f).collect()
+    }
+}

@@ -1,0 +1,527 @@
+//! The CPU backend: the reference implementation of every op, and what CI tests.
+//!
+//! Half values are stored as `half::f16`/`bf16`; kernels compute in `Elem::Acc` (f32 for the
+//! half types and f32, f64 for F64) and round once on store, as the CUDA kernels do.
+
+mod batch_norm;
+mod cast;
+mod conv;
+mod elementwise;
+mod index;
+mod layout;
+mod matmul;
+mod pool;
+mod reduce;
+mod softmax;
+
+use half::{bf16, f16};
+
+use super::{
+    AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, DimSplit,
+    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
+};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Shape, WithDType};
+
+/// Element types the float kernels are generic over.
+pub trait Elem: WithDType + Default {
+    /// The type arithmetic happens in.
+    type Acc: num_traits::Float
+        + num_traits::FromPrimitive
+        + std::ops::AddAssign
+        + Send
+        + Sync
+        + Default
+        + 'static;
+    fn to_acc(self) -> Self::Acc;
+    fn from_acc(v: Self::Acc) -> Self;
+    fn acc(v: f64) -> Self::Acc {
+        <Self::Acc as num_traits::FromPrimitive>::from_f64(v).unwrap_or_else(num_traits::Float::nan)
+    }
+}
+
+impl Elem for f32 {
+    type Acc = f32;
+    fn to_acc(self) -> f32 {
+        self
+    }
+    fn from_acc(v: f32) -> Self {
+        v
+    }
+}
+impl Elem for f64 {
+    type Acc = f64;
+    fn to_acc(self) -> f64 {
+        self
+    }
+    fn from_acc(v: f64) -> Self {
+        v
+    }
+}
+impl Elem for f16 {
+    type Acc = f32;
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_acc(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+impl Elem for bf16 {
+    type Acc = f32;
+    fn to_acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_acc(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// A buffer of one dtype in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CpuStorage {
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+}
+
+/// Runs `$body` with `$v` bound to the float vector of `$s` and wraps the result in the same
+/// variant; I64 is an error naming `$op`.
+macro_rules! map_float {
+    ($s:expr, $op:expr, |$v:ident| $body:expr) => {
+        match $s {
+            CpuStorage::F16($v) => CpuStorage::F16($body),
+            CpuStorage::BF16($v) => CpuStorage::BF16($body),
+            CpuStorage::F32($v) => CpuStorage::F32($body),
+            CpuStorage::F64($v) => CpuStorage::F64($body),
+            CpuStorage::I64(_) => {
+                return Err(Error::UnsupportedDType {
+                    op: $op,
+                    got: DType::I64,
+                    expected: "a float dtype",
+                })
+            }
+        }
+    };
+}
+
+/// Like [`map_float!`] for two operands that must share a dtype.
+macro_rules! map_float2 {
+    ($a:expr, $b:expr, $op:expr, |$x:ident, $y:ident| $body:expr) => {
+        match ($a, $b) {
+            (CpuStorage::F16($x), CpuStorage::F16($y)) => CpuStorage::F16($body),
+            (CpuStorage::BF16($x), CpuStorage::BF16($y)) => CpuStorage::BF16($body),
+            (CpuStorage::F32($x), CpuStorage::F32($y)) => CpuStorage::F32($body),
+            (CpuStorage::F64($x), CpuStorage::F64($y)) => CpuStorage::F64($body),
+            (a, b) => {
+                return Err(Error::DTypeMismatch {
+                    op: $op,
+                    lhs: a.dtype(),
+                    rhs: b.dtype(),
+                })
+            }
+        }
+    };
+}
+
+/// Runs `$body` for any dtype (I64 included) with `$v` bound to the vector.
+macro_rules! map_any {
+    ($s:expr, |$v:ident| $body:expr) => {
+        match $s {
+            CpuStorage::F16($v) => CpuStorage::F16($body),
+            CpuStorage::BF16($v) => CpuStorage::BF16($body),
+            CpuStorage::F32($v) => CpuStorage::F32($body),
+            CpuStorage::F64($v) => CpuStorage::F64($body),
+            CpuStorage::I64($v) => CpuStorage::I64($body),
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use {map_any, map_float, map_float2};
+
+/// The `$variant` vector inside `$s`, or an error: batch-norm parameters and statistics are in the
+/// accumulation type of the input (f32 for f32/f16/bf16, f64 for f64).
+macro_rules! acc_slice {
+    ($s:expr, $variant:ident, $op:expr) => {
+        match $s {
+            CpuStorage::$variant(v) => v.as_slice(),
+            other => {
+                return Err(Error::UnsupportedDType {
+                    op: $op,
+                    got: other.dtype(),
+                    expected: "f32 batch-norm parameters and statistics (f64 for f64 inputs)",
+                })
+            }
+        }
+    };
+}
+macro_rules! acc_slice_mut {
+    ($s:expr, $variant:ident, $op:expr) => {
+        match $s {
+            CpuStorage::$variant(v) => v.as_mut_slice(),
+            other => {
+                return Err(Error::UnsupportedDType {
+                    op: $op,
+                    got: other.dtype(),
+                    expected: "f32 batch-norm statistics (f64 for f64 inputs)",
+                })
+            }
+        }
+    };
+}
+
+impl CpuStorage {
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        Self::full(dtype, len, 0.0)
+    }
+
+    pub fn full(dtype: DType, len: usize, v: f64) -> Self {
+        match dtype {
+            DType::F16 => CpuStorage::F16(vec![f16::from_f64(v); len]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(v); len]),
+            DType::F32 => CpuStorage::F32(vec![v as f32; len]),
+            DType::F64 => CpuStorage::F64(vec![v; len]),
+            DType::I64 => CpuStorage::I64(vec![v as i64; len]),
+        }
+    }
+
+    pub fn from_vec<T: WithDType>(v: Vec<T>) -> Self {
+        // Every WithDType maps to exactly one variant; the casts below are identity casts.
+        let any: Box<dyn std::any::Any> = Box::new(v);
+        match T::DTYPE {
+            DType::F16 => CpuStorage::F16(*any.downcast().expect("dtype tag matches type")),
+            DType::BF16 => CpuStorage::BF16(*any.downcast().expect("dtype tag matches type")),
+            DType::F32 => CpuStorage::F32(*any.downcast().expect("dtype tag matches type")),
+            DType::F64 => CpuStorage::F64(*any.downcast().expect("dtype tag matches type")),
+            DType::I64 => CpuStorage::I64(*any.downcast().expect("dtype tag matches type")),
+        }
+    }
+
+    /// The values as f64 (exact for every dtype but very large i64).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match self {
+            CpuStorage::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            CpuStorage::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            CpuStorage::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            CpuStorage::F64(v) => v.clone(),
+            CpuStorage::I64(v) => v.iter().map(|&x| x as f64).collect(),
+        }
+    }
+
+    /// The buffer as `Vec<T>` when `T` is its element type.
+    pub fn to_vec<T: WithDType>(&self) -> Option<Vec<T>> {
+        let any: &dyn std::any::Any = match self {
+            CpuStorage::F16(v) => v,
+            CpuStorage::BF16(v) => v,
+            CpuStorage::F32(v) => v,
+            CpuStorage::F64(v) => v,
+            CpuStorage::I64(v) => v,
+        };
+        any.downcast_ref::<Vec<T>>().cloned()
+    }
+
+    pub(crate) fn as_i64(&self, op: &'static str) -> Result<&[i64]> {
+        match self {
+            CpuStorage::I64(v) => Ok(v),
+            other => Err(Error::UnsupportedDType {
+                op,
+                got: other.dtype(),
+                expected: "i64 indices",
+            }),
+        }
+    }
+}
+
+/// Below this many elements a kernel runs on the calling thread: rayon's fork/join costs more.
+pub(crate) const PAR_THRESHOLD: usize = 1 << 15;
+
+impl BackendStorage for CpuStorage {
+    fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+            CpuStorage::I64(_) => DType::I64,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            CpuStorage::F16(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            CpuStorage::I64(v) => v.len(),
+        }
+    }
+
+    fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        Ok(cast::to_dtype(self, dtype))
+    }
+
+    fn unary(&self, op: UnaryOp) -> Result<Self> {
+        Ok(map_float!(self, op.name(), |v| elementwise::unary(v, op)))
+    }
+
+    fn affine(&self, mul: f64, add: f64) -> Result<Self> {
+        Ok(map_float!(self, "affine", |v| elementwise::affine(
+            v, mul, add
+        )))
+    }
+
+    fn powf(&self, e: f64) -> Result<Self> {
+        Ok(map_float!(self, "powf", |v| elementwise::powf(v, e)))
+    }
+
+    fn binary(
+        &self,
+        rhs: &Self,
+        op: BinaryOp,
+        lhs_shape: &Shape,
+        rhs_shape: &Shape,
+        out: &Shape,
+    ) -> Result<Self> {
+        Ok(map_float2!(self, rhs, op.name(), |a, b| {
+            elementwise::binary(a, b, op, lhs_shape, rhs_shape, out)
+        }))
+    }
+
+    fn relu_backward(&self, x: &Self) -> Result<Self> {
+        Ok(map_float2!(self, x, "relu_backward", |g, x| {
+            elementwise::relu_backward(g, x)
+        }))
+    }
+
+    fn broadcast_to(&self, src: &Shape, dst: &Shape) -> Result<Self> {
+        Ok(map_any!(self, |v| layout::broadcast_to(v, src, dst)))
+    }
+
+    fn reduce(&self, op: ReduceOp, split: DimSplit) -> Result<Self> {
+        Ok(map_float!(self, "reduce", |v| reduce::reduce(v, op, split)))
+    }
+
+    fn argmax(&self, split: DimSplit) -> Result<Self> {
+        Ok(CpuStorage::I64(match self {
+            CpuStorage::F16(v) => reduce::argmax(v, split),
+            CpuStorage::BF16(v) => reduce::argmax(v, split),
+            CpuStorage::F32(v) => reduce::argmax(v, split),
+            CpuStorage::F64(v) => reduce::argmax(v, split),
+            CpuStorage::I64(v) => reduce::argmax(v, split),
+        }))
+    }
+
+    fn gather(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
+        let idx = idx.as_i64("gather")?;
+        Ok(map_any!(self, |v| index::gather(v, idx, split, idx_len)?))
+    }
+
+    fn scatter_add(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
+        let idx = idx.as_i64("scatter_add")?;
+        Ok(map_float!(self, "scatter_add", |v| index::scatter_add(
+            v, idx, split, idx_len
+        )?))
+    }
+
+    fn permute(&self, shape: &Shape, perm: &[usize]) -> Result<Self> {
+        Ok(map_any!(self, |v| layout::permute(v, shape, perm)))
+    }
+
+    fn narrow(&self, split: DimSplit, start: usize, count: usize) -> Result<Self> {
+        Ok(map_any!(self, |v| layout::narrow(v, split, start, count)))
+    }
+
+    fn cat(parts: &[&Self], outer: usize, lens: &[usize], inner: usize) -> Result<Self> {
+        let first = parts
+            .first()
+            .ok_or_else(|| Error::invalid_shape("cat", &Shape::scalar(), "no tensors"))?;
+        macro_rules! cat_as {
+            ($variant:ident) => {{
+                let mut slices = Vec::with_capacity(parts.len());
+                for p in parts {
+                    match p {
+                        CpuStorage::$variant(v) => slices.push(v.as_slice()),
+                        other => {
+                            return Err(Error::DTypeMismatch {
+                                op: "cat",
+                                lhs: first.dtype(),
+                                rhs: other.dtype(),
+                            })
+                        }
+                    }
+                }
+                CpuStorage::$variant(layout::cat(&slices, outer, lens, inner))
+            }};
+        }
+        Ok(match first {
+            CpuStorage::F16(_) => cat_as!(F16),
+            CpuStorage::BF16(_) => cat_as!(BF16),
+            CpuStorage::F32(_) => cat_as!(F32),
+            CpuStorage::F64(_) => cat_as!(F64),
+            CpuStorage::I64(_) => cat_as!(I64),
+        })
+    }
+
+    fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self> {
+        Ok(map_float2!(self, rhs, "matmul", |a, b| matmul::matmul(
+            a, b, dims
+        )))
+    }
+
+    fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
+        Ok(map_float2!(self, weight, "conv2d", |x, w| conv::conv2d(
+            x, w, p
+        )))
+    }
+
+    fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
+        Ok(map_float2!(
+            self,
+            weight,
+            "conv2d_backward_input",
+            |g, w| conv::conv2d_backward_input(g, w, p)
+        ))
+    }
+
+    fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self> {
+        Ok(map_float2!(
+            self,
+            input,
+            "conv2d_backward_weight",
+            |g, x| conv::conv2d_backward_weight(g, x, p)
+        ))
+    }
+
+    fn batch_norm_train(
+        &self,
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)> {
+        // Parameters and statistics are f32 for f32/f16/bf16 inputs and f64 for f64 inputs
+        // (the gradient checks run in f64).
+        macro_rules! arm {
+            ($x:expr, $in:ident, $acc:ident) => {{
+                let (w, b) = (
+                    acc_slice!(weight, $acc, "batch_norm"),
+                    acc_slice!(bias, $acc, "batch_norm"),
+                );
+                let rm = acc_slice_mut!(running_mean, $acc, "batch_norm");
+                let rv = acc_slice_mut!(running_var, $acc, "batch_norm");
+                let (y, mean, invstd) = batch_norm::forward_train($x, w, b, rm, rv, p);
+                (
+                    CpuStorage::$in(y),
+                    CpuStorage::$acc(mean),
+                    CpuStorage::$acc(invstd),
+                )
+            }};
+        }
+        Ok(match self {
+            CpuStorage::F16(x) => arm!(x, F16, F32),
+            CpuStorage::BF16(x) => arm!(x, BF16, F32),
+            CpuStorage::F32(x) => arm!(x, F32, F32),
+            CpuStorage::F64(x) => arm!(x, F64, F64),
+            CpuStorage::I64(_) => {
+                return Err(Error::UnsupportedDType {
+                    op: "batch_norm",
+                    got: DType::I64,
+                    expected: "a float dtype",
+                })
+            }
+        })
+    }
+
+    fn batch_norm_backward(
+        &self,
+        x: &Self,
+        weight: &Self,
+        saved_mean: &Self,
+        saved_invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)> {
+        let op = "batch_norm_backward";
+        macro_rules! arm {
+            ($g:expr, $x:expr, $in:ident, $acc:ident) => {{
+                let w = acc_slice!(weight, $acc, op);
+                let (m, s) = (
+                    acc_slice!(saved_mean, $acc, op),
+                    acc_slice!(saved_invstd, $acc, op),
+                );
+                let (dx, dw, db) = batch_norm::backward($g, $x, w, m, s, p);
+                (
+                    CpuStorage::$in(dx),
+                    CpuStorage::$acc(dw),
+                    CpuStorage::$acc(db),
+                )
+            }};
+        }
+        Ok(match (self, x) {
+            (CpuStorage::F16(g), CpuStorage::F16(x)) => arm!(g, x, F16, F32),
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => arm!(g, x, BF16, F32),
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => arm!(g, x, F32, F32),
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => arm!(g, x, F64, F64),
+            (g, x) => {
+                return Err(Error::DTypeMismatch {
+                    op,
+                    lhs: g.dtype(),
+                    rhs: x.dtype(),
+                })
+            }
+        })
+    }
+
+    fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
+        let mut argmax = Vec::new();
+        let out = map_float!(self, "max_pool2d", |x| {
+            let (out, idx) = pool::max_pool2d(x, p);
+            argmax = idx;
+            out
+        });
+        Ok((out, CpuStorage::I64(argmax)))
+    }
+
+    fn max_pool2d_backward(&self, argmax: &Self, p: &Pool2dParams) -> Result<Self> {
+        let idx = argmax.as_i64("max_pool2d_backward")?;
+        Ok(map_float!(self, "max_pool2d_backward", |g| {
+            pool::max_pool2d_backward(g, idx, p)
+        }))
+    }
+
+    fn avg_pool2d(&self, p: &Pool2dParams) -> Result<Self> {
+        Ok(map_float!(self, "avg_pool2d", |x| pool::avg_pool2d(x, p)))
+    }
+
+    fn avg_pool2d_backward(&self, p: &Pool2dParams) -> Result<Self> {
+        Ok(map_float!(self, "avg_pool2d_backward", |g| {
+            pool::avg_pool2d_backward(g, p)
+        }))
+    }
+
+    fn adaptive_avg_pool2d(&self, p: &AdaptivePoolParams) -> Result<Self> {
+        Ok(map_float!(self, "adaptive_avg_pool2d", |x| {
+            pool::adaptive_avg_pool2d(x, p)
+        }))
+    }
+
+    fn adaptive_avg_pool2d_backward(&self, p: &AdaptivePoolParams) -> Result<Self> {
+        Ok(map_float!(self, "adaptive_avg_pool2d_backward", |g| {
+            pool::adaptive_avg_pool2d_backward(g, p)
+        }))
+    }
+
+    fn softmax(&self, split: DimSplit, log: bool) -> Result<Self> {
+        Ok(map_float!(self, "softmax", |x| softmax::softmax(
+            x, split, log
+        )))
+    }
+
+    fn softmax_backward(&self, y: &Self, split: DimSplit, log: bool) -> Result<Self> {
+        Ok(map_float2!(self, y, "softmax_backward", |g, y| {
+            softmax::softmax_backward(g, y, split, log)
+        }))
+    }
+}

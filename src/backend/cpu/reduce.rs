@@ -1,0 +1,89 @@
+//! Reductions over the middle dimension of `(outer, len, inner)`.
+
+use num_traits::Float;
+use rayon::prelude::*;
+
+use super::{Elem, PAR_THRESHOLD};
+use crate::backend::{DimSplit, ReduceOp};
+use crate::tensor::WithDType;
+
+pub fn reduce<T: Elem>(x: &[T], op: ReduceOp, (outer, len, inner): DimSplit) -> Vec<T> {
+    let init = match op {
+        ReduceOp::Sum => <T::Acc as num_traits::Zero>::zero(),
+        ReduceOp::Max => T::Acc::neg_infinity(),
+        ReduceOp::Min => T::Acc::infinity(),
+    };
+    let combine = |acc: T::Acc, v: T::Acc| match op {
+        ReduceOp::Sum => acc + v,
+        // NaN wins, as in torch.max.
+        ReduceOp::Max => {
+            if v.is_nan() || v > acc {
+                v
+            } else {
+                acc
+            }
+        }
+        ReduceOp::Min => {
+            if v.is_nan() || v < acc {
+                v
+            } else {
+                acc
+            }
+        }
+    };
+    let mut out = vec![T::default(); outer * inner];
+    let block = |(o, dst): (usize, &mut [T])| {
+        let base = o * len * inner;
+        if inner == 1 {
+            let mut acc = init;
+            for v in &x[base..base + len] {
+                acc = combine(acc, v.to_acc());
+            }
+            dst[0] = T::from_acc(acc);
+        } else {
+            let mut acc = vec![init; inner];
+            for j in 0..len {
+                let row = &x[base + j * inner..base + (j + 1) * inner];
+                for (a, v) in acc.iter_mut().zip(row) {
+                    *a = combine(*a, v.to_acc());
+                }
+            }
+            for (d, a) in dst.iter_mut().zip(acc) {
+                *d = T::from_acc(a);
+            }
+        }
+    };
+    if inner == 0 {
+        return out;
+    }
+    if x.len() >= PAR_THRESHOLD && outer > 1 {
+        out.par_chunks_mut(inner).enumerate().for_each(block);
+    } else {
+        out.chunks_mut(inner).enumerate().for_each(block);
+    }
+    out
+}
+
+/// Index of the first maximum along the middle dimension (NaN counts as the maximum).
+pub fn argmax<T: WithDType>(x: &[T], (outer, len, inner): DimSplit) -> Vec<i64> {
+    let mut out = vec![0i64; outer * inner];
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut best = f64::NEG_INFINITY;
+            let mut best_j = 0usize;
+            for j in 0..len {
+                let v = x[(o * len + j) * inner + i].to_f64();
+                if v.is_nan() {
+                    best_j = j;
+                    break;
+                }
+                if v > best || j == 0 {
+                    best = v;
+                    best_j = j;
+                }
+            }
+            out[o * inner + i] = best_j as i64;
+        }
+    }
+    out
+}

@@ -1,0 +1,253 @@
+//! The backend contract: what a device must compute. Every op of the crate reaches a device
+//! through [`BackendStorage`]; the CPU backend is the reference implementation and the CUDA
+//! backend must agree with it (tests/cuda.rs).
+//!
+//! Invariants every implementation relies on:
+//! - storage is contiguous, row-major; shapes travel as arguments;
+//! - per-dimension ops describe their operand as `(outer, len, inner)` (see [`crate::Shape::split_at_dim`]);
+//! - half types (F16, BF16) compute in f32 and round once on store; F64 computes in f64;
+//! - binary ops receive operands of one dtype (the tensor layer promotes first).
+
+pub mod cpu;
+pub mod cuda;
+
+use crate::error::Result;
+use crate::tensor::{DType, Shape};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnaryOp {
+    Neg,
+    Relu,
+    Exp,
+    Log,
+    Sqrt,
+    Sqr,
+    Abs,
+}
+
+impl UnaryOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Sqr => "sqr",
+            UnaryOp::Abs => "abs",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Maximum,
+    Minimum,
+}
+
+impl BinaryOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Min,
+}
+
+/// `(outer, len, inner)`: a tensor seen as a 3-D block around one dimension.
+pub type DimSplit = (usize, usize, usize);
+
+/// A (batched) matrix product `C[b] = op(A[b]) · op(B[b])`, `C` is `m×n`, `k` the shared dimension.
+/// With `trans_a`, `A` is stored `k×m`; with `trans_b`, `B` is stored `n×k`.
+/// `a_batch_stride`/`b_batch_stride` of 0 broadcast one matrix over the batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulDims {
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub a_batch_stride: usize,
+    pub b_batch_stride: usize,
+}
+
+/// 2-D convolution geometry, NCHW input `[n, c_in, h, w]`, weight `[c_out, c_in/groups, kh, kw]`,
+/// output `[n, c_out, out_h, out_w]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Conv2dParams {
+    pub n: usize,
+    pub c_in: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c_out: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+}
+
+impl Conv2dParams {
+    pub fn out_h(&self) -> usize {
+        (self.h + 2 * self.padding.0 - self.dilation.0 * (self.kh - 1) - 1) / self.stride.0 + 1
+    }
+    pub fn out_w(&self) -> usize {
+        (self.w + 2 * self.padding.1 - self.dilation.1 * (self.kw - 1) - 1) / self.stride.1 + 1
+    }
+}
+
+/// Max / average pooling geometry over NCHW `[n, c, h, w]` (floor mode, as PyTorch's default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Pool2dParams {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    /// Average pooling only: count padded cells in the divisor (PyTorch's default, true).
+    pub count_include_pad: bool,
+}
+
+impl Pool2dParams {
+    pub fn out_h(&self) -> usize {
+        (self.h + 2 * self.padding.0 - self.kh) / self.stride.0 + 1
+    }
+    pub fn out_w(&self) -> usize {
+        (self.w + 2 * self.padding.1 - self.kw) / self.stride.1 + 1
+    }
+}
+
+/// Adaptive average pooling of `[n, c, h, w]` to `[n, c, out_h, out_w]`; output cell `(i, j)`
+/// averages rows `floor(i·h/out_h) .. ceil((i+1)·h/out_h)` (PyTorch's rule), columns alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AdaptivePoolParams {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub out_h: usize,
+    pub out_w: usize,
+}
+
+/// Batch normalisation over `[n, c, spatial]` (NCHW with H·W flattened), statistics per channel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchNormParams {
+    pub n: usize,
+    pub c: usize,
+    pub spatial: usize,
+    pub eps: f64,
+    /// Running-statistics momentum (PyTorch's convention: new = (1-m)·old + m·batch).
+    pub momentum: f64,
+}
+
+/// What a device computes. Storage types are owned buffers of one dtype on one device.
+///
+/// Tensors of half dtype are converted to f32 inside kernels and rounded once on store.
+pub trait BackendStorage: Sized {
+    fn dtype(&self) -> DType;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Same buffer contents in another dtype (floats round to nearest even; float → i64 truncates).
+    fn to_dtype(&self, dtype: DType) -> Result<Self>;
+
+    fn unary(&self, op: UnaryOp) -> Result<Self>;
+    /// `x·mul + add`.
+    fn affine(&self, mul: f64, add: f64) -> Result<Self>;
+    /// `x^e`.
+    fn powf(&self, e: f64) -> Result<Self>;
+    /// Elementwise op with numpy broadcasting of both operands to `out`.
+    fn binary(
+        &self,
+        rhs: &Self,
+        op: BinaryOp,
+        lhs_shape: &Shape,
+        rhs_shape: &Shape,
+        out: &Shape,
+    ) -> Result<Self>;
+    /// `grad · (x > 0)`: the ReLU backward mask, called on `grad`.
+    fn relu_backward(&self, x: &Self) -> Result<Self>;
+    /// Copy of `self` (of shape `src`) broadcast to `dst`.
+    fn broadcast_to(&self, src: &Shape, dst: &Shape) -> Result<Self>;
+
+    /// Reduces the middle dimension: `(outer, len, inner) → (outer, inner)`. Half inputs accumulate in f32.
+    fn reduce(&self, op: ReduceOp, split: DimSplit) -> Result<Self>;
+    /// Index (I64) of the maximum along the middle dimension (first one on ties).
+    fn argmax(&self, split: DimSplit) -> Result<Self>;
+    /// `out[o, j, i] = self[o, idx[o, j, i], i]`, idx of shape `(outer, idx_len, inner)`.
+    fn gather(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self>;
+    /// Inverse of gather: zeros of `(outer, len, inner)` with `self[o, j, i]` added at `idx[o, j, i]`.
+    fn scatter_add(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self>;
+
+    /// `out` has the dims of `shape` permuted by `perm`.
+    fn permute(&self, shape: &Shape, perm: &[usize]) -> Result<Self>;
+    /// `(outer, len, inner) → (outer, count, inner)` starting at `start`.
+    fn narrow(&self, split: DimSplit, start: usize, count: usize) -> Result<Self>;
+    /// Concatenates along the middle dimension; part `i` is `(outer, lens[i], inner)`.
+    fn cat(parts: &[&Self], outer: usize, lens: &[usize], inner: usize) -> Result<Self>;
+
+    fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self>;
+
+    fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
+    /// Gradient w.r.t. the input, called on the output gradient.
+    fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
+    /// Gradient w.r.t. the weight, called on the output gradient.
+    fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self>;
+
+    /// Training-mode batch norm. `weight`, `bias`, running statistics are F32 of length `c`;
+    /// the running statistics are updated in place (unbiased variance, as PyTorch).
+    /// Returns `(y, saved_mean, saved_invstd)`, the saved statistics F32.
+    fn batch_norm_train(
+        &self,
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)>;
+    /// Called on the output gradient; returns `(grad_input, grad_weight, grad_bias)`.
+    fn batch_norm_backward(
+        &self,
+        x: &Self,
+        weight: &Self,
+        saved_mean: &Self,
+        saved_invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)>;
+
+    /// Returns `(out, argmax)` where argmax (I64) is the flat `h·w` index of each maximum.
+    fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)>;
+    /// Called on the output gradient.
+    fn max_pool2d_backward(&self, argmax: &Self, p: &Pool2dParams) -> Result<Self>;
+    fn avg_pool2d(&self, p: &Pool2dParams) -> Result<Self>;
+    fn avg_pool2d_backward(&self, p: &Pool2dParams) -> Result<Self>;
+    fn adaptive_avg_pool2d(&self, p: &AdaptivePoolParams) -> Result<Self>;
+    fn adaptive_avg_pool2d_backward(&self, p: &AdaptivePoolParams) -> Result<Self>;
+
+    /// Softmax (or log-softmax) over the middle dimension, computed in f32 (f64 for F64).
+    fn softmax(&self, split: DimSplit, log: bool) -> Result<Self>;
+    /// Called on the output gradient with the forward output `y`.
+    fn softmax_backward(&self, y: &Self, split: DimSplit, log: bool) -> Result<Self>;
+}

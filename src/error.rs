@@ -1,0 +1,152 @@
+//! The crate's one error type. Every variant names the operation and the values that were wrong,
+//! so that a user reading the message knows what to change without a debugger.
+
+use crate::tensor::{DType, Device, Shape};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Operand shapes do not fit the operation (broadcast, matmul, conv, ...).
+    #[error("{op}: shape mismatch: {detail} (lhs {lhs:?}, rhs {rhs:?})")]
+    ShapeMismatch {
+        op: &'static str,
+        lhs: Shape,
+        rhs: Shape,
+        detail: String,
+    },
+
+    /// A shape argument is invalid on its own (bad reshape, dim out of range, empty cat, ...).
+    #[error("{op}: invalid shape: {detail} (shape {shape:?})")]
+    InvalidShape {
+        op: &'static str,
+        shape: Shape,
+        detail: String,
+    },
+
+    #[error("{op}: dimension {dim} out of range for a tensor of rank {rank}")]
+    DimOutOfRange {
+        op: &'static str,
+        dim: isize,
+        rank: usize,
+    },
+
+    #[error("{op}: dtype mismatch: lhs {lhs:?}, rhs {rhs:?}")]
+    DTypeMismatch {
+        op: &'static str,
+        lhs: DType,
+        rhs: DType,
+    },
+
+    #[error("{op}: dtype {got:?} is not supported; expected {expected}")]
+    UnsupportedDType {
+        op: &'static str,
+        got: DType,
+        expected: &'static str,
+    },
+
+    #[error("{op}: device mismatch: lhs on {lhs:?}, rhs on {rhs:?}")]
+    DeviceMismatch {
+        op: &'static str,
+        lhs: Device,
+        rhs: Device,
+    },
+
+    /// A numeric argument outside what the operation allows (negative stride, lr < 0, ...).
+    #[error("{op}: invalid argument {name} = {value}: {allowed}")]
+    InvalidArgument {
+        op: &'static str,
+        name: &'static str,
+        value: String,
+        allowed: String,
+    },
+
+    /// A value read from a tensor was not finite where it must be (a NaN loss, ...).
+    #[error("{op}: non-finite value: {detail}")]
+    NonFinite { op: &'static str, detail: String },
+
+    /// Autograd misuse: backward of a tensor that is not scalar, a missing graph, ...
+    #[error("backward: {0}")]
+    Backward(String),
+
+    /// A configuration file or value (policy TOML, run config) is wrong.
+    #[error("config {file}: key `{key}` = {value}: {allowed}")]
+    Config {
+        file: String,
+        key: String,
+        value: String,
+        allowed: String,
+    },
+
+    /// A data file (IDX, CIFAR, checkpoint) is truncated or corrupt.
+    #[error("{path}: bad {format} data: {detail}")]
+    DataFormat {
+        path: String,
+        format: &'static str,
+        detail: String,
+    },
+
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// CUDA is not usable here (no driver, no GPU, a missing library) or one of its calls failed.
+    #[error("cuda: {0}")]
+    Cuda(String),
+
+    /// A kernel failed to compile; carries NVRTC's log.
+    #[error("nvrtc: compiling {kernel} failed:\n{log}")]
+    Compile { kernel: String, log: String },
+
+    /// Something that the crate cannot do yet on this device or dtype.
+    #[error("{op}: not supported: {detail}")]
+    Unsupported { op: &'static str, detail: String },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub fn invalid_arg(
+        op: &'static str,
+        name: &'static str,
+        value: impl std::fmt::Display,
+        allowed: impl Into<String>,
+    ) -> Self {
+        Error::InvalidArgument {
+            op,
+            name,
+            value: value.to_string(),
+            allowed: allowed.into(),
+        }
+    }
+
+    pub fn invalid_shape(op: &'static str, shape: &Shape, detail: impl Into<String>) -> Self {
+        Error::InvalidShape {
+            op,
+            shape: shape.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    pub fn shape_mismatch(
+        op: &'static str,
+        lhs: &Shape,
+        rhs: &Shape,
+        detail: impl Into<String>,
+    ) -> Self {
+        Error::ShapeMismatch {
+            op,
+            lhs: lhs.clone(),
+            rhs: rhs.clone(),
+            detail: detail.into(),
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! mixprec: mixed-precision training for Rust on NVIDIA GPUs, with a CPU reference backend.
+//!
+//! See ARCHITECTURE.md for a map of the crate and its invariants.
+
+pub mod autograd;
+pub mod backend;
+pub mod error;
+pub mod tensor;
+
+pub use autograd::{no_grad, with_no_grad};
+pub use error::{Error, Result};
+pub use tensor::{BatchNormConfig, Conv2dConfig};
+pub use tensor::{DType, Device, Shape, Tensor, TensorId, WithDType};

@@ -1,0 +1,161 @@
+//! Batch normalisation over dim 1 of `[n, c, ...]`.
+//!
+//! Training mode normalises with the batch statistics (one backend kernel, which also updates
+//! the running statistics in place); eval mode is an affine map per channel built from the
+//! running statistics, composed from elementwise ops.
+
+use super::{DType, Shape, Tensor};
+use crate::autograd::Op;
+use crate::backend::BatchNormParams;
+use crate::error::{Error, Result};
+
+/// Arguments of [`Tensor::batch_norm`] beyond the tensors (PyTorch's defaults: 0.1, 1e-5).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchNormConfig {
+    pub training: bool,
+    pub momentum: f64,
+    pub eps: f64,
+}
+
+impl Default for BatchNormConfig {
+    fn default() -> Self {
+        BatchNormConfig {
+            training: true,
+            momentum: 0.1,
+            eps: 1e-5,
+        }
+    }
+}
+
+impl Tensor {
+    /// `y = (x − mean)/√(var + eps)·weight + bias` per channel. In training, batch statistics
+    /// are used and `running_mean`/`running_var` updated (unbiased variance); in eval, the
+    /// running statistics are used. Parameters and statistics may be of any float dtype; the
+    /// statistics are computed in f32 (f64 for f64 inputs) and `y` has the input's dtype.
+    pub fn batch_norm(
+        &self,
+        weight: &Tensor,
+        bias: &Tensor,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        cfg: BatchNormConfig,
+    ) -> Result<Tensor> {
+        let op = "batch_norm";
+        self.float_only(op)?;
+        if self.rank() < 2 {
+            return Err(Error::invalid_shape(
+                op,
+                self.shape(),
+                "input must be [n, c, ...]",
+            ));
+        }
+        let c = self.dims()[1];
+        for t in [weight, bias, running_mean, running_var] {
+            self.same_device(op, t)?;
+            if t.dims() != [c] {
+                return Err(Error::shape_mismatch(
+                    op,
+                    self.shape(),
+                    t.shape(),
+                    format!("parameters and statistics must be [{c}]"),
+                ));
+            }
+        }
+        if !(cfg.eps > 0.0) || !(0.0..=1.0).contains(&cfg.momentum) {
+            return Err(Error::invalid_arg(
+                op,
+                "eps/momentum",
+                format!("{}/{}", cfg.eps, cfg.momentum),
+                "eps > 0 and momentum in [0, 1]",
+            ));
+        }
+        let acc = if self.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        if !cfg.training {
+            return self.batch_norm_eval(weight, bias, running_mean, running_var, cfg.eps, acc);
+        }
+        let n = self.dims()[0];
+        let spatial = self.elem_count() / (n * c).max(1);
+        if n * spatial < 2 {
+            return Err(Error::invalid_shape(
+                op,
+                self.shape(),
+                "training needs more than one value per channel",
+            ));
+        }
+        let p = BatchNormParams {
+            n,
+            c,
+            spatial,
+            eps: cfg.eps,
+            momentum: cfg.momentum,
+        };
+        // The kernel takes parameters in the accumulation type; a cast is recorded so that the
+        // gradient returns in the parameters' own dtype (O3 keeps BatchNorm in half).
+        let (w, b) = (weight.to_dtype(acc)?, bias.to_dtype(acc)?);
+        let stats_in_acc = running_mean.dtype() == acc && running_var.dtype() == acc;
+        let (y, mean, invstd) = if stats_in_acc {
+            let mut rm = running_mean.storage_mut();
+            let mut rv = running_var.storage_mut();
+            self.storage()
+                .batch_norm_train(&w.storage(), &b.storage(), &mut rm, &mut rv, &p)?
+        } else {
+            // Statistics kept in half (O3): update a wide copy, then store it back rounded.
+            let mut rm = running_mean.storage().to_dtype(acc)?;
+            let mut rv = running_var.storage().to_dtype(acc)?;
+            let out = self.storage().batch_norm_train(
+                &w.storage(),
+                &b.storage(),
+                &mut rm,
+                &mut rv,
+                &p,
+            )?;
+            *running_mean.storage_mut() = rm.to_dtype(running_mean.dtype())?;
+            *running_var.storage_mut() = rv.to_dtype(running_var.dtype())?;
+            out
+        };
+        let cs = Shape::new(vec![c]);
+        let (mean, invstd) = (
+            Tensor::from_storage(mean, cs.clone()),
+            Tensor::from_storage(invstd, cs),
+        );
+        Ok(Tensor::from_op(
+            y,
+            self.shape().clone(),
+            &[self, &w, &b],
+            || Op::BatchNorm {
+                x: self.clone(),
+                w: w.clone(),
+                b: b.clone(),
+                mean,
+                invstd,
+                p,
+            },
+        ))
+    }
+
+    fn batch_norm_eval(
+        &self,
+        weight: &Tensor,
+        bias: &Tensor,
+        rm: &Tensor,
+        rv: &Tensor,
+        eps: f64,
+        acc: DType,
+    ) -> Result<Tensor> {
+        let c = self.dims()[1];
+        let mut bshape = vec![1; self.rank()];
+        bshape[1] = c;
+        let (rm, rv) = (rm.detach().to_dtype(acc)?, rv.detach().to_dtype(acc)?);
+        let scale = weight
+            .to_dtype(acc)?
+            .mul(&rv.add_scalar(eps)?.powf(-0.5)?)?;
+        let shift = bias.to_dtype(acc)?.sub(&rm.mul(&scale)?)?;
+        let scale = scale.to_dtype(self.dtype())?.reshape(bshape.clone())?;
+        let shift = shift.to_dtype(self.dtype())?.reshape(bshape)?;
+        self.mul(&scale)?.add(&shift)
+    }
+}

@@ -1,0 +1,136 @@
+//! Elementwise ops: unary, scalar, and binary with broadcasting and type promotion.
+
+use super::{Shape, Tensor};
+use crate::autograd::Op;
+use crate::backend::{BinaryOp, UnaryOp};
+use crate::error::Result;
+
+impl Tensor {
+    fn unary_op(&self, op: UnaryOp) -> Result<Tensor> {
+        self.float_only(op.name())?;
+        let s = self.storage().unary(op)?;
+        Ok(Tensor::from_op_with_output(
+            s,
+            self.shape().clone(),
+            &[self],
+            |y| Op::Unary {
+                x: self.clone(),
+                y,
+                op,
+            },
+        ))
+    }
+
+    pub fn neg(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Neg)
+    }
+    pub fn relu(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Relu)
+    }
+    pub fn exp(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Exp)
+    }
+    pub fn log(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Log)
+    }
+    pub fn sqrt(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Sqrt)
+    }
+    pub fn sqr(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Sqr)
+    }
+    pub fn abs(&self) -> Result<Tensor> {
+        self.unary_op(UnaryOp::Abs)
+    }
+
+    /// `self·mul + add`.
+    pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
+        self.float_only("affine")?;
+        let s = self.storage().affine(mul, add)?;
+        Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
+            Op::Affine {
+                x: self.clone(),
+                mul,
+            }
+        }))
+    }
+
+    pub fn add_scalar(&self, v: f64) -> Result<Tensor> {
+        self.affine(1.0, v)
+    }
+    pub fn mul_scalar(&self, v: f64) -> Result<Tensor> {
+        self.affine(v, 0.0)
+    }
+
+    /// `self^e` elementwise.
+    pub fn powf(&self, e: f64) -> Result<Tensor> {
+        self.float_only("powf")?;
+        let s = self.storage().powf(e)?;
+        Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
+            Op::Powf { x: self.clone(), e }
+        }))
+    }
+
+    fn binary_op(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
+        self.same_device(op.name(), rhs)?;
+        self.float_only(op.name())?;
+        rhs.float_only(op.name())?;
+        let out = self.shape().broadcast_with(op.name(), rhs.shape())?;
+        // Promotion as PyTorch's: the narrower operand is cast (and the cast is differentiable).
+        let dt = super::DType::promote(self.dtype(), rhs.dtype());
+        let (a, b) = (self.to_dtype(dt)?, rhs.to_dtype(dt)?);
+        let s = a
+            .storage()
+            .binary(&b.storage(), op, a.shape(), b.shape(), &out)?;
+        Ok(Tensor::from_op(s, out, &[&a, &b], || Op::Binary {
+            lhs: a.clone(),
+            rhs: b.clone(),
+            op,
+        }))
+    }
+
+    pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Add)
+    }
+    pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Sub)
+    }
+    pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Mul)
+    }
+    pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Div)
+    }
+    pub fn maximum(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Maximum)
+    }
+    pub fn minimum(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.binary_op(rhs, BinaryOp::Minimum)
+    }
+
+    /// `grad · (x > 0)`, the ReLU derivative (not recorded: used by backward passes).
+    pub(crate) fn relu_backward(&self, x: &Tensor) -> Result<Tensor> {
+        let s = self.storage().relu_backward(&x.storage())?;
+        Ok(Tensor::from_storage(s, self.shape().clone()))
+    }
+
+    /// This tensor broadcast (numpy rules) to `shape`.
+    pub fn broadcast_as(&self, shape: &Shape) -> Result<Tensor> {
+        if self.shape() == shape {
+            return Ok(self.clone());
+        }
+        let b = self.shape().broadcast_with("broadcast_as", shape)?;
+        if &b != shape {
+            return Err(crate::Error::shape_mismatch(
+                "broadcast_as",
+                self.shape(),
+                shape,
+                "cannot broadcast to the target",
+            ));
+        }
+        let s = self.storage().broadcast_to(self.shape(), shape)?;
+        Ok(Tensor::from_op(s, shape.clone(), &[self], || {
+            Op::BroadcastTo(self.clone())
+        }))
+    }
+}

@@ -1,0 +1,137 @@
+//! Matrix products: 2-D, batched, and `linear` (x·Wᵀ + b).
+
+use super::{Shape, Tensor};
+use crate::autograd::Op;
+use crate::backend::MatmulDims;
+use crate::error::{Error, Result};
+
+impl Tensor {
+    /// Matrix product. `[m,k]·[k,n]`, batched `[..,m,k]·[..,k,n]` with equal batch dims, or
+    /// `[..,m,k]·[k,n]` (the batch folded into the rows).
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        if self.rank() < 2 || rhs.rank() < 2 {
+            return Err(Error::shape_mismatch(
+                "matmul",
+                self.shape(),
+                rhs.shape(),
+                "both operands need at least 2 dims",
+            ));
+        }
+        if self.rank() > 2 && rhs.rank() == 2 {
+            let k = self.dims()[self.rank() - 1];
+            let rows = self.elem_count() / k.max(1);
+            let out = self.reshape(vec![rows, k])?.matmul(rhs)?;
+            let mut dims = self.dims().to_vec();
+            *dims.last_mut().expect("rank > 2") = rhs.dims()[1];
+            return out.reshape(dims);
+        }
+        self.mm(rhs, false, false)
+    }
+
+    /// `x·Wᵀ (+ b)` for `x` of shape `[.., in]`, `W` `[out, in]`, `b` `[out]` (PyTorch's Linear).
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        if weight.rank() != 2 || self.rank() < 1 || self.dims()[self.rank() - 1] != weight.dims()[1]
+        {
+            return Err(Error::shape_mismatch(
+                "linear",
+                self.shape(),
+                weight.shape(),
+                "input [.., in] needs weight [out, in]",
+            ));
+        }
+        let inf = weight.dims()[1];
+        let x2 = self.reshape(vec![self.elem_count() / inf.max(1), inf])?;
+        let mut y = x2.mm(weight, false, true)?;
+        if let Some(b) = bias {
+            if b.dims() != [weight.dims()[0]] {
+                return Err(Error::shape_mismatch(
+                    "linear",
+                    weight.shape(),
+                    b.shape(),
+                    "bias must be [out]",
+                ));
+            }
+            y = y.add(b)?;
+        }
+        let mut dims = self.dims().to_vec();
+        *dims.last_mut().expect("rank >= 1") = weight.dims()[0];
+        y.reshape(dims)
+    }
+
+    /// `op(self)·op(rhs)` where `op` transposes the last two dims when asked; batch dims equal.
+    fn mm(&self, rhs: &Tensor, trans_a: bool, trans_b: bool) -> Result<Tensor> {
+        self.same_device("matmul", rhs)?;
+        if self.dtype() != rhs.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "matmul",
+                lhs: self.dtype(),
+                rhs: rhs.dtype(),
+            });
+        }
+        self.float_only("matmul")?;
+        let (dims, shape) = matmul_dims(self.shape(), rhs.shape(), trans_a, trans_b)?;
+        let s = self.storage().matmul(&rhs.storage(), &dims)?;
+        Ok(Tensor::from_op(s, shape, &[self, rhs], || Op::Matmul {
+            lhs: self.clone(),
+            rhs: rhs.clone(),
+            dims,
+        }))
+    }
+
+    /// The product the backward passes of matmul need, reshaped to `out` (not recorded).
+    pub(crate) fn matmul_raw(
+        a: &Tensor,
+        b: &Tensor,
+        trans_a: bool,
+        trans_b: bool,
+        out: &Shape,
+    ) -> Result<Tensor> {
+        let t = a.mm(b, trans_a, trans_b)?;
+        t.reshape(out.clone())
+    }
+}
+
+fn matmul_dims(a: &Shape, b: &Shape, ta: bool, tb: bool) -> Result<(MatmulDims, Shape)> {
+    let (ra, rb) = (a.rank(), b.rank());
+    let (ad, bd) = (a.dims(), b.dims());
+    if ra != rb || ad[..ra - 2] != bd[..rb - 2] {
+        return Err(Error::shape_mismatch(
+            "matmul",
+            a,
+            b,
+            "batch dims must be equal",
+        ));
+    }
+    let (m, ka) = if ta {
+        (ad[ra - 1], ad[ra - 2])
+    } else {
+        (ad[ra - 2], ad[ra - 1])
+    };
+    let (kb, n) = if tb {
+        (bd[rb - 1], bd[rb - 2])
+    } else {
+        (bd[rb - 2], bd[rb - 1])
+    };
+    if ka != kb {
+        return Err(Error::shape_mismatch(
+            "matmul",
+            a,
+            b,
+            format!("inner dims differ: {ka} vs {kb}"),
+        ));
+    }
+    let batch: usize = ad[..ra - 2].iter().product();
+    let mut out = ad[..ra - 2].to_vec();
+    out.extend([m, n]);
+    let dims = MatmulDims {
+        batch,
+        m,
+        n,
+        k: ka,
+        trans_a: ta,
+        trans_b: tb,
+        a_batch_stride: m * ka,
+        b_batch_stride: ka * n,
+    };
+    Ok((dims, Shape::new(out)))
+}

@@ -1,0 +1,131 @@
+//! Max, average and adaptive average pooling over NCHW.
+
+use super::{Shape, Tensor};
+use crate::autograd::Op;
+use crate::backend::{AdaptivePoolParams, Pool2dParams};
+use crate::error::{Error, Result};
+
+impl Tensor {
+    fn pool_params(
+        &self,
+        op: &'static str,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+    ) -> Result<Pool2dParams> {
+        self.float_only(op)?;
+        if self.rank() != 4 {
+            return Err(Error::invalid_shape(
+                op,
+                self.shape(),
+                "input must be [n, c, h, w]",
+            ));
+        }
+        if kernel.0 == 0 || kernel.1 == 0 || stride.0 == 0 || stride.1 == 0 {
+            return Err(Error::invalid_arg(
+                op,
+                "kernel/stride",
+                format!("{kernel:?}/{stride:?}"),
+                "at least 1 in both dims",
+            ));
+        }
+        if padding.0 * 2 > kernel.0 || padding.1 * 2 > kernel.1 {
+            return Err(Error::invalid_arg(
+                op,
+                "padding",
+                format!("{padding:?}"),
+                format!("at most half the kernel {kernel:?}"),
+            ));
+        }
+        let d = self.dims();
+        if d[2] + 2 * padding.0 < kernel.0 || d[3] + 2 * padding.1 < kernel.1 {
+            return Err(Error::invalid_shape(
+                op,
+                self.shape(),
+                format!("the (padded) input is smaller than the kernel {kernel:?}"),
+            ));
+        }
+        Ok(Pool2dParams {
+            n: d[0],
+            c: d[1],
+            h: d[2],
+            w: d[3],
+            kh: kernel.0,
+            kw: kernel.1,
+            stride,
+            padding,
+            count_include_pad: true,
+        })
+    }
+
+    /// Max pooling (floor mode); padded cells never win.
+    pub fn max_pool2d(
+        &self,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+    ) -> Result<Tensor> {
+        let p = self.pool_params("max_pool2d", kernel, stride, padding)?;
+        let (s, argmax) = self.storage().max_pool2d(&p)?;
+        let shape = Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]);
+        let argmax = Tensor::from_storage(argmax, shape.clone());
+        Ok(Tensor::from_op(s, shape, &[self], || Op::MaxPool2d {
+            x: self.clone(),
+            argmax,
+            p,
+        }))
+    }
+
+    /// Average pooling (floor mode); with `count_include_pad` the divisor is always kh·kw.
+    pub fn avg_pool2d(
+        &self,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+        count_include_pad: bool,
+    ) -> Result<Tensor> {
+        let mut p = self.pool_params("avg_pool2d", kernel, stride, padding)?;
+        p.count_include_pad = count_include_pad;
+        let s = self.storage().avg_pool2d(&p)?;
+        let shape = Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]);
+        Ok(Tensor::from_op(s, shape, &[self], || Op::AvgPool2d {
+            x: self.clone(),
+            p,
+        }))
+    }
+
+    /// Average pooling to a fixed output size (PyTorch's AdaptiveAvgPool2d).
+    pub fn adaptive_avg_pool2d(&self, out_h: usize, out_w: usize) -> Result<Tensor> {
+        let op = "adaptive_avg_pool2d";
+        self.float_only(op)?;
+        if self.rank() != 4 {
+            return Err(Error::invalid_shape(
+                op,
+                self.shape(),
+                "input must be [n, c, h, w]",
+            ));
+        }
+        let d = self.dims();
+        if out_h == 0 || out_w == 0 || d[2] == 0 || d[3] == 0 {
+            return Err(Error::invalid_arg(
+                op,
+                "output size",
+                format!("({out_h}, {out_w})"),
+                "non-zero, on a non-empty input",
+            ));
+        }
+        let p = AdaptivePoolParams {
+            n: d[0],
+            c: d[1],
+            h: d[2],
+            w: d[3],
+            out_h,
+            out_w,
+        };
+        let s = self.storage().adaptive_avg_pool2d(&p)?;
+        let shape = Shape::new(vec![p.n, p.c, out_h, out_w]);
+        Ok(Tensor::from_op(s, shape, &[self], || {
+            Op::AdaptiveAvgPool2d { x: self.clone(), p }
+        }))
+    }
+}

@@ -1,0 +1,33 @@
+//! softmax and log_softmax (computed in f32, f64 for f64, whatever the storage type).
+
+use super::Tensor;
+use crate::autograd::Op;
+use crate::error::Result;
+
+impl Tensor {
+    fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
+        let name = if log { "log_softmax" } else { "softmax" };
+        self.float_only(name)?;
+        let d = self.shape().dim(name, dim)?;
+        let s = self.storage().softmax(self.shape().split_at_dim(d), log)?;
+        Ok(Tensor::from_op_with_output(
+            s,
+            self.shape().clone(),
+            &[self],
+            |y| Op::Softmax {
+                x: self.clone(),
+                y,
+                dim: d,
+                log,
+            },
+        ))
+    }
+
+    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        self.softmax_impl(dim, false)
+    }
+
+    pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        self.softmax_impl(dim, true)
+    }
+}
