@@ -475,7 +475,7 @@ impl BackendStorage for CpuStorage {
     }
 
     fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
-        let mut argmax = Vec::new();
+        let argmax;
         let out = map_float!(self, "max_pool2d", |x| {
             let (out, idx) = pool::max_pool2d(x, p);
             argmax = idx;
