@@ -5,6 +5,7 @@
 pub mod autograd;
 pub mod backend;
 pub mod error;
+pub mod nn;
 pub mod tensor;
 
 pub use autograd::{no_grad, with_no_grad};

@@ -1,0 +1,28 @@
+//! Neural-network layers with PyTorch/torchvision names, ResNets, losses and initialisation.
+//! The [`Module`] trait is the contract AMP builds on: named parameters and buffers (with a
+//! batch-norm flag for O2's FP32 BatchNorm), an in-place dtype cast, train/eval through `&self`.
+
+pub mod activation;
+pub mod batch_norm;
+pub mod blocks;
+pub mod conv;
+pub mod flatten;
+pub mod init;
+pub mod linear;
+pub mod loss;
+pub mod module;
+pub mod pool;
+pub mod resnet;
+pub mod sequential;
+
+pub use activation::ReLU;
+pub use batch_norm::BatchNorm2d;
+pub use blocks::{BasicBlock, BlockKind, Bottleneck, Downsample};
+pub use conv::Conv2d;
+pub use flatten::Flatten;
+pub use linear::Linear;
+pub use loss::{cross_entropy, cross_entropy_with, mse_loss, CrossEntropyConfig, Reduction};
+pub use module::{Module, StateDict, TensorInfo, TensorKind, TrainingFlag};
+pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
+pub use resnet::{ResNet, ResNetConfig, Stem};
+pub use sequential::Sequential;
