@@ -6,6 +6,7 @@ pub mod autograd;
 pub mod backend;
 pub mod error;
 pub mod nn;
+pub mod optim;
 pub mod tensor;
 
 pub use autograd::{no_grad, with_no_grad};

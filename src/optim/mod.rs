@@ -1,0 +1,222 @@
+//! Optimizers. Each owns per-parameter state in FP32 (F64 for F64 parameters), organises its
+//! parameters in groups with their own hyperparameters, and saves/restores its state the way
+//! PyTorch does: per-parameter state keyed by the parameter's position across the groups, plus
+//! each group's hyperparameters.
+//!
+//! The [`Optimizer`] trait is what AMP and training loops see; the update math of each optimizer
+//! lives in one function of its file, so fused kernels can replace it without touching the API.
+
+pub mod sgd;
+
+use std::collections::{BTreeMap, HashSet};
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+pub use sgd::{Sgd, SgdConfig};
+
+/// A group's hyperparameters by name (PyTorch's `param_group` dict without `params`); booleans
+/// are 0.0/1.0.
+pub type Hyperparams = BTreeMap<String, f64>;
+
+/// Parameters that share hyperparameters.
+#[derive(Clone, Debug)]
+pub struct ParamGroup<C> {
+    pub params: Vec<Tensor>,
+    pub config: C,
+}
+
+impl<C> ParamGroup<C> {
+    pub fn new(params: Vec<Tensor>, config: C) -> Self {
+        ParamGroup { params, config }
+    }
+}
+
+/// A read-only view of a group, whatever the optimizer.
+#[derive(Clone, Debug)]
+pub struct GroupView<'a> {
+    pub params: &'a [Tensor],
+    pub hyperparams: Hyperparams,
+}
+
+/// One group in a saved state: the positions of its parameters and its hyperparameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupState {
+    pub params: Vec<usize>,
+    pub hyperparams: Hyperparams,
+}
+
+/// An optimizer's saved state (PyTorch's `{'state': ..., 'param_groups': ...}`).
+#[derive(Clone, Debug, Default)]
+pub struct OptimizerState {
+    /// Per-parameter state by position (0, 1, ... across the groups in order), each a map of
+    /// named FP32 tensors (`momentum_buffer`, ...). Parameters without state are absent.
+    pub state: BTreeMap<usize, BTreeMap<String, Tensor>>,
+    pub param_groups: Vec<GroupState>,
+}
+
+pub trait Optimizer {
+    /// One update of every parameter that has a gradient.
+    fn step(&mut self) -> Result<()>;
+
+    /// Drops every parameter's gradient.
+    fn zero_grad(&mut self);
+
+    fn param_groups(&self) -> Vec<GroupView<'_>>;
+
+    /// The learning rate of the first group.
+    fn lr(&self) -> f64;
+
+    /// Sets the learning rate of `group`; an error names the group or the value when invalid.
+    fn set_lr(&mut self, group: usize, lr: f64) -> Result<()>;
+
+    fn state_dict(&self) -> Result<OptimizerState>;
+
+    /// Restores a state saved by an optimizer over the same parameter layout (same number of
+    /// groups, of parameters per group, and shapes). Checked completely before anything changes.
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()>;
+
+    /// Every parameter, in group order.
+    fn params(&self) -> Vec<Tensor> {
+        self.param_groups()
+            .iter()
+            .flat_map(|g| g.params.iter().cloned())
+            .collect()
+    }
+
+    /// Sets the learning rate of every group.
+    fn set_lr_all(&mut self, lr: f64) -> Result<()> {
+        for g in 0..self.param_groups().len() {
+            self.set_lr(g, lr)?;
+        }
+        Ok(())
+    }
+}
+
+/// The dtype optimizer state is kept in for a parameter of `dtype`: F32, or F64 for F64.
+pub(crate) fn state_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// Checks that groups hold float parameters, each at most once, and at least one in all.
+pub(crate) fn check_groups<C>(op: &'static str, groups: &[ParamGroup<C>]) -> Result<()> {
+    let mut seen = HashSet::new();
+    let mut total = 0;
+    for (gi, g) in groups.iter().enumerate() {
+        for (pi, p) in g.params.iter().enumerate() {
+            if !p.dtype().is_float() {
+                return Err(Error::invalid_arg(
+                    op,
+                    "params",
+                    format!("group {gi} parameter {pi} of dtype {}", p.dtype()),
+                    "float parameters only",
+                ));
+            }
+            if !seen.insert(p.id()) {
+                return Err(Error::invalid_arg(
+                    op,
+                    "params",
+                    format!("group {gi} parameter {pi} appears more than once"),
+                    "each parameter in exactly one group, once",
+                ));
+            }
+            total += 1;
+        }
+    }
+    if total == 0 {
+        return Err(Error::invalid_arg(
+            op,
+            "params",
+            "an empty parameter list",
+            "at least one parameter",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a saved state's group layout against the current groups and returns, for each saved
+/// parameter position, the current parameter it maps to (PyTorch pairs them in order).
+pub(crate) fn match_layout<'a, C>(
+    op: &'static str,
+    groups: &'a [ParamGroup<C>],
+    state: &OptimizerState,
+) -> Result<BTreeMap<usize, &'a Tensor>> {
+    if state.param_groups.len() != groups.len() {
+        return Err(Error::invalid_arg(
+            op,
+            "param_groups",
+            format!("{} groups", state.param_groups.len()),
+            format!("{} groups, as the optimizer has", groups.len()),
+        ));
+    }
+    let mut map = BTreeMap::new();
+    for (gi, (saved, g)) in state.param_groups.iter().zip(groups).enumerate() {
+        if saved.params.len() != g.params.len() {
+            return Err(Error::invalid_arg(
+                op,
+                "param_groups",
+                format!("group {gi} with {} parameters", saved.params.len()),
+                format!(
+                    "{} parameters, as the optimizer's group has",
+                    g.params.len()
+                ),
+            ));
+        }
+        for (&pos, p) in saved.params.iter().zip(&g.params) {
+            if map.insert(pos, p).is_some() {
+                return Err(Error::invalid_arg(
+                    op,
+                    "param_groups",
+                    format!("parameter position {pos} listed twice"),
+                    "each position once",
+                ));
+            }
+        }
+    }
+    for (&pos, entries) in &state.state {
+        let p = map.get(&pos).ok_or_else(|| {
+            Error::invalid_arg(
+                op,
+                "state",
+                format!("state for parameter position {pos}"),
+                "positions listed in param_groups",
+            )
+        })?;
+        for (name, t) in entries {
+            if t.shape() != p.shape() {
+                return Err(Error::shape_mismatch(
+                    op,
+                    p.shape(),
+                    t.shape(),
+                    format!(
+                        "state `{name}` of parameter {pos}: the parameter has shape {:?}, the saved state {:?}",
+                        p.dims(),
+                        t.dims()
+                    ),
+                ));
+            }
+            if !t.dtype().is_float() {
+                return Err(Error::UnsupportedDType {
+                    op,
+                    got: t.dtype(),
+                    expected: "float optimizer state",
+                });
+            }
+        }
+    }
+    Ok(map)
+}
+
+/// A copy of `t` in `dtype` sharing nothing with it.
+pub(crate) fn owned_copy(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    let t = t.detach();
+    if t.dtype() != dtype {
+        return t.to_dtype(dtype);
+    }
+    let s = t.storage().try_clone()?;
+    Ok(Tensor::from_storage(s, t.shape().clone()))
+}
