@@ -397,10 +397,10 @@ fn train_eval_flags_reach_every_module() {
 #[test]
 fn sequential_names_and_linear() {
     let seq = Sequential::new()
-        .add(Linear::new(4, 3, true, &CPU, 1).unwrap())
-        .add(ReLU::new())
-        .add(Linear::new(3, 2, false, &CPU, 2).unwrap())
-        .add(BatchNorm2d::new(2, &CPU).unwrap());
+        .with(Linear::new(4, 3, true, &CPU, 1).unwrap())
+        .with(ReLU::new())
+        .with(Linear::new(3, 2, false, &CPU, 2).unwrap())
+        .with(BatchNorm2d::new(2, &CPU).unwrap());
     let names: Vec<String> = seq
         .state_dict()
         .unwrap()

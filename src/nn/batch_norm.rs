@@ -42,7 +42,7 @@ impl BatchNorm2d {
                 "at least 1",
             ));
         }
-        if !(eps > 0.0) || !(0.0..=1.0).contains(&momentum) {
+        if eps.is_nan() || eps <= 0.0 || !(0.0..=1.0).contains(&momentum) {
             return Err(Error::invalid_arg(
                 "BatchNorm2d::new",
                 "eps/momentum",

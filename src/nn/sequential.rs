@@ -23,7 +23,7 @@ impl Sequential {
     }
 
     /// Appends a layer (builder style).
-    pub fn add<M: Module + 'static>(mut self, layer: M) -> Sequential {
+    pub fn with<M: Module + 'static>(mut self, layer: M) -> Sequential {
         self.layers.push(Box::new(layer));
         self
     }
