@@ -581,3 +581,59 @@ fn eval_mode_uses_running_stats() {
         assert!((a - b).abs() < 1e-4, "{a} vs {b}");
     }
 }
+
+#[test]
+#[ignore = "needs the conv/pool/batch-norm CPU kernels (branch kernels)"]
+fn sgd_steps_reduce_the_loss() {
+    use mixprec::optim::{Optimizer, Sgd, SgdConfig};
+    let m = small_resnet();
+    let x = Tensor::randn([8, 1, 12, 12], 0.0, 1.0, 21, DType::F32, CPU).unwrap();
+    let y = Tensor::from_vec((0..8).map(|i| i % 10).collect::<Vec<i64>>(), [8], CPU).unwrap();
+    let mut opt = Sgd::new(
+        m.parameters(),
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..8 {
+        let loss = nn::cross_entropy(&m.forward(&x).unwrap(), &y).unwrap();
+        losses.push(loss.item().unwrap());
+        opt.zero_grad();
+        loss.backward().unwrap();
+        opt.step().unwrap();
+    }
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    assert!(losses[7] < 0.5 * losses[0], "{losses:?}");
+    assert_eq!(m.bn1.num_batches_tracked.to_vec::<i64>().unwrap(), vec![8]);
+}
+
+#[test]
+#[ignore = "needs the conv/pool/batch-norm CPU kernels (branch kernels)"]
+fn half_model_with_fp32_batchnorm_runs_forward_and_backward() {
+    // What AMP O2 does to the model: convs/fc in f16, BatchNorm kept in f32.
+    let m = small_resnet();
+    m.cast(DType::F16, true).unwrap();
+    let x = Tensor::randn([2, 1, 12, 12], 0.0, 1.0, 4, DType::F16, CPU).unwrap();
+    let logits = m.forward(&x).unwrap();
+    assert_eq!(logits.dtype(), DType::F16);
+    let loss =
+        nn::cross_entropy(&logits, &Tensor::from_vec(vec![1i64, 2], [2], CPU).unwrap()).unwrap();
+    assert_eq!(loss.dtype(), DType::F32);
+    loss.backward().unwrap();
+    m.visit("", &mut |i| {
+        if i.kind == TensorKind::Parameter {
+            let g = i
+                .tensor
+                .grad()
+                .unwrap_or_else(|| panic!("{} has no grad", i.name));
+            assert_eq!(g.dtype(), i.tensor.dtype(), "{}", i.name);
+            let want = if i.batch_norm { DType::F32 } else { DType::F16 };
+            assert_eq!(i.tensor.dtype(), want, "{}", i.name);
+        }
+    });
+    assert_eq!(m.bn1.running_mean.dtype(), DType::F32);
+}
