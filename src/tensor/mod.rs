@@ -62,6 +62,25 @@ pub(crate) struct TensorInner {
     grad: Mutex<Option<Tensor>>,
 }
 
+impl Drop for TensorInner {
+    /// Each node's op owns its inputs, so the default (recursive) drop of a long graph — a loss
+    /// summed over many steps, an unrolled recurrence — overflows the stack. Nodes this one owns
+    /// alone are unlinked here with an explicit stack instead.
+    fn drop(&mut self) {
+        let Some(op) = self.op.take() else { return };
+        let mut pending: Vec<Tensor> = op.inputs().into_iter().cloned().collect();
+        drop(op);
+        while let Some(t) = pending.pop() {
+            // Err: someone else still holds the node; it lives on (or drops there, iteratively).
+            if let Ok(mut inner) = Arc::try_unwrap(t.0) {
+                if let Some(op) = inner.op.take() {
+                    pending.extend(op.inputs().into_iter().cloned());
+                }
+            }
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorInner>);
 
@@ -251,7 +270,7 @@ impl Tensor {
         dtype: DType,
         device: Device,
     ) -> Result<Tensor> {
-        if !(low < high) {
+        if low.is_nan() || high.is_nan() || low >= high {
             return Err(Error::invalid_arg(
                 "rand_uniform",
                 "high",
