@@ -39,6 +39,14 @@ impl Tensor {
                 "input [.., in] needs weight [out, in]",
             ));
         }
+        // Checked here too so that the error names the op the caller used.
+        if self.dtype() != weight.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "linear",
+                lhs: self.dtype(),
+                rhs: weight.dtype(),
+            });
+        }
         let inf = weight.dims()[1];
         let x2 = self.reshape(vec![self.elem_count() / inf.max(1), inf])?;
         let mut y = x2.mm(weight, false, true)?;
@@ -70,6 +78,8 @@ impl Tensor {
         }
         self.float_only("matmul")?;
         let (dims, shape) = matmul_dims(self.shape(), rhs.shape(), trans_a, trans_b)?;
+        // [m, 0]·[0, n] can ask for more than exists.
+        super::check_size("matmul", &shape, self.dtype())?;
         let s = self.storage().matmul(&rhs.storage(), &dims)?;
         Ok(Tensor::from_op(s, shape, &[self, rhs], || Op::Matmul {
             lhs: self.clone(),
