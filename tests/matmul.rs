@@ -221,3 +221,19 @@ fn gradients_through_internal_transposed_products() {
     assert_close(&vals(&x.grad().unwrap()), &dx, 1e-12, 1e-12);
     assert_close(&vals(&w.grad().unwrap()), &dw, 1e-12, 1e-12);
 }
+
+#[test]
+fn empty_inner_dim_in_folded_and_linear_products() {
+    // k = 0 with a batch folded into the rows: zeros of [.., m, n].
+    let a = Tensor::ones([2, 3, 0], DType::F32, CPU).unwrap();
+    let b = Tensor::ones([0, 4], DType::F32, CPU).unwrap();
+    let c = a.matmul(&b).unwrap();
+    assert_eq!(c.dims(), [2, 3, 4]);
+    assert_eq!(c.to_vec::<f32>().unwrap(), [0.0; 24]);
+    // linear with in_features = 0: just the bias.
+    let w = Tensor::ones([4, 0], DType::F32, CPU).unwrap();
+    let bias = Tensor::full([4], 2.0, DType::F32, CPU).unwrap();
+    let y = a.linear(&w, Some(&bias)).unwrap();
+    assert_eq!(y.dims(), [2, 3, 4]);
+    assert_eq!(y.to_vec::<f32>().unwrap(), [2.0; 24]);
+}
