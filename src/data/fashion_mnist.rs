@@ -276,7 +276,8 @@ impl FashionMnist {
     /// The raw pixels of item `index` (`rows*cols` bytes), or `None` past the end.
     pub fn raw_image(&self, index: usize) -> Option<&[u8]> {
         let n = self.rows * self.cols;
-        self.pixels.get(index * n..(index + 1) * n)
+        self.pixels
+            .get(index.checked_mul(n)?..index.checked_add(1)?.checked_mul(n)?)
     }
 }
 

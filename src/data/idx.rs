@@ -41,8 +41,9 @@ pub struct IdxImages {
 impl IdxImages {
     /// The pixels of image `i`, or `None` past the end.
     pub fn image(&self, i: usize) -> Option<&[u8]> {
-        let n = self.rows * self.cols;
-        self.pixels.get(i * n..(i + 1) * n)
+        let n = self.rows.checked_mul(self.cols)?;
+        self.pixels
+            .get(i.checked_mul(n)?..i.checked_add(1)?.checked_mul(n)?)
     }
 }
 
@@ -212,13 +213,13 @@ fn u32_dim(path: &Path, name: &str, v: usize) -> Result<[u8; 4]> {
 /// The gzip header carries no time stamp, so the same input gives the same bytes.
 /// The file is written to a temporary name and renamed, so a failure leaves no half-written file.
 fn write_u8_idx(path: &Path, magic: u32, dims: &[usize], data: &[u8]) -> Result<()> {
-    let expected: usize = dims.iter().product();
-    if expected != data.len() {
+    let expected = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    if expected != Some(data.len()) {
         return Err(Error::invalid_arg(
             "idx::write",
             "data.len()",
             data.len(),
-            format!("dimensions {dims:?} need {expected} bytes"),
+            format!("dimensions {dims:?} need their product of bytes"),
         ));
     }
     let mut header = magic.to_be_bytes().to_vec();

@@ -146,12 +146,17 @@ impl DataLoader {
             ));
         }
         let [c, h, w] = self.dataset.item_shape();
-        if c * h * w == 0 {
+        let item = c.checked_mul(h).and_then(|v| v.checked_mul(w));
+        if item.is_none_or(|v| {
+            v == 0
+                || v.checked_mul(self.batch_size.min(self.dataset.len()))
+                    .is_none()
+        }) {
             return Err(Error::invalid_arg(
                 "DataLoader",
                 "item_shape",
                 format!("{:?}", [c, h, w]),
-                "every dimension at least 1",
+                "every dimension at least 1, and a batch that fits in memory",
             ));
         }
         if let Some(a) = &self.augment {

@@ -75,7 +75,9 @@ impl Augment {
             ],
             [self.seed as u32, (self.seed >> 32) as u32],
         );
-        let span = 2 * self.crop_padding as u64 + 1;
+        let span = (self.crop_padding as u64)
+            .saturating_mul(2)
+            .saturating_add(1);
         AugmentDraw {
             dy: (b[0] as u64 % span) as usize,
             dx: (b[1] as u64 % span) as usize,
@@ -110,12 +112,12 @@ impl Augment {
     ) -> Result<()> {
         self.check(shape)?;
         let [c, h, w] = shape;
-        if img.len() != c * h * w {
+        if Some(img.len()) != c.checked_mul(h).and_then(|v| v.checked_mul(w)) {
             return Err(Error::invalid_arg(
                 "Augment::apply",
                 "img.len()",
                 img.len(),
-                format!("shape {shape:?} has {} values", c * h * w),
+                format!("shape {shape:?} has C*H*W values"),
             ));
         }
         let d = self.draw(epoch, index);
