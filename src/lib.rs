@@ -4,6 +4,7 @@
 
 pub mod autograd;
 pub mod backend;
+pub mod data;
 pub mod error;
 pub mod nn;
 pub mod optim;

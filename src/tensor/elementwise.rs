@@ -76,6 +76,7 @@ impl Tensor {
         self.float_only(op.name())?;
         rhs.float_only(op.name())?;
         let out = self.shape().broadcast_with(op.name(), rhs.shape())?;
+        super::check_size(op.name(), &out, self.dtype())?;
         // Promotion as PyTorch's: the narrower operand is cast (and the cast is differentiable).
         let dt = super::DType::promote(self.dtype(), rhs.dtype());
         let (a, b) = (self.to_dtype(dt)?, rhs.to_dtype(dt)?);
@@ -119,6 +120,7 @@ impl Tensor {
         if self.shape() == shape {
             return Ok(self.clone());
         }
+        super::check_size("broadcast_as", shape, self.dtype())?;
         let b = self.shape().broadcast_with("broadcast_as", shape)?;
         if &b != shape {
             return Err(crate::Error::shape_mismatch(

@@ -9,7 +9,7 @@ impl Tensor {
     /// The same elements with another shape of the same element count; shares the buffer.
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
         let shape = shape.into();
-        if shape.elem_count() != self.elem_count() {
+        if super::check_size("reshape", &shape, self.dtype())? != self.elem_count() {
             return Err(Error::shape_mismatch(
                 "reshape",
                 self.shape(),
@@ -128,11 +128,11 @@ impl Tensor {
     pub fn narrow(&self, dim: isize, start: usize, len: usize) -> Result<Tensor> {
         let d = self.shape().dim("narrow", dim)?;
         let n = self.dims()[d];
-        if start + len > n {
+        if start.checked_add(len).is_none_or(|end| end > n) {
             return Err(Error::invalid_arg(
                 "narrow",
                 "start + len",
-                start + len,
+                format!("{start} + {len}"),
                 format!("at most the size of dim {d}, {n}"),
             ));
         }
@@ -189,8 +189,13 @@ impl Tensor {
         let s = Storage::cat(&parts, outer, &lens, inner)?;
         drop(guards);
         let mut shape = first.dims().to_vec();
-        shape[d] = lens.iter().sum();
-        Ok(Tensor::from_op(s, Shape::new(shape), tensors, || Op::Cat {
+        shape[d] = lens
+            .iter()
+            .try_fold(0usize, |a, &l| a.checked_add(l))
+            .unwrap_or(usize::MAX);
+        let shape = Shape::new(shape);
+        super::check_size("cat", &shape, first.dtype())?;
+        Ok(Tensor::from_op(s, shape, tensors, || Op::Cat {
             parts: tensors.iter().map(|t| (*t).clone()).collect(),
             dim: d,
         }))

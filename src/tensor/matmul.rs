@@ -19,7 +19,8 @@ impl Tensor {
         }
         if self.rank() > 2 && rhs.rank() == 2 {
             let k = self.dims()[self.rank() - 1];
-            let rows = self.elem_count() / k.max(1);
+            // The product of the leading dims, not elem_count / k: that is 0 when k = 0.
+            let rows = self.dims()[..self.rank() - 1].iter().product();
             let out = self.reshape(vec![rows, k])?.matmul(rhs)?;
             let mut dims = self.dims().to_vec();
             *dims.last_mut().expect("rank > 2") = rhs.dims()[1];
@@ -39,8 +40,17 @@ impl Tensor {
                 "input [.., in] needs weight [out, in]",
             ));
         }
+        // Checked here too so that the error names the op the caller used.
+        if self.dtype() != weight.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: "linear",
+                lhs: self.dtype(),
+                rhs: weight.dtype(),
+            });
+        }
         let inf = weight.dims()[1];
-        let x2 = self.reshape(vec![self.elem_count() / inf.max(1), inf])?;
+        let rows = self.dims()[..self.rank() - 1].iter().product();
+        let x2 = self.reshape(vec![rows, inf])?;
         let mut y = x2.mm(weight, false, true)?;
         if let Some(b) = bias {
             if b.dims() != [weight.dims()[0]] {
@@ -70,6 +80,8 @@ impl Tensor {
         }
         self.float_only("matmul")?;
         let (dims, shape) = matmul_dims(self.shape(), rhs.shape(), trans_a, trans_b)?;
+        // [m, 0]·[0, n] can ask for more than exists.
+        super::check_size("matmul", &shape, self.dtype())?;
         let s = self.storage().matmul(&rhs.storage(), &dims)?;
         Ok(Tensor::from_op(s, shape, &[self, rhs], || Op::Matmul {
             lhs: self.clone(),

@@ -62,6 +62,25 @@ pub(crate) struct TensorInner {
     grad: Mutex<Option<Tensor>>,
 }
 
+impl Drop for TensorInner {
+    /// Each node's op owns its inputs, so the default (recursive) drop of a long graph — a loss
+    /// summed over many steps, an unrolled recurrence — overflows the stack. Nodes this one owns
+    /// alone are unlinked here with an explicit stack instead.
+    fn drop(&mut self) {
+        let Some(op) = self.op.take() else { return };
+        let mut pending: Vec<Tensor> = op.inputs().into_iter().cloned().collect();
+        drop(op);
+        while let Some(t) = pending.pop() {
+            // Err: someone else still holds the node; it lives on (or drops there, iteratively).
+            if let Ok(mut inner) = Arc::try_unwrap(t.0) {
+                if let Some(op) = inner.op.take() {
+                    pending.extend(op.inputs().into_iter().cloned());
+                }
+            }
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorInner>);
 
@@ -134,11 +153,11 @@ impl Tensor {
     }
 
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        Self::full(shape, 0.0, dtype, device)
+        Self::filled("zeros", shape.into(), 0.0, dtype, device)
     }
 
     pub fn ones(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
-        Self::full(shape, 1.0, dtype, device)
+        Self::filled("ones", shape.into(), 1.0, dtype, device)
     }
 
     pub fn full(
@@ -147,8 +166,18 @@ impl Tensor {
         dtype: DType,
         device: Device,
     ) -> Result<Tensor> {
-        let shape = shape.into();
-        let storage = Storage::full(device, dtype, shape.elem_count(), value)?;
+        Self::filled("full", shape.into(), value, dtype, device)
+    }
+
+    fn filled(
+        op: &'static str,
+        shape: Shape,
+        value: f64,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
+        let n = check_size(op, &shape, dtype)?;
+        let storage = Storage::full(device, dtype, n, value)?;
         Ok(Self::from_storage(storage, shape))
     }
 
@@ -167,7 +196,7 @@ impl Tensor {
         device: Device,
     ) -> Result<Tensor> {
         let shape = shape.into();
-        if data.len() != shape.elem_count() {
+        if data.len() != check_size("from_vec", &shape, T::DTYPE)? {
             return Err(Error::invalid_shape(
                 "from_vec",
                 &shape,
@@ -202,6 +231,14 @@ impl Tensor {
 
     /// `start, start+step, ...` below `end`.
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        if !start.is_finite() || !end.is_finite() {
+            return Err(Error::invalid_arg(
+                "arange",
+                "start..end",
+                format!("{start}..{end}"),
+                "finite bounds",
+            ));
+        }
         if step == 0.0 || !step.is_finite() || (end - start) / step < 0.0 {
             return Err(Error::invalid_arg(
                 "arange",
@@ -210,7 +247,18 @@ impl Tensor {
                 format!("a finite non-zero step going from {start} towards {end}"),
             ));
         }
-        let n = ((end - start) / step).ceil() as usize;
+        let len = ((end - start) / step).ceil();
+        // Checked in f64: the cast to usize saturates, and a saturated length cannot be allocated.
+        let max = (isize::MAX as usize / dtype.size_in_bytes()) as f64;
+        if len >= max {
+            return Err(Error::invalid_arg(
+                "arange",
+                "(end - start) / step",
+                len,
+                format!("fewer than {max} elements"),
+            ));
+        }
+        let n = len as usize;
         let values = (0..n).map(|i| start + i as f64 * step);
         let storage = Storage::Cpu(CpuStorage::from_f64_iter(dtype, values));
         let storage = if device.is_cpu() {
@@ -232,7 +280,7 @@ impl Tensor {
         device: Device,
     ) -> Result<Tensor> {
         let shape = shape.into();
-        let values = random::normal(seed, shape.elem_count(), mean, std);
+        let values = random::normal(seed, check_size("randn", &shape, dtype)?, mean, std);
         let storage = Storage::Cpu(CpuStorage::from_f64_iter(dtype, values.into_iter()));
         let storage = if device.is_cpu() {
             storage
@@ -251,7 +299,7 @@ impl Tensor {
         dtype: DType,
         device: Device,
     ) -> Result<Tensor> {
-        if !(low < high) {
+        if low.is_nan() || high.is_nan() || low >= high {
             return Err(Error::invalid_arg(
                 "rand_uniform",
                 "high",
@@ -260,7 +308,8 @@ impl Tensor {
             ));
         }
         let shape = shape.into();
-        let values = random::uniform(seed, shape.elem_count(), low, high);
+        let n = check_size("rand_uniform", &shape, dtype)?;
+        let values = random::uniform(seed, n, low, high);
         let storage = Storage::Cpu(CpuStorage::from_f64_iter(dtype, values.into_iter()));
         let storage = if device.is_cpu() {
             storage
@@ -480,4 +529,23 @@ impl Tensor {
         }
         Ok(())
     }
+}
+
+/// The element count of a tensor of `shape` and `dtype` that `op` is about to create, or an
+/// error when no such tensor can exist: its element count overflows `usize` (multiplying the
+/// dims out would panic or wrap), or its buffer exceeds `isize::MAX` bytes (what a `Vec` holds).
+pub(crate) fn check_size(op: &'static str, shape: &Shape, dtype: DType) -> Result<usize> {
+    shape
+        .checked_elem_count()
+        .filter(|n| {
+            n.checked_mul(dtype.size_in_bytes())
+                .is_some_and(|b| b <= isize::MAX as usize)
+        })
+        .ok_or_else(|| {
+            Error::invalid_shape(
+                op,
+                shape,
+                format!("a {dtype} tensor of this shape is too large to exist"),
+            )
+        })
 }

@@ -60,12 +60,14 @@ impl Tensor {
     }
 
     pub fn mean_dim(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
+        self.float_only("mean")?;
         let d = self.shape().dim("mean", dim)?;
         let n = self.dims()[d];
         self.sum_dim(dim, keepdim)?.affine(1.0 / n as f64, 0.0)
     }
 
     pub fn mean_all(&self) -> Result<Tensor> {
+        self.float_only("mean")?;
         if self.elem_count() == 0 {
             return Err(Error::invalid_shape(
                 "mean",
@@ -128,6 +130,13 @@ impl Tensor {
     /// Index (I64) of the first maximum along `dim`.
     pub fn argmax(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
         let d = self.shape().dim("argmax", dim)?;
+        if self.dims()[d] == 0 {
+            return Err(Error::invalid_shape(
+                "argmax",
+                self.shape(),
+                format!("argmax over an empty dimension {d}"),
+            ));
+        }
         let s = self.storage().argmax(self.shape().split_at_dim(d))?;
         Ok(Tensor::from_storage(s, self.reduced_shape(d, keepdim)))
     }

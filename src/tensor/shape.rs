@@ -40,6 +40,16 @@ impl Shape {
         self.0.iter().product()
     }
 
+    /// The element count, or `None` when the product of the dims (zeros counted as 1) does not
+    /// fit in `usize`. A shape that passes can be multiplied out in any grouping (`flatten`,
+    /// `split_at_dim`) without overflow, even when a zero dim makes it empty.
+    pub fn checked_elem_count(&self) -> Option<usize> {
+        self.0
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d.max(1)))?;
+        Some(self.elem_count())
+    }
+
     /// Row-major strides, in elements.
     pub fn strides(&self) -> Vec<usize> {
         let mut s = vec![1; self.0.len()];

@@ -1,0 +1,114 @@
+//! The `Dataset` trait: indexed image/label pairs that a `DataLoader` batches.
+//!
+//! The trait is write-into rather than return-a-Vec so that a loader assembles a batch straight
+//! into the batch buffer: no allocation per item, one `memcpy`-sized pass per image.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// Shape of one item's image: channels, height, width (the `[C, H, W]` of a `[B, C, H, W]`
+/// batch).
+pub type ItemShape = [usize; 3];
+
+/// Images with class labels, addressable by index, shareable across threads (a loader reads
+/// from its prefetch thread).
+pub trait Dataset: Send + Sync {
+    /// Number of items.
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `[C, H, W]` of every image.
+    fn item_shape(&self) -> ItemShape;
+
+    /// Number of classes; labels are in `0..num_classes()`.
+    fn num_classes(&self) -> usize;
+
+    /// Writes image `index` (CHW, f32, already normalised) into `out`, whose length must be
+    /// `C*H*W`, and returns its label. An index past the end or a wrong `out` length is an
+    /// `Error`, never a panic.
+    fn read_into(&self, index: usize, out: &mut [f32]) -> Result<i64>;
+
+    /// The value that stands for "no signal" in this dataset's (normalised) images: what zero
+    /// padding pads with. A dataset normalised with `(x - mean) / std` pads with `-mean / std`,
+    /// the normalised black pixel, as padding before normalising (torchvision's order) would.
+    fn pad_value(&self) -> f32 {
+        0.0
+    }
+
+    /// Image `index` as an owned CHW vector and its label (convenient, allocates; loaders use
+    /// `read_into`).
+    fn get(&self, index: usize) -> Result<(Vec<f32>, i64)> {
+        let [c, h, w] = self.item_shape();
+        let mut v = vec![0.0; c * h * w];
+        let label = self.read_into(index, &mut v)?;
+        Ok((v, label))
+    }
+}
+
+impl<D: Dataset + ?Sized> Dataset for Arc<D> {
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn item_shape(&self) -> ItemShape {
+        (**self).item_shape()
+    }
+    fn num_classes(&self) -> usize {
+        (**self).num_classes()
+    }
+    fn read_into(&self, index: usize, out: &mut [f32]) -> Result<i64> {
+        (**self).read_into(index, out)
+    }
+    fn pad_value(&self) -> f32 {
+        (**self).pad_value()
+    }
+}
+
+impl<D: Dataset + ?Sized> Dataset for Box<D> {
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn item_shape(&self) -> ItemShape {
+        (**self).item_shape()
+    }
+    fn num_classes(&self) -> usize {
+        (**self).num_classes()
+    }
+    fn read_into(&self, index: usize, out: &mut [f32]) -> Result<i64> {
+        (**self).read_into(index, out)
+    }
+    fn pad_value(&self) -> f32 {
+        (**self).pad_value()
+    }
+}
+
+/// Checks the arguments of `read_into` for a dataset of `len` items of `item_elems` values;
+/// for implementors.
+pub fn check_read(
+    op: &'static str,
+    index: usize,
+    len: usize,
+    out_len: usize,
+    item_elems: usize,
+) -> Result<()> {
+    if index >= len {
+        return Err(Error::invalid_arg(
+            op,
+            "index",
+            index,
+            format!("the dataset has {len} items"),
+        ));
+    }
+    if out_len != item_elems {
+        return Err(Error::invalid_arg(
+            op,
+            "out.len()",
+            out_len,
+            format!("one image has {item_elems} values (C*H*W)"),
+        ));
+    }
+    Ok(())
+}
