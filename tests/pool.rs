@@ -219,22 +219,24 @@ fn pool_gradients_match_finite_differences() -> Result<()> {
         // Random inputs have no ties, so max pooling is differentiable at them.
         check_gradients(
             &format!("max_pool2d {k:?} {s:?} {p:?}"),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             |t| t[0].max_pool2d(k, s, p),
         )?;
         for cip in [true, false] {
             check_gradients(
                 &format!("avg_pool2d {k:?} {s:?} {p:?} {cip}"),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 |t| t[0].avg_pool2d(k, s, p, cip),
             )?;
         }
     }
     let x = randn(vec![2, 2, 5, 7], 3)?;
     for (oh, ow) in [(2, 3), (5, 7), (1, 1), (4, 9)] {
-        check_gradients(&format!("adaptive {oh}x{ow}"), &[x.clone()], |t| {
-            t[0].adaptive_avg_pool2d(oh, ow)
-        })?;
+        check_gradients(
+            &format!("adaptive {oh}x{ow}"),
+            std::slice::from_ref(&x),
+            |t| t[0].adaptive_avg_pool2d(oh, ow),
+        )?;
     }
     Ok(())
 }

@@ -343,8 +343,10 @@ pub fn conv2d_backward_weight<T: Elem>(g: &[T], x: &[T], p: &Conv2dParams) -> Ve
         return vec![T::default(); wlen];
     }
     let (outer, par) = plan(p.n, p.c_out * k * l);
+    // Per task: the partial weight gradient, the im2col buffer, the widened output gradient.
+    type Scratch<A> = (Vec<A>, Vec<A>, Vec<A>);
     // Adds image i's contribution to `dw`.
-    let image = |i: usize, (dw, col, ga): &mut (Vec<T::Acc>, Vec<T::Acc>, Vec<T::Acc>)| {
+    let image = |i: usize, (dw, col, ga): &mut Scratch<T::Acc>| {
         let xi = &x[i * geo.in_img..][..geo.in_img];
         for (a, v) in ga.iter_mut().zip(&g[i * geo.out_img..][..geo.out_img]) {
             *a = v.to_acc();
