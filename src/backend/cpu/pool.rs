@@ -41,9 +41,9 @@ fn window(o: usize, k: usize, s: usize, pad: usize, len: usize) -> (usize, usize
 pub fn max_pool2d<T: Elem>(x: &[T], p: &Pool2dParams) -> (Vec<T>, Vec<i64>) {
     let (oh, ow, hw) = (p.out_h(), p.out_w(), p.h * p.w);
     let plane = oh * ow;
-    // Value and argmax of each output cell, packed so that one pass fills both.
-    let mut packed = vec![(T::default(), 0i64); p.n * p.c * plane];
-    per_plane(&mut packed, plane, x.len(), |pi, out| {
+    let mut out = vec![T::default(); p.n * p.c * plane];
+    let mut idx = vec![0i64; out.len()];
+    let body = |(pi, (out, idx)): (usize, (&mut [T], &mut [i64]))| {
         let src = &x[pi * hw..][..hw];
         for oy in 0..oh {
             let (y0, y1, _) = window(oy, p.kh, p.stride.0, p.padding.0, p.h);
@@ -62,11 +62,19 @@ pub fn max_pool2d<T: Elem>(x: &[T], p: &Pool2dParams) -> (Vec<T>, Vec<i64>) {
                         }
                     }
                 }
-                out[oy * ow + ox] = (src.get(at).copied().unwrap_or_default(), at as i64);
+                out[oy * ow + ox] = src.get(at).copied().unwrap_or_default();
+                idx[oy * ow + ox] = at as i64;
             }
         }
-    });
-    packed.into_iter().unzip()
+    };
+    if plane > 0 && x.len() >= PAR_THRESHOLD {
+        let chunks = out.par_chunks_mut(plane).zip(idx.par_chunks_mut(plane));
+        chunks.enumerate().for_each(body);
+    } else if plane > 0 {
+        let chunks = out.chunks_mut(plane).zip(idx.chunks_mut(plane));
+        chunks.enumerate().for_each(body);
+    }
+    (out, idx)
 }
 
 pub fn max_pool2d_backward<T: Elem>(g: &[T], idx: &[i64], p: &Pool2dParams) -> Vec<T> {
