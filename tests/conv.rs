@@ -290,3 +290,26 @@ fn conv_rejects_bad_shapes() -> Result<()> {
     assert!(x.conv2d(&w.to_dtype(DType::F64)?, None, ok).is_err());
     Ok(())
 }
+
+/// Empty batches and channel counts give empty (or zero) results, never a panic.
+#[test]
+fn conv_handles_empty_dimensions() -> Result<()> {
+    for (xd, wd) in [
+        (vec![0, 3, 5, 5], vec![4, 3, 3, 3]),
+        (vec![2, 3, 5, 5], vec![0, 3, 3, 3]),
+        (vec![2, 0, 5, 5], vec![4, 0, 3, 3]),
+    ] {
+        let x = Tensor::randn(xd.clone(), 0.0, 1.0, 1, DType::F32, Device::Cpu)?.to_variable();
+        let w = Tensor::randn(wd.clone(), 0.0, 1.0, 2, DType::F32, Device::Cpu)?.to_variable();
+        let y = x.conv2d(&w, None, cfg(1, 1, 1, 1))?;
+        assert_eq!(y.dims(), [xd[0], wd[0], 5, 5]);
+        assert!(y.to_vec_f64()?.iter().all(|&v| v == 0.0));
+        y.sum_all()?.backward()?;
+        for t in [&x, &w] {
+            let g = t.grad().expect("grad");
+            assert_eq!(g.dims(), t.dims());
+            assert!(g.to_vec_f64()?.iter().all(|&v| v == 0.0));
+        }
+    }
+    Ok(())
+}

@@ -80,15 +80,24 @@ fn gemm_acc<A: Copy + Zero + num_traits::One + 'static>(
     if m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        // An empty sum: leave `dst` (accumulating) or zero it, without asking gemm about k = 0.
+        if !accumulate {
+            for r in 0..m {
+                for c in 0..n {
+                    dst[d.0 + r * d.2 as usize + c * d.1 as usize] = A::zero();
+                }
+            }
+        }
+        return;
+    }
     // The last element each matrix reaches must lie inside its buffer (strides are non-negative).
     let last = |(off, cs, rs): Mat, rows: usize, cols: usize| {
         off + (rows.max(1) - 1) * rs as usize + (cols.max(1) - 1) * cs as usize
     };
     assert!(last(d, m, n) < dst.len(), "conv gemm: dst out of bounds");
-    if k > 0 {
-        assert!(last(a, m, k) < lhs.len(), "conv gemm: lhs out of bounds");
-        assert!(last(b, k, n) < rhs.len(), "conv gemm: rhs out of bounds");
-    }
+    assert!(last(a, m, k) < lhs.len(), "conv gemm: lhs out of bounds");
+    assert!(last(b, k, n) < rhs.len(), "conv gemm: rhs out of bounds");
     // SAFETY: the asserts above keep every access in bounds; `dst` is exclusively borrowed and
     // distinct from the shared `lhs`/`rhs`.
     unsafe {
@@ -100,10 +109,10 @@ fn gemm_acc<A: Copy + Zero + num_traits::One + 'static>(
             d.1,
             d.2,
             accumulate,
-            lhs.as_ptr().add(a.0.min(lhs.len())),
+            lhs.as_ptr().add(a.0),
             a.1,
             a.2,
-            rhs.as_ptr().add(b.0.min(rhs.len())),
+            rhs.as_ptr().add(b.0),
             b.1,
             b.2,
             if accumulate { A::one() } else { A::zero() },
