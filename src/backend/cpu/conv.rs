@@ -222,8 +222,17 @@ fn col2im<A: Copy + std::ops::AddAssign>(
         let Some(iy) = t.iy else { return };
         let src = &col[t.row * l + t.oy * ow..][..ow];
         let dst = &mut dx[(c0 + t.ci) * hw + iy * p.w..][..p.w];
-        for (ox, &v) in src.iter().enumerate().take(t.xhi).skip(t.xlo) {
-            dst[((ox * sw) as isize + t.offx) as usize] += v;
+        if sw == 1 {
+            // Contiguous span: a vectorisable add.
+            let d0 = (t.xlo as isize + t.offx) as usize;
+            let n = t.xhi - t.xlo;
+            for (d, &v) in dst[d0..d0 + n].iter_mut().zip(&src[t.xlo..t.xhi]) {
+                *d += v;
+            }
+        } else {
+            for (ox, &v) in src.iter().enumerate().take(t.xhi).skip(t.xlo) {
+                dst[((ox * sw) as isize + t.offx) as usize] += v;
+            }
         }
     });
 }
@@ -362,16 +371,16 @@ pub fn conv2d_backward_weight<T: Elem>(g: &[T], x: &[T], p: &Conv2dParams) -> Ve
         }
         for gi in 0..p.groups {
             im2col(xi, p, &geo, gi * geo.cig, col);
-            // dW_g [cog, K] += g_g [cog, L] · colᵀ [L, K]
+            // dW_gᵀ [K, cog] += col [K, L] · g_gᵀ [L, cog]: the big `col` is read along its rows.
             gemm_acc(
-                (cog, k, l),
+                (k, cog, l),
                 dw,
-                (gi * cog * k, 1, k as isize),
+                (gi * cog * k, k as isize, 1),
                 true,
-                ga,
-                (gi * cog * l, 1, l as isize),
                 col,
-                (0, l as isize, 1),
+                (0, 1, l as isize),
+                ga,
+                (gi * cog * l, l as isize, 1),
                 par,
             );
         }
