@@ -46,12 +46,18 @@ pub fn vals(t: &Tensor) -> Vec<f64> {
 /// `|got - want| <= atol + rtol·|want|` elementwise, with the first failure named.
 #[track_caller]
 pub fn assert_close(got: &[f64], want: &[f64], rtol: f64, atol: f64) {
-    assert_eq!(got.len(), want.len(), "lengths differ");
+    assert_close_named("", got, want, rtol, atol)
+}
+
+/// [`assert_close`] with the case named in the failure message.
+#[track_caller]
+pub fn assert_close_named(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let ok = (g - w).abs() <= atol + rtol * w.abs() || (g.is_nan() && w.is_nan()) || g == w;
         assert!(
             ok,
-            "element {i}: got {g}, want {w} (rtol {rtol}, atol {atol})\n got {got:?}\nwant {want:?}"
+            "{what}: element {i}: got {g}, want {w} (rtol {rtol}, atol {atol})\n got {got:?}\nwant {want:?}"
         );
     }
 }
@@ -203,6 +209,18 @@ pub fn gradcheck(inputs: &[Tensor], f: impl Fn(&[Tensor]) -> Result<Tensor>) {
             }
         }
     });
+}
+
+/// [`gradcheck`] for plain F64 tensors, made variables here.
+#[track_caller]
+pub fn check_gradients(inputs: &[Tensor], f: impl Fn(&[Tensor]) -> Result<Tensor>) {
+    let vars: Vec<Tensor> = inputs.iter().map(|t| t.detach().to_variable()).collect();
+    gradcheck(&vars, f)
+}
+
+/// Largest absolute value (a scale for absolute tolerances).
+pub fn max_abs(v: &[f64]) -> f64 {
+    v.iter().fold(0.0, |m, x| m.max(x.abs()))
 }
 
 /// Checks that `op` in F16 and BF16 matches `op` in F32 on the same (half-rounded) inputs, to the
