@@ -497,7 +497,6 @@ fn small_resnet() -> ResNet {
 }
 
 #[test]
-#[ignore = "needs the conv/pool/batch-norm CPU kernels (branch kernels)"]
 fn small_resnet_forward_backward() {
     let m = small_resnet();
     let x = Tensor::randn([2, 1, 28, 28], 0.0, 1.0, 11, DType::F32, CPU).unwrap();
@@ -525,7 +524,6 @@ fn small_resnet_forward_backward() {
 }
 
 #[test]
-#[ignore = "needs the conv/pool/batch-norm CPU kernels (branch kernels)"]
 fn cifar_style_forward_shape() {
     let m = ResNet::cifar_style(&[1, 1], 1, 10, &CPU).unwrap();
     let x = Tensor::randn([2, 1, 28, 28], 0.0, 1.0, 5, DType::F32, CPU).unwrap();
@@ -534,7 +532,6 @@ fn cifar_style_forward_shape() {
 }
 
 #[test]
-#[ignore = "needs the conv/pool/batch-norm CPU kernels (branch kernels)"]
 fn eval_mode_uses_running_stats() {
     let bn = BatchNorm2d::new(3, &CPU).unwrap();
     let x = Tensor::randn([4, 3, 5, 5], 2.0, 3.0, 1, DType::F32, CPU).unwrap();
@@ -583,7 +580,6 @@ fn eval_mode_uses_running_stats() {
 }
 
 #[test]
-#[ignore = "needs the conv/pool/batch-norm CPU kernels (branch kernels)"]
 fn sgd_steps_reduce_the_loss() {
     use mixprec::optim::{Optimizer, Sgd, SgdConfig};
     let m = small_resnet();
@@ -612,7 +608,6 @@ fn sgd_steps_reduce_the_loss() {
 }
 
 #[test]
-#[ignore = "needs the conv/pool/batch-norm CPU kernels (branch kernels)"]
 fn half_model_with_fp32_batchnorm_runs_forward_and_backward() {
     // What AMP O2 does to the model: convs/fc in f16, BatchNorm kept in f32.
     let m = small_resnet();
