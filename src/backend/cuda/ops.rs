@@ -540,7 +540,7 @@ impl BackendStorage for CudaStorage {
         let op = "batch_norm";
         let s = float_sfx(op, self.dtype())?;
         let acc = acc_dtype(self.dtype());
-        for t in [&*weight, &*bias, &*running_mean, &*running_var] {
+        for t in [weight, bias, &*running_mean, &*running_var] {
             if t.dtype() != acc {
                 return Err(Error::UnsupportedDType {
                     op,
