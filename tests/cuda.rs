@@ -870,3 +870,438 @@ fn mlp_forward_backward_matches_cpu() {
         );
     }
 }
+
+// ---- conv / pool / batch norm against naive f64 references ---------------------------------
+// These run before the CPU kernels of the other branch exist: a plain loop in f64 over the same
+// (dtype-rounded) inputs, per PyTorch's definitions.
+
+mod naive {
+    use mixprec::backend::{AdaptivePoolParams, Conv2dParams, Pool2dParams};
+
+    fn conv_loop(p: &Conv2dParams, mut f: impl FnMut(usize, usize, usize, usize)) {
+        // f(x index, w index, y index, _) for every contributing triple.
+        let (oh, ow) = (p.out_h(), p.out_w());
+        let cig = p.c_in / p.groups;
+        let cog = p.c_out / p.groups;
+        for n in 0..p.n {
+            for co in 0..p.c_out {
+                let g = co / cog;
+                for y in 0..oh {
+                    for x in 0..ow {
+                        let yi = ((n * p.c_out + co) * oh + y) * ow + x;
+                        for ci in 0..cig {
+                            for i in 0..p.kh {
+                                let ih = (y * p.stride.0 + i * p.dilation.0) as isize
+                                    - p.padding.0 as isize;
+                                if ih < 0 || ih >= p.h as isize {
+                                    continue;
+                                }
+                                for j in 0..p.kw {
+                                    let iw = (x * p.stride.1 + j * p.dilation.1) as isize
+                                        - p.padding.1 as isize;
+                                    if iw < 0 || iw >= p.w as isize {
+                                        continue;
+                                    }
+                                    let xi = ((n * p.c_in + g * cig + ci) * p.h + ih as usize)
+                                        * p.w
+                                        + iw as usize;
+                                    let wi = ((co * cig + ci) * p.kh + i) * p.kw + j;
+                                    f(xi, wi, yi, 0);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn conv(x: &[f64], w: &[f64], p: &Conv2dParams) -> Vec<f64> {
+        let mut y = vec![0.0; p.n * p.c_out * p.out_h() * p.out_w()];
+        conv_loop(p, |xi, wi, yi, _| y[yi] += x[xi] * w[wi]);
+        y
+    }
+
+    pub fn conv_bwd_input(g: &[f64], w: &[f64], p: &Conv2dParams) -> Vec<f64> {
+        let mut dx = vec![0.0; p.n * p.c_in * p.h * p.w];
+        conv_loop(p, |xi, wi, yi, _| dx[xi] += g[yi] * w[wi]);
+        dx
+    }
+
+    pub fn conv_bwd_weight(g: &[f64], x: &[f64], p: &Conv2dParams) -> Vec<f64> {
+        let mut dw = vec![0.0; p.c_out * (p.c_in / p.groups) * p.kh * p.kw];
+        conv_loop(p, |xi, wi, yi, _| dw[wi] += g[yi] * x[xi]);
+        dw
+    }
+
+    /// Visits each output cell with the in-bounds input cells of its window.
+    fn windows(p: &Pool2dParams, mut f: impl FnMut(usize, usize, usize, &[usize])) {
+        let (oh, ow) = (p.out_h(), p.out_w());
+        for nc in 0..p.n * p.c {
+            for y in 0..oh {
+                for x in 0..ow {
+                    let mut cells = Vec::new();
+                    for i in 0..p.kh {
+                        let ih = (y * p.stride.0 + i) as isize - p.padding.0 as isize;
+                        for j in 0..p.kw {
+                            let iw = (x * p.stride.1 + j) as isize - p.padding.1 as isize;
+                            if ih >= 0 && ih < p.h as isize && iw >= 0 && iw < p.w as isize {
+                                cells.push(ih as usize * p.w + iw as usize);
+                            }
+                        }
+                    }
+                    f(nc, y, x, &cells);
+                }
+            }
+        }
+    }
+
+    fn divisor(p: &Pool2dParams, y: usize, x: usize, valid: usize) -> f64 {
+        if !p.count_include_pad {
+            return valid as f64;
+        }
+        let hs = (y * p.stride.0) as isize - p.padding.0 as isize;
+        let ws = (x * p.stride.1) as isize - p.padding.1 as isize;
+        let he = (hs + p.kh as isize).min((p.h + p.padding.0) as isize);
+        let we = (ws + p.kw as isize).min((p.w + p.padding.1) as isize);
+        ((he - hs) * (we - ws)) as f64
+    }
+
+    pub fn max_pool(x: &[f64], p: &Pool2dParams) -> (Vec<f64>, Vec<i64>) {
+        let (mut y, mut idx) = (Vec::new(), Vec::new());
+        windows(p, |nc, _, _, cells| {
+            let plane = &x[nc * p.h * p.w..];
+            let mut best = cells[0];
+            for &c in cells {
+                if plane[c] > plane[best] {
+                    best = c;
+                }
+            }
+            y.push(plane[best]);
+            idx.push(best as i64);
+        });
+        (y, idx)
+    }
+
+    pub fn max_pool_bwd(g: &[f64], idx: &[i64], p: &Pool2dParams) -> Vec<f64> {
+        let mut dx = vec![0.0; p.n * p.c * p.h * p.w];
+        let per = p.out_h() * p.out_w();
+        for (k, (&gv, &i)) in g.iter().zip(idx).enumerate() {
+            dx[(k / per) * p.h * p.w + i as usize] += gv;
+        }
+        dx
+    }
+
+    pub fn avg_pool(x: &[f64], p: &Pool2dParams) -> Vec<f64> {
+        let mut y = Vec::new();
+        windows(p, |nc, oy, ox, cells| {
+            let plane = &x[nc * p.h * p.w..];
+            let s: f64 = cells.iter().map(|&c| plane[c]).sum();
+            y.push(s / divisor(p, oy, ox, cells.len()));
+        });
+        y
+    }
+
+    pub fn avg_pool_bwd(g: &[f64], p: &Pool2dParams) -> Vec<f64> {
+        let mut dx = vec![0.0; p.n * p.c * p.h * p.w];
+        let mut k = 0;
+        windows(p, |nc, oy, ox, cells| {
+            let d = divisor(p, oy, ox, cells.len());
+            for &c in cells {
+                dx[nc * p.h * p.w + c] += g[k] / d;
+            }
+            k += 1;
+        });
+        dx
+    }
+
+    fn ranges(i: usize, input: usize, out: usize) -> std::ops::Range<usize> {
+        (i * input / out)..((i + 1) * input).div_ceil(out)
+    }
+
+    pub fn adaptive(x: &[f64], p: &AdaptivePoolParams) -> Vec<f64> {
+        let mut y = Vec::new();
+        for nc in 0..p.n * p.c {
+            for oy in 0..p.out_h {
+                for ox in 0..p.out_w {
+                    let (rh, rw) = (ranges(oy, p.h, p.out_h), ranges(ox, p.w, p.out_w));
+                    let cnt = (rh.len() * rw.len()) as f64;
+                    let mut s = 0.0;
+                    for ih in rh {
+                        for iw in rw.clone() {
+                            s += x[(nc * p.h + ih) * p.w + iw];
+                        }
+                    }
+                    y.push(s / cnt);
+                }
+            }
+        }
+        y
+    }
+
+    pub fn adaptive_bwd(g: &[f64], p: &AdaptivePoolParams) -> Vec<f64> {
+        let mut dx = vec![0.0; p.n * p.c * p.h * p.w];
+        let mut k = 0;
+        for nc in 0..p.n * p.c {
+            for oy in 0..p.out_h {
+                for ox in 0..p.out_w {
+                    let (rh, rw) = (ranges(oy, p.h, p.out_h), ranges(ox, p.w, p.out_w));
+                    let cnt = (rh.len() * rw.len()) as f64;
+                    for ih in rh {
+                        for iw in rw.clone() {
+                            dx[(nc * p.h + ih) * p.w + iw] += g[k] / cnt;
+                        }
+                    }
+                    k += 1;
+                }
+            }
+        }
+        dx
+    }
+
+    /// (y, mean, invstd, running_mean', running_var')
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    pub fn bn(
+        x: &[f64],
+        w: &[f64],
+        b: &[f64],
+        rm: &[f64],
+        rv: &[f64],
+        (n, c, sp): (usize, usize, usize),
+        eps: f64,
+        mom: f64,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let m = (n * sp) as f64;
+        let at = |i: usize, ch: usize, s: usize| (i * c + ch) * sp + s;
+        let mut y = vec![0.0; x.len()];
+        let (mut mean, mut invstd, mut rm2, mut rv2) =
+            (vec![0.0; c], vec![0.0; c], rm.to_vec(), rv.to_vec());
+        for ch in 0..c {
+            let mut s = 0.0;
+            for i in 0..n {
+                for k in 0..sp {
+                    s += x[at(i, ch, k)];
+                }
+            }
+            let mu = s / m;
+            let mut v = 0.0;
+            for i in 0..n {
+                for k in 0..sp {
+                    v += (x[at(i, ch, k)] - mu).powi(2);
+                }
+            }
+            let var = v / m;
+            let is = 1.0 / (var + eps).sqrt();
+            for i in 0..n {
+                for k in 0..sp {
+                    y[at(i, ch, k)] = (x[at(i, ch, k)] - mu) * is * w[ch] + b[ch];
+                }
+            }
+            mean[ch] = mu;
+            invstd[ch] = is;
+            rm2[ch] = (1.0 - mom) * rm[ch] + mom * mu;
+            rv2[ch] = (1.0 - mom) * rv[ch] + mom * if m > 1.0 { v / (m - 1.0) } else { var };
+        }
+        (y, mean, invstd, rm2, rv2)
+    }
+
+    /// (dx, dw, db)
+    pub fn bn_bwd(
+        g: &[f64],
+        x: &[f64],
+        w: &[f64],
+        mean: &[f64],
+        invstd: &[f64],
+        (n, c, sp): (usize, usize, usize),
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let m = (n * sp) as f64;
+        let at = |i: usize, ch: usize, s: usize| (i * c + ch) * sp + s;
+        let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; c], vec![0.0; c]);
+        for ch in 0..c {
+            let (mut sg, mut sgx) = (0.0, 0.0);
+            for i in 0..n {
+                for k in 0..sp {
+                    let j = at(i, ch, k);
+                    sg += g[j];
+                    sgx += g[j] * (x[j] - mean[ch]) * invstd[ch];
+                }
+            }
+            for i in 0..n {
+                for k in 0..sp {
+                    let j = at(i, ch, k);
+                    let xh = (x[j] - mean[ch]) * invstd[ch];
+                    dx[j] = w[ch] * invstd[ch] / m * (m * g[j] - sg - xh * sgx);
+                }
+            }
+            dw[ch] = sgx;
+            db[ch] = sg;
+        }
+        (dx, dw, db)
+    }
+}
+
+#[track_caller]
+fn check_f64(what: &str, got: &CudaStorage, want: &[f64], bound: f64) {
+    let g = got.to_cpu().unwrap().to_f64_vec();
+    let e = rel_err(&g, want);
+    assert!(
+        e <= bound,
+        "{what}: relative error {e:e} > {bound:e} (vs naive f64)"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv2d_vs_naive() {
+    gpu();
+    for d in DTYPES {
+        for p in conv_cases() {
+            let x = randn(p.n * p.c_in * p.h * p.w, d);
+            let w = randn(p.c_out * (p.c_in / p.groups) * p.kh * p.kw, d);
+            let (xf, wf) = (x.to_f64_vec(), w.to_f64_vec());
+            let y = naive::conv(&xf, &wf, &p);
+            check_f64(
+                &format!("conv2d {d} {p:?}"),
+                &up(&x).conv2d(&up(&w), &p).unwrap(),
+                &y,
+                tol_gemm(d),
+            );
+            let g = randn(y.len(), d);
+            let gf = g.to_f64_vec();
+            check_f64(
+                &format!("conv2d_backward_input {d} {p:?}"),
+                &up(&g).conv2d_backward_input(&up(&w), &p).unwrap(),
+                &naive::conv_bwd_input(&gf, &wf, &p),
+                tol_gemm(d),
+            );
+            check_f64(
+                &format!("conv2d_backward_weight {d} {p:?}"),
+                &up(&g).conv2d_backward_weight(&up(&x), &p).unwrap(),
+                &naive::conv_bwd_weight(&gf, &xf, &p),
+                tol_gemm(d),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pools_vs_naive() {
+    gpu();
+    for d in DTYPES {
+        for p in pool_cases() {
+            let x = randn(p.n * p.c * p.h * p.w, d);
+            let xf = x.to_f64_vec();
+            let (y, idx) = naive::max_pool(&xf, &p);
+            let (gy, gidx) = up(&x).max_pool2d(&p).unwrap();
+            check_f64(&format!("max_pool2d {d} {p:?}"), &gy, &y, 0.0);
+            if d == DType::F32 {
+                check_exact(
+                    &format!("max_pool2d argmax {p:?}"),
+                    &gidx,
+                    &CpuStorage::I64(idx.clone()),
+                );
+            }
+            let g = randn(y.len(), d);
+            let gf = g.to_f64_vec();
+            let gidx_host = gidx.to_cpu().unwrap().to_f64_vec();
+            let gidx_i: Vec<i64> = gidx_host.iter().map(|&v| v as i64).collect();
+            check_f64(
+                &format!("max_pool2d_backward {d} {p:?}"),
+                &up(&g).max_pool2d_backward(&gidx, &p).unwrap(),
+                &naive::max_pool_bwd(&gf, &gidx_i, &p),
+                tol(d),
+            );
+            check_f64(
+                &format!("avg_pool2d {d} {p:?}"),
+                &up(&x).avg_pool2d(&p).unwrap(),
+                &naive::avg_pool(&xf, &p),
+                tol(d),
+            );
+            check_f64(
+                &format!("avg_pool2d_backward {d} {p:?}"),
+                &up(&g).avg_pool2d_backward(&p).unwrap(),
+                &naive::avg_pool_bwd(&gf, &p),
+                tol(d),
+            );
+        }
+        for (h, w, oh, ow) in [(7, 7, 1, 1), (10, 9, 3, 4), (5, 5, 5, 5), (4, 4, 6, 3)] {
+            let p = AdaptivePoolParams {
+                n: 2,
+                c: 3,
+                h,
+                w,
+                out_h: oh,
+                out_w: ow,
+            };
+            let x = randn(2 * 3 * h * w, d);
+            check_f64(
+                &format!("adaptive_avg_pool2d {d} {p:?}"),
+                &up(&x).adaptive_avg_pool2d(&p).unwrap(),
+                &naive::adaptive(&x.to_f64_vec(), &p),
+                tol(d),
+            );
+            let g = randn(2 * 3 * oh * ow, d);
+            check_f64(
+                &format!("adaptive_avg_pool2d_backward {d} {p:?}"),
+                &up(&g).adaptive_avg_pool2d_backward(&p).unwrap(),
+                &naive::adaptive_bwd(&g.to_f64_vec(), &p),
+                tol(d),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_norm_vs_naive() {
+    gpu();
+    for d in DTYPES {
+        for (n, c, spatial) in [(8, 16, 49), (2, 3, 1), (32, 4, 1024), (1, 2, 3)] {
+            let p = BatchNormParams {
+                n,
+                c,
+                spatial,
+                eps: 1e-5,
+                momentum: 0.1,
+            };
+            let x = randn(n * c * spatial, d).affine(2.0, 0.5).unwrap();
+            let (w, b) = (randn(c, DType::F32), randn(c, DType::F32));
+            let (rm, rv) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+            let (mut grm, mut grv) = (up(&rm), up(&rv));
+            let f = |s: &CpuStorage| s.to_f64_vec();
+            let (y, mean, invstd, rm2, rv2) = naive::bn(
+                &f(&x),
+                &f(&w),
+                &f(&b),
+                &f(&rm),
+                &f(&rv),
+                (n, c, spatial),
+                1e-5,
+                0.1,
+            );
+            let (gy, gmean, ginvstd) = up(&x)
+                .batch_norm_train(&up(&w), &up(&b), &mut grm, &mut grv, &p)
+                .unwrap();
+            let what = format!("batch_norm {d} {n}x{c}x{spatial}");
+            check_f64(&format!("{what} y"), &gy, &y, tol(d) * 2.0);
+            check_f64(&format!("{what} mean"), &gmean, &mean, 1e-5);
+            check_f64(&format!("{what} invstd"), &ginvstd, &invstd, 1e-5);
+            check_f64(&format!("{what} running_mean"), &grm, &rm2, 1e-5);
+            check_f64(&format!("{what} running_var"), &grv, &rv2, 1e-5);
+            let g = randn(n * c * spatial, d);
+            // Backward from the GPU's saved statistics (f32) so only the backward is compared.
+            let (sm, si) = (
+                gmean.to_cpu().unwrap().to_f64_vec(),
+                ginvstd.to_cpu().unwrap().to_f64_vec(),
+            );
+            let (dx, dw, db) = naive::bn_bwd(&f(&g), &f(&x), &f(&w), &sm, &si, (n, c, spatial));
+            let (gdx, gdw, gdb) = up(&g)
+                .batch_norm_backward(&up(&x), &up(&w), &gmean, &ginvstd, &p)
+                .unwrap();
+            check_f64(&format!("{what} dx"), &gdx, &dx, tol(d) * 4.0);
+            check_f64(&format!("{what} dw"), &gdw, &dw, 1e-4);
+            check_f64(&format!("{what} db"), &gdb, &db, 1e-4);
+        }
+    }
+}

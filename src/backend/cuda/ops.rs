@@ -209,6 +209,28 @@ fn esz(d: DType) -> usize {
 }
 
 impl CudaStorage {
+    /// Blocks per channel for the batch-norm reductions: enough blocks to fill the device, each
+    /// with at least a few thousand values.
+    fn bn_parts(&self, c: usize, m: usize) -> usize {
+        let want = (4 * self.dev.sm_count as usize).div_ceil(c.max(1));
+        want.min(m / 4096).max(1)
+    }
+
+    /// The grid of `per_channel_map` in batch_norm.cu: rows of `spatial` values.
+    fn per_channel_grid(&self, p: &BatchNormParams) -> Grid {
+        let rows = p.n * p.c;
+        let rows_per_block = if p.spatial >= BLOCK as usize {
+            1
+        } else {
+            BLOCK as usize / p.spatial.max(1)
+        };
+        let max_blocks = self.dev.sm_count as usize * 32;
+        Grid {
+            blocks: rows.div_ceil(rows_per_block).clamp(1, max_blocks) as u32,
+            threads: BLOCK,
+        }
+    }
+
     fn new_like(&self, dtype: DType, len: usize) -> Result<CudaStorage> {
         CudaStorage::alloc(&self.dev, dtype, len)
     }
@@ -555,9 +577,20 @@ impl BackendStorage for CudaStorage {
         let mean = self.new_like(acc, p.c)?;
         let invstd = self.new_like(acc, p.c)?;
         if p.c > 0 {
-            launch!(self.dev, Family::BatchNorm, format!("bn_forward_{s}"), Grid::per_row(p.c, 512);
-                p.n as u64, p.c as u64, p.spatial as u64, self.ptr(), weight.ptr(), bias.ptr(),
-                running_mean.ptr(), running_var.ptr(), y.ptr(), mean.ptr(), invstd.ptr(), p.eps, p.momentum);
+            let a = sfx(acc);
+            let m = p.n * p.spatial;
+            let parts = self.bn_parts(p.c, m);
+            let part = self.new_like(acc, 3 * p.c * parts)?;
+            let coef = self.new_like(acc, 2 * p.c)?;
+            launch!(self.dev, Family::BatchNorm, format!("bn_partial_{s}"), Grid::per_row(p.c * parts, 512);
+                p.n as u64, p.c as u64, p.spatial as u64, parts as u64, self.ptr(), part.ptr());
+            launch!(self.dev, Family::BatchNorm, format!("bn_finalize_{a}"), Grid::for_items(&self.dev, p.c);
+                p.c as u64, parts as u64, m as u64, part.ptr(), weight.ptr(), bias.ptr(),
+                running_mean.ptr(), running_var.ptr(), mean.ptr(), invstd.ptr(), coef.ptr(), p.eps, p.momentum);
+            if m > 0 {
+                launch!(self.dev, Family::BatchNorm, format!("bn_apply_{s}"), self.per_channel_grid(p);
+                    p.n as u64, p.c as u64, p.spatial as u64, self.ptr(), coef.ptr(), y.ptr());
+            }
         }
         Ok((y, mean, invstd))
     }
@@ -590,9 +623,20 @@ impl BackendStorage for CudaStorage {
         let dw = self.new_like(acc, p.c)?;
         let db = self.new_like(acc, p.c)?;
         if p.c > 0 {
-            launch!(self.dev, Family::BatchNorm, format!("bn_backward_{s}"), Grid::per_row(p.c, 512);
-                p.n as u64, p.c as u64, p.spatial as u64, self.ptr(), x.ptr(), weight.ptr(),
-                saved_mean.ptr(), saved_invstd.ptr(), dx.ptr(), dw.ptr(), db.ptr());
+            let a = sfx(acc);
+            let m = p.n * p.spatial;
+            let parts = self.bn_parts(p.c, m);
+            let part = self.new_like(acc, 2 * p.c * parts)?;
+            let coef = self.new_like(acc, 6 * p.c)?;
+            launch!(self.dev, Family::BatchNorm, format!("bn_bwd_partial_{s}"), Grid::per_row(p.c * parts, 512);
+                p.n as u64, p.c as u64, p.spatial as u64, parts as u64, self.ptr(), x.ptr(), saved_mean.ptr(), part.ptr());
+            launch!(self.dev, Family::BatchNorm, format!("bn_bwd_finalize_{a}"), Grid::for_items(&self.dev, p.c);
+                p.c as u64, parts as u64, m as u64, part.ptr(), weight.ptr(), saved_mean.ptr(), saved_invstd.ptr(),
+                dw.ptr(), db.ptr(), coef.ptr());
+            if m > 0 {
+                launch!(self.dev, Family::BatchNorm, format!("bn_bwd_apply_{s}"), self.per_channel_grid(p);
+                    p.n as u64, p.c as u64, p.spatial as u64, self.ptr(), x.ptr(), coef.ptr(), dx.ptr());
+            }
         }
         Ok((dx, dw, db))
     }
