@@ -162,6 +162,30 @@ fn every_kernel_family_compiles() {
     if let Err(e) = dev.compile_all() {
         panic!("{e}");
     }
+    // With MIXPREC_KERNEL_CACHE set (as the GPU run does), the cubins are on disk for next time.
+    if let Some(dir) = std::env::var_os("MIXPREC_KERNEL_CACHE") {
+        let files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".cubin"))
+            .collect();
+        for fam in [
+            "cast",
+            "elementwise",
+            "reduce",
+            "index",
+            "layout",
+            "softmax",
+            "batch_norm",
+            "pool",
+        ] {
+            assert!(
+                files.iter().any(|f| f.starts_with(&format!("{fam}-sm"))),
+                "no cached cubin for {fam} in {files:?}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -1302,6 +1326,155 @@ fn batch_norm_vs_naive() {
             check_f64(&format!("{what} dx"), &gdx, &dx, tol(d) * 4.0);
             check_f64(&format!("{what} dw"), &gdw, &dw, 1e-4);
             check_f64(&format!("{what} db"), &gdb, &db, 1e-4);
+        }
+    }
+}
+
+// ---- a torchvision-shaped ResNet-18, forward + backward, GPU vs CPU -------------------------
+
+/// ResNet-18 (torchvision's layer shapes: 7×7/2 stem, max-pool, 4 stages of 2 basic blocks,
+/// 64→512 channels, global average pool, fc) built from tensor ops, on a 2×3×64×64 batch.
+struct ResNet18 {
+    params: Vec<Tensor>,
+    bn_stats: Vec<(Tensor, Tensor)>,
+}
+
+impl ResNet18 {
+    fn new(dtype: DType, dev: Device, seed: u64) -> ResNet18 {
+        let mut s = seed;
+        let mut next = || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            s
+        };
+        let mut params = Vec::new();
+        let mut bn_stats = Vec::new();
+        let mut conv = |params: &mut Vec<Tensor>, co: usize, ci: usize, k: usize| {
+            let std = (2.0 / (ci * k * k) as f64).sqrt();
+            params.push(
+                Tensor::randn(vec![co, ci, k, k], 0.0, std, next(), dtype, dev)
+                    .unwrap()
+                    .to_variable(),
+            );
+        };
+        let bn = |params: &mut Vec<Tensor>, stats: &mut Vec<(Tensor, Tensor)>, c: usize| {
+            params.push(
+                Tensor::ones(vec![c], DType::F32, dev)
+                    .unwrap()
+                    .to_variable(),
+            );
+            params.push(
+                Tensor::zeros(vec![c], DType::F32, dev)
+                    .unwrap()
+                    .to_variable(),
+            );
+            stats.push((
+                Tensor::zeros(vec![c], DType::F32, dev).unwrap(),
+                Tensor::ones(vec![c], DType::F32, dev).unwrap(),
+            ));
+        };
+        conv(&mut params, 64, 3, 7);
+        bn(&mut params, &mut bn_stats, 64);
+        let mut cin = 64;
+        for (stage, cout) in [64, 128, 256, 512].into_iter().enumerate() {
+            for block in 0..2 {
+                let c_in = if block == 0 { cin } else { cout };
+                conv(&mut params, cout, c_in, 3);
+                bn(&mut params, &mut bn_stats, cout);
+                conv(&mut params, cout, cout, 3);
+                bn(&mut params, &mut bn_stats, cout);
+                if block == 0 && stage > 0 {
+                    conv(&mut params, cout, c_in, 1);
+                    bn(&mut params, &mut bn_stats, cout);
+                }
+            }
+            cin = cout;
+        }
+        params.push(
+            Tensor::randn(vec![10, 512], 0.0, 0.04, next(), dtype, dev)
+                .unwrap()
+                .to_variable(),
+        );
+        params.push(Tensor::zeros(vec![10], dtype, dev).unwrap().to_variable());
+        ResNet18 { params, bn_stats }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (mut pi, mut si) = (0usize, 0usize);
+        let mut conv = |x: &Tensor, stride: usize, pad: usize| {
+            let w = &self.params[pi];
+            pi += 1;
+            let cfg = mixprec::Conv2dConfig {
+                stride: (stride, stride),
+                padding: (pad, pad),
+                ..Default::default()
+            };
+            let y = x.conv2d(w, None, cfg).unwrap();
+            let (g, b) = (&self.params[pi], &self.params[pi + 1]);
+            pi += 2;
+            let (rm, rv) = &self.bn_stats[si];
+            si += 1;
+            y.batch_norm(g, b, rm, rv, mixprec::BatchNormConfig::default())
+                .unwrap()
+        };
+        let mut h = conv(x, 2, 3)
+            .relu()
+            .unwrap()
+            .max_pool2d((3, 3), (2, 2), (1, 1))
+            .unwrap();
+        for stage in 0..4 {
+            for block in 0..2 {
+                let stride = if block == 0 && stage > 0 { 2 } else { 1 };
+                let a = conv(&h, stride, 1).relu().unwrap();
+                let a = conv(&a, 1, 1);
+                let short = if block == 0 && stage > 0 {
+                    conv(&h, 2, 0)
+                } else {
+                    h.clone()
+                };
+                h = a.add(&short).unwrap().relu().unwrap();
+            }
+        }
+        let h = h.adaptive_avg_pool2d(1, 1).unwrap().flatten(1, -1).unwrap();
+        let n = self.params.len();
+        h.linear(&self.params[n - 2], Some(&self.params[n - 1]))
+            .unwrap()
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn resnet18_forward_backward_matches_cpu() {
+    gpu();
+    for (d, bound) in [(DType::F32, 1e-3), (DType::F16, 2e-2), (DType::BF16, 8e-2)] {
+        let s = seed();
+        let run = |dev: Device| {
+            let net = ResNet18::new(d, dev, s);
+            let x = Tensor::randn(vec![2, 3, 64, 64], 0.0, 1.0, s ^ 1, d, dev).unwrap();
+            let y = Tensor::from_vec(vec![3i64, 7], vec![2, 1], dev).unwrap();
+            let logits = net.forward(&x);
+            let lp = logits.to_dtype(DType::F32).unwrap().log_softmax(1).unwrap();
+            let loss = lp.gather(1, &y).unwrap().mean_all().unwrap().neg().unwrap();
+            loss.backward().unwrap();
+            let mut out = vec![logits.to_vec_f64().unwrap()];
+            for p in &net.params {
+                out.push(
+                    p.grad()
+                        .map(|g| g.to_vec_f64().unwrap())
+                        .unwrap_or_default(),
+                );
+            }
+            for (rm, rv) in &net.bn_stats {
+                out.push(rm.to_vec_f64().unwrap());
+                out.push(rv.to_vec_f64().unwrap());
+            }
+            out
+        };
+        let (cpu, gpu_) = (run(Device::Cpu), run(Device::Cuda(0)));
+        for (k, (g, c)) in gpu_.iter().zip(&cpu).enumerate() {
+            let e = rel_err(g, c);
+            assert!(e <= bound, "resnet18 {d}: tensor {k} (0 = logits, then grads, then bn stats): {e:e} > {bound:e}");
         }
     }
 }
