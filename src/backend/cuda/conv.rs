@@ -1,7 +1,9 @@
 //! 2-D convolution through cuDNN (NCHW, groups, dilation): forward, backward-data and
 //! backward-filter. Each (geometry, dtype, direction) gets its descriptors and algorithm chosen
-//! once (cuDNN's heuristics, `cudnnGet*Algorithm_v7`, first algorithm that runs within the
-//! workspace limit) and cached; the workspace is one grow-only buffer per device.
+//! once and cached: cuDNN's heuristics (`cudnnGet*Algorithm_v7`) first, then, on the first call's
+//! real buffers, `cudnnFind*AlgorithmEx` times the candidates and the fastest that fits the
+//! workspace limit wins (`MIXPREC_CUDNN_FIND=0` keeps the heuristic choice). The workspace is one
+//! grow-only buffer per device.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -17,6 +19,12 @@ use crate::tensor::DType;
 
 /// The most workspace an algorithm may ask for.
 const WORKSPACE_LIMIT: usize = 1 << 30;
+/// Workspace offered to cudnnFind (algorithms needing more are not timed).
+const FIND_WORKSPACE: usize = 256 << 20;
+
+fn find_enabled() -> bool {
+    std::env::var("MIXPREC_CUDNN_FIND").map_or(true, |v| v != "0")
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Dir {
@@ -338,6 +346,23 @@ fn run(
     let dnn_state = guard
         .as_mut()
         .ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
+    let (ap, bp, op) = (
+        a.ptr() as *const c_void,
+        b.ptr() as *const c_void,
+        out.ptr() as *mut c_void,
+    );
+    let key = (*p, dtype, dir, allow_tf32());
+    if !dnn_state.plans.contains_key(&key) {
+        let mut plan = dnn_state.make_plan(p, dtype, dir)?;
+        if find_enabled() {
+            if let Err(e) = find(dev, dnn_state.handle, &mut plan, dir, ap, bp, op) {
+                log::debug!(
+                    "cudnnFind for {dir:?} {dtype} {p:?} failed, keeping the heuristic choice: {e}"
+                );
+            }
+        }
+        dnn_state.plans.insert(key, plan);
+    }
     let ws_needed = dnn_state.plan(p, dtype, dir)?.workspace;
     let have = dnn_state.workspace.as_ref().map_or(0, |w| w.len());
     if ws_needed > have {
@@ -424,6 +449,121 @@ fn run(
     };
     r.map_err(|e| dnn_err(&format!("{dir:?} convolution ({dtype}, {p:?})"), e))?;
     Ok(out)
+}
+
+/// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits.
+fn find(
+    dev: &CudaDevice,
+    h: dsys::cudnnHandle_t,
+    plan: &mut Plan,
+    dir: Dir,
+    ap: *const c_void,
+    bp: *const c_void,
+    op: *mut c_void,
+) -> Result<()> {
+    const N: usize = 16;
+    // SAFETY: cuDNN owns the scratch contents.
+    let scratch = unsafe { dev.stream.alloc::<u8>(FIND_WORKSPACE) }
+        .map_err(|e| cuda_err("allocating cudnnFind scratch", e))?;
+    let ws = scratch.device_ptr(&dev.stream).0 as *mut c_void;
+    let mut count: c_int = 0;
+    let ok = |st: dsys::cudnnStatus_t, mem: usize| {
+        st == dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS && mem <= FIND_WORKSPACE
+    };
+    let choice = match dir {
+        Dir::Forward => {
+            // SAFETY: zeroed plain-data structs filled by cuDNN.
+            let mut perf: [dsys::cudnnConvolutionFwdAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+            // SAFETY: descriptors describe these buffers; scratch holds FIND_WORKSPACE bytes.
+            unsafe {
+                dsys::cudnnFindConvolutionForwardAlgorithmEx(
+                    h,
+                    plan.x.0,
+                    ap,
+                    plan.w.0,
+                    bp,
+                    plan.conv.0,
+                    plan.y.0,
+                    op,
+                    N as c_int,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                    ws,
+                    FIND_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|e| dnn_err("cudnnFindConvolutionForwardAlgorithmEx", e))?;
+            perf.iter()
+                .take(count.max(0) as usize)
+                .find(|pf| ok(pf.status, pf.memory))
+                .map(|pf| (Algo::Fwd(pf.algo), pf.memory))
+        }
+        Dir::BackwardData => {
+            // SAFETY: as above.
+            let mut perf: [dsys::cudnnConvolutionBwdDataAlgoPerf_t; N] =
+                unsafe { std::mem::zeroed() };
+            // SAFETY: as above (a = dy, b = w, out = dx).
+            unsafe {
+                dsys::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                    h,
+                    plan.w.0,
+                    bp,
+                    plan.y.0,
+                    ap,
+                    plan.conv.0,
+                    plan.x.0,
+                    op,
+                    N as c_int,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                    ws,
+                    FIND_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|e| dnn_err("cudnnFindConvolutionBackwardDataAlgorithmEx", e))?;
+            perf.iter()
+                .take(count.max(0) as usize)
+                .find(|pf| ok(pf.status, pf.memory))
+                .map(|pf| (Algo::BwdData(pf.algo), pf.memory))
+        }
+        Dir::BackwardFilter => {
+            // SAFETY: as above.
+            let mut perf: [dsys::cudnnConvolutionBwdFilterAlgoPerf_t; N] =
+                unsafe { std::mem::zeroed() };
+            // SAFETY: as above (a = dy, b = x, out = dw).
+            unsafe {
+                dsys::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                    h,
+                    plan.x.0,
+                    bp,
+                    plan.y.0,
+                    ap,
+                    plan.conv.0,
+                    plan.w.0,
+                    op,
+                    N as c_int,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                    ws,
+                    FIND_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|e| dnn_err("cudnnFindConvolutionBackwardFilterAlgorithmEx", e))?;
+            perf.iter()
+                .take(count.max(0) as usize)
+                .find(|pf| ok(pf.status, pf.memory))
+                .map(|pf| (Algo::BwdFilter(pf.algo), pf.memory))
+        }
+    };
+    drop(scratch);
+    if let Some((algo, memory)) = choice {
+        plan.algo = algo;
+        plan.workspace = memory;
+    }
+    Ok(())
 }
 
 fn sizes(p: &Conv2dParams) -> (usize, usize, usize) {
