@@ -25,7 +25,9 @@ fn main() {
     }
 }
 
-/// Median seconds of `iters` timed runs after `warm` untimed ones (each run synchronised).
+/// Seconds per call: `warm` untimed calls, then 5 rounds of `iters` back-to-back calls (one
+/// synchronisation per round, so launch latency overlaps with work as in a training loop); the
+/// median round.
 fn time(
     warm: usize,
     iters: usize,
@@ -36,12 +38,14 @@ fn time(
         f()?;
     }
     dev.synchronize()?;
-    let mut ts = Vec::with_capacity(iters);
-    for _ in 0..iters {
+    let mut ts = Vec::with_capacity(5);
+    for _ in 0..5 {
         let t = Instant::now();
-        f()?;
+        for _ in 0..iters {
+            f()?;
+        }
         dev.synchronize()?;
-        ts.push(t.elapsed().as_secs_f64());
+        ts.push(t.elapsed().as_secs_f64() / iters as f64);
     }
     ts.sort_by(|a, b| a.total_cmp(b));
     Ok(ts[ts.len() / 2])

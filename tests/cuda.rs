@@ -622,7 +622,8 @@ fn f32s(c: &CpuStorage) -> CpuStorage {
 fn batch_norm_train_and_backward() {
     gpu();
     for d in DTYPES {
-        for (n, c, spatial) in [(8, 16, 49), (2, 3, 1), (32, 4, 1024)] {
+        // (Not 2 values per channel: there dx is eps-sized cancellation, no test of anything.)
+        for (n, c, spatial) in [(8, 16, 49), (6, 3, 1), (32, 4, 1024)] {
             let p = BatchNormParams {
                 n,
                 c,
@@ -1281,7 +1282,8 @@ fn pools_vs_naive() {
 fn batch_norm_vs_naive() {
     gpu();
     for d in DTYPES {
-        for (n, c, spatial) in [(8, 16, 49), (2, 3, 1), (32, 4, 1024), (1, 2, 3)] {
+        // (Not 2 values per channel: there dx is eps-sized cancellation, no test of anything.)
+        for (n, c, spatial) in [(8, 16, 49), (6, 3, 1), (32, 4, 1024), (1, 2, 7)] {
             let p = BatchNormParams {
                 n,
                 c,
