@@ -129,6 +129,7 @@ fn cuda_device_is_an_error_or_a_device_never_a_panic() {
         Ok(d) => assert_eq!(fallback, d),
         Err(e) => {
             let msg = e.to_string();
+            eprintln!("Device::cuda(0) here: {msg}");
             assert!(msg.starts_with("cuda:"), "{msg}");
             assert_eq!(fallback, Device::Cpu);
             // A device that does not exist is an error too.

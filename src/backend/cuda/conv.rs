@@ -341,7 +341,10 @@ fn run(
     }
     let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
-        *guard = Some(Dnn::new(dev)?);
+        // A cuDNN missing a symbol would panic inside cudarc: an error instead.
+        *guard = Some(super::probe::no_panic("creating the cuDNN handle", || {
+            Dnn::new(dev)
+        })?);
     }
     let dnn_state = guard
         .as_mut()

@@ -154,7 +154,11 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, d: &MatmulDims) -> Result
     };
     let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
-        *guard = Some(Blas::new(&dev)?);
+        // A cuBLAS missing a symbol would panic inside cudarc: an error instead.
+        *guard = Some(super::probe::no_panic(
+            "creating the cuBLAS handle",
+            || Blas::new(&dev),
+        )?);
     }
     let h = guard
         .as_ref()

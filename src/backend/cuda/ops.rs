@@ -476,11 +476,11 @@ impl BackendStorage for CudaStorage {
 
     fn narrow(&self, (outer, len, inner): DimSplit, start: usize, count: usize) -> Result<Self> {
         check_len("narrow", self, outer * len * inner, "the input")?;
-        if start + count > len {
+        if start.checked_add(count).is_none_or(|end| end > len) {
             return Err(Error::invalid_arg(
                 "narrow",
                 "start+len",
-                start + count,
+                format!("{start}+{count}"),
                 format!("at most the dimension's size {len}"),
             ));
         }

@@ -48,13 +48,19 @@ pub fn probe() -> Result<()> {
     RESULT
         .get_or_init(|| {
             let mut missing = Vec::new();
-            for lib in LIBS {
+            for (k, lib) in LIBS.iter().enumerate() {
                 // SAFETY: loading a shared library runs its initialisers; these are NVIDIA's
                 // libraries, loaded the same way cudarc itself would load them.
                 let ok = std::panic::catch_unwind(|| unsafe { (lib.present)() }).unwrap_or(false);
                 if !ok {
-                    let names = cudarc::get_lib_name_candidates(lib.base);
+                    let mut names = cudarc::get_lib_name_candidates(lib.base);
+                    let mut seen = std::collections::HashSet::new();
+                    names.retain(|n| seen.insert(n.clone()));
                     missing.push(format!("{} not found (searched {})", lib.what, names.join(", ")));
+                    if k == 0 {
+                        // Without the driver nothing else matters: no NVIDIA GPU or driver here.
+                        break;
+                    }
                 }
             }
             if missing.is_empty() {
