@@ -98,3 +98,38 @@ macro_rules! launch {
     }};
 }
 pub(crate) use launch;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_keep_each_value_in_its_own_aligned_cell() {
+        #[repr(C)]
+        #[derive(Clone, Copy)]
+        struct S {
+            a: i64,
+            b: [i64; 3],
+        }
+        let mut a = Args::new();
+        a.push(7u64);
+        a.push(-3i32);
+        a.push(2.5f64);
+        a.push(S { a: 1, b: [2, 3, 4] });
+        assert_eq!(a.cells.len(), 4);
+        assert_eq!(a.cells[0][0], 7);
+        assert_eq!(a.cells[1][0] as u32 as i32, -3);
+        assert_eq!(f64::from_bits(a.cells[2][0]), 2.5);
+        assert_eq!(&a.cells[3][..], &[1, 2, 3, 4]);
+        for c in &a.cells {
+            assert_eq!(c.as_ptr() as usize % 8, 0);
+        }
+    }
+
+    #[test]
+    fn per_row_grid_is_clamped() {
+        assert_eq!(Grid::per_row(0, 256).blocks, 1);
+        assert_eq!(Grid::per_row(10, 256).blocks, 10);
+        assert_eq!(Grid::per_row(usize::MAX, 256).blocks, 1 << 20);
+    }
+}

@@ -791,3 +791,61 @@ impl BackendStorage for CudaStorage {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strided_args_pad_and_reject_high_ranks() {
+        let s = strided("t", &[2, 3], &[3, 1], &[0, 1]).unwrap();
+        assert_eq!(s.rank, 2);
+        assert_eq!(&s.dims[..3], &[2, 3, 1]);
+        assert_eq!(&s.sa[..2], &[3, 1]);
+        assert_eq!(&s.sb[..2], &[0, 1]);
+        assert!(strided("t", &[1; 9], &[0; 9], &[0; 9]).is_err());
+        // The layout kernels' view of the struct: 1 + 3·8 words.
+        assert_eq!(std::mem::size_of::<Strided>(), 8 * (1 + 3 * MAX_DIMS));
+    }
+
+    #[test]
+    fn pool_params_match_the_kernel_struct() {
+        let p = Pool2dParams {
+            n: 2,
+            c: 3,
+            h: 9,
+            w: 7,
+            kh: 3,
+            kw: 2,
+            stride: (2, 1),
+            padding: (1, 0),
+            count_include_pad: true,
+        };
+        let k = pool_p(&p);
+        assert_eq!((k.oh, k.ow), (p.out_h() as i64, p.out_w() as i64));
+        assert_eq!(
+            (k.sh, k.sw, k.ph, k.pw, k.count_include_pad),
+            (2, 1, 1, 0, 1)
+        );
+        assert_eq!(std::mem::size_of::<PoolP>(), 13 * 8);
+        let bad = Pool2dParams { kh: 12, ..p };
+        assert!(check_pool("t", &bad).is_err());
+        assert!(check_pool(
+            "t",
+            &Pool2dParams {
+                stride: (0, 1),
+                ..p
+            }
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn accumulation_dtypes() {
+        assert_eq!(acc_dtype(DType::F16), DType::F32);
+        assert_eq!(acc_dtype(DType::BF16), DType::F32);
+        assert_eq!(acc_dtype(DType::F64), DType::F64);
+        assert!(float_sfx("t", DType::I64).is_err());
+        assert_eq!(float_sfx("t", DType::BF16).unwrap(), "bf16");
+    }
+}
