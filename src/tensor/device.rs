@@ -25,3 +25,24 @@ impl std::fmt::Display for Device {
         }
     }
 }
+
+impl Device {
+    /// The CUDA device `ordinal`, after checking that the driver, a GPU and the CUDA libraries
+    /// (NVRTC, cuBLAS, cuBLASLt, cuDNN) are there; the error names what is missing.
+    /// Creates the device's context and stream on first use.
+    pub fn cuda(ordinal: usize) -> crate::Result<Device> {
+        crate::backend::cuda::device(ordinal)?;
+        Ok(Device::Cuda(ordinal))
+    }
+
+    /// [`Device::cuda`], or the CPU when CUDA is not usable here (logged as a warning saying why).
+    pub fn cuda_if_available(ordinal: usize) -> Device {
+        match Device::cuda(ordinal) {
+            Ok(d) => d,
+            Err(e) => {
+                log::warn!("CUDA device {ordinal} is not available, falling back to the CPU: {e}");
+                Device::Cpu
+            }
+        }
+    }
+}

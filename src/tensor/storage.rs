@@ -3,6 +3,7 @@
 //! operands, so the mismatch arms here are a second line of defence.
 
 use crate::backend::cpu::CpuStorage;
+use crate::backend::cuda::CudaStorage;
 use crate::backend::{
     AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, DimSplit,
     MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
@@ -13,6 +14,7 @@ use crate::tensor::{DType, Device, Shape};
 #[derive(Debug)]
 pub enum Storage {
     Cpu(CpuStorage),
+    Cuda(CudaStorage),
 }
 
 /// Dispatches a unary backend call: `dispatch!(self, |s| s.method(args))`.
@@ -20,6 +22,7 @@ macro_rules! dispatch {
     ($self:expr, |$s:ident| $call:expr) => {
         match $self {
             Storage::Cpu($s) => Storage::Cpu($call?),
+            Storage::Cuda($s) => Storage::Cuda($call?),
         }
     };
 }
@@ -29,6 +32,7 @@ macro_rules! dispatch2 {
     ($op:expr, $a:expr, $b:expr, |$x:ident, $y:ident| $call:expr) => {
         match ($a, $b) {
             (Storage::Cpu($x), Storage::Cpu($y)) => Storage::Cpu($call?),
+            (Storage::Cuda($x), Storage::Cuda($y)) => Storage::Cuda($call?),
             #[allow(unreachable_patterns)]
             (a, b) => {
                 return Err(Error::DeviceMismatch {
@@ -45,18 +49,21 @@ impl Storage {
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
+            Storage::Cuda(s) => Device::Cuda(s.ordinal()),
         }
     }
 
     pub fn dtype(&self) -> DType {
         match self {
             Storage::Cpu(s) => s.dtype(),
+            Storage::Cuda(s) => s.dtype(),
         }
     }
 
     pub fn len(&self) -> usize {
         match self {
             Storage::Cpu(s) => s.len(),
+            Storage::Cuda(s) => s.len(),
         }
     }
 
@@ -71,10 +78,7 @@ impl Storage {
     pub fn full(device: Device, dtype: DType, len: usize, v: f64) -> Result<Self> {
         match device {
             Device::Cpu => Ok(Storage::Cpu(CpuStorage::full(dtype, len, v))),
-            Device::Cuda(_) => Err(Error::Unsupported {
-                op: "full",
-                detail: "the CUDA backend is not built yet".into(),
-            }),
+            Device::Cuda(i) => Ok(Storage::Cuda(CudaStorage::full(i, dtype, len, v)?)),
         }
     }
 
@@ -82,10 +86,15 @@ impl Storage {
     pub fn to_device(&self, device: Device) -> Result<Self> {
         match (self, device) {
             (Storage::Cpu(s), Device::Cpu) => Ok(Storage::Cpu(s.clone())),
-            (_, Device::Cuda(_)) => Err(Error::Unsupported {
-                op: "to_device",
-                detail: "the CUDA backend is not built yet".into(),
-            }),
+            (Storage::Cpu(s), Device::Cuda(i)) => Ok(Storage::Cuda(CudaStorage::from_cpu(s, i)?)),
+            (Storage::Cuda(s), Device::Cpu) => Ok(Storage::Cpu(s.to_cpu()?)),
+            (Storage::Cuda(s), Device::Cuda(i)) if s.ordinal() == i => {
+                Ok(Storage::Cuda(s.try_clone()?))
+            }
+            // Between GPUs through the host: simple, and rare in this crate.
+            (Storage::Cuda(s), Device::Cuda(i)) => {
+                Ok(Storage::Cuda(CudaStorage::from_cpu(&s.to_cpu()?, i)?))
+            }
         }
     }
 
@@ -93,6 +102,7 @@ impl Storage {
     pub fn to_cpu(&self) -> Result<CpuStorage> {
         match self {
             Storage::Cpu(s) => Ok(s.clone()),
+            Storage::Cuda(s) => s.to_cpu(),
         }
     }
 
@@ -169,6 +179,22 @@ impl Storage {
                 }
                 Ok(Storage::Cpu(CpuStorage::cat(&cpu, outer, lens, inner)?))
             }
+            Storage::Cuda(_) => {
+                let mut gpu = Vec::with_capacity(parts.len());
+                for p in parts {
+                    match p {
+                        Storage::Cuda(s) => gpu.push(s),
+                        other => {
+                            return Err(Error::DeviceMismatch {
+                                op: "cat",
+                                lhs: first.device(),
+                                rhs: other.device(),
+                            })
+                        }
+                    }
+                }
+                Ok(Storage::Cuda(CudaStorage::cat(&gpu, outer, lens, inner)?))
+            }
         }
     }
     pub fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self> {
@@ -204,6 +230,21 @@ impl Storage {
                 let (y, mean, invstd) = x.batch_norm_train(w, b, m, v, p)?;
                 Ok((Storage::Cpu(y), Storage::Cpu(mean), Storage::Cpu(invstd)))
             }
+            (
+                Storage::Cuda(x),
+                Storage::Cuda(w),
+                Storage::Cuda(b),
+                Storage::Cuda(m),
+                Storage::Cuda(v),
+            ) => {
+                let (y, mean, invstd) = x.batch_norm_train(w, b, m, v, p)?;
+                Ok((Storage::Cuda(y), Storage::Cuda(mean), Storage::Cuda(invstd)))
+            }
+            (x, w, _, _, _) => Err(Error::DeviceMismatch {
+                op: "batch_norm",
+                lhs: x.device(),
+                rhs: w.device(),
+            }),
         }
     }
     pub fn batch_norm_backward(
@@ -225,6 +266,21 @@ impl Storage {
                 let (dx, dw, db) = g.batch_norm_backward(x, w, m, s, p)?;
                 Ok((Storage::Cpu(dx), Storage::Cpu(dw), Storage::Cpu(db)))
             }
+            (
+                Storage::Cuda(g),
+                Storage::Cuda(x),
+                Storage::Cuda(w),
+                Storage::Cuda(m),
+                Storage::Cuda(s),
+            ) => {
+                let (dx, dw, db) = g.batch_norm_backward(x, w, m, s, p)?;
+                Ok((Storage::Cuda(dx), Storage::Cuda(dw), Storage::Cuda(db)))
+            }
+            (g, x, _, _, _) => Err(Error::DeviceMismatch {
+                op: "batch_norm_backward",
+                lhs: g.device(),
+                rhs: x.device(),
+            }),
         }
     }
     pub fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
@@ -232,6 +288,10 @@ impl Storage {
             Storage::Cpu(x) => {
                 let (o, i) = x.max_pool2d(p)?;
                 Ok((Storage::Cpu(o), Storage::Cpu(i)))
+            }
+            Storage::Cuda(x) => {
+                let (o, i) = x.max_pool2d(p)?;
+                Ok((Storage::Cuda(o), Storage::Cuda(i)))
             }
         }
     }

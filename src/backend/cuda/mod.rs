@@ -1,2 +1,23 @@
-//! The CUDA backend (see the CUDA issue): context and stream, NVRTC kernel registry, cuBLASLt
-//! matmul, cuDNN convolution, multi-tensor apply.
+//! The CUDA backend: context and stream per device with a stream-ordered memory pool
+//! (`device.rs`), library probing (`probe.rs`), the NVRTC kernel registry with its on-disk cache
+//! (`registry.rs`), kernel launches (`launch.rs`), the buffer type (`storage.rs`) and its ops
+//! (`ops.rs`), cuBLAS matmul (`matmul.rs`) and cuDNN convolution (`conv.rs`).
+//! Kernels are in `kernels/*.cu` at the crate root.
+
+mod conv;
+mod device;
+mod launch;
+mod matmul;
+mod ops;
+mod probe;
+mod registry;
+mod storage;
+
+pub use device::{get as device, set_allow_tf32, set_poison_allocations, CudaDevice};
+pub use probe::probe;
+pub use storage::CudaStorage;
+
+/// Whether f32 matmul/convolution may use TF32 (see [`set_allow_tf32`]).
+pub fn allow_tf32() -> bool {
+    device::allow_tf32()
+}

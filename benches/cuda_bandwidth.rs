@@ -1,0 +1,259 @@
+//! GPU benchmark (run on a GPU machine; exits quietly without one): bandwidth of cast, add, relu
+//! and batch-norm forward on large tensors as a fraction of the device-to-device copy measured in
+//! the same run, plus matmul (f16, 8192³) and ResNet-50-shaped convolutions in TFLOP/s.
+//! `benches/torch_ref.py` times the same operations through PyTorch for the comparison.
+//!
+//! Bytes are the fewest a kernel must move: each input read once, each output written once.
+
+use std::time::Instant;
+
+use mixprec::backend::cpu::CpuStorage;
+use mixprec::backend::cuda::{device, CudaStorage};
+use mixprec::backend::{
+    BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, UnaryOp,
+};
+use mixprec::{DType, Device, Shape};
+
+fn main() {
+    if let Err(e) = Device::cuda(0) {
+        println!("no CUDA device, skipping the benchmark: {e}");
+        return;
+    }
+    if let Err(e) = run() {
+        eprintln!("benchmark failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// Seconds per call: `warm` untimed calls, then 5 rounds of `iters` back-to-back calls (one
+/// synchronisation per round, so launch latency overlaps with work as in a training loop); the
+/// median round.
+fn time(
+    warm: usize,
+    iters: usize,
+    mut f: impl FnMut() -> mixprec::Result<()>,
+) -> mixprec::Result<f64> {
+    let dev = device(0)?;
+    for _ in 0..warm {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut ts = Vec::with_capacity(5);
+    for _ in 0..5 {
+        let t = Instant::now();
+        for _ in 0..iters {
+            f()?;
+        }
+        dev.synchronize()?;
+        ts.push(t.elapsed().as_secs_f64() / iters as f64);
+    }
+    ts.sort_by(|a, b| a.total_cmp(b));
+    Ok(ts[ts.len() / 2])
+}
+
+fn rand(n: usize, d: DType, seed: u64) -> mixprec::Result<CudaStorage> {
+    let v: Vec<f32> = mixprec::tensor::random::uniform(seed, n, -1.0, 1.0)
+        .into_iter()
+        .map(|x| x as f32)
+        .collect();
+    CudaStorage::from_cpu(&CpuStorage::F32(v), 0)?.to_dtype(d)
+}
+
+fn run() -> mixprec::Result<()> {
+    let n: usize = 1 << 28;
+    let dev = device(0)?;
+    println!(
+        "device cuda:0 sm_{}{}",
+        dev.compute_capability().0,
+        dev.compute_capability().1
+    );
+    let x32 = rand(n, DType::F32, 1)?;
+    let y32 = rand(n, DType::F32, 2)?;
+    let x16 = x32.to_dtype(DType::F16)?;
+    let y16 = y32.to_dtype(DType::F16)?;
+    let copy_t = time(3, 20, || x32.try_clone().map(|_| ()))?;
+    let copy_bw = (2 * 4 * n) as f64 / copy_t;
+    println!(
+        "{:<34} {:>10} {:>12} {:>9}",
+        "op (2^28 elements)", "ms", "GB/s", "vs copy"
+    );
+    let row = |name: &str, t: f64, bytes: usize| {
+        let bw = bytes as f64 / t;
+        println!(
+            "{:<34} {:>10.3} {:>12.1} {:>9.3}",
+            name,
+            t * 1e3,
+            bw / 1e9,
+            bw / copy_bw
+        );
+    };
+    row("d2d copy f32", copy_t, 8 * n);
+    let s = Shape::new(vec![n]);
+    row(
+        "cast f32->f16",
+        time(3, 20, || x32.to_dtype(DType::F16).map(|_| ()))?,
+        6 * n,
+    );
+    row(
+        "cast f16->f32",
+        time(3, 20, || x16.to_dtype(DType::F32).map(|_| ()))?,
+        6 * n,
+    );
+    row(
+        "add f32",
+        time(3, 20, || {
+            x32.binary(&y32, BinaryOp::Add, &s, &s, &s).map(|_| ())
+        })?,
+        12 * n,
+    );
+    row(
+        "add f16",
+        time(3, 20, || {
+            x16.binary(&y16, BinaryOp::Add, &s, &s, &s).map(|_| ())
+        })?,
+        6 * n,
+    );
+    row(
+        "relu f32",
+        time(3, 20, || x32.unary(UnaryOp::Relu).map(|_| ()))?,
+        8 * n,
+    );
+    row(
+        "relu f16",
+        time(3, 20, || x16.unary(UnaryOp::Relu).map(|_| ()))?,
+        4 * n,
+    );
+    // Batch norm over [256, 64, 128·128] (2^28 elements), training forward.
+    let (bn, bc, bsp) = (256, 64, 128 * 128);
+    let p = BatchNormParams {
+        n: bn,
+        c: bc,
+        spatial: bsp,
+        eps: 1e-5,
+        momentum: 0.1,
+    };
+    let w = CudaStorage::full(0, DType::F32, bc, 1.0)?;
+    let b = CudaStorage::full(0, DType::F32, bc, 0.0)?;
+    let mut rm = CudaStorage::full(0, DType::F32, bc, 0.0)?;
+    let mut rv = CudaStorage::full(0, DType::F32, bc, 1.0)?;
+    row(
+        "batch_norm fwd f32 [256,64,128,128]",
+        time(2, 10, || {
+            x32.batch_norm_train(&w, &b, &mut rm, &mut rv, &p)
+                .map(|_| ())
+        })?,
+        8 * n,
+    );
+    row(
+        "batch_norm fwd f16 [256,64,128,128]",
+        time(2, 10, || {
+            x16.batch_norm_train(&w, &b, &mut rm, &mut rv, &p)
+                .map(|_| ())
+        })?,
+        4 * n,
+    );
+    drop((x32, y32, x16, y16));
+
+    println!("{:<34} {:>10} {:>12}", "compute", "ms", "TFLOP/s");
+    let m = 8192;
+    for d in [DType::F16, DType::BF16] {
+        let a = rand(m * m, d, 3)?;
+        let bm = rand(m * m, d, 4)?;
+        let dims = MatmulDims {
+            batch: 1,
+            m,
+            n: m,
+            k: m,
+            trans_a: false,
+            trans_b: false,
+            a_batch_stride: m * m,
+            b_batch_stride: m * m,
+        };
+        let t = time(3, 20, || a.matmul(&bm, &dims).map(|_| ()))?;
+        println!(
+            "{:<34} {:>10.3} {:>12.1}",
+            format!("matmul {d} 8192^3"),
+            t * 1e3,
+            2.0 * (m as f64).powi(3) / t / 1e12
+        );
+    }
+    // ResNet-50 convolutions (batch 64): layer1 3x3 64→64 @56², layer3 3x3 256→256 @14², conv1 7x7/2.
+    let convs = [
+        (
+            "resnet50 layer1 3x3 64->64 56x56",
+            Conv2dParams {
+                n: 64,
+                c_in: 64,
+                h: 56,
+                w: 56,
+                c_out: 64,
+                kh: 3,
+                kw: 3,
+                stride: (1, 1),
+                padding: (1, 1),
+                dilation: (1, 1),
+                groups: 1,
+            },
+        ),
+        (
+            "resnet50 layer3 3x3 256->256 14x14",
+            Conv2dParams {
+                n: 64,
+                c_in: 256,
+                h: 14,
+                w: 14,
+                c_out: 256,
+                kh: 3,
+                kw: 3,
+                stride: (1, 1),
+                padding: (1, 1),
+                dilation: (1, 1),
+                groups: 1,
+            },
+        ),
+        (
+            "resnet50 conv1 7x7/2 3->64 224x224",
+            Conv2dParams {
+                n: 64,
+                c_in: 3,
+                h: 224,
+                w: 224,
+                c_out: 64,
+                kh: 7,
+                kw: 7,
+                stride: (2, 2),
+                padding: (3, 3),
+                dilation: (1, 1),
+                groups: 1,
+            },
+        ),
+    ];
+    for (name, p) in convs {
+        let flops = 2.0 * (p.n * p.c_out * p.out_h() * p.out_w() * p.c_in * p.kh * p.kw) as f64;
+        let x = rand(p.n * p.c_in * p.h * p.w, DType::F16, 5)?;
+        let w = rand(p.c_out * p.c_in * p.kh * p.kw, DType::F16, 6)?;
+        let g = rand(p.n * p.c_out * p.out_h() * p.out_w(), DType::F16, 7)?;
+        let t = time(3, 20, || x.conv2d(&w, &p).map(|_| ()))?;
+        println!(
+            "{:<34} {:>10.3} {:>12.1}",
+            format!("{name} fwd f16"),
+            t * 1e3,
+            flops / t / 1e12
+        );
+        let t = time(3, 20, || g.conv2d_backward_input(&w, &p).map(|_| ()))?;
+        println!(
+            "{:<34} {:>10.3} {:>12.1}",
+            format!("{name} bwd-data f16"),
+            t * 1e3,
+            flops / t / 1e12
+        );
+        let t = time(3, 20, || g.conv2d_backward_weight(&x, &p).map(|_| ()))?;
+        println!(
+            "{:<34} {:>10.3} {:>12.1}",
+            format!("{name} bwd-filter f16"),
+            t * 1e3,
+            flops / t / 1e12
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,79 @@
+// elementwise.cu: unary, affine, powf, binary (contiguous and broadcast), relu_backward.
+// The op codes match the order of backend::UnaryOp / backend::BinaryOp.
+
+template <typename A> __device__ __forceinline__ A unary_op(int op, A v) {
+    switch (op) {
+    case 0: return -v;
+    case 1: return v > (A)0 ? v : (A)0;
+    case 2: return m_exp(v);
+    case 3: return m_log(v);
+    case 4: return m_sqrt(v);
+    case 5: return v * v;
+    default: return m_abs(v);
+    }
+}
+
+template <typename A> __device__ __forceinline__ A binary_op(int op, A a, A b) {
+    switch (op) {
+    case 0: return a + b;
+    case 1: return a - b;
+    case 2: return a * b;
+    case 3: return a / b;
+    case 4: return (is_nan(a) || is_nan(b)) ? nan_of<A>() : (a > b ? a : b);
+    default: return (is_nan(a) || is_nan(b)) ? nan_of<A>() : (a < b ? a : b);
+    }
+}
+
+// Each op is a switch on a launch-uniform code inside the element loop: one kernel per dtype.
+#define ELEMENTWISE(N, T)                                                                          \
+    extern "C" __global__ void unary_##N(u64 n, int op, const T* x, T* y) {                        \
+        typedef Num<T>::acc A;                                                                     \
+        switch (op) {                                                                              \
+        case 0: map_contig(n, x, y, [](A v) { return -v; }); break;                                \
+        case 1: map_contig(n, x, y, [](A v) { return v > (A)0 ? v : (A)0; }); break;               \
+        case 5: map_contig(n, x, y, [](A v) { return v * v; }); break;                             \
+        default: map_contig(n, x, y, [op](A v) { return unary_op<A>(op, v); }); break;             \
+        }                                                                                          \
+    }                                                                                              \
+    extern "C" __global__ void affine_##N(u64 n, const T* x, T* y, double mul, double add) {       \
+        typedef Num<T>::acc A;                                                                     \
+        A m = (A)mul, a = (A)add;                                                                  \
+        map_contig(n, x, y, [m, a](A v) { return v * m + a; });                                    \
+    }                                                                                              \
+    extern "C" __global__ void powf_##N(u64 n, const T* x, T* y, double e) {                       \
+        typedef Num<T>::acc A;                                                                     \
+        A ea = (A)e;                                                                               \
+        map_contig(n, x, y, [ea](A v) { return m_pow(v, ea); });                                     \
+    }                                                                                              \
+    extern "C" __global__ void binary_##N(u64 n, int op, const T* a, const T* b, T* y) {           \
+        typedef Num<T>::acc A;                                                                     \
+        switch (op) {                                                                              \
+        case 0: map2_contig(n, a, b, y, [](A p, A q) { return p + q; }); break;                    \
+        case 1: map2_contig(n, a, b, y, [](A p, A q) { return p - q; }); break;                    \
+        case 2: map2_contig(n, a, b, y, [](A p, A q) { return p * q; }); break;                    \
+        default: map2_contig(n, a, b, y, [op](A p, A q) { return binary_op<A>(op, p, q); }); break; \
+        }                                                                                          \
+    }                                                                                              \
+    extern "C" __global__ void binary_bcast_##N(u64 n, int op, const T* a, const T* b, T* y,       \
+                                                Strided s) {                                       \
+        typedef Num<T>::acc A;                                                                     \
+        for (u64 i = global_tid(); i < n; i += global_stride()) {                                  \
+            u64 rem = i, oa = 0, ob = 0;                                                           \
+            for (int d = (int)s.rank - 1; d >= 0; d--) {                                           \
+                u64 c = rem % (u64)s.dims[d];                                                      \
+                rem /= (u64)s.dims[d];                                                             \
+                oa += c * s.sa[d];                                                                 \
+                ob += c * s.sb[d];                                                                 \
+            }                                                                                      \
+            y[i] = Num<T>::from(binary_op<A>(op, Num<T>::to(a[oa]), Num<T>::to(b[ob])));           \
+        }                                                                                          \
+    }                                                                                              \
+    extern "C" __global__ void relu_backward_##N(u64 n, const T* g, const T* x, T* y) {            \
+        typedef Num<T>::acc A;                                                                     \
+        map2_contig(n, g, x, y, [](A gv, A xv) { return xv > (A)0 ? gv : (A)0; });                 \
+    }
+
+ELEMENTWISE(f16, f16)
+ELEMENTWISE(bf16, bf16)
+ELEMENTWISE(f32, float)
+ELEMENTWISE(f64, double)

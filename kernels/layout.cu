@@ -1,0 +1,32 @@
+// layout.cu: data movement by element size (2, 4 or 8 bytes): strided copy (broadcast_to,
+// permute) and 2-D block copy (narrow, cat).
+
+typedef unsigned short e2;
+typedef unsigned int e4;
+typedef u64 e8;
+
+// out[i] = x[Σ_d coord_d(i) · sa[d]] over the index space `dims` (row-major).
+#define LAYOUT(N, T)                                                                               \
+    extern "C" __global__ void strided_copy_##N(u64 n, const T* x, T* y, Strided s) {              \
+        for (u64 i = global_tid(); i < n; i += global_stride()) {                                  \
+            u64 rem = i, off = 0;                                                                  \
+            for (int d = (int)s.rank - 1; d >= 0; d--) {                                           \
+                off += (rem % (u64)s.dims[d]) * s.sa[d];                                           \
+                rem /= (u64)s.dims[d];                                                             \
+            }                                                                                      \
+            y[i] = x[off];                                                                         \
+        }                                                                                          \
+    }                                                                                              \
+    /* rows × cols elements: dst[r·dpitch + dofs + c] = src[r·spitch + sofs + c] */                \
+    extern "C" __global__ void copy2d_##N(u64 rows, u64 cols, const T* src, u64 spitch, u64 sofs,  \
+                                          T* dst, u64 dpitch, u64 dofs) {                          \
+        u64 n = rows * cols;                                                                       \
+        for (u64 i = global_tid(); i < n; i += global_stride()) {                                  \
+            u64 r = i / cols, c = i - r * cols;                                                    \
+            dst[r * dpitch + dofs + c] = src[r * spitch + sofs + c];                               \
+        }                                                                                          \
+    }
+
+LAYOUT(2, e2)
+LAYOUT(4, e4)
+LAYOUT(8, e8)

@@ -1,0 +1,169 @@
+// pool.cu: max / average / adaptive-average 2-D pooling over NCHW, forward and backward.
+// Backward passes are gathers (each input cell sums the windows that contain it): deterministic,
+// no atomics, every element written.
+
+struct PoolP {
+    i64 n, c, h, w, kh, kw, sh, sw, ph, pw, oh, ow, count_include_pad;
+};
+
+template <typename T> __device__ void max_fwd(PoolP p, const T* x, T* y, i64* arg) {
+    typedef typename Num<T>::acc A;
+    u64 total = (u64)(p.n * p.c * p.oh * p.ow);
+    for (u64 k = global_tid(); k < total; k += global_stride()) {
+        i64 ow = k % p.ow, oh = (k / p.ow) % p.oh, nc = k / (p.ow * p.oh);
+        const T* plane = x + nc * p.h * p.w;
+        A best = -inf_of<A>();
+        i64 bi = -1;
+        for (i64 i = 0; i < p.kh; i++) {
+            i64 ih = oh * p.sh - p.ph + i;
+            if (ih < 0 || ih >= p.h) continue;
+            for (i64 j = 0; j < p.kw; j++) {
+                i64 iw = ow * p.sw - p.pw + j;
+                if (iw < 0 || iw >= p.w) continue;
+                A v = Num<T>::to(plane[ih * p.w + iw]);
+                if (bi < 0 || v > best || (is_nan(v) && !is_nan(best))) { best = v; bi = ih * p.w + iw; }
+            }
+        }
+        y[k] = Num<T>::from(best);
+        arg[k] = bi < 0 ? 0 : bi;
+    }
+}
+
+template <typename T> __device__ void max_bwd(PoolP p, const T* g, const i64* arg, T* dx) {
+    typedef typename Num<T>::acc A;
+    u64 total = (u64)(p.n * p.c * p.h * p.w);
+    for (u64 k = global_tid(); k < total; k += global_stride()) {
+        i64 iw = k % p.w, ih = (k / p.w) % p.h, nc = k / (p.w * p.h);
+        // Output rows whose window covers ih: oh·sh − ph ≤ ih < oh·sh − ph + kh.
+        i64 oh0 = ih + p.ph - p.kh + 1;
+        oh0 = oh0 <= 0 ? 0 : (oh0 + p.sh - 1) / p.sh;
+        i64 oh1 = (ih + p.ph) / p.sh;
+        if (oh1 >= p.oh) oh1 = p.oh - 1;
+        i64 ow0 = iw + p.pw - p.kw + 1;
+        ow0 = ow0 <= 0 ? 0 : (ow0 + p.sw - 1) / p.sw;
+        i64 ow1 = (iw + p.pw) / p.sw;
+        if (ow1 >= p.ow) ow1 = p.ow - 1;
+        A s = 0;
+        i64 me = ih * p.w + iw;
+        for (i64 oh = oh0; oh <= oh1; oh++)
+            for (i64 ow = ow0; ow <= ow1; ow++) {
+                u64 o = (nc * p.oh + oh) * p.ow + ow;
+                if (arg[o] == me) s += Num<T>::to(g[o]);
+            }
+        dx[k] = Num<T>::from(s);
+    }
+}
+
+// PyTorch's divisor: the window clipped to the padded input (count_include_pad) or to the input.
+__device__ __forceinline__ i64 avg_div(PoolP p, i64 oh, i64 ow) {
+    i64 hs = oh * p.sh - p.ph, ws = ow * p.sw - p.pw;
+    i64 he = hs + p.kh, we = ws + p.kw;
+    if (he > p.h + p.ph) he = p.h + p.ph;
+    if (we > p.w + p.pw) we = p.w + p.pw;
+    i64 pool = (he - hs) * (we - ws);
+    if (p.count_include_pad) return pool;
+    if (hs < 0) hs = 0;
+    if (ws < 0) ws = 0;
+    if (he > p.h) he = p.h;
+    if (we > p.w) we = p.w;
+    return (he - hs) * (we - ws);
+}
+
+template <typename T> __device__ void avg_fwd(PoolP p, const T* x, T* y) {
+    typedef typename Num<T>::acc A;
+    u64 total = (u64)(p.n * p.c * p.oh * p.ow);
+    for (u64 k = global_tid(); k < total; k += global_stride()) {
+        i64 ow = k % p.ow, oh = (k / p.ow) % p.oh, nc = k / (p.ow * p.oh);
+        const T* plane = x + nc * p.h * p.w;
+        A s = 0;
+        for (i64 i = 0; i < p.kh; i++) {
+            i64 ih = oh * p.sh - p.ph + i;
+            if (ih < 0 || ih >= p.h) continue;
+            for (i64 j = 0; j < p.kw; j++) {
+                i64 iw = ow * p.sw - p.pw + j;
+                if (iw < 0 || iw >= p.w) continue;
+                s += Num<T>::to(plane[ih * p.w + iw]);
+            }
+        }
+        i64 d = avg_div(p, oh, ow);
+        y[k] = Num<T>::from(d > 0 ? s / (A)d : (A)0);
+    }
+}
+
+template <typename T> __device__ void avg_bwd(PoolP p, const T* g, T* dx) {
+    typedef typename Num<T>::acc A;
+    u64 total = (u64)(p.n * p.c * p.h * p.w);
+    for (u64 k = global_tid(); k < total; k += global_stride()) {
+        i64 iw = k % p.w, ih = (k / p.w) % p.h, nc = k / (p.w * p.h);
+        i64 oh0 = ih + p.ph - p.kh + 1;
+        oh0 = oh0 <= 0 ? 0 : (oh0 + p.sh - 1) / p.sh;
+        i64 oh1 = (ih + p.ph) / p.sh;
+        if (oh1 >= p.oh) oh1 = p.oh - 1;
+        i64 ow0 = iw + p.pw - p.kw + 1;
+        ow0 = ow0 <= 0 ? 0 : (ow0 + p.sw - 1) / p.sw;
+        i64 ow1 = (iw + p.pw) / p.sw;
+        if (ow1 >= p.ow) ow1 = p.ow - 1;
+        A s = 0;
+        for (i64 oh = oh0; oh <= oh1; oh++)
+            for (i64 ow = ow0; ow <= ow1; ow++) {
+                i64 d = avg_div(p, oh, ow);
+                if (d > 0) s += Num<T>::to(g[(nc * p.oh + oh) * p.ow + ow]) / (A)d;
+            }
+        dx[k] = Num<T>::from(s);
+    }
+}
+
+// Adaptive: output cell i covers rows floor(i·h/oh) .. ceil((i+1)·h/oh).
+__device__ __forceinline__ i64 ad_start(i64 i, i64 in, i64 out) { return (i * in) / out; }
+__device__ __forceinline__ i64 ad_end(i64 i, i64 in, i64 out) { return ((i + 1) * in + out - 1) / out; }
+
+template <typename T> __device__ void adaptive_fwd(PoolP p, const T* x, T* y) {
+    typedef typename Num<T>::acc A;
+    u64 total = (u64)(p.n * p.c * p.oh * p.ow);
+    for (u64 k = global_tid(); k < total; k += global_stride()) {
+        i64 ow = k % p.ow, oh = (k / p.ow) % p.oh, nc = k / (p.ow * p.oh);
+        const T* plane = x + nc * p.h * p.w;
+        i64 h0 = ad_start(oh, p.h, p.oh), h1 = ad_end(oh, p.h, p.oh);
+        i64 w0 = ad_start(ow, p.w, p.ow), w1 = ad_end(ow, p.w, p.ow);
+        A s = 0;
+        for (i64 ih = h0; ih < h1; ih++)
+            for (i64 iw = w0; iw < w1; iw++) s += Num<T>::to(plane[ih * p.w + iw]);
+        i64 d = (h1 - h0) * (w1 - w0);
+        y[k] = Num<T>::from(d > 0 ? s / (A)d : (A)0);
+    }
+}
+
+template <typename T> __device__ void adaptive_bwd(PoolP p, const T* g, T* dx) {
+    typedef typename Num<T>::acc A;
+    u64 total = (u64)(p.n * p.c * p.h * p.w);
+    for (u64 k = global_tid(); k < total; k += global_stride()) {
+        i64 iw = k % p.w, ih = (k / p.w) % p.h, nc = k / (p.w * p.h);
+        A s = 0;
+        for (i64 oh = 0; oh < p.oh; oh++) {
+            i64 h0 = ad_start(oh, p.h, p.oh), h1 = ad_end(oh, p.h, p.oh);
+            if (ih < h0 || ih >= h1) continue;
+            for (i64 ow = 0; ow < p.ow; ow++) {
+                i64 w0 = ad_start(ow, p.w, p.ow), w1 = ad_end(ow, p.w, p.ow);
+                if (iw < w0 || iw >= w1) continue;
+                s += Num<T>::to(g[(nc * p.oh + oh) * p.ow + ow]) / (A)((h1 - h0) * (w1 - w0));
+            }
+        }
+        dx[k] = Num<T>::from(s);
+    }
+}
+
+#define POOL(N, T)                                                                                 \
+    extern "C" __global__ void max_pool_##N(PoolP p, const T* x, T* y, i64* arg) { max_fwd<T>(p, x, y, arg); } \
+    extern "C" __global__ void max_pool_backward_##N(PoolP p, const T* g, const i64* arg, T* dx) { \
+        max_bwd<T>(p, g, arg, dx);                                                                 \
+    }                                                                                              \
+    extern "C" __global__ void avg_pool_##N(PoolP p, const T* x, T* y) { avg_fwd<T>(p, x, y); }    \
+    extern "C" __global__ void avg_pool_backward_##N(PoolP p, const T* g, T* dx) { avg_bwd<T>(p, g, dx); } \
+    extern "C" __global__ void adaptive_pool_##N(PoolP p, const T* x, T* y) { adaptive_fwd<T>(p, x, y); } \
+    extern "C" __global__ void adaptive_pool_backward_##N(PoolP p, const T* g, T* dx) {            \
+        adaptive_bwd<T>(p, g, dx);                                                                 \
+    }
+POOL(f16, f16)
+POOL(bf16, bf16)
+POOL(f32, float)
+POOL(f64, double)

@@ -1,0 +1,624 @@
+//! 2-D convolution through cuDNN (NCHW, groups, dilation): forward, backward-data and
+//! backward-filter. Each (geometry, dtype, direction) gets its descriptors and algorithm chosen
+//! once and cached: cuDNN's heuristics (`cudnnGet*Algorithm_v7`) first, then, on the first call's
+//! real buffers, `cudnnFind*AlgorithmEx` times the candidates and the fastest that fits the
+//! workspace limit wins (`MIXPREC_CUDNN_FIND=0` keeps the heuristic choice). The workspace is one
+//! grow-only buffer per device.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+
+use cudarc::cudnn::{result as dnn, sys as dsys};
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::device::{allow_tf32, cuda_err, CudaDevice};
+use super::storage::CudaStorage;
+use crate::backend::{BackendStorage, Conv2dParams};
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+
+/// The most workspace an algorithm may ask for.
+const WORKSPACE_LIMIT: usize = 1 << 30;
+/// Workspace offered to cudnnFind (algorithms needing more are not timed).
+const FIND_WORKSPACE: usize = 256 << 20;
+
+fn find_enabled() -> bool {
+    std::env::var("MIXPREC_CUDNN_FIND").map_or(true, |v| v != "0")
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Dir {
+    Forward,
+    BackwardData,
+    BackwardFilter,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Algo {
+    Fwd(dsys::cudnnConvolutionFwdAlgo_t),
+    BwdData(dsys::cudnnConvolutionBwdDataAlgo_t),
+    BwdFilter(dsys::cudnnConvolutionBwdFilterAlgo_t),
+}
+
+struct TensorDesc(dsys::cudnnTensorDescriptor_t);
+impl Drop for TensorDesc {
+    fn drop(&mut self) {
+        // SAFETY: created once, destroyed once.
+        let _ = unsafe { dnn::destroy_tensor_descriptor(self.0) };
+    }
+}
+struct FilterDesc(dsys::cudnnFilterDescriptor_t);
+impl Drop for FilterDesc {
+    fn drop(&mut self) {
+        // SAFETY: created once, destroyed once.
+        let _ = unsafe { dnn::destroy_filter_descriptor(self.0) };
+    }
+}
+struct ConvDesc(dsys::cudnnConvolutionDescriptor_t);
+impl Drop for ConvDesc {
+    fn drop(&mut self) {
+        // SAFETY: created once, destroyed once.
+        let _ = unsafe { dnn::destroy_convolution_descriptor(self.0) };
+    }
+}
+
+struct Plan {
+    x: TensorDesc,
+    w: FilterDesc,
+    y: TensorDesc,
+    conv: ConvDesc,
+    algo: Algo,
+    workspace: usize,
+}
+
+pub(crate) struct Dnn {
+    handle: dsys::cudnnHandle_t,
+    workspace: Option<CudaSlice<u8>>,
+    plans: HashMap<(Conv2dParams, DType, Dir, bool), Plan>,
+}
+
+// SAFETY: the handle and descriptors are only used under the device's `dnn` mutex.
+unsafe impl Send for Dnn {}
+
+impl Drop for Dnn {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: created by cudnnCreate, destroyed once.
+        let _ = unsafe { dnn::destroy_handle(self.handle) };
+    }
+}
+
+fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("cuDNN {what}: {e:?}"))
+}
+
+fn i(what: &'static str, v: usize) -> Result<c_int> {
+    c_int::try_from(v)
+        .map_err(|_| Error::invalid_arg("conv2d", what, v, "at most 2^31-1 for cuDNN"))
+}
+
+fn data_type(d: DType) -> Result<(dsys::cudnnDataType_t, dsys::cudnnDataType_t)> {
+    use dsys::cudnnDataType_t::*;
+    Ok(match d {
+        DType::F16 => (CUDNN_DATA_HALF, CUDNN_DATA_FLOAT),
+        DType::BF16 => (CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT),
+        DType::F32 => (CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT),
+        DType::F64 => (CUDNN_DATA_DOUBLE, CUDNN_DATA_DOUBLE),
+        DType::I64 => {
+            return Err(Error::UnsupportedDType {
+                op: "conv2d",
+                got: d,
+                expected: "a float dtype",
+            })
+        }
+    })
+}
+
+/// Checks the geometry before anything computes output sizes (which would underflow).
+fn check(op: &'static str, p: &Conv2dParams) -> Result<()> {
+    let bad = |name: &'static str, v: String, allowed: &str| {
+        Err(Error::invalid_arg(op, name, v, allowed))
+    };
+    if p.groups == 0 || p.c_in % p.groups != 0 || p.c_out % p.groups != 0 {
+        return bad(
+            "groups",
+            p.groups.to_string(),
+            &format!(
+                "a positive divisor of c_in {} and c_out {}",
+                p.c_in, p.c_out
+            ),
+        );
+    }
+    if p.kh == 0
+        || p.kw == 0
+        || p.stride.0 == 0
+        || p.stride.1 == 0
+        || p.dilation.0 == 0
+        || p.dilation.1 == 0
+    {
+        return bad("kernel/stride/dilation", format!("{p:?}"), "positive sizes");
+    }
+    if p.h + 2 * p.padding.0 < p.dilation.0 * (p.kh - 1) + 1
+        || p.w + 2 * p.padding.1 < p.dilation.1 * (p.kw - 1) + 1
+    {
+        return bad(
+            "kernel",
+            format!("{}x{}", p.kh, p.kw),
+            "must fit the padded input",
+        );
+    }
+    Ok(())
+}
+
+impl Dnn {
+    fn new(dev: &CudaDevice) -> Result<Dnn> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))?;
+        let handle = dnn::create_handle().map_err(|e| dnn_err("cudnnCreate", e))?;
+        let d = Dnn {
+            handle,
+            workspace: None,
+            plans: HashMap::new(),
+        };
+        // SAFETY: live handle and stream.
+        unsafe { dnn::set_stream(handle, dev.stream.cu_stream() as _) }
+            .map_err(|e| dnn_err("cudnnSetStream", e))?;
+        Ok(d)
+    }
+
+    fn plan(&mut self, p: &Conv2dParams, dtype: DType, dir: Dir) -> Result<&Plan> {
+        let key = (*p, dtype, dir, allow_tf32());
+        if !self.plans.contains_key(&key) {
+            let plan = self.make_plan(p, dtype, dir)?;
+            self.plans.insert(key, plan);
+        }
+        self.plans
+            .get(&key)
+            .ok_or_else(|| Error::Cuda("cuDNN plan cache".into()))
+    }
+
+    fn make_plan(&self, p: &Conv2dParams, dtype: DType, dir: Dir) -> Result<Plan> {
+        let (dt, compute) = data_type(dtype)?;
+        let nchw = dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
+        let x = TensorDesc(
+            dnn::create_tensor_descriptor().map_err(|e| dnn_err("tensor descriptor", e))?,
+        );
+        let y = TensorDesc(
+            dnn::create_tensor_descriptor().map_err(|e| dnn_err("tensor descriptor", e))?,
+        );
+        let w = FilterDesc(
+            dnn::create_filter_descriptor().map_err(|e| dnn_err("filter descriptor", e))?,
+        );
+        let conv = ConvDesc(
+            dnn::create_convolution_descriptor()
+                .map_err(|e| dnn_err("convolution descriptor", e))?,
+        );
+        let xd = [i("n", p.n)?, i("c_in", p.c_in)?, i("h", p.h)?, i("w", p.w)?];
+        let yd = [
+            i("n", p.n)?,
+            i("c_out", p.c_out)?,
+            i("out_h", p.out_h())?,
+            i("out_w", p.out_w())?,
+        ];
+        let wd = [
+            i("c_out", p.c_out)?,
+            i("c_in", p.c_in / p.groups)?,
+            i("kh", p.kh)?,
+            i("kw", p.kw)?,
+        ];
+        let math = match dtype {
+            DType::F16 | DType::BF16 => dsys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+            DType::F32 if allow_tf32() => dsys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+            DType::F32 => dsys::cudnnMathType_t::CUDNN_FMA_MATH,
+            _ => dsys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+        };
+        // SAFETY: descriptors were just created; arrays are by value.
+        unsafe {
+            dnn::set_tensor4d_descriptor(x.0, nchw, dt, xd)
+                .map_err(|e| dnn_err("input descriptor", e))?;
+            dnn::set_tensor4d_descriptor(y.0, nchw, dt, yd)
+                .map_err(|e| dnn_err("output descriptor", e))?;
+            dnn::set_filter4d_descriptor(w.0, dt, nchw, wd)
+                .map_err(|e| dnn_err("filter descriptor", e))?;
+            dnn::set_convolution2d_descriptor(
+                conv.0,
+                i("padding", p.padding.0)?,
+                i("padding", p.padding.1)?,
+                i("stride", p.stride.0)?,
+                i("stride", p.stride.1)?,
+                i("dilation", p.dilation.0)?,
+                i("dilation", p.dilation.1)?,
+                dsys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                compute,
+            )
+            .map_err(|e| dnn_err("convolution descriptor", e))?;
+            dnn::set_convolution_group_count(conv.0, i("groups", p.groups)?)
+                .map_err(|e| dnn_err("group count", e))?;
+            dnn::set_convolution_math_type(conv.0, math).map_err(|e| dnn_err("math type", e))?;
+        }
+        const N: usize = 16;
+        let mut count: c_int = 0;
+        let h = self.handle;
+        let (algo, workspace) = match dir {
+            Dir::Forward => {
+                // SAFETY: zeroed plain-data structs filled by cuDNN.
+                let mut perf: [dsys::cudnnConvolutionFwdAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+                // SAFETY: live handle and descriptors; `perf` holds N entries.
+                unsafe {
+                    dnn::get_convolution_forward_algorithm(h, x.0, w.0, conv.0, y.0, N as c_int, &mut count, perf.as_mut_ptr())
+                }
+                .map_err(|e| dnn_err("cudnnGetConvolutionForwardAlgorithm_v7", e))?;
+                let mut pick = None;
+                for pf in perf.iter().take(count.max(0) as usize) {
+                    if pf.status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS || pf.memory > WORKSPACE_LIMIT {
+                        continue;
+                    }
+                    // SAFETY: as above.
+                    if let Ok(ws) = unsafe { dnn::get_convolution_forward_workspace_size(h, x.0, w.0, conv.0, y.0, pf.algo) } {
+                        pick = Some((Algo::Fwd(pf.algo), ws));
+                        break;
+                    }
+                }
+                pick
+            }
+            Dir::BackwardData => {
+                // SAFETY: as above.
+                let mut perf: [dsys::cudnnConvolutionBwdDataAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+                // SAFETY: as above.
+                unsafe {
+                    dnn::get_convolution_backward_data_algorithm(h, w.0, y.0, conv.0, x.0, N as c_int, &mut count, perf.as_mut_ptr())
+                }
+                .map_err(|e| dnn_err("cudnnGetConvolutionBackwardDataAlgorithm_v7", e))?;
+                let mut pick = None;
+                for pf in perf.iter().take(count.max(0) as usize) {
+                    if pf.status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS || pf.memory > WORKSPACE_LIMIT {
+                        continue;
+                    }
+                    // SAFETY: as above.
+                    if let Ok(ws) = unsafe { dnn::get_convolution_backward_data_workspace_size(h, w.0, y.0, conv.0, x.0, pf.algo) } {
+                        pick = Some((Algo::BwdData(pf.algo), ws));
+                        break;
+                    }
+                }
+                pick
+            }
+            Dir::BackwardFilter => {
+                // SAFETY: as above.
+                let mut perf: [dsys::cudnnConvolutionBwdFilterAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+                // SAFETY: as above.
+                unsafe {
+                    dnn::get_convolution_backward_filter_algorithm(h, x.0, y.0, conv.0, w.0, N as c_int, &mut count, perf.as_mut_ptr())
+                }
+                .map_err(|e| dnn_err("cudnnGetConvolutionBackwardFilterAlgorithm_v7", e))?;
+                let mut pick = None;
+                for pf in perf.iter().take(count.max(0) as usize) {
+                    if pf.status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS || pf.memory > WORKSPACE_LIMIT {
+                        continue;
+                    }
+                    // SAFETY: as above.
+                    if let Ok(ws) = unsafe { dnn::get_convolution_backward_filter_workspace_size(h, x.0, y.0, conv.0, w.0, pf.algo) } {
+                        pick = Some((Algo::BwdFilter(pf.algo), ws));
+                        break;
+                    }
+                }
+                pick
+            }
+        }
+        .ok_or_else(|| {
+            Error::Cuda(format!(
+                "cuDNN has no {dir:?} convolution algorithm for {dtype} {p:?} within {WORKSPACE_LIMIT} bytes of workspace"
+            ))
+        })?;
+        Ok(Plan {
+            x,
+            w,
+            y,
+            conv,
+            algo,
+            workspace,
+        })
+    }
+}
+
+/// Runs one convolution direction: `a`, `b` are the two inputs in cuDNN's argument order and the
+/// output has `out_len` elements.
+fn run(
+    dev: &std::sync::Arc<CudaDevice>,
+    dir: Dir,
+    p: &Conv2dParams,
+    dtype: DType,
+    a: &CudaStorage,
+    b: &CudaStorage,
+    out_len: usize,
+) -> Result<CudaStorage> {
+    let out = CudaStorage::alloc(dev, dtype, out_len)?;
+    if out_len == 0 || a.is_empty() || b.is_empty() {
+        if out_len > 0 {
+            super::ops::fill(&out, 0.0)?;
+        }
+        return Ok(out);
+    }
+    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        // A cuDNN missing a symbol would panic inside cudarc: an error instead.
+        *guard = Some(super::probe::no_panic("creating the cuDNN handle", || {
+            Dnn::new(dev)
+        })?);
+    }
+    let dnn_state = guard
+        .as_mut()
+        .ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
+    let (ap, bp, op) = (
+        a.ptr() as *const c_void,
+        b.ptr() as *const c_void,
+        out.ptr() as *mut c_void,
+    );
+    let key = (*p, dtype, dir, allow_tf32());
+    if !dnn_state.plans.contains_key(&key) {
+        let mut plan = dnn_state.make_plan(p, dtype, dir)?;
+        if find_enabled() {
+            if let Err(e) = find(dev, dnn_state.handle, &mut plan, dir, ap, bp, op) {
+                log::debug!(
+                    "cudnnFind for {dir:?} {dtype} {p:?} failed, keeping the heuristic choice: {e}"
+                );
+            }
+        }
+        dnn_state.plans.insert(key, plan);
+    }
+    let ws_needed = dnn_state.plan(p, dtype, dir)?.workspace;
+    let have = dnn_state.workspace.as_ref().map_or(0, |w| w.len());
+    if ws_needed > have {
+        // SAFETY: cuDNN owns the workspace contents.
+        let ws = unsafe { dev.stream.alloc::<u8>(ws_needed) }.map_err(|e| {
+            cuda_err(
+                &format!("allocating {ws_needed} bytes of cuDNN workspace"),
+                e,
+            )
+        })?;
+        dnn_state.workspace = Some(ws);
+    }
+    let (ws_ptr, ws_len) = match &dnn_state.workspace {
+        Some(w) => (w.device_ptr(&dev.stream).0 as *mut c_void, w.len()),
+        None => (std::ptr::null_mut(), 0),
+    };
+    let h = dnn_state.handle;
+    let plan = dnn_state.plan(p, dtype, dir)?;
+    let (a1, b0) = (1.0f32, 0.0f32);
+    let (a1d, b0d) = (1.0f64, 0.0f64);
+    let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
+        (&a1d as *const f64 as _, &b0d as *const f64 as _)
+    } else {
+        (&a1 as *const f32 as _, &b0 as *const f32 as _)
+    };
+    dev.ctx
+        .bind_to_thread()
+        .map_err(|e| cuda_err("binding the context", e))?;
+    let (ap, bp, op) = (
+        a.ptr() as *const c_void,
+        b.ptr() as *const c_void,
+        out.ptr() as *mut c_void,
+    );
+    // SAFETY: descriptors describe exactly these buffers (sizes checked by the callers); the
+    // workspace holds at least the plan's size; alpha/beta outlive the call.
+    let r = unsafe {
+        match plan.algo {
+            Algo::Fwd(algo) => dnn::convolution_forward(
+                h,
+                alpha,
+                plan.x.0,
+                ap,
+                plan.w.0,
+                bp,
+                plan.conv.0,
+                algo,
+                ws_ptr,
+                ws_len,
+                beta,
+                plan.y.0,
+                op,
+            ),
+            Algo::BwdData(algo) => dnn::convolution_backward_data(
+                h,
+                alpha,
+                plan.w.0,
+                bp,
+                plan.y.0,
+                ap,
+                plan.conv.0,
+                algo,
+                ws_ptr,
+                ws_len,
+                beta,
+                plan.x.0,
+                op,
+            ),
+            Algo::BwdFilter(algo) => dnn::convolution_backward_filter(
+                h,
+                alpha,
+                plan.x.0,
+                bp,
+                plan.y.0,
+                ap,
+                plan.conv.0,
+                algo,
+                ws_ptr,
+                ws_len,
+                beta,
+                plan.w.0,
+                op,
+            ),
+        }
+    };
+    r.map_err(|e| dnn_err(&format!("{dir:?} convolution ({dtype}, {p:?})"), e))?;
+    Ok(out)
+}
+
+/// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits.
+fn find(
+    dev: &CudaDevice,
+    h: dsys::cudnnHandle_t,
+    plan: &mut Plan,
+    dir: Dir,
+    ap: *const c_void,
+    bp: *const c_void,
+    op: *mut c_void,
+) -> Result<()> {
+    const N: usize = 16;
+    // SAFETY: cuDNN owns the scratch contents.
+    let scratch = unsafe { dev.stream.alloc::<u8>(FIND_WORKSPACE) }
+        .map_err(|e| cuda_err("allocating cudnnFind scratch", e))?;
+    let ws = scratch.device_ptr(&dev.stream).0 as *mut c_void;
+    let mut count: c_int = 0;
+    let ok = |st: dsys::cudnnStatus_t, mem: usize| {
+        st == dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS && mem <= FIND_WORKSPACE
+    };
+    let choice = match dir {
+        Dir::Forward => {
+            // SAFETY: zeroed plain-data structs filled by cuDNN.
+            let mut perf: [dsys::cudnnConvolutionFwdAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+            // SAFETY: descriptors describe these buffers; scratch holds FIND_WORKSPACE bytes.
+            unsafe {
+                dsys::cudnnFindConvolutionForwardAlgorithmEx(
+                    h,
+                    plan.x.0,
+                    ap,
+                    plan.w.0,
+                    bp,
+                    plan.conv.0,
+                    plan.y.0,
+                    op,
+                    N as c_int,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                    ws,
+                    FIND_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|e| dnn_err("cudnnFindConvolutionForwardAlgorithmEx", e))?;
+            perf.iter()
+                .take(count.max(0) as usize)
+                .find(|pf| ok(pf.status, pf.memory))
+                .map(|pf| (Algo::Fwd(pf.algo), pf.memory))
+        }
+        Dir::BackwardData => {
+            // SAFETY: as above.
+            let mut perf: [dsys::cudnnConvolutionBwdDataAlgoPerf_t; N] =
+                unsafe { std::mem::zeroed() };
+            // SAFETY: as above (a = dy, b = w, out = dx).
+            unsafe {
+                dsys::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                    h,
+                    plan.w.0,
+                    bp,
+                    plan.y.0,
+                    ap,
+                    plan.conv.0,
+                    plan.x.0,
+                    op,
+                    N as c_int,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                    ws,
+                    FIND_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|e| dnn_err("cudnnFindConvolutionBackwardDataAlgorithmEx", e))?;
+            perf.iter()
+                .take(count.max(0) as usize)
+                .find(|pf| ok(pf.status, pf.memory))
+                .map(|pf| (Algo::BwdData(pf.algo), pf.memory))
+        }
+        Dir::BackwardFilter => {
+            // SAFETY: as above.
+            let mut perf: [dsys::cudnnConvolutionBwdFilterAlgoPerf_t; N] =
+                unsafe { std::mem::zeroed() };
+            // SAFETY: as above (a = dy, b = x, out = dw).
+            unsafe {
+                dsys::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                    h,
+                    plan.x.0,
+                    bp,
+                    plan.y.0,
+                    ap,
+                    plan.conv.0,
+                    plan.w.0,
+                    op,
+                    N as c_int,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                    ws,
+                    FIND_WORKSPACE,
+                )
+            }
+            .result()
+            .map_err(|e| dnn_err("cudnnFindConvolutionBackwardFilterAlgorithmEx", e))?;
+            perf.iter()
+                .take(count.max(0) as usize)
+                .find(|pf| ok(pf.status, pf.memory))
+                .map(|pf| (Algo::BwdFilter(pf.algo), pf.memory))
+        }
+    };
+    drop(scratch);
+    if let Some((algo, memory)) = choice {
+        plan.algo = algo;
+        plan.workspace = memory;
+    }
+    Ok(())
+}
+
+fn sizes(p: &Conv2dParams) -> (usize, usize, usize) {
+    (
+        p.n * p.c_in * p.h * p.w,
+        p.c_out * (p.c_in / p.groups) * p.kh * p.kw,
+        p.n * p.c_out * p.out_h() * p.out_w(),
+    )
+}
+
+fn check_len(op: &'static str, s: &CudaStorage, want: usize, what: &str) -> Result<()> {
+    if s.len() != want {
+        return Err(Error::invalid_arg(
+            op,
+            "len",
+            s.len(),
+            format!("{what} must have {want} elements"),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    check("conv2d", p)?;
+    let (nx, nw, ny) = sizes(p);
+    check_len("conv2d", x, nx, "the input")?;
+    check_len("conv2d", w, nw, "the weight")?;
+    run(&x.dev, Dir::Forward, p, x.dtype(), x, w, ny)
+}
+
+/// `g` is the output gradient; returns the input gradient.
+pub(crate) fn conv2d_backward_input(
+    g: &CudaStorage,
+    w: &CudaStorage,
+    p: &Conv2dParams,
+) -> Result<CudaStorage> {
+    check("conv2d_backward_input", p)?;
+    let (nx, nw, ny) = sizes(p);
+    check_len("conv2d_backward_input", g, ny, "the output gradient")?;
+    check_len("conv2d_backward_input", w, nw, "the weight")?;
+    run(&g.dev, Dir::BackwardData, p, g.dtype(), g, w, nx)
+}
+
+/// `g` is the output gradient; returns the weight gradient.
+pub(crate) fn conv2d_backward_weight(
+    g: &CudaStorage,
+    x: &CudaStorage,
+    p: &Conv2dParams,
+) -> Result<CudaStorage> {
+    check("conv2d_backward_weight", p)?;
+    let (nx, nw, ny) = sizes(p);
+    check_len("conv2d_backward_weight", g, ny, "the output gradient")?;
+    check_len("conv2d_backward_weight", x, nx, "the input")?;
+    run(&g.dev, Dir::BackwardFilter, p, g.dtype(), g, x, nw)
+}

@@ -1,0 +1,215 @@
+//! Per-device state: the context, one non-default stream, the stream-ordered memory pool, the
+//! compiled kernel modules and the library handles. One [`CudaDevice`] per ordinal, created on
+//! first use and kept for the life of the process.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys as cu;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+
+use super::probe::{no_panic, probe};
+use super::registry::{module_image, Family};
+use crate::error::{Error, Result};
+
+pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("{what}: {e:?}"))
+}
+
+/// Whether f32 matmuls may use TF32 tensor cores (off unless a user turns it on).
+static ALLOW_TF32: AtomicBool = AtomicBool::new(false);
+
+/// Lets f32 matmul and convolution use TF32 tensor cores (10-bit mantissa products, f32
+/// accumulation). Off by default: f32 means f32.
+pub fn set_allow_tf32(on: bool) {
+    ALLOW_TF32.store(on, Ordering::Relaxed);
+}
+
+pub fn allow_tf32() -> bool {
+    ALLOW_TF32.load(Ordering::Relaxed)
+}
+
+static POISON: OnceLock<AtomicBool> = OnceLock::new();
+
+fn poison_flag() -> &'static AtomicBool {
+    POISON.get_or_init(|| {
+        AtomicBool::new(
+            std::env::var("MIXPREC_CUDA_POISON").is_ok_and(|v| v != "0" && !v.is_empty()),
+        )
+    })
+}
+
+/// Test aid: when on, every new CUDA buffer is filled with 0xFF bytes (NaN in every float dtype,
+/// -1 as i64) before an op writes it, so elements an op fails to write show up. Also turned on
+/// by the environment variable `MIXPREC_CUDA_POISON=1`.
+pub fn set_poison_allocations(on: bool) {
+    poison_flag().store(on, Ordering::Relaxed);
+}
+
+pub(crate) fn poison_allocations() -> bool {
+    poison_flag().load(Ordering::Relaxed)
+}
+
+pub struct CudaDevice {
+    pub(crate) ordinal: usize,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    /// (major, minor) compute capability.
+    pub(crate) arch: (i32, i32),
+    pub(crate) sm_count: u32,
+    modules: Mutex<HashMap<Family, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(Family, String), CudaFunction>>,
+    pub(crate) blas: Mutex<Option<super::matmul::Blas>>,
+    pub(crate) dnn: Mutex<Option<super::conv::Dnn>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaDevice(cuda:{}, sm_{}{})",
+            self.ordinal, self.arch.0, self.arch.1
+        )
+    }
+}
+
+fn registry() -> &'static Mutex<HashMap<usize, Arc<CudaDevice>>> {
+    static R: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The device `ordinal`, created on first use (after probing the libraries).
+pub fn get(ordinal: usize) -> Result<Arc<CudaDevice>> {
+    let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = reg.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    probe()?;
+    let dev = no_panic("creating the CUDA context", || CudaDevice::new(ordinal))?;
+    let dev = Arc::new(dev);
+    reg.insert(ordinal, dev.clone());
+    Ok(dev)
+}
+
+impl CudaDevice {
+    fn new(ordinal: usize) -> Result<Self> {
+        let count = CudaContext::device_count().map_err(|e| cuda_err("cuDeviceGetCount", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::Cuda(format!(
+                "no CUDA device {ordinal}: {count} device(s) visible"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("creating the context", e))?;
+        // SAFETY: every buffer of this backend lives on the device's one stream, so stream order
+        // is the only synchronisation needed; nothing is shared with other streams.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("creating a stream", e))?;
+        let arch = ctx
+            .compute_capability()
+            .map_err(|e| cuda_err("reading the compute capability", e))?;
+        let sm_count = ctx
+            .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda_err("reading the SM count", e))?
+            .max(1) as u32;
+        if ctx.has_async_alloc() {
+            raise_pool_threshold(&ctx)?;
+        } else {
+            log::warn!("cuda:{ordinal}: no stream-ordered allocator; falling back to cuMemAlloc");
+        }
+        Ok(CudaDevice {
+            ordinal,
+            ctx,
+            stream,
+            arch,
+            sm_count,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+            blas: Mutex::new(None),
+            dnn: Mutex::new(None),
+        })
+    }
+
+    /// The kernel `name` of family `f`, compiling the family on first use.
+    pub(crate) fn function(&self, f: Family, name: &str) -> Result<CudaFunction> {
+        let key = (f, name.to_string());
+        if let Some(func) = self
+            .functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return Ok(func.clone());
+        }
+        let module = self.module(f)?;
+        let func = module
+            .load_function(name)
+            .map_err(|e| cuda_err(&format!("loading kernel {name} of {}.cu", f.name()), e))?;
+        self.functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, func.clone());
+        Ok(func)
+    }
+
+    fn module(&self, f: Family) -> Result<Arc<CudaModule>> {
+        let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = mods.get(&f) {
+            return Ok(m.clone());
+        }
+        let image = module_image(f, self.arch)?;
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(image))
+            .map_err(|e| cuda_err(&format!("loading module {}.cu", f.name()), e))?;
+        mods.insert(f, m.clone());
+        Ok(m)
+    }
+
+    /// Compiles (or loads from the disk cache) every kernel family now, instead of at first use.
+    pub fn compile_all(&self) -> Result<()> {
+        for f in Family::ALL {
+            self.module(f)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for all work queued on the device's stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("synchronizing the stream", e))
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.arch
+    }
+}
+
+/// Keeps freed memory in the device's default pool (which cuMemAllocAsync draws from) instead of
+/// returning it to the driver at each synchronisation: steady-state training does no
+/// cudaMalloc/cudaFree.
+fn raise_pool_threshold(ctx: &Arc<CudaContext>) -> Result<()> {
+    let mut pool: cu::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid device handle and out-pointer.
+    unsafe { cu::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(|e| cuda_err("cuDeviceGetDefaultMemPool", e))?;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: the attribute takes a cuuint64_t.
+    unsafe {
+        cu::cuMemPoolSetAttribute(
+            pool,
+            cu::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(|e| cuda_err("cuMemPoolSetAttribute(RELEASE_THRESHOLD)", e))
+}

@@ -1,0 +1,201 @@
+//! Matrix products through cuBLAS (`cublasGemmStridedBatchedEx`): f16/bf16 inputs with f32
+//! accumulation on tensor cores, f32 in plain f32 (TF32 only after [`super::set_allow_tf32`]),
+//! f64 in f64. Row-major operands are handled by computing `Cᵀ = Bᵀ·Aᵀ` in cuBLAS's
+//! column-major convention. The handle and its workspace are created once per device.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::{result as blas, sys as bsys};
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::device::{allow_tf32, cuda_err, CudaDevice};
+use super::storage::CudaStorage;
+use crate::backend::{BackendStorage, MatmulDims};
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+
+/// cuBLAS's recommended workspace for Hopper (32 MiB; 4 MiB before).
+fn workspace_bytes(arch: (i32, i32)) -> usize {
+    if arch.0 >= 9 {
+        32 << 20
+    } else {
+        4 << 20
+    }
+}
+
+pub(crate) struct Blas {
+    handle: bsys::cublasHandle_t,
+    _workspace: CudaSlice<u8>,
+}
+
+// SAFETY: the handle is only used under the device's `blas` mutex.
+unsafe impl Send for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created by cublasCreate and destroyed once.
+        let _ = unsafe { blas::destroy_handle(self.handle) };
+    }
+}
+
+impl Blas {
+    fn new(dev: &CudaDevice) -> Result<Blas> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))?;
+        let handle = blas::create_handle().map_err(|e| cuda_err("cublasCreate", e))?;
+        let bytes = workspace_bytes(dev.arch);
+        // SAFETY: cuBLAS owns the workspace contents.
+        let ws = unsafe { dev.stream.alloc::<u8>(bytes) }
+            .map_err(|e| cuda_err("allocating the cuBLAS workspace", e))?;
+        let b = Blas {
+            handle,
+            _workspace: ws,
+        };
+        // SAFETY: live handle and stream.
+        unsafe { blas::set_stream(handle, dev.stream.cu_stream() as _) }
+            .map_err(|e| cuda_err("cublasSetStream", e))?;
+        let wp = b._workspace.device_ptr(&dev.stream).0;
+        // SAFETY: the workspace lives as long as the handle (both in `Blas`).
+        unsafe { bsys::cublasSetWorkspace_v2(handle, wp as *mut c_void, bytes) }
+            .result()
+            .map_err(|e| cuda_err("cublasSetWorkspace", e))?;
+        Ok(b)
+    }
+}
+
+fn to_i32(what: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid_arg("matmul", what, v, "at most 2^31-1 for cuBLAS"))
+}
+
+pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, d: &MatmulDims) -> Result<CudaStorage> {
+    let dtype = a.dtype();
+    let (dt, compute) = match dtype {
+        DType::F16 => (
+            bsys::cudaDataType_t::CUDA_R_16F,
+            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::BF16 => (
+            bsys::cudaDataType_t::CUDA_R_16BF,
+            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::F32 => (
+            bsys::cudaDataType_t::CUDA_R_32F,
+            if allow_tf32() {
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+            } else {
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+            },
+        ),
+        DType::F64 => (
+            bsys::cudaDataType_t::CUDA_R_64F,
+            bsys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+        ),
+        DType::I64 => {
+            return Err(Error::UnsupportedDType {
+                op: "matmul",
+                got: dtype,
+                expected: "a float dtype",
+            })
+        }
+    };
+    let (m, n, k, batch) = (d.m, d.n, d.k, d.batch);
+    let need_a = if batch == 0 {
+        0
+    } else {
+        (batch - 1) * d.a_batch_stride + m * k
+    };
+    let need_b = if batch == 0 {
+        0
+    } else {
+        (batch - 1) * d.b_batch_stride + k * n
+    };
+    if a.len() < need_a || b.len() < need_b {
+        return Err(Error::invalid_arg(
+            "matmul",
+            "dims",
+            format!("{d:?}"),
+            format!(
+                "operands of {} and {} elements are too small",
+                a.len(),
+                b.len()
+            ),
+        ));
+    }
+    let dev = a.dev.clone();
+    let out = CudaStorage::alloc(&dev, dtype, batch * m * n)?;
+    if batch * m * n == 0 {
+        return Ok(out);
+    }
+    if k == 0 {
+        super::ops::fill(&out, 0.0)?;
+        return Ok(out);
+    }
+    // Column-major view: C (m×n row-major) is Cᵀ (n×m col-major) = op(B)ᵀ · op(A)ᵀ.
+    let (ta, lda) = if d.trans_b {
+        (bsys::cublasOperation_t::CUBLAS_OP_T, k)
+    } else {
+        (bsys::cublasOperation_t::CUBLAS_OP_N, n)
+    };
+    let (tb, ldb) = if d.trans_a {
+        (bsys::cublasOperation_t::CUBLAS_OP_T, m)
+    } else {
+        (bsys::cublasOperation_t::CUBLAS_OP_N, k)
+    };
+    let (mi, ni, ki) = (to_i32("n", n)?, to_i32("m", m)?, to_i32("k", k)?);
+    let (ldai, ldbi, ldc) = (to_i32("lda", lda)?, to_i32("ldb", ldb)?, to_i32("n", n)?);
+    let batch_i = to_i32("batch", batch)?;
+    let (alpha32, beta32) = (1.0f32, 0.0f32);
+    let (alpha64, beta64) = (1.0f64, 0.0f64);
+    let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
+        (&alpha64 as *const f64 as _, &beta64 as *const f64 as _)
+    } else {
+        (&alpha32 as *const f32 as _, &beta32 as *const f32 as _)
+    };
+    let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        // A cuBLAS missing a symbol would panic inside cudarc: an error instead.
+        *guard = Some(super::probe::no_panic(
+            "creating the cuBLAS handle",
+            || Blas::new(&dev),
+        )?);
+    }
+    let h = guard
+        .as_ref()
+        .map(|b| b.handle)
+        .ok_or_else(|| Error::Cuda("cuBLAS handle".into()))?;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(|e| cuda_err("binding the context", e))?;
+    // SAFETY: pointers are live buffers of this device whose sizes were checked above against the
+    // strides and leading dimensions; alpha/beta live on this stack frame for the call.
+    unsafe {
+        blas::gemm_strided_batched_ex(
+            h,
+            ta,
+            tb,
+            mi,
+            ni,
+            ki,
+            alpha,
+            b.ptr() as *const c_void,
+            dt,
+            ldai,
+            d.b_batch_stride as i64,
+            a.ptr() as *const c_void,
+            dt,
+            ldbi,
+            d.a_batch_stride as i64,
+            beta,
+            out.ptr() as *mut c_void,
+            dt,
+            ldc,
+            (m * n) as i64,
+            batch_i,
+            compute,
+            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+        )
+    }
+    .map_err(|e| cuda_err(&format!("cublasGemmStridedBatchedEx {dtype} {d:?}"), e))?;
+    Ok(out)
+}

@@ -1,0 +1,1483 @@
+//! GPU tests: every CUDA op, forward and backward, in F32/F16/BF16, against the CPU backend on
+//! fresh random inputs, with outputs poisoned (NaN-filled) before each op so that unwritten
+//! elements fail. Ignored on CI (no GPU); run them on a GPU machine with
+//! `../shared/tools/gpu-stage` then `bash .gpu/run.sh cuda`.
+//!
+//! The error measure is ‖gpu − cpu‖ / ‖cpu‖ over all elements; any NaN/Inf where the reference
+//! is finite fails.
+
+use mixprec::backend::cpu::CpuStorage;
+use mixprec::backend::cuda::{set_poison_allocations, CudaStorage};
+use mixprec::backend::{
+    AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
+    Pool2dParams, ReduceOp, UnaryOp,
+};
+use mixprec::tensor::random;
+use mixprec::{DType, Device, Shape, Tensor};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Relative-error bound per dtype (elementwise-style ops).
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        DType::BF16 => 1.6e-2,
+        _ => 1e-12,
+    }
+}
+
+/// Bound for matmul/conv: f32 may go through other summation orders / algorithms.
+fn tol_gemm(d: DType) -> f64 {
+    match d {
+        DType::F32 => 1e-3,
+        other => tol(other),
+    }
+}
+
+fn gpu() {
+    set_poison_allocations(true);
+    Device::cuda(0).expect("these tests need a CUDA GPU");
+}
+
+/// A fresh seed per call, so every check draws new inputs.
+fn seed() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static S: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ S.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
+}
+
+fn randn(n: usize, d: DType) -> CpuStorage {
+    let v: Vec<f32> = random::normal(seed(), n, 0.0, 1.0)
+        .into_iter()
+        .map(|x| x as f32)
+        .collect();
+    CpuStorage::F32(v).to_dtype(d).unwrap()
+}
+
+/// Positive inputs in [lo, hi).
+fn randu(n: usize, lo: f64, hi: f64, d: DType) -> CpuStorage {
+    let v: Vec<f32> = random::uniform(seed(), n, lo, hi)
+        .into_iter()
+        .map(|x| x as f32)
+        .collect();
+    CpuStorage::F32(v).to_dtype(d).unwrap()
+}
+
+fn randi(n: usize, below: usize) -> CpuStorage {
+    CpuStorage::I64(
+        random::uniform(seed(), n, 0.0, below as f64)
+            .into_iter()
+            .map(|x| (x as i64).min(below as i64 - 1))
+            .collect(),
+    )
+}
+
+fn up(c: &CpuStorage) -> CudaStorage {
+    CudaStorage::from_cpu(c, 0).unwrap()
+}
+
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter().zip(want) {
+        if w.is_finite() && !g.is_finite() {
+            return f64::INFINITY;
+        }
+        if w.is_nan() && !g.is_nan() {
+            return f64::INFINITY;
+        }
+        if w.is_finite() {
+            num += (g - w) * (g - w);
+            den += w * w;
+        }
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+#[track_caller]
+fn check(what: &str, got: &CudaStorage, want: &CpuStorage, bound: f64) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    let g = got.to_cpu().unwrap().to_f64_vec();
+    let w = want.to_f64_vec();
+    let e = rel_err(&g, &w);
+    assert!(e <= bound, "{what}: relative error {e:e} > {bound:e}");
+}
+
+#[track_caller]
+fn check_exact(what: &str, got: &CudaStorage, want: &CpuStorage) {
+    assert_eq!(&got.to_cpu().unwrap(), want, "{what}");
+}
+
+// ---- device, fallback ---------------------------------------------------------------------
+
+/// Runs everywhere (CI included): `Device::cuda` answers with an error, never a panic, and the
+/// fallback agrees with it.
+#[test]
+fn cuda_device_is_an_error_or_a_device_never_a_panic() {
+    let r = Device::cuda(0);
+    let fallback = Device::cuda_if_available(0);
+    match r {
+        Ok(d) => assert_eq!(fallback, d),
+        Err(e) => {
+            let msg = e.to_string();
+            eprintln!("Device::cuda(0) here: {msg}");
+            assert!(msg.starts_with("cuda:"), "{msg}");
+            assert_eq!(fallback, Device::Cpu);
+            // A device that does not exist is an error too.
+            assert!(Device::cuda(1 << 20).is_err());
+        }
+    }
+    if std::env::var_os("MIXPREC_TEST_CUDA").is_none()
+        && !std::path::Path::new("/dev/nvidia0").exists()
+    {
+        assert!(
+            Device::cuda(0).is_err(),
+            "no GPU here, yet Device::cuda(0) succeeded"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_if_available_finds_the_gpu_and_rejects_a_missing_ordinal() {
+    assert_eq!(Device::cuda_if_available(0), Device::Cuda(0));
+    assert_eq!(Device::cuda_if_available(4096), Device::Cpu);
+    let e = Device::cuda(4096).unwrap_err().to_string();
+    assert!(e.contains("no CUDA device 4096"), "{e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_kernel_family_compiles() {
+    gpu();
+    let dev = mixprec::backend::cuda::device(0).unwrap();
+    if let Err(e) = dev.compile_all() {
+        panic!("{e}");
+    }
+    // With MIXPREC_KERNEL_CACHE set (as the GPU run does), the cubins are on disk for next time.
+    if let Some(dir) = std::env::var_os("MIXPREC_KERNEL_CACHE") {
+        let files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".cubin"))
+            .collect();
+        for fam in [
+            "cast",
+            "elementwise",
+            "reduce",
+            "index",
+            "layout",
+            "softmax",
+            "batch_norm",
+            "pool",
+        ] {
+            assert!(
+                files.iter().any(|f| f.starts_with(&format!("{fam}-sm"))),
+                "no cached cubin for {fam} in {files:?}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn round_trip_and_fill() {
+    gpu();
+    for d in [DType::F16, DType::BF16, DType::F32, DType::F64, DType::I64] {
+        for n in [0, 1, 7, 4099] {
+            let c = CpuStorage::F32((0..n).map(|i| i as f32 * 0.37 - 5.0).collect())
+                .to_dtype(d)
+                .unwrap();
+            check_exact(&format!("round trip {d} {n}"), &up(&c), &c);
+            let f = CudaStorage::full(0, d, n, 0.3).unwrap();
+            check_exact(&format!("full {d} {n}"), &f, &CpuStorage::full(d, n, 0.3));
+        }
+    }
+}
+
+// ---- cast ---------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cast_every_pair() {
+    gpu();
+    let all = [DType::F16, DType::BF16, DType::F32, DType::F64, DType::I64];
+    for &src in &all {
+        for &dst in &all {
+            for n in [5, 1 << 20 | 3] {
+                let x = if src == DType::I64 {
+                    randi(n, 1000)
+                } else {
+                    let v = randn(n, DType::F32).to_dtype(DType::F32).unwrap();
+                    // Spread values over a wide range so i64 truncation is exercised.
+                    let v = v.affine(100.0, 0.0).unwrap();
+                    v.to_dtype(src).unwrap()
+                };
+                let want = x.to_dtype(dst).unwrap();
+                let got = up(&x).to_dtype(dst).unwrap();
+                // Single-rounding paths are bit-exact; f64 → bf16 may double-round by one ulp.
+                check(
+                    &format!("cast {src}->{dst} n={n}"),
+                    &got,
+                    &want,
+                    tol(dst).min(1e-2) * 0.5,
+                );
+            }
+        }
+    }
+}
+
+// ---- elementwise --------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn unary_affine_powf() {
+    gpu();
+    let ops = [
+        UnaryOp::Neg,
+        UnaryOp::Relu,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Sqr,
+        UnaryOp::Abs,
+    ];
+    for d in DTYPES {
+        for n in [1, 13, 1_000_003] {
+            for op in ops {
+                let x = match op {
+                    UnaryOp::Log | UnaryOp::Sqrt => randu(n, 0.1, 4.0, d),
+                    _ => randn(n, d),
+                };
+                let got = up(&x).unary(op).unwrap();
+                check(
+                    &format!("{} {d} n={n}", op.name()),
+                    &got,
+                    &x.unary(op).unwrap(),
+                    tol(d),
+                );
+            }
+            let x = randn(n, d);
+            check(
+                &format!("affine {d}"),
+                &up(&x).affine(0.75, -1.25).unwrap(),
+                &x.affine(0.75, -1.25).unwrap(),
+                tol(d),
+            );
+            let x = randu(n, 0.1, 3.0, d);
+            for e in [2.5, -1.5, 0.5] {
+                check(
+                    &format!("powf {e} {d}"),
+                    &up(&x).powf(e).unwrap(),
+                    &x.powf(e).unwrap(),
+                    tol(d) * 4.0,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn binary_same_shape_and_broadcast() {
+    gpu();
+    let ops = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Maximum,
+        BinaryOp::Minimum,
+    ];
+    let cases: Vec<(Vec<usize>, Vec<usize>)> = vec![
+        (vec![1_000_003], vec![1_000_003]),
+        (vec![3, 5], vec![3, 5]),
+        (vec![4, 1, 5], vec![3, 1]),
+        (vec![2, 3], vec![]),
+        (vec![], vec![7]),
+        (vec![8, 16, 9, 9], vec![16, 1, 1]),
+        (vec![2, 1, 3, 1, 2, 1, 2], vec![2, 1, 3, 1, 2, 1]),
+    ];
+    for d in DTYPES {
+        for (sa, sb) in &cases {
+            let (sa, sb) = (Shape::new(sa.clone()), Shape::new(sb.clone()));
+            let out = sa.broadcast_with("test", &sb).unwrap();
+            let a = randn(sa.elem_count(), d);
+            // Keep divisors away from zero.
+            let b = randu(sb.elem_count(), 0.5, 2.0, d);
+            for op in ops {
+                let want = a.binary(&b, op, &sa, &sb, &out).unwrap();
+                let got = up(&a).binary(&up(&b), op, &sa, &sb, &out).unwrap();
+                check(
+                    &format!("{} {d} {sa:?} {sb:?}", op.name()),
+                    &got,
+                    &want,
+                    tol(d),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn relu_backward_and_broadcast_to() {
+    gpu();
+    for d in DTYPES {
+        let n = 100_003;
+        let (g, x) = (randn(n, d), randn(n, d));
+        check(
+            &format!("relu_backward {d}"),
+            &up(&g).relu_backward(&up(&x)).unwrap(),
+            &g.relu_backward(&x).unwrap(),
+            tol(d),
+        );
+        for (s, t) in [
+            (vec![3, 1], vec![2, 3, 4]),
+            (vec![], vec![5]),
+            (vec![1, 4], vec![6, 4]),
+        ] {
+            let (s, t) = (Shape::new(s), Shape::new(t));
+            let x = randn(s.elem_count(), d);
+            check_exact(
+                &format!("broadcast_to {d}"),
+                &up(&x).broadcast_to(&s, &t).unwrap(),
+                &x.broadcast_to(&s, &t).unwrap(),
+            );
+        }
+    }
+}
+
+// ---- reductions, index --------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn reduce_sum_max_min() {
+    gpu();
+    let splits = [
+        (1, 1_000_000, 1),
+        (64, 1000, 1),
+        (8, 100, 37),
+        (3, 1, 5),
+        (1, 7, 1),
+        (2, 5000, 300),
+    ];
+    for d in DTYPES {
+        for split in splits {
+            let x = randn(split.0 * split.1 * split.2, d);
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                let want = x.reduce(op, split).unwrap();
+                let got = up(&x).reduce(op, split).unwrap();
+                // Sums of n normals: the f32 accumulation order differs, the rounding once.
+                // (The CPU's sequential f32 sum of 10^6 terms is itself off by ~1e-5.)
+                let b = if op == ReduceOp::Sum {
+                    tol(d).max(1e-4)
+                } else {
+                    0.0
+                };
+                check(&format!("reduce {op:?} {d} {split:?}"), &got, &want, b);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn argmax_first_maximum() {
+    gpu();
+    for d in DTYPES {
+        for split in [(64, 1000, 1), (8, 10, 37), (1, 100_000, 1)] {
+            let x = randn(split.0 * split.1 * split.2, d);
+            let got = up(&x).argmax(split).unwrap().to_cpu().unwrap();
+            let want = x.argmax(split).unwrap();
+            if d == DType::F32 {
+                assert_eq!(got, want, "argmax {d} {split:?}");
+            } else {
+                // Half types tie more often: the values at the chosen positions must agree.
+                let (gi, wi) = (got.to_f64_vec(), want.to_f64_vec());
+                let xv = x.to_f64_vec();
+                let (_, len, inner) = split;
+                for k in 0..gi.len() {
+                    let (o, i) = (k / inner, k % inner);
+                    let at = |j: f64| xv[(o * len + j as usize) * inner + i];
+                    assert_eq!(at(gi[k]), at(wi[k]), "argmax {d} {split:?} lane {k}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gather_and_scatter_add() {
+    gpu();
+    for d in DTYPES {
+        for (outer, len, inner, idx_len) in [(128, 10, 1, 1), (4, 7, 33, 11), (2, 3, 1000, 50)] {
+            let x = randn(outer * len * inner, d);
+            let idx = randi(outer * idx_len * inner, len);
+            check_exact(
+                &format!("gather {d}"),
+                &up(&x)
+                    .gather(&up(&idx), (outer, len, inner), idx_len)
+                    .unwrap(),
+                &x.gather(&idx, (outer, len, inner), idx_len).unwrap(),
+            );
+            let g = randn(outer * idx_len * inner, d);
+            check(
+                &format!("scatter_add {d}"),
+                &up(&g)
+                    .scatter_add(&up(&idx), (outer, len, inner), idx_len)
+                    .unwrap(),
+                &g.scatter_add(&idx, (outer, len, inner), idx_len).unwrap(),
+                tol(d),
+            );
+        }
+        // Out-of-range indices are an error, not a crash.
+        let x = randn(20, d);
+        let bad = CpuStorage::I64(vec![0, 3, 10, 1]);
+        assert!(up(&x).gather(&up(&bad), (2, 10, 1), 2).is_err());
+        let g = randn(4, d);
+        assert!(up(&g).scatter_add(&up(&bad), (2, 10, 1), 2).is_err());
+        let neg = CpuStorage::I64(vec![0, -1, 2, 1]);
+        assert!(up(&x).gather(&up(&neg), (2, 10, 1), 2).is_err());
+    }
+    // i64 gathers too (labels).
+    let x = randi(50, 1000);
+    let idx = randi(20, 10);
+    check_exact(
+        "gather i64",
+        &up(&x).gather(&up(&idx), (5, 10, 1), 4).unwrap(),
+        &x.gather(&idx, (5, 10, 1), 4).unwrap(),
+    );
+}
+
+// ---- layout -------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn permute_narrow_cat() {
+    gpu();
+    for d in [DType::F32, DType::F16, DType::BF16, DType::F64, DType::I64] {
+        let mk = |n: usize| {
+            if d == DType::I64 {
+                randi(n, 1 << 20)
+            } else {
+                randn(n, d)
+            }
+        };
+        for (dims, perm) in [
+            (vec![2, 3, 4], vec![2, 0, 1]),
+            (vec![16, 32, 7, 5], vec![0, 2, 3, 1]),
+            (vec![5], vec![0]),
+            (vec![64, 129], vec![1, 0]),
+        ] {
+            let s = Shape::new(dims);
+            let x = mk(s.elem_count());
+            check_exact(
+                &format!("permute {d} {s:?} {perm:?}"),
+                &up(&x).permute(&s, &perm).unwrap(),
+                &x.permute(&s, &perm).unwrap(),
+            );
+        }
+        let x = mk(6 * 10 * 7);
+        for (start, count) in [(0, 10), (3, 4), (9, 1), (5, 0)] {
+            check_exact(
+                &format!("narrow {d} {start} {count}"),
+                &up(&x).narrow((6, 10, 7), start, count).unwrap(),
+                &x.narrow((6, 10, 7), start, count).unwrap(),
+            );
+        }
+        assert!(up(&x).narrow((6, 10, 7), 8, 3).is_err());
+        let lens = [3usize, 1, 5];
+        let parts: Vec<CpuStorage> = lens.iter().map(|&l| mk(4 * l * 9)).collect();
+        let gparts: Vec<CudaStorage> = parts.iter().map(up).collect();
+        let cref: Vec<&CpuStorage> = parts.iter().collect();
+        let gref: Vec<&CudaStorage> = gparts.iter().collect();
+        check_exact(
+            &format!("cat {d}"),
+            &CudaStorage::cat(&gref, 4, &lens, 9).unwrap(),
+            &CpuStorage::cat(&cref, 4, &lens, 9).unwrap(),
+        );
+    }
+}
+
+// ---- matmul -------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matmul_all_layouts() {
+    gpu();
+    for d in DTYPES {
+        for &(batch, m, n, k) in &[
+            (1, 64, 48, 32),
+            (3, 17, 9, 33),
+            (2, 128, 256, 512),
+            (1, 1, 1, 1),
+            (2, 5, 7, 0),
+        ] {
+            for trans_a in [false, true] {
+                for trans_b in [false, true] {
+                    for bcast_b in [false, true] {
+                        let dims = MatmulDims {
+                            batch,
+                            m,
+                            n,
+                            k,
+                            trans_a,
+                            trans_b,
+                            a_batch_stride: m * k,
+                            b_batch_stride: if bcast_b { 0 } else { k * n },
+                        };
+                        let a = randn(batch * m * k, d);
+                        let b = randn(if bcast_b { k * n } else { batch * k * n }, d);
+                        let want = a.matmul(&b, &dims).unwrap();
+                        let got = up(&a).matmul(&up(&b), &dims).unwrap();
+                        check(&format!("matmul {d} {dims:?}"), &got, &want, tol_gemm(d));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matmul_tf32_switch() {
+    gpu();
+    let dims = MatmulDims {
+        batch: 1,
+        m: 256,
+        n: 256,
+        k: 1024,
+        trans_a: false,
+        trans_b: false,
+        a_batch_stride: 256 * 1024,
+        b_batch_stride: 1024 * 256,
+    };
+    let (a, b) = (randn(256 * 1024, DType::F32), randn(1024 * 256, DType::F32));
+    let want = a.matmul(&b, &dims).unwrap();
+    mixprec::backend::cuda::set_allow_tf32(false);
+    check(
+        "matmul f32 strict",
+        &up(&a).matmul(&up(&b), &dims).unwrap(),
+        &want,
+        1e-5,
+    );
+    mixprec::backend::cuda::set_allow_tf32(true);
+    check(
+        "matmul tf32",
+        &up(&a).matmul(&up(&b), &dims).unwrap(),
+        &want,
+        2e-3,
+    );
+    mixprec::backend::cuda::set_allow_tf32(false);
+}
+
+// ---- softmax ------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn softmax_and_log_softmax_fwd_bwd() {
+    gpu();
+    for d in DTYPES {
+        for split in [(256, 10, 1), (4, 5000, 1), (8, 33, 17), (1, 1, 1)] {
+            let n = split.0 * split.1 * split.2;
+            let x = randn(n, d).affine(3.0, 0.0).unwrap();
+            for log in [false, true] {
+                let y = x.softmax(split, log).unwrap();
+                let gy = up(&x).softmax(split, log).unwrap();
+                check(&format!("softmax log={log} {d} {split:?}"), &gy, &y, tol(d));
+                let g = randn(n, d);
+                // Feed the same y to both so only the backward kernel is compared.
+                let want = g.softmax_backward(&y, split, log).unwrap();
+                let got = up(&g).softmax_backward(&up(&y), split, log).unwrap();
+                check(
+                    &format!("softmax_backward log={log} {d} {split:?}"),
+                    &got,
+                    &want,
+                    tol(d) * 2.0,
+                );
+            }
+        }
+    }
+}
+
+// ---- batch norm, pooling, conv (CPU references arrive with the conv/pool/bn branch) ---------
+
+fn f32s(c: &CpuStorage) -> CpuStorage {
+    c.to_dtype(DType::F32).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_norm_train_and_backward() {
+    gpu();
+    for d in DTYPES {
+        // (Not 2 values per channel: there dx is eps-sized cancellation, no test of anything.)
+        for (n, c, spatial) in [(8, 16, 49), (6, 3, 1), (32, 4, 1024)] {
+            let p = BatchNormParams {
+                n,
+                c,
+                spatial,
+                eps: 1e-5,
+                momentum: 0.1,
+            };
+            let x = randn(n * c * spatial, d).affine(2.0, 0.5).unwrap();
+            let (w, b) = (f32s(&randn(c, DType::F32)), f32s(&randn(c, DType::F32)));
+            let (mut rm, mut rv) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+            let (mut grm, mut grv) = (up(&rm), up(&rv));
+            let (y, mean, invstd) = x.batch_norm_train(&w, &b, &mut rm, &mut rv, &p).unwrap();
+            let (gy, gmean, ginvstd) = up(&x)
+                .batch_norm_train(&up(&w), &up(&b), &mut grm, &mut grv, &p)
+                .unwrap();
+            let what = format!("batch_norm {d} {n}x{c}x{spatial}");
+            check(&format!("{what} y"), &gy, &y, tol(d) * 2.0);
+            check(&format!("{what} mean"), &gmean, &mean, 1e-4);
+            check(&format!("{what} invstd"), &ginvstd, &invstd, 1e-4);
+            check(&format!("{what} running_mean"), &grm, &rm, 1e-4);
+            check(&format!("{what} running_var"), &grv, &rv, 1e-4);
+            let g = randn(n * c * spatial, d);
+            let (dx, dw, db) = g.batch_norm_backward(&x, &w, &mean, &invstd, &p).unwrap();
+            let (gdx, gdw, gdb) = up(&g)
+                .batch_norm_backward(&up(&x), &up(&w), &up(&mean), &up(&invstd), &p)
+                .unwrap();
+            check(&format!("{what} dx"), &gdx, &dx, tol(d) * 4.0);
+            check(&format!("{what} dw"), &gdw, &dw, 1e-4);
+            check(&format!("{what} db"), &gdb, &db, 1e-4);
+        }
+    }
+}
+
+fn pool_cases() -> Vec<Pool2dParams> {
+    let mk =
+        |n, c, h, w, k: (usize, usize), s: (usize, usize), pd: (usize, usize), cip| Pool2dParams {
+            n,
+            c,
+            h,
+            w,
+            kh: k.0,
+            kw: k.1,
+            stride: s,
+            padding: pd,
+            count_include_pad: cip,
+        };
+    vec![
+        mk(2, 3, 8, 8, (2, 2), (2, 2), (0, 0), true),
+        mk(2, 4, 9, 7, (3, 3), (2, 2), (1, 1), true),
+        mk(1, 2, 10, 10, (3, 3), (1, 1), (1, 1), false),
+        mk(4, 8, 32, 32, (3, 3), (2, 2), (1, 1), true),
+        mk(1, 1, 5, 6, (2, 3), (1, 2), (1, 0), false),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn max_pool_fwd_bwd() {
+    gpu();
+    for d in DTYPES {
+        for p in pool_cases() {
+            let x = randn(p.n * p.c * p.h * p.w, d);
+            let (y, idx) = x.max_pool2d(&p).unwrap();
+            let (gy, gidx) = up(&x).max_pool2d(&p).unwrap();
+            check(&format!("max_pool2d {d} {p:?}"), &gy, &y, 0.0);
+            if d == DType::F32 {
+                check_exact(&format!("max_pool2d argmax {p:?}"), &gidx, &idx);
+            }
+            let g = randn(y.len(), d);
+            // The same argmax for both, so ties in half types cannot move gradients.
+            let want = g.max_pool2d_backward(&idx, &p).unwrap();
+            let got = up(&g).max_pool2d_backward(&up(&idx), &p).unwrap();
+            check(
+                &format!("max_pool2d_backward {d} {p:?}"),
+                &got,
+                &want,
+                tol(d),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn avg_and_adaptive_pool_fwd_bwd() {
+    gpu();
+    for d in DTYPES {
+        for p in pool_cases() {
+            let x = randn(p.n * p.c * p.h * p.w, d);
+            let y = x.avg_pool2d(&p).unwrap();
+            check(
+                &format!("avg_pool2d {d} {p:?}"),
+                &up(&x).avg_pool2d(&p).unwrap(),
+                &y,
+                tol(d),
+            );
+            let g = randn(y.len(), d);
+            check(
+                &format!("avg_pool2d_backward {d} {p:?}"),
+                &up(&g).avg_pool2d_backward(&p).unwrap(),
+                &g.avg_pool2d_backward(&p).unwrap(),
+                tol(d),
+            );
+        }
+        for (h, w, oh, ow) in [(7, 7, 1, 1), (10, 9, 3, 4), (5, 5, 5, 5), (4, 4, 6, 3)] {
+            let p = AdaptivePoolParams {
+                n: 2,
+                c: 3,
+                h,
+                w,
+                out_h: oh,
+                out_w: ow,
+            };
+            let x = randn(2 * 3 * h * w, d);
+            check(
+                &format!("adaptive_avg_pool2d {d} {p:?}"),
+                &up(&x).adaptive_avg_pool2d(&p).unwrap(),
+                &x.adaptive_avg_pool2d(&p).unwrap(),
+                tol(d),
+            );
+            let g = randn(2 * 3 * oh * ow, d);
+            check(
+                &format!("adaptive_avg_pool2d_backward {d} {p:?}"),
+                &up(&g).adaptive_avg_pool2d_backward(&p).unwrap(),
+                &g.adaptive_avg_pool2d_backward(&p).unwrap(),
+                tol(d),
+            );
+        }
+    }
+}
+
+fn conv_cases() -> Vec<Conv2dParams> {
+    let mk = |n, c_in, h, w, c_out, k, stride, padding, dilation, groups| Conv2dParams {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh: k,
+        kw: k,
+        stride: (stride, stride),
+        padding: (padding, padding),
+        dilation: (dilation, dilation),
+        groups,
+    };
+    vec![
+        mk(2, 3, 16, 16, 8, 3, 1, 1, 1, 1),
+        mk(2, 8, 15, 15, 16, 3, 2, 1, 1, 1),
+        mk(1, 4, 9, 9, 6, 1, 1, 0, 1, 2),
+        mk(2, 8, 12, 12, 8, 3, 1, 2, 2, 4),
+        mk(4, 64, 14, 14, 64, 3, 1, 1, 1, 1),
+        mk(2, 3, 32, 32, 16, 7, 2, 3, 1, 1),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv2d_fwd_bwd_data_bwd_filter() {
+    gpu();
+    for d in DTYPES {
+        for p in conv_cases() {
+            let x = randn(p.n * p.c_in * p.h * p.w, d);
+            let w = randn(p.c_out * (p.c_in / p.groups) * p.kh * p.kw, d)
+                .affine(0.2, 0.0)
+                .unwrap();
+            let y = x.conv2d(&w, &p).unwrap();
+            check(
+                &format!("conv2d {d} {p:?}"),
+                &up(&x).conv2d(&up(&w), &p).unwrap(),
+                &y,
+                tol_gemm(d),
+            );
+            let g = randn(y.len(), d);
+            check(
+                &format!("conv2d_backward_input {d} {p:?}"),
+                &up(&g).conv2d_backward_input(&up(&w), &p).unwrap(),
+                &g.conv2d_backward_input(&w, &p).unwrap(),
+                tol_gemm(d),
+            );
+            check(
+                &format!("conv2d_backward_weight {d} {p:?}"),
+                &up(&g).conv2d_backward_weight(&up(&x), &p).unwrap(),
+                &g.conv2d_backward_weight(&x, &p).unwrap(),
+                tol_gemm(d) * 2.0,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_geometry_is_an_error() {
+    gpu();
+    let x = up(&randn(16, DType::F32));
+    let w = up(&randn(9, DType::F32));
+    let p = Conv2dParams {
+        n: 1,
+        c_in: 1,
+        h: 2,
+        w: 2,
+        c_out: 1,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        padding: (0, 0),
+        dilation: (1, 1),
+        groups: 1,
+    };
+    assert!(x.conv2d(&w, &p).is_err());
+    let y = up(&randn(6, DType::F16));
+    assert!(x
+        .binary(
+            &y,
+            BinaryOp::Add,
+            &Shape::new(vec![16]),
+            &Shape::new(vec![6]),
+            &Shape::new(vec![16])
+        )
+        .is_err());
+}
+
+// ---- the tensor layer: autograd through the GPU backend -----------------------------------
+
+/// A two-layer MLP with log-softmax + gather (cross-entropy): forward and backward on the GPU
+/// against the CPU, every dtype.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn mlp_forward_backward_matches_cpu() {
+    gpu();
+    for d in DTYPES {
+        let run = |dev: Device, s: [u64; 4]| -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+            let x = Tensor::randn(vec![32, 20], 0.0, 1.0, s[0], d, dev).unwrap();
+            let w1 = Tensor::randn(vec![64, 20], 0.0, 0.2, s[1], d, dev)
+                .unwrap()
+                .to_variable();
+            let w2 = Tensor::randn(vec![10, 64], 0.0, 0.2, s[2], d, dev)
+                .unwrap()
+                .to_variable();
+            let b1 = Tensor::zeros(vec![64], d, dev).unwrap().to_variable();
+            let labels: Vec<i64> = (0..32)
+                .map(|i| ((s[3] as usize + i * 7) % 10) as i64)
+                .collect();
+            let y = Tensor::from_vec(labels, vec![32, 1], dev).unwrap();
+            let h = x.linear(&w1, Some(&b1)).unwrap().relu().unwrap();
+            let logits = h.linear(&w2, None).unwrap();
+            let lp = logits.to_dtype(DType::F32).unwrap().log_softmax(1).unwrap();
+            let loss = lp.gather(1, &y).unwrap().mean_all().unwrap().neg().unwrap();
+            loss.backward().unwrap();
+            (
+                loss.to_vec_f64().unwrap(),
+                w1.grad().unwrap().to_vec_f64().unwrap(),
+                w2.grad().unwrap().to_vec_f64().unwrap(),
+            )
+        };
+        let s = [seed(), seed(), seed(), seed() % 1000];
+        let (lc, g1c, g2c) = run(Device::Cpu, s);
+        let (lg, g1g, g2g) = run(Device::Cuda(0), s);
+        let b = tol_gemm(d) * 4.0;
+        assert!(rel_err(&lg, &lc) <= b, "mlp loss {d}: {lg:?} vs {lc:?}");
+        assert!(
+            rel_err(&g1g, &g1c) <= b,
+            "mlp grad w1 {d}: {:e}",
+            rel_err(&g1g, &g1c)
+        );
+        assert!(
+            rel_err(&g2g, &g2c) <= b,
+            "mlp grad w2 {d}: {:e}",
+            rel_err(&g2g, &g2c)
+        );
+    }
+}
+
+// ---- conv / pool / batch norm against naive f64 references ---------------------------------
+// These run before the CPU kernels of the other branch exist: a plain loop in f64 over the same
+// (dtype-rounded) inputs, per PyTorch's definitions.
+
+mod naive {
+    use mixprec::backend::{AdaptivePoolParams, Conv2dParams, Pool2dParams};
+
+    fn conv_loop(p: &Conv2dParams, mut f: impl FnMut(usize, usize, usize, usize)) {
+        // f(x index, w index, y index, _) for every contributing triple.
+        let (oh, ow) = (p.out_h(), p.out_w());
+        let cig = p.c_in / p.groups;
+        let cog = p.c_out / p.groups;
+        for n in 0..p.n {
+            for co in 0..p.c_out {
+                let g = co / cog;
+                for y in 0..oh {
+                    for x in 0..ow {
+                        let yi = ((n * p.c_out + co) * oh + y) * ow + x;
+                        for ci in 0..cig {
+                            for i in 0..p.kh {
+                                let ih = (y * p.stride.0 + i * p.dilation.0) as isize
+                                    - p.padding.0 as isize;
+                                if ih < 0 || ih >= p.h as isize {
+                                    continue;
+                                }
+                                for j in 0..p.kw {
+                                    let iw = (x * p.stride.1 + j * p.dilation.1) as isize
+                                        - p.padding.1 as isize;
+                                    if iw < 0 || iw >= p.w as isize {
+                                        continue;
+                                    }
+                                    let xi = ((n * p.c_in + g * cig + ci) * p.h + ih as usize)
+                                        * p.w
+                                        + iw as usize;
+                                    let wi = ((co * cig + ci) * p.kh + i) * p.kw + j;
+                                    f(xi, wi, yi, 0);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn conv(x: &[f64], w: &[f64], p: &Conv2dParams) -> Vec<f64> {
+        let mut y = vec![0.0; p.n * p.c_out * p.out_h() * p.out_w()];
+        conv_loop(p, |xi, wi, yi, _| y[yi] += x[xi] * w[wi]);
+        y
+    }
+
+    pub fn conv_bwd_input(g: &[f64], w: &[f64], p: &Conv2dParams) -> Vec<f64> {
+        let mut dx = vec![0.0; p.n * p.c_in * p.h * p.w];
+        conv_loop(p, |xi, wi, yi, _| dx[xi] += g[yi] * w[wi]);
+        dx
+    }
+
+    pub fn conv_bwd_weight(g: &[f64], x: &[f64], p: &Conv2dParams) -> Vec<f64> {
+        let mut dw = vec![0.0; p.c_out * (p.c_in / p.groups) * p.kh * p.kw];
+        conv_loop(p, |xi, wi, yi, _| dw[wi] += g[yi] * x[xi]);
+        dw
+    }
+
+    /// Visits each output cell with the in-bounds input cells of its window.
+    fn windows(p: &Pool2dParams, mut f: impl FnMut(usize, usize, usize, &[usize])) {
+        let (oh, ow) = (p.out_h(), p.out_w());
+        for nc in 0..p.n * p.c {
+            for y in 0..oh {
+                for x in 0..ow {
+                    let mut cells = Vec::new();
+                    for i in 0..p.kh {
+                        let ih = (y * p.stride.0 + i) as isize - p.padding.0 as isize;
+                        for j in 0..p.kw {
+                            let iw = (x * p.stride.1 + j) as isize - p.padding.1 as isize;
+                            if ih >= 0 && ih < p.h as isize && iw >= 0 && iw < p.w as isize {
+                                cells.push(ih as usize * p.w + iw as usize);
+                            }
+                        }
+                    }
+                    f(nc, y, x, &cells);
+                }
+            }
+        }
+    }
+
+    fn divisor(p: &Pool2dParams, y: usize, x: usize, valid: usize) -> f64 {
+        if !p.count_include_pad {
+            return valid as f64;
+        }
+        let hs = (y * p.stride.0) as isize - p.padding.0 as isize;
+        let ws = (x * p.stride.1) as isize - p.padding.1 as isize;
+        let he = (hs + p.kh as isize).min((p.h + p.padding.0) as isize);
+        let we = (ws + p.kw as isize).min((p.w + p.padding.1) as isize);
+        ((he - hs) * (we - ws)) as f64
+    }
+
+    pub fn max_pool(x: &[f64], p: &Pool2dParams) -> (Vec<f64>, Vec<i64>) {
+        let (mut y, mut idx) = (Vec::new(), Vec::new());
+        windows(p, |nc, _, _, cells| {
+            let plane = &x[nc * p.h * p.w..];
+            let mut best = cells[0];
+            for &c in cells {
+                if plane[c] > plane[best] {
+                    best = c;
+                }
+            }
+            y.push(plane[best]);
+            idx.push(best as i64);
+        });
+        (y, idx)
+    }
+
+    pub fn max_pool_bwd(g: &[f64], idx: &[i64], p: &Pool2dParams) -> Vec<f64> {
+        let mut dx = vec![0.0; p.n * p.c * p.h * p.w];
+        let per = p.out_h() * p.out_w();
+        for (k, (&gv, &i)) in g.iter().zip(idx).enumerate() {
+            dx[(k / per) * p.h * p.w + i as usize] += gv;
+        }
+        dx
+    }
+
+    pub fn avg_pool(x: &[f64], p: &Pool2dParams) -> Vec<f64> {
+        let mut y = Vec::new();
+        windows(p, |nc, oy, ox, cells| {
+            let plane = &x[nc * p.h * p.w..];
+            let s: f64 = cells.iter().map(|&c| plane[c]).sum();
+            y.push(s / divisor(p, oy, ox, cells.len()));
+        });
+        y
+    }
+
+    pub fn avg_pool_bwd(g: &[f64], p: &Pool2dParams) -> Vec<f64> {
+        let mut dx = vec![0.0; p.n * p.c * p.h * p.w];
+        let mut k = 0;
+        windows(p, |nc, oy, ox, cells| {
+            let d = divisor(p, oy, ox, cells.len());
+            for &c in cells {
+                dx[nc * p.h * p.w + c] += g[k] / d;
+            }
+            k += 1;
+        });
+        dx
+    }
+
+    fn ranges(i: usize, input: usize, out: usize) -> std::ops::Range<usize> {
+        (i * input / out)..((i + 1) * input).div_ceil(out)
+    }
+
+    pub fn adaptive(x: &[f64], p: &AdaptivePoolParams) -> Vec<f64> {
+        let mut y = Vec::new();
+        for nc in 0..p.n * p.c {
+            for oy in 0..p.out_h {
+                for ox in 0..p.out_w {
+                    let (rh, rw) = (ranges(oy, p.h, p.out_h), ranges(ox, p.w, p.out_w));
+                    let cnt = (rh.len() * rw.len()) as f64;
+                    let mut s = 0.0;
+                    for ih in rh {
+                        for iw in rw.clone() {
+                            s += x[(nc * p.h + ih) * p.w + iw];
+                        }
+                    }
+                    y.push(s / cnt);
+                }
+            }
+        }
+        y
+    }
+
+    pub fn adaptive_bwd(g: &[f64], p: &AdaptivePoolParams) -> Vec<f64> {
+        let mut dx = vec![0.0; p.n * p.c * p.h * p.w];
+        let mut k = 0;
+        for nc in 0..p.n * p.c {
+            for oy in 0..p.out_h {
+                for ox in 0..p.out_w {
+                    let (rh, rw) = (ranges(oy, p.h, p.out_h), ranges(ox, p.w, p.out_w));
+                    let cnt = (rh.len() * rw.len()) as f64;
+                    for ih in rh {
+                        for iw in rw.clone() {
+                            dx[(nc * p.h + ih) * p.w + iw] += g[k] / cnt;
+                        }
+                    }
+                    k += 1;
+                }
+            }
+        }
+        dx
+    }
+
+    /// (y, mean, invstd, running_mean', running_var')
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    pub fn bn(
+        x: &[f64],
+        w: &[f64],
+        b: &[f64],
+        rm: &[f64],
+        rv: &[f64],
+        (n, c, sp): (usize, usize, usize),
+        eps: f64,
+        mom: f64,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let m = (n * sp) as f64;
+        let at = |i: usize, ch: usize, s: usize| (i * c + ch) * sp + s;
+        let mut y = vec![0.0; x.len()];
+        let (mut mean, mut invstd, mut rm2, mut rv2) =
+            (vec![0.0; c], vec![0.0; c], rm.to_vec(), rv.to_vec());
+        for ch in 0..c {
+            let mut s = 0.0;
+            for i in 0..n {
+                for k in 0..sp {
+                    s += x[at(i, ch, k)];
+                }
+            }
+            let mu = s / m;
+            let mut v = 0.0;
+            for i in 0..n {
+                for k in 0..sp {
+                    v += (x[at(i, ch, k)] - mu).powi(2);
+                }
+            }
+            let var = v / m;
+            let is = 1.0 / (var + eps).sqrt();
+            for i in 0..n {
+                for k in 0..sp {
+                    y[at(i, ch, k)] = (x[at(i, ch, k)] - mu) * is * w[ch] + b[ch];
+                }
+            }
+            mean[ch] = mu;
+            invstd[ch] = is;
+            rm2[ch] = (1.0 - mom) * rm[ch] + mom * mu;
+            rv2[ch] = (1.0 - mom) * rv[ch] + mom * if m > 1.0 { v / (m - 1.0) } else { var };
+        }
+        (y, mean, invstd, rm2, rv2)
+    }
+
+    /// (dx, dw, db)
+    pub fn bn_bwd(
+        g: &[f64],
+        x: &[f64],
+        w: &[f64],
+        mean: &[f64],
+        invstd: &[f64],
+        (n, c, sp): (usize, usize, usize),
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let m = (n * sp) as f64;
+        let at = |i: usize, ch: usize, s: usize| (i * c + ch) * sp + s;
+        let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; c], vec![0.0; c]);
+        for ch in 0..c {
+            let (mut sg, mut sgx) = (0.0, 0.0);
+            for i in 0..n {
+                for k in 0..sp {
+                    let j = at(i, ch, k);
+                    sg += g[j];
+                    sgx += g[j] * (x[j] - mean[ch]) * invstd[ch];
+                }
+            }
+            for i in 0..n {
+                for k in 0..sp {
+                    let j = at(i, ch, k);
+                    let xh = (x[j] - mean[ch]) * invstd[ch];
+                    dx[j] = w[ch] * invstd[ch] / m * (m * g[j] - sg - xh * sgx);
+                }
+            }
+            dw[ch] = sgx;
+            db[ch] = sg;
+        }
+        (dx, dw, db)
+    }
+}
+
+#[track_caller]
+fn check_f64(what: &str, got: &CudaStorage, want: &[f64], bound: f64) {
+    let g = got.to_cpu().unwrap().to_f64_vec();
+    let e = rel_err(&g, want);
+    assert!(
+        e <= bound,
+        "{what}: relative error {e:e} > {bound:e} (vs naive f64)"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv2d_vs_naive() {
+    gpu();
+    for d in DTYPES {
+        for p in conv_cases() {
+            let x = randn(p.n * p.c_in * p.h * p.w, d);
+            let w = randn(p.c_out * (p.c_in / p.groups) * p.kh * p.kw, d);
+            let (xf, wf) = (x.to_f64_vec(), w.to_f64_vec());
+            let y = naive::conv(&xf, &wf, &p);
+            check_f64(
+                &format!("conv2d {d} {p:?}"),
+                &up(&x).conv2d(&up(&w), &p).unwrap(),
+                &y,
+                tol_gemm(d),
+            );
+            let g = randn(y.len(), d);
+            let gf = g.to_f64_vec();
+            check_f64(
+                &format!("conv2d_backward_input {d} {p:?}"),
+                &up(&g).conv2d_backward_input(&up(&w), &p).unwrap(),
+                &naive::conv_bwd_input(&gf, &wf, &p),
+                tol_gemm(d),
+            );
+            check_f64(
+                &format!("conv2d_backward_weight {d} {p:?}"),
+                &up(&g).conv2d_backward_weight(&up(&x), &p).unwrap(),
+                &naive::conv_bwd_weight(&gf, &xf, &p),
+                tol_gemm(d),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pools_vs_naive() {
+    gpu();
+    for d in DTYPES {
+        for p in pool_cases() {
+            let x = randn(p.n * p.c * p.h * p.w, d);
+            let xf = x.to_f64_vec();
+            let (y, idx) = naive::max_pool(&xf, &p);
+            let (gy, gidx) = up(&x).max_pool2d(&p).unwrap();
+            check_f64(&format!("max_pool2d {d} {p:?}"), &gy, &y, 0.0);
+            if d == DType::F32 {
+                check_exact(
+                    &format!("max_pool2d argmax {p:?}"),
+                    &gidx,
+                    &CpuStorage::I64(idx.clone()),
+                );
+            }
+            let g = randn(y.len(), d);
+            let gf = g.to_f64_vec();
+            let gidx_host = gidx.to_cpu().unwrap().to_f64_vec();
+            let gidx_i: Vec<i64> = gidx_host.iter().map(|&v| v as i64).collect();
+            check_f64(
+                &format!("max_pool2d_backward {d} {p:?}"),
+                &up(&g).max_pool2d_backward(&gidx, &p).unwrap(),
+                &naive::max_pool_bwd(&gf, &gidx_i, &p),
+                tol(d),
+            );
+            check_f64(
+                &format!("avg_pool2d {d} {p:?}"),
+                &up(&x).avg_pool2d(&p).unwrap(),
+                &naive::avg_pool(&xf, &p),
+                tol(d),
+            );
+            check_f64(
+                &format!("avg_pool2d_backward {d} {p:?}"),
+                &up(&g).avg_pool2d_backward(&p).unwrap(),
+                &naive::avg_pool_bwd(&gf, &p),
+                tol(d),
+            );
+        }
+        for (h, w, oh, ow) in [(7, 7, 1, 1), (10, 9, 3, 4), (5, 5, 5, 5), (4, 4, 6, 3)] {
+            let p = AdaptivePoolParams {
+                n: 2,
+                c: 3,
+                h,
+                w,
+                out_h: oh,
+                out_w: ow,
+            };
+            let x = randn(2 * 3 * h * w, d);
+            check_f64(
+                &format!("adaptive_avg_pool2d {d} {p:?}"),
+                &up(&x).adaptive_avg_pool2d(&p).unwrap(),
+                &naive::adaptive(&x.to_f64_vec(), &p),
+                tol(d),
+            );
+            let g = randn(2 * 3 * oh * ow, d);
+            check_f64(
+                &format!("adaptive_avg_pool2d_backward {d} {p:?}"),
+                &up(&g).adaptive_avg_pool2d_backward(&p).unwrap(),
+                &naive::adaptive_bwd(&g.to_f64_vec(), &p),
+                tol(d),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_norm_vs_naive() {
+    gpu();
+    for d in DTYPES {
+        // (Not 2 values per channel: there dx is eps-sized cancellation, no test of anything.)
+        for (n, c, spatial) in [(8, 16, 49), (6, 3, 1), (32, 4, 1024), (1, 2, 7)] {
+            let p = BatchNormParams {
+                n,
+                c,
+                spatial,
+                eps: 1e-5,
+                momentum: 0.1,
+            };
+            let x = randn(n * c * spatial, d).affine(2.0, 0.5).unwrap();
+            let (w, b) = (randn(c, DType::F32), randn(c, DType::F32));
+            let (rm, rv) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+            let (mut grm, mut grv) = (up(&rm), up(&rv));
+            let f = |s: &CpuStorage| s.to_f64_vec();
+            let (y, mean, invstd, rm2, rv2) = naive::bn(
+                &f(&x),
+                &f(&w),
+                &f(&b),
+                &f(&rm),
+                &f(&rv),
+                (n, c, spatial),
+                1e-5,
+                0.1,
+            );
+            let (gy, gmean, ginvstd) = up(&x)
+                .batch_norm_train(&up(&w), &up(&b), &mut grm, &mut grv, &p)
+                .unwrap();
+            let what = format!("batch_norm {d} {n}x{c}x{spatial}");
+            check_f64(&format!("{what} y"), &gy, &y, tol(d) * 2.0);
+            check_f64(&format!("{what} mean"), &gmean, &mean, 1e-5);
+            check_f64(&format!("{what} invstd"), &ginvstd, &invstd, 1e-5);
+            check_f64(&format!("{what} running_mean"), &grm, &rm2, 1e-5);
+            check_f64(&format!("{what} running_var"), &grv, &rv2, 1e-5);
+            let g = randn(n * c * spatial, d);
+            // Backward from the GPU's saved statistics (f32) so only the backward is compared.
+            let (sm, si) = (
+                gmean.to_cpu().unwrap().to_f64_vec(),
+                ginvstd.to_cpu().unwrap().to_f64_vec(),
+            );
+            let (dx, dw, db) = naive::bn_bwd(&f(&g), &f(&x), &f(&w), &sm, &si, (n, c, spatial));
+            let (gdx, gdw, gdb) = up(&g)
+                .batch_norm_backward(&up(&x), &up(&w), &gmean, &ginvstd, &p)
+                .unwrap();
+            check_f64(&format!("{what} dx"), &gdx, &dx, tol(d) * 4.0);
+            check_f64(&format!("{what} dw"), &gdw, &dw, 1e-4);
+            check_f64(&format!("{what} db"), &gdb, &db, 1e-4);
+        }
+    }
+}
+
+// ---- a torchvision-shaped ResNet-18, forward + backward, GPU vs CPU -------------------------
+
+/// ResNet-18 (torchvision's layer shapes: 7×7/2 stem, max-pool, 4 stages of 2 basic blocks,
+/// 64→512 channels, global average pool, fc) built from tensor ops, on a 2×3×64×64 batch.
+struct ResNet18 {
+    params: Vec<Tensor>,
+    bn_stats: Vec<(Tensor, Tensor)>,
+}
+
+impl ResNet18 {
+    fn new(dtype: DType, dev: Device, seed: u64) -> ResNet18 {
+        let mut s = seed;
+        let mut next = || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            s
+        };
+        let mut params = Vec::new();
+        let mut bn_stats = Vec::new();
+        let mut conv = |params: &mut Vec<Tensor>, co: usize, ci: usize, k: usize| {
+            let std = (2.0 / (ci * k * k) as f64).sqrt();
+            params.push(
+                Tensor::randn(vec![co, ci, k, k], 0.0, std, next(), dtype, dev)
+                    .unwrap()
+                    .to_variable(),
+            );
+        };
+        let bn = |params: &mut Vec<Tensor>, stats: &mut Vec<(Tensor, Tensor)>, c: usize| {
+            params.push(
+                Tensor::ones(vec![c], DType::F32, dev)
+                    .unwrap()
+                    .to_variable(),
+            );
+            params.push(
+                Tensor::zeros(vec![c], DType::F32, dev)
+                    .unwrap()
+                    .to_variable(),
+            );
+            stats.push((
+                Tensor::zeros(vec![c], DType::F32, dev).unwrap(),
+                Tensor::ones(vec![c], DType::F32, dev).unwrap(),
+            ));
+        };
+        conv(&mut params, 64, 3, 7);
+        bn(&mut params, &mut bn_stats, 64);
+        let mut cin = 64;
+        for (stage, cout) in [64, 128, 256, 512].into_iter().enumerate() {
+            for block in 0..2 {
+                let c_in = if block == 0 { cin } else { cout };
+                conv(&mut params, cout, c_in, 3);
+                bn(&mut params, &mut bn_stats, cout);
+                conv(&mut params, cout, cout, 3);
+                bn(&mut params, &mut bn_stats, cout);
+                if block == 0 && stage > 0 {
+                    conv(&mut params, cout, c_in, 1);
+                    bn(&mut params, &mut bn_stats, cout);
+                }
+            }
+            cin = cout;
+        }
+        params.push(
+            Tensor::randn(vec![10, 512], 0.0, 0.04, next(), dtype, dev)
+                .unwrap()
+                .to_variable(),
+        );
+        params.push(Tensor::zeros(vec![10], dtype, dev).unwrap().to_variable());
+        ResNet18 { params, bn_stats }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (mut pi, mut si) = (0usize, 0usize);
+        let mut conv = |x: &Tensor, stride: usize, pad: usize| {
+            let w = &self.params[pi];
+            pi += 1;
+            let cfg = mixprec::Conv2dConfig {
+                stride: (stride, stride),
+                padding: (pad, pad),
+                ..Default::default()
+            };
+            let y = x.conv2d(w, None, cfg).unwrap();
+            let (g, b) = (&self.params[pi], &self.params[pi + 1]);
+            pi += 2;
+            let (rm, rv) = &self.bn_stats[si];
+            si += 1;
+            y.batch_norm(g, b, rm, rv, mixprec::BatchNormConfig::default())
+                .unwrap()
+        };
+        let mut h = conv(x, 2, 3)
+            .relu()
+            .unwrap()
+            .max_pool2d((3, 3), (2, 2), (1, 1))
+            .unwrap();
+        for stage in 0..4 {
+            for block in 0..2 {
+                let stride = if block == 0 && stage > 0 { 2 } else { 1 };
+                let a = conv(&h, stride, 1).relu().unwrap();
+                let a = conv(&a, 1, 1);
+                let short = if block == 0 && stage > 0 {
+                    conv(&h, 2, 0)
+                } else {
+                    h.clone()
+                };
+                h = a.add(&short).unwrap().relu().unwrap();
+            }
+        }
+        let h = h.adaptive_avg_pool2d(1, 1).unwrap().flatten(1, -1).unwrap();
+        let n = self.params.len();
+        h.linear(&self.params[n - 2], Some(&self.params[n - 1]))
+            .unwrap()
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn resnet18_forward_backward_matches_cpu() {
+    gpu();
+    for (d, bound) in [(DType::F32, 1e-3), (DType::F16, 2e-2), (DType::BF16, 8e-2)] {
+        let s = seed();
+        let run = |dev: Device| {
+            let net = ResNet18::new(d, dev, s);
+            let x = Tensor::randn(vec![2, 3, 64, 64], 0.0, 1.0, s ^ 1, d, dev).unwrap();
+            let y = Tensor::from_vec(vec![3i64, 7], vec![2, 1], dev).unwrap();
+            let logits = net.forward(&x);
+            let lp = logits.to_dtype(DType::F32).unwrap().log_softmax(1).unwrap();
+            let loss = lp.gather(1, &y).unwrap().mean_all().unwrap().neg().unwrap();
+            loss.backward().unwrap();
+            let mut out = vec![logits.to_vec_f64().unwrap()];
+            for p in &net.params {
+                out.push(
+                    p.grad()
+                        .map(|g| g.to_vec_f64().unwrap())
+                        .unwrap_or_default(),
+                );
+            }
+            for (rm, rv) in &net.bn_stats {
+                out.push(rm.to_vec_f64().unwrap());
+                out.push(rv.to_vec_f64().unwrap());
+            }
+            out
+        };
+        let (cpu, gpu_) = (run(Device::Cpu), run(Device::Cuda(0)));
+        for (k, (g, c)) in gpu_.iter().zip(&cpu).enumerate() {
+            let e = rel_err(g, c);
+            assert!(e <= bound, "resnet18 {d}: tensor {k} (0 = logits, then grads, then bn stats): {e:e} > {bound:e}");
+        }
+    }
+}
