@@ -2,6 +2,7 @@
 //!
 //! See ARCHITECTURE.md for a map of the crate and its invariants.
 
+pub mod amp;
 pub mod autograd;
 pub mod backend;
 pub mod data;

@@ -91,6 +91,10 @@ pub(crate) fn backward(root: &Tensor) -> Result<()> {
             "the tensor does not depend on any variable that requires grad (was it computed under no_grad?)".into(),
         ));
     }
+    // Backward computes in the types it is given, and parameters change after it: autocast's
+    // cast cache is dropped (apex clears it when the loss is scaled) and autocast suspended.
+    crate::amp::autocast::clear_cache();
+    let _autocast = crate::amp::autocast::suspend();
     let order = topo_order(root);
     let _guard = no_grad();
     let mut grads: HashMap<TensorId, Tensor> = HashMap::new();

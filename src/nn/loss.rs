@@ -2,6 +2,7 @@
 //! to F32 first; F64 stays F64, for gradient checks), as apex's O1 lists require, and returns a
 //! tensor of that type.
 
+use crate::amp::autocast;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -55,6 +56,9 @@ pub fn cross_entropy_with(
     cfg: CrossEntropyConfig,
 ) -> Result<Tensor> {
     let op = "cross_entropy";
+    if let Some(x) = autocast::inputs1(op, logits)? {
+        return cross_entropy_with(&x, targets, cfg);
+    }
     logits.float_only(op)?;
     if logits.rank() != 2 || logits.dims()[1] == 0 {
         return Err(Error::invalid_shape(
@@ -125,6 +129,9 @@ pub fn cross_entropy_with(
 /// Mean squared error between two tensors of equal shape.
 pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
     let op = "mse_loss";
+    if let Some((x, t)) = autocast::inputs2(op, input, target)? {
+        return mse_loss(&x, &t, reduction);
+    }
     input.float_only(op)?;
     target.float_only(op)?;
     if input.shape() != target.shape() {

@@ -1,6 +1,7 @@
 //! 2-D convolution (NCHW).
 
 use super::{Shape, Tensor};
+use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::Conv2dParams;
 use crate::error::{Error, Result};
@@ -34,6 +35,9 @@ impl Tensor {
         bias: Option<&Tensor>,
         cfg: Conv2dConfig,
     ) -> Result<Tensor> {
+        if let Some((x, w, b)) = autocast::inputs3("conv2d", self, weight, bias)? {
+            return x.conv2d(&w, b.as_ref(), cfg);
+        }
         let op = "conv2d";
         self.same_device(op, weight)?;
         if self.dtype() != weight.dtype() {

@@ -1,12 +1,16 @@
 //! Elementwise ops: unary, scalar, and binary with broadcasting and type promotion.
 
 use super::{Shape, Tensor};
+use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::error::Result;
 
 impl Tensor {
     fn unary_op(&self, op: UnaryOp) -> Result<Tensor> {
+        if let Some(x) = autocast::inputs1(op.name(), self)? {
+            return x.unary_op(op);
+        }
         self.float_only(op.name())?;
         let s = self.storage().unary(op)?;
         Ok(Tensor::from_op_with_output(
@@ -64,6 +68,9 @@ impl Tensor {
 
     /// `self^e` elementwise.
     pub fn powf(&self, e: f64) -> Result<Tensor> {
+        if let Some(x) = autocast::inputs1("powf", self)? {
+            return x.powf(e);
+        }
         self.float_only("powf")?;
         let s = self.storage().powf(e)?;
         Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
@@ -72,6 +79,9 @@ impl Tensor {
     }
 
     fn binary_op(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
+        if let Some((a, b)) = autocast::inputs2(op.name(), self, rhs)? {
+            return a.binary_op(&b, op);
+        }
         self.same_device(op.name(), rhs)?;
         self.float_only(op.name())?;
         rhs.float_only(op.name())?;

@@ -155,6 +155,9 @@ impl Tensor {
 
     /// Concatenates along `dim`; all tensors share dtype, device and every other dim.
     pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+        if let Some(cast) = crate::amp::autocast::inputs_n("cat", tensors)? {
+            return Tensor::cat(&cast.iter().collect::<Vec<_>>(), dim);
+        }
         let first = tensors.first().ok_or_else(|| {
             Error::invalid_shape("cat", &Shape::scalar(), "no tensors to concatenate")
         })?;

@@ -1,6 +1,7 @@
 //! Reductions: sum, mean, max, min, argmax over one or more dims.
 
 use super::{Shape, Tensor};
+use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::ReduceOp;
 use crate::error::{Error, Result};
@@ -18,6 +19,9 @@ impl Tensor {
 
     /// Sum over `dim` (negative counts from the end). Half inputs accumulate in f32.
     pub fn sum_dim(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
+        if let Some(x) = autocast::inputs1("sum", self)? {
+            return x.sum_dim(dim, keepdim);
+        }
         self.float_only("sum")?;
         let d = self.shape().dim("sum", dim)?;
         let s = self
@@ -52,6 +56,9 @@ impl Tensor {
 
     /// Sum of every element, as a 0-d tensor.
     pub fn sum_all(&self) -> Result<Tensor> {
+        if let Some(x) = autocast::inputs1("sum", self)? {
+            return x.sum_all();
+        }
         self.float_only("sum")?;
         if self.rank() == 0 {
             return Ok(self.clone());
@@ -60,6 +67,9 @@ impl Tensor {
     }
 
     pub fn mean_dim(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
+        if let Some(x) = autocast::inputs1("mean", self)? {
+            return x.mean_dim(dim, keepdim);
+        }
         self.float_only("mean")?;
         let d = self.shape().dim("mean", dim)?;
         let n = self.dims()[d];
@@ -67,6 +77,9 @@ impl Tensor {
     }
 
     pub fn mean_all(&self) -> Result<Tensor> {
+        if let Some(x) = autocast::inputs1("mean", self)? {
+            return x.mean_all();
+        }
         self.float_only("mean")?;
         if self.elem_count() == 0 {
             return Err(Error::invalid_shape(

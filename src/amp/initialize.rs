@@ -1,0 +1,682 @@
+//! `amp::initialize`: wraps models and optimizers per a policy, as apex's `amp.initialize`.
+//!
+//! - O0: nothing is cast; the scale is a static 1.
+//! - O1: the wrapped forward runs under [`autocast`](super::autocast); weights stay FP32.
+//! - O2: the optimizer takes FP32 master copies of its parameters, then the model is cast to
+//!   half (BatchNorm kept FP32 per the policy); the forward casts floating inputs to the half
+//!   type and its output to FP32; each step updates the masters and rewrites the half weights.
+//! - O3: the model is cast to half (BatchNorm too unless the policy keeps it FP32), no masters.
+//!
+//! The wrapped model's `state_dict` is FP32 at every level (at O2 it holds the masters, so a
+//! restore continues bitwise); the wrapped optimizer's state adds the scalers'.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::{Error, Result};
+use crate::nn::module::{Module, StateDict, TensorInfo, TensorKind, TrainingFlag};
+use crate::optim::{Optimizer, OptimizerState};
+use crate::tensor::{DType, Device, Tensor, TensorId};
+
+use super::autocast;
+use super::policy::{Policy, Properties};
+use super::scaler::{LossScaler, ScalerState, ScalerStats};
+use super::standin;
+
+// ---- the registry of wrapped parameters --------------------------------------------------------
+
+/// Parameters that a live `AmpModel`/`AmpOptimizer` wraps: initializing them again is an error.
+static REGISTRY: Mutex<Option<HashMap<TensorId, usize>>> = Mutex::new(None);
+
+fn registry() -> MutexGuard<'static, Option<HashMap<TensorId, usize>>> {
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Registers `ids` (each wrapper registers its own; the count allows a model and its optimizer
+/// to hold the same parameter).
+fn register(ids: &[TensorId]) {
+    let mut g = registry();
+    let m = g.get_or_insert_with(HashMap::new);
+    for id in ids {
+        *m.entry(*id).or_insert(0) += 1;
+    }
+}
+
+fn unregister(ids: &[TensorId]) {
+    let mut g = registry();
+    if let Some(m) = g.as_mut() {
+        for id in ids {
+            if let Some(n) = m.get_mut(id) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(id);
+                }
+            }
+        }
+    }
+}
+
+fn any_registered(ids: &[TensorId]) -> bool {
+    registry()
+        .as_ref()
+        .is_some_and(|m| ids.iter().any(|id| m.contains_key(id)))
+}
+
+// ---- scalers shared by the optimizers of one initialize call -----------------------------------
+
+/// The `num_losses` scalers of one `initialize` call, shared by its optimizers.
+#[derive(Debug)]
+pub struct ScalerSet {
+    scalers: Vec<LossScaler>,
+    /// Per scaler: the optimizers whose gradients it scaled since its last update; it updates
+    /// when the last of them has stepped.
+    waiting: Vec<BTreeSet<usize>>,
+}
+
+impl ScalerSet {
+    pub fn len(&self) -> usize {
+        self.scalers.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.scalers.is_empty()
+    }
+    pub fn get(&self, loss_id: usize) -> Option<&LossScaler> {
+        self.scalers.get(loss_id)
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &LossScaler> {
+        self.scalers.iter()
+    }
+    fn scaler(&self, loss_id: usize) -> Result<&LossScaler> {
+        let n = self.scalers.len();
+        self.scalers.get(loss_id).ok_or_else(|| {
+            Error::invalid_arg(
+                "amp",
+                "loss_id",
+                loss_id,
+                format!("a loss id in 0..{n} (the policy's num_losses)"),
+            )
+        })
+    }
+}
+
+type SharedScalers = Arc<Mutex<ScalerSet>>;
+
+fn lock(s: &SharedScalers) -> MutexGuard<'_, ScalerSet> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// ---- the wrapped model -------------------------------------------------------------------------
+
+/// A model wrapped by [`initialize`]: casts inputs/outputs or enters autocast per the level.
+pub struct AmpModel<M: Module> {
+    inner: M,
+    props: Properties,
+    /// O2: the FP32 master of each trained parameter (shared with the optimizers).
+    masters: Arc<HashMap<TensorId, Tensor>>,
+    ids: Vec<TensorId>,
+}
+
+impl<M: Module> AmpModel<M> {
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+    pub fn properties(&self) -> &Properties {
+        &self.props
+    }
+}
+
+impl<M: Module> Drop for AmpModel<M> {
+    fn drop(&mut self) {
+        unregister(&self.ids);
+    }
+}
+
+impl<M: Module> Module for AmpModel<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.props.autocast {
+            let _g = autocast::autocast(self.props.half_dtype)?;
+            return self.inner.forward(x);
+        }
+        match self.props.cast_model_type {
+            Some(t) if t.is_half() => {
+                let x = if x.dtype().is_float() {
+                    x.to_dtype(t)?
+                } else {
+                    x.clone()
+                };
+                let y = self.inner.forward(&x)?;
+                if y.dtype().is_half() {
+                    y.to_dtype(DType::F32)
+                } else {
+                    Ok(y)
+                }
+            }
+            Some(DType::F32) if x.dtype().is_half() => self.inner.forward(&x.to_dtype(DType::F32)?),
+            _ => self.inner.forward(x),
+        }
+    }
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&TensorInfo)) {
+        self.inner.visit(prefix, f)
+    }
+    fn visit_own(&self, f: &mut dyn FnMut(&TensorInfo)) {
+        self.inner.visit_own(f)
+    }
+    fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
+        self.inner.visit_children(f)
+    }
+    fn training_flag(&self) -> Option<&TrainingFlag> {
+        self.inner.training_flag()
+    }
+    fn set_training(&self, training: bool) {
+        self.inner.set_training(training)
+    }
+    fn is_training(&self) -> bool {
+        self.inner.is_training()
+    }
+
+    /// FP32 at every level; at O2 the parameters' entries are their FP32 masters.
+    fn state_dict(&self) -> Result<StateDict> {
+        let mut sd = self.inner.state_dict()?;
+        if self.masters.is_empty() {
+            return Ok(sd);
+        }
+        let mut ids = HashMap::new();
+        self.inner.visit("", &mut |i| {
+            ids.insert(i.name.to_string(), i.tensor.id());
+        });
+        for (name, t) in sd.iter_mut() {
+            if let Some(m) = ids.get(name).and_then(|id| self.masters.get(id)) {
+                *t = crate::optim::owned_copy(m, DType::F32)?;
+            }
+        }
+        Ok(sd)
+    }
+
+    /// Loads into the model (values converted to each tensor's dtype) and, at O2, the FP32
+    /// values into the masters too.
+    fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
+        self.inner.load_state_dict(entries)?;
+        if self.masters.is_empty() {
+            return Ok(());
+        }
+        let mut params = Vec::new();
+        self.inner.visit("", &mut |i| {
+            if i.kind == TensorKind::Parameter {
+                params.push((i.name.to_string(), i.tensor.id()));
+            }
+        });
+        let given: HashMap<&str, &Tensor> = entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let _g = crate::no_grad();
+        for (name, id) in params {
+            if let (Some(m), Some(src)) = (self.masters.get(&id), given.get(name.as_str())) {
+                m.set_data(&src.detach().to_dtype(DType::F32)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---- the wrapped optimizer ---------------------------------------------------------------------
+
+/// An optimizer wrapped by [`initialize`]: scaled backward, unscale + overflow check, the
+/// skip-or-step and the scale update.
+pub struct AmpOptimizer<O: Optimizer> {
+    inner: O,
+    index: usize,
+    scalers: SharedScalers,
+    /// O2: masters in `inner.params()` order; empty otherwise.
+    masters: Vec<Tensor>,
+    /// The scaler whose scale the current gradients carry.
+    pending: Option<usize>,
+    /// Scalers that scaled gradients of this optimizer since its last step.
+    used: BTreeSet<usize>,
+    clip: Option<f64>,
+    device: Device,
+    ids: Vec<TensorId>,
+}
+
+/// The wrapped optimizer's state: the optimizer's own and the scalers' (apex's `amp.state_dict`).
+#[derive(Clone, Debug)]
+pub struct AmpOptimizerState {
+    pub optimizer: OptimizerState,
+    pub scalers: Vec<ScalerState>,
+}
+
+impl<O: Optimizer> Drop for AmpOptimizer<O> {
+    fn drop(&mut self) {
+        unregister(&self.ids);
+    }
+}
+
+impl<O: Optimizer> AmpOptimizer<O> {
+    pub fn inner(&self) -> &O {
+        &self.inner
+    }
+    /// The optimizer (for learning-rate schedules and the like).
+    pub fn inner_mut(&mut self) -> &mut O {
+        &mut self.inner
+    }
+
+    /// Scaled backward of loss 0: gradients accumulate, still scaled, over several calls until
+    /// `step` unscales them once (apex's `delay_unscale`).
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        self.backward_with(0, loss)
+    }
+
+    /// Scaled backward of loss `loss_id` with that loss's scaler.
+    pub fn backward_with(&mut self, loss_id: usize, loss: &Tensor) -> Result<()> {
+        scale_loss_many(loss, loss_id, &mut [self], |s| s.backward())
+    }
+
+    /// Clips the unscaled gradients' global L2 norm to `max_norm` at each step (None: off).
+    pub fn clip_grad_norm(&mut self, max_norm: Option<f64>) -> Result<()> {
+        if let Some(m) = max_norm {
+            if !(m.is_finite() && m > 0.0) {
+                return Err(Error::invalid_arg(
+                    "AmpOptimizer::clip_grad_norm",
+                    "max_norm",
+                    m,
+                    "a finite value > 0",
+                ));
+            }
+        }
+        self.clip = max_norm;
+        Ok(())
+    }
+
+    /// One step: unscale (× the clip coefficient when set) into the update, skipped exactly on
+    /// overflow, then the update of every scaler that this step closes.
+    pub fn step(&mut self) -> Result<()> {
+        let _s = autocast::suspend();
+        let _g = crate::no_grad();
+        let mut set = lock(&self.scalers);
+        let dev = self.device;
+        let mut found = Tensor::scalar(0.0, DType::F32, dev)?;
+        for &id in &self.used {
+            found = found.add(set.scaler(id)?.found_inf())?;
+        }
+        let mut mult = match self.pending {
+            Some(id) => set.scaler(id)?.inv_scale()?,
+            None => Tensor::scalar(1.0, DType::F32, dev)?,
+        };
+        if let Some(max_norm) = self.clip {
+            let grads: Vec<Tensor> = self
+                .inner
+                .params()
+                .iter()
+                .filter_map(|p| p.grad())
+                .collect();
+            let norm = standin::l2norm(&grads, dev)?.mul(&mult)?;
+            // torch's clip_grad_norm_: coefficient max_norm / (norm + 1e-6), at most 1.
+            let coef = Tensor::scalar(max_norm, DType::F32, dev)?
+                .div(&norm.add_scalar(1e-6)?)?
+                .minimum(&Tensor::scalar(1.0, DType::F32, dev)?)?;
+            mult = mult.mul(&coef)?;
+        }
+        standin::step_scaled(&mut self.inner, &self.masters, &mult, &found)?;
+        for id in std::mem::take(&mut self.used) {
+            set.waiting[id].remove(&self.index);
+            if set.waiting[id].is_empty() {
+                set.scalers[id].update()?;
+            }
+        }
+        self.pending = None;
+        Ok(())
+    }
+
+    /// Drops every gradient (the model's and the masters').
+    pub fn zero_grad(&mut self) -> Result<()> {
+        self.inner.zero_grad();
+        for m in &self.masters {
+            m.zero_grad();
+        }
+        Ok(())
+    }
+
+    /// The parameters the update runs on: the FP32 masters at O2, the model's otherwise.
+    pub fn master_params(&self) -> Vec<Tensor> {
+        if self.masters.is_empty() {
+            self.inner.params()
+        } else {
+            self.masters.clone()
+        }
+    }
+
+    /// The scalers (shared with the other optimizers of the same `initialize` call).
+    pub fn scalers(&self) -> MutexGuard<'_, ScalerSet> {
+        lock(&self.scalers)
+    }
+
+    /// Every scaler's state read to the host (a synchronisation).
+    pub fn stats(&self) -> Result<Vec<ScalerStats>> {
+        lock(&self.scalers).iter().map(|s| s.stats()).collect()
+    }
+
+    pub fn state_dict(&self) -> Result<AmpOptimizerState> {
+        Ok(AmpOptimizerState {
+            optimizer: self.inner.state_dict()?,
+            scalers: lock(&self.scalers)
+                .iter()
+                .map(|s| s.state())
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// Restores the optimizer's state and the scalers'. Checked before anything changes.
+    pub fn load_state_dict(&mut self, state: &AmpOptimizerState) -> Result<()> {
+        let mut set = lock(&self.scalers);
+        if state.scalers.len() != set.len() {
+            return Err(Error::invalid_arg(
+                "AmpOptimizer::load_state_dict",
+                "scalers",
+                format!("{} scaler states", state.scalers.len()),
+                format!("{} (the policy's num_losses)", set.len()),
+            ));
+        }
+        if let Some(bad) = state
+            .scalers
+            .iter()
+            .find(|s| !(s.loss_scale.is_finite() && s.loss_scale > 0.0))
+        {
+            return Err(Error::invalid_arg(
+                "AmpOptimizer::load_state_dict",
+                "loss_scale",
+                bad.loss_scale,
+                "a finite scale > 0",
+            ));
+        }
+        self.inner.load_state_dict(&state.optimizer)?;
+        for (s, st) in set.scalers.iter_mut().zip(&state.scalers) {
+            s.load_state(st)?;
+        }
+        self.pending = None;
+        self.used.clear();
+        Ok(())
+    }
+
+    fn grads(&self) -> Vec<Tensor> {
+        self.inner
+            .params()
+            .iter()
+            .filter_map(|p| p.grad())
+            .collect()
+    }
+}
+
+/// What [`scale_loss_many`] needs of each optimizer it covers.
+pub trait ScaledBackward {
+    #[doc(hidden)]
+    fn shared_scalers(&self) -> &Arc<Mutex<ScalerSet>>;
+    /// Before a scaled backward of `loss_id`: gradients that carry another loss's scale are
+    /// rescaled to this one's.
+    #[doc(hidden)]
+    fn before_backward(&mut self, set: &ScalerSet, loss_id: usize) -> Result<()>;
+    /// After it: the overflow check into the loss's scaler.
+    #[doc(hidden)]
+    fn after_backward(&mut self, set: &mut ScalerSet, loss_id: usize) -> Result<()>;
+}
+
+impl<O: Optimizer> ScaledBackward for AmpOptimizer<O> {
+    fn shared_scalers(&self) -> &Arc<Mutex<ScalerSet>> {
+        &self.scalers
+    }
+
+    fn before_backward(&mut self, set: &ScalerSet, loss_id: usize) -> Result<()> {
+        let new = set.scaler(loss_id)?;
+        if let Some(prev) = self.pending.filter(|&p| p != loss_id) {
+            let _g = crate::no_grad();
+            let factor = new.scale_tensor().div(set.scaler(prev)?.scale_tensor())?;
+            for p in self.inner.params() {
+                if let Some(g) = p.grad() {
+                    let r = g.to_dtype(DType::F32)?.mul(&factor)?.to_dtype(g.dtype())?;
+                    p.set_grad(Some(r));
+                }
+            }
+        }
+        self.pending = Some(loss_id);
+        Ok(())
+    }
+
+    fn after_backward(&mut self, set: &mut ScalerSet, loss_id: usize) -> Result<()> {
+        set.scaler(loss_id)?.check(&self.grads())?;
+        self.used.insert(loss_id);
+        set.waiting[loss_id].insert(self.index);
+        Ok(())
+    }
+}
+
+/// apex's `with amp.scale_loss(loss, opt) as s: s.backward()`: `f` receives the scaled loss of
+/// loss 0 (and normally calls `backward` on it).
+pub fn scale_loss<O: Optimizer>(
+    loss: &Tensor,
+    opt: &mut AmpOptimizer<O>,
+    f: impl FnOnce(&Tensor) -> Result<()>,
+) -> Result<()> {
+    scale_loss_many(loss, 0, &mut [opt], f)
+}
+
+/// [`scale_loss`] with the scaler of loss `loss_id`.
+pub fn scale_loss_id<O: Optimizer>(
+    loss: &Tensor,
+    loss_id: usize,
+    opt: &mut AmpOptimizer<O>,
+    f: impl FnOnce(&Tensor) -> Result<()>,
+) -> Result<()> {
+    scale_loss_many(loss, loss_id, &mut [opt], f)
+}
+
+/// [`scale_loss`] over several optimizers (of one `initialize` call) whose parameters the loss
+/// reaches, apex's `amp.scale_loss(loss, [opt0, opt1], loss_id=...)`.
+pub fn scale_loss_many(
+    loss: &Tensor,
+    loss_id: usize,
+    opts: &mut [&mut dyn ScaledBackward],
+    f: impl FnOnce(&Tensor) -> Result<()>,
+) -> Result<()> {
+    let Some(first) = opts.first() else {
+        return Err(Error::invalid_arg(
+            "amp::scale_loss",
+            "optimizers",
+            "none",
+            "at least one optimizer",
+        ));
+    };
+    let shared = first.shared_scalers().clone();
+    if opts
+        .iter()
+        .any(|o| !Arc::ptr_eq(o.shared_scalers(), &shared))
+    {
+        return Err(Error::invalid_arg(
+            "amp::scale_loss",
+            "optimizers",
+            "optimizers from different amp::initialize calls",
+            "optimizers returned by one initialize call (they share the loss scalers)",
+        ));
+    }
+    let scaled = {
+        let set = lock(&shared);
+        for o in opts.iter_mut() {
+            o.before_backward(&set, loss_id)?;
+        }
+        set.scaler(loss_id)?.scale_loss(loss)?
+    };
+    f(&scaled)?;
+    autocast::clear_cache();
+    let mut set = lock(&shared);
+    for o in opts.iter_mut() {
+        o.after_backward(&mut set, loss_id)?;
+    }
+    Ok(())
+}
+
+// ---- initialize --------------------------------------------------------------------------------
+
+/// Wraps one model and its optimizer per `policy` (see the module docs).
+pub fn initialize<M: Module, O: Optimizer>(
+    model: M,
+    optimizer: O,
+    policy: Policy,
+) -> Result<(AmpModel<M>, AmpOptimizer<O>)> {
+    let (mut ms, mut os) = initialize_many(vec![model], vec![optimizer], policy)?;
+    match (ms.pop(), os.pop()) {
+        (Some(m), Some(o)) => Ok((m, o)),
+        _ => Err(Error::invalid_arg(
+            "amp::initialize",
+            "model",
+            "nothing returned",
+            "one model and one optimizer",
+        )),
+    }
+}
+
+/// Wraps several models and optimizers that share `num_losses` scalers (apex's
+/// `amp.initialize([m0, m1], [opt0, opt1], num_losses=...)`). Every optimizer parameter must be
+/// a parameter of one of the models.
+pub fn initialize_many<M: Module, O: Optimizer>(
+    models: Vec<M>,
+    mut optimizers: Vec<O>,
+    policy: Policy,
+) -> Result<(Vec<AmpModel<M>>, Vec<AmpOptimizer<O>>)> {
+    let op = "amp::initialize";
+    let props = policy.properties()?;
+    if models.is_empty() || optimizers.is_empty() {
+        return Err(Error::invalid_arg(
+            op,
+            "models/optimizers",
+            format!("{} models, {} optimizers", models.len(), optimizers.len()),
+            "at least one model and one optimizer",
+        ));
+    }
+    // ---- every check before anything changes ----
+    let model_params: Vec<Vec<Tensor>> = models.iter().map(|m| m.parameters()).collect();
+    let model_ids: Vec<Vec<TensorId>> = models
+        .iter()
+        .map(|m| {
+            let mut ids = Vec::new();
+            m.visit("", &mut |i| ids.push(i.tensor.id()));
+            ids
+        })
+        .collect();
+    let opt_ids: Vec<Vec<TensorId>> = optimizers
+        .iter()
+        .map(|o| o.params().iter().map(|p| p.id()).collect())
+        .collect();
+    let all: Vec<TensorId> = model_ids
+        .iter()
+        .chain(&opt_ids)
+        .flatten()
+        .copied()
+        .collect();
+    if any_registered(&all) {
+        return Err(Error::invalid_arg(
+            op,
+            "model/optimizer",
+            "parameters that amp::initialize has already wrapped",
+            "a model and optimizer initialized once (call initialize once, with every model and optimizer)",
+        ));
+    }
+    let known: HashSet<TensorId> = model_params.iter().flatten().map(|p| p.id()).collect();
+    for (k, ids) in opt_ids.iter().enumerate() {
+        if let Some(pos) = ids.iter().position(|id| !known.contains(id)) {
+            return Err(Error::invalid_arg(
+                op,
+                "optimizer",
+                format!("optimizer {k}, parameter {pos}: not a parameter of the models"),
+                "optimizers over the models' parameters",
+            ));
+        }
+    }
+    let device = model_params
+        .iter()
+        .flatten()
+        .next()
+        .map(|p| p.device())
+        .ok_or_else(|| {
+            Error::invalid_arg(op, "model", "no parameters", "a model with parameters")
+        })?;
+    if props.cast_model_type.is_some_and(|t| t.is_half()) || props.master_weights {
+        // apex's check_params_fp32: casting and masters start from FP32 models.
+        for (k, ps) in model_params.iter().enumerate() {
+            if let Some(p) = ps.iter().find(|p| p.dtype() != DType::F32) {
+                return Err(Error::UnsupportedDType {
+                    op: if k == 0 {
+                        "amp::initialize (model 0)"
+                    } else {
+                        "amp::initialize (a model)"
+                    },
+                    got: p.dtype(),
+                    expected: "FP32 parameters before initialize (it casts them per the policy)",
+                });
+            }
+        }
+    }
+    if policy.verbosity > 0 {
+        log::info!(
+            "amp: {} from {}: {props:?}",
+            policy.opt_level,
+            policy.source
+        );
+    }
+
+    // ---- masters, then the model cast ----
+    let mut masters: Vec<Vec<Tensor>> = Vec::with_capacity(optimizers.len());
+    let mut master_map = HashMap::new();
+    for o in optimizers.iter_mut() {
+        let m = if props.master_weights {
+            standin::use_master_weights(o)?
+        } else {
+            Vec::new()
+        };
+        for (p, mt) in o.params().iter().zip(&m) {
+            master_map.insert(p.id(), mt.clone());
+        }
+        masters.push(m);
+    }
+    if let Some(t) = props.cast_model_type {
+        for m in &models {
+            m.cast(t, props.keep_batchnorm_fp32)?;
+        }
+    }
+    let master_map = Arc::new(master_map);
+    let scalers = (0..policy.num_losses)
+        .map(|i| LossScaler::new(i, &policy, &props, device))
+        .collect::<Result<Vec<_>>>()?;
+    let shared = Arc::new(Mutex::new(ScalerSet {
+        waiting: vec![BTreeSet::new(); scalers.len()],
+        scalers,
+    }));
+    let models = models
+        .into_iter()
+        .zip(model_ids)
+        .map(|(inner, ids)| {
+            register(&ids);
+            AmpModel {
+                inner,
+                props,
+                masters: master_map.clone(),
+                ids,
+            }
+        })
+        .collect();
+    let opts = optimizers
+        .into_iter()
+        .zip(masters)
+        .zip(opt_ids)
+        .enumerate()
+        .map(|(index, ((inner, masters), ids))| {
+            register(&ids);
+            AmpOptimizer {
+                inner,
+                index,
+                scalers: shared.clone(),
+                masters,
+                pending: None,
+                used: BTreeSet::new(),
+                clip: None,
+                device,
+                ids,
+            }
+        })
+        .collect();
+    Ok((models, opts))
+}

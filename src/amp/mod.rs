@@ -1,0 +1,34 @@
+//! Automatic mixed precision, apex's `amp` for mixprec: O0–O3 policies (from code or TOML),
+//! `initialize` to wrap models and optimizers, O1 autocast, FP32 master weights and dynamic
+//! loss scaling with the scaler's state on the device.
+//!
+//! ```no_run
+//! # use mixprec::{amp, nn::{self, Module}, optim, Device, Tensor};
+//! # fn main() -> mixprec::Result<()> {
+//! # let dev = Device::Cpu;
+//! # let (x, y) = (Tensor::zeros([8, 1, 28, 28], mixprec::DType::F32, dev)?, Tensor::zeros([8], mixprec::DType::I64, dev)?);
+//! let model = nn::ResNet::cifar_style(&[1, 1], 1, 10, &dev)?;
+//! let opt = optim::Sgd::new(model.parameters(), optim::SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() })?;
+//! let (model, mut opt) = amp::initialize(model, opt, amp::Policy::opt_level(amp::OptLevel::O2))?;
+//! let loss = nn::cross_entropy(&model.forward(&x)?, &y)?;
+//! opt.zero_grad()?;
+//! opt.backward(&loss)?;   // scaled backward; the overflow check
+//! opt.step()?;            // unscale into the update, skipped on overflow; the scale update
+//! # Ok(()) }
+//! ```
+//!
+//! See `docs/amp.md` for the levels, the policy files and the loop.
+
+pub mod autocast;
+pub mod initialize;
+pub mod policy;
+pub mod scaler;
+mod standin;
+
+pub use autocast::{autocast, AutocastGuard, OpClass};
+pub use initialize::{
+    initialize, initialize_many, scale_loss, scale_loss_id, scale_loss_many, AmpModel,
+    AmpOptimizer, AmpOptimizerState, ScaledBackward, ScalerSet,
+};
+pub use policy::{LossScale, OptLevel, Policy, Properties};
+pub use scaler::{LossScaler, ScalerState, ScalerStats};

@@ -1,0 +1,544 @@
+//! AMP policies: apex's opt levels O0–O3 with their properties, the loss-scaler settings, and
+//! loading from TOML with apex's rules on which overrides a level admits.
+//!
+//! | level | cast_model_type | autocast | keep_batchnorm_fp32 | master_weights | loss_scale |
+//! |-------|-----------------|----------|---------------------|----------------|------------|
+//! | O0    | f32             | no       | –                   | no             | 1.0        |
+//! | O1    | –               | yes      | –                   | –              | dynamic    |
+//! | O2    | half            | no       | yes                 | yes            | dynamic    |
+//! | O3    | half            | no       | no                  | no             | 1.0        |
+//!
+//! "half" is the policy's `half_dtype` (f16 by default, or bf16). With bf16 the loss scale
+//! defaults to a static 1.0 (bf16 has f32's exponent range); asking for a dynamic scale with bf16
+//! is allowed and logs a warning.
+//!
+//! A policy file names `opt_level` and any overrides:
+//!
+//! ```toml
+//! opt_level = "O2"
+//! half_dtype = "bf16"        # f16 | bf16
+//! loss_scale = "dynamic"     # "dynamic" or a number > 0
+//! keep_batchnorm_fp32 = true
+//! scale_window = 1000
+//! ```
+//!
+//! Code builds the same with [`Policy::opt_level`] and the builder methods; every rule is checked
+//! by [`Policy::validate`] (which `amp::initialize` calls), so a policy built in code is held to
+//! the same rules as a file.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+
+/// apex's optimisation levels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OptLevel {
+    /// FP32 training: the reference.
+    O0,
+    /// Mixed precision by autocast: FP32 weights, half compute where it is safe.
+    O1,
+    /// "Almost FP16": a half model with FP32 BatchNorm, FP32 master weights, dynamic scaling.
+    O2,
+    /// Pure half: model and updates in half, no master weights, loss scale 1.
+    O3,
+}
+
+impl OptLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptLevel::O0 => "O0",
+            OptLevel::O1 => "O1",
+            OptLevel::O2 => "O2",
+            OptLevel::O3 => "O3",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<OptLevel> {
+        Some(match s {
+            "O0" => OptLevel::O0,
+            "O1" => OptLevel::O1,
+            "O2" => OptLevel::O2,
+            "O3" => OptLevel::O3,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for OptLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How losses are scaled before backward.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LossScale {
+    /// apex's dynamic scaler: start at `init_scale`, halve on overflow, double after
+    /// `scale_window` clean steps.
+    Dynamic,
+    /// A fixed scale (1.0: no scaling).
+    Static(f64),
+}
+
+impl std::fmt::Display for LossScale {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LossScale::Dynamic => f.write_str("\"dynamic\""),
+            LossScale::Static(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+/// The resolved properties of a policy (apex's `Properties`), what `initialize` acts on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Properties {
+    pub opt_level: OptLevel,
+    /// The dtype the model's parameters are cast to (None: left as they are, O1).
+    pub cast_model_type: Option<DType>,
+    /// Whether the wrapped forward runs under autocast (apex's `patch_torch_functions`).
+    pub autocast: bool,
+    /// Whether BatchNorm parameters and buffers stay FP32 when the model is cast.
+    pub keep_batchnorm_fp32: bool,
+    /// Whether the optimizer keeps FP32 master weights.
+    pub master_weights: bool,
+    pub loss_scale: LossScale,
+    /// The half type of the level (what autocast and the model cast use).
+    pub half_dtype: DType,
+}
+
+/// An AMP policy: an opt level, apex's overrides on top of it, and the scaler settings.
+///
+/// Override fields are `None` when not given (the level's default applies); see
+/// [`Policy::properties`] for the resolved values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    pub opt_level: OptLevel,
+    /// `f16` (default) or `bf16`.
+    pub half_dtype: DType,
+    pub cast_model_type: Option<DType>,
+    pub autocast: Option<bool>,
+    pub keep_batchnorm_fp32: Option<bool>,
+    pub master_weights: Option<bool>,
+    pub loss_scale: Option<LossScale>,
+    /// The dynamic scaler's first scale (2^16).
+    pub init_scale: f64,
+    /// Clean steps before the scale grows (2000).
+    pub scale_window: u64,
+    /// Growth factor after `scale_window` clean steps (2.0).
+    pub growth_factor: f64,
+    /// Backoff factor on overflow (0.5).
+    pub backoff_factor: f64,
+    /// The scale never goes below this (None: no floor, as apex's default).
+    pub min_loss_scale: Option<f64>,
+    /// The scale never grows above this (2^24).
+    pub max_loss_scale: f64,
+    /// The number of losses, each with its own scaler (1).
+    pub num_losses: usize,
+    /// 0: silent; 1: one info line per report interval and the policy at initialize; 2: more.
+    pub verbosity: u8,
+    /// Steps between scaler reports (0: never). A report reads the scaler state to the host.
+    pub report_interval: u64,
+    /// Where the policy came from, for error messages (`<code>` or the file's path).
+    pub source: String,
+}
+
+const CODE: &str = "<code>";
+
+/// Every key a policy file may hold.
+pub const POLICY_KEYS: &[&str] = &[
+    "opt_level",
+    "half_dtype",
+    "cast_model_type",
+    "autocast",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+    "init_scale",
+    "scale_window",
+    "growth_factor",
+    "backoff_factor",
+    "min_loss_scale",
+    "max_loss_scale",
+    "num_losses",
+    "verbosity",
+    "report_interval",
+];
+
+impl Policy {
+    /// The level's defaults, f16, apex's scaler settings.
+    pub fn opt_level(level: OptLevel) -> Policy {
+        Policy {
+            opt_level: level,
+            half_dtype: DType::F16,
+            cast_model_type: None,
+            autocast: None,
+            keep_batchnorm_fp32: None,
+            master_weights: None,
+            loss_scale: None,
+            init_scale: 65536.0,
+            scale_window: 2000,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            min_loss_scale: None,
+            max_loss_scale: 16777216.0,
+            num_losses: 1,
+            verbosity: 1,
+            report_interval: 100,
+            source: CODE.to_string(),
+        }
+    }
+
+    // ---- builder ----------------------------------------------------------------------------
+
+    pub fn with_half_dtype(mut self, dtype: DType) -> Self {
+        self.half_dtype = dtype;
+        self
+    }
+    pub fn with_cast_model_type(mut self, dtype: DType) -> Self {
+        self.cast_model_type = Some(dtype);
+        self
+    }
+    pub fn with_autocast(mut self, on: bool) -> Self {
+        self.autocast = Some(on);
+        self
+    }
+    pub fn with_keep_batchnorm_fp32(mut self, on: bool) -> Self {
+        self.keep_batchnorm_fp32 = Some(on);
+        self
+    }
+    pub fn with_master_weights(mut self, on: bool) -> Self {
+        self.master_weights = Some(on);
+        self
+    }
+    pub fn with_loss_scale(mut self, scale: LossScale) -> Self {
+        self.loss_scale = Some(scale);
+        self
+    }
+    pub fn with_init_scale(mut self, v: f64) -> Self {
+        self.init_scale = v;
+        self
+    }
+    pub fn with_scale_window(mut self, steps: u64) -> Self {
+        self.scale_window = steps;
+        self
+    }
+    pub fn with_growth_factor(mut self, v: f64) -> Self {
+        self.growth_factor = v;
+        self
+    }
+    pub fn with_backoff_factor(mut self, v: f64) -> Self {
+        self.backoff_factor = v;
+        self
+    }
+    pub fn with_min_loss_scale(mut self, v: f64) -> Self {
+        self.min_loss_scale = Some(v);
+        self
+    }
+    pub fn with_max_loss_scale(mut self, v: f64) -> Self {
+        self.max_loss_scale = v;
+        self
+    }
+    pub fn with_num_losses(mut self, n: usize) -> Self {
+        self.num_losses = n;
+        self
+    }
+    pub fn with_verbosity(mut self, v: u8) -> Self {
+        self.verbosity = v;
+        self
+    }
+    pub fn with_report_interval(mut self, steps: u64) -> Self {
+        self.report_interval = steps;
+        self
+    }
+
+    // ---- resolution and rules ---------------------------------------------------------------
+
+    fn err(&self, key: &str, value: impl std::fmt::Display, allowed: impl Into<String>) -> Error {
+        Error::Config {
+            file: self.source.clone(),
+            key: key.to_string(),
+            value: value.to_string(),
+            allowed: allowed.into(),
+        }
+    }
+
+    /// Checks apex's rules and the value ranges; the error names the source, the key, the
+    /// value and what is allowed.
+    pub fn validate(&self) -> Result<()> {
+        use OptLevel::*;
+        let lvl = self.opt_level;
+        if !self.half_dtype.is_half() {
+            return Err(self.err("half_dtype", self.half_dtype, "\"f16\" or \"bf16\""));
+        }
+        // apex: "patch_torch_functions=True should only be set by selecting opt_level='O1'".
+        if let Some(a) = self.autocast {
+            if lvl != O1 && a {
+                return Err(self.err(
+                    "autocast",
+                    a,
+                    format!("autocast = true only at opt_level O1 (this policy is {lvl})"),
+                ));
+            }
+        }
+        if let Some(t) = self.cast_model_type {
+            // apex: "with O1, the model weights themselves should remain FP32".
+            if lvl == O1 && t != DType::F32 {
+                return Err(self.err(
+                    "cast_model_type",
+                    t,
+                    "at O1 the model stays FP32: leave cast_model_type out (or \"f32\"); use O2 or O3 to cast the model",
+                ));
+            }
+            if t != DType::F32 && t != self.half_dtype {
+                return Err(self.err(
+                    "cast_model_type",
+                    t,
+                    format!("\"f32\" or the policy's half_dtype \"{}\"", self.half_dtype),
+                ));
+            }
+        }
+        if let Some(k) = self.keep_batchnorm_fp32 {
+            // apex: "with opt_level O1, batchnorm functions are automatically patched to run
+            // in FP32, so keep_batchnorm_fp32 should be None".
+            if lvl == O1 {
+                return Err(self.err(
+                    "keep_batchnorm_fp32",
+                    k,
+                    "not set at O1 (autocast already runs batch norm statistics in FP32)",
+                ));
+            }
+            if self.resolved_cast() == Some(DType::F32) {
+                return Err(self.err(
+                    "keep_batchnorm_fp32",
+                    k,
+                    "not set when the model is cast to f32 (O0, or cast_model_type = \"f32\"): there is no half model to keep batch norm out of",
+                ));
+            }
+        }
+        if let Some(m) = self.master_weights {
+            // apex: "It doesn't make sense to use master_weights with O1".
+            if lvl == O1 {
+                return Err(self.err(
+                    "master_weights",
+                    m,
+                    "not set at O1 (the model weights themselves are FP32)",
+                ));
+            }
+        }
+        if let Some(LossScale::Static(v)) = self.loss_scale {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(self.err("loss_scale", v, "\"dynamic\" or a finite number > 0"));
+            }
+        }
+        let positive = |key: &str, v: f64| -> Result<()> {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(self.err(key, v, "a finite number > 0"))
+            }
+        };
+        positive("init_scale", self.init_scale)?;
+        positive("max_loss_scale", self.max_loss_scale)?;
+        if let Some(m) = self.min_loss_scale {
+            positive("min_loss_scale", m)?;
+            if m > self.max_loss_scale {
+                return Err(self.err(
+                    "min_loss_scale",
+                    m,
+                    format!("at most max_loss_scale = {}", self.max_loss_scale),
+                ));
+            }
+        }
+        if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
+            return Err(self.err("growth_factor", self.growth_factor, "a finite number > 1"));
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+            return Err(self.err("backoff_factor", self.backoff_factor, "a number in (0, 1)"));
+        }
+        if self.scale_window == 0 {
+            return Err(self.err("scale_window", 0, "at least 1"));
+        }
+        if self.num_losses == 0 {
+            return Err(self.err("num_losses", 0, "at least 1"));
+        }
+        if self.verbosity > 2 {
+            return Err(self.err("verbosity", self.verbosity, "0, 1 or 2"));
+        }
+        Ok(())
+    }
+
+    fn resolved_cast(&self) -> Option<DType> {
+        self.cast_model_type.or(match self.opt_level {
+            OptLevel::O0 => Some(DType::F32),
+            OptLevel::O1 => None,
+            OptLevel::O2 | OptLevel::O3 => Some(self.half_dtype),
+        })
+    }
+
+    /// The resolved properties (validated). Logs a warning when a dynamic scale is asked for
+    /// with bf16.
+    pub fn properties(&self) -> Result<Properties> {
+        self.validate()?;
+        use OptLevel::*;
+        let lvl = self.opt_level;
+        let cast = self.resolved_cast();
+        let half_model = cast.is_some_and(|t| t.is_half());
+        let loss_scale = match self.loss_scale {
+            Some(s) => {
+                if s == LossScale::Dynamic && self.half_dtype == DType::BF16 {
+                    log::warn!(
+                        "amp ({}): a dynamic loss scale was asked for with bf16; bf16 has FP32's exponent range and needs no loss scaling",
+                        self.source
+                    );
+                }
+                s
+            }
+            None => match lvl {
+                O0 | O3 => LossScale::Static(1.0),
+                _ if self.half_dtype == DType::BF16 => LossScale::Static(1.0),
+                O1 | O2 => LossScale::Dynamic,
+            },
+        };
+        Ok(Properties {
+            opt_level: lvl,
+            cast_model_type: cast,
+            autocast: self.autocast.unwrap_or(lvl == O1),
+            keep_batchnorm_fp32: half_model && self.keep_batchnorm_fp32.unwrap_or(lvl == O2),
+            master_weights: self.master_weights.unwrap_or(lvl == O2),
+            loss_scale,
+            half_dtype: self.half_dtype,
+        })
+    }
+
+    // ---- TOML -------------------------------------------------------------------------------
+
+    /// Reads a policy file (see the module docs for the format).
+    pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Policy> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("reading the amp policy {}", path.display()), e))?;
+        Self::parse_toml(&text, &path.display().to_string())
+    }
+
+    /// Parses a policy from TOML text (errors name the file as `<string>`).
+    pub fn from_toml_str(text: &str) -> Result<Policy> {
+        Self::parse_toml(text, "<string>")
+    }
+
+    fn parse_toml(text: &str, file: &str) -> Result<Policy> {
+        let cfg = |key: &str, value: String, allowed: &str| Error::Config {
+            file: file.to_string(),
+            key: key.to_string(),
+            value,
+            allowed: allowed.to_string(),
+        };
+        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+            cfg(
+                "(syntax)",
+                e.message().to_string(),
+                "a TOML table of policy keys",
+            )
+        })?;
+        for (k, v) in &table {
+            if !POLICY_KEYS.contains(&k.as_str()) {
+                return Err(cfg(k, v.to_string(), &format!("one of {POLICY_KEYS:?}")));
+            }
+        }
+        let level = match table.get("opt_level") {
+            None => {
+                return Err(cfg(
+                    "opt_level",
+                    "(missing)".into(),
+                    "\"O0\", \"O1\", \"O2\" or \"O3\"",
+                ))
+            }
+            Some(v) => v.as_str().and_then(OptLevel::parse).ok_or_else(|| {
+                cfg(
+                    "opt_level",
+                    v.to_string(),
+                    "\"O0\", \"O1\", \"O2\" or \"O3\"",
+                )
+            })?,
+        };
+        let mut p = Policy::opt_level(level);
+        p.source = file.to_string();
+        let dtype = |key: &str, v: &toml::Value, allowed: &str, ok: &[DType]| {
+            v.as_str()
+                .and_then(DType::parse)
+                .filter(|d| ok.contains(d))
+                .ok_or_else(|| cfg(key, v.to_string(), allowed))
+        };
+        let boolean = |key: &str, v: &toml::Value| {
+            v.as_bool()
+                .ok_or_else(|| cfg(key, v.to_string(), "true or false"))
+        };
+        let number = |key: &str, v: &toml::Value| match v {
+            toml::Value::Float(f) => Ok(*f),
+            toml::Value::Integer(i) => Ok(*i as f64),
+            _ => Err(cfg(key, v.to_string(), "a number")),
+        };
+        let integer = |key: &str, v: &toml::Value| match v {
+            toml::Value::Integer(i) if *i >= 0 => Ok(*i as u64),
+            _ => Err(cfg(key, v.to_string(), "an integer >= 0")),
+        };
+        let mut autocast_key = None;
+        for (k, v) in &table {
+            let k = k.as_str();
+            match k {
+                "opt_level" => {}
+                "half_dtype" => {
+                    p.half_dtype = dtype(k, v, "\"f16\" or \"bf16\"", &[DType::F16, DType::BF16])?
+                }
+                "cast_model_type" => {
+                    p.cast_model_type = Some(dtype(
+                        k,
+                        v,
+                        "\"f32\", \"f16\" or \"bf16\"",
+                        &[DType::F32, DType::F16, DType::BF16],
+                    )?)
+                }
+                "autocast" | "patch_torch_functions" => {
+                    if let Some(prev) = autocast_key.replace(k) {
+                        return Err(cfg(
+                            k,
+                            v.to_string(),
+                            &format!("only one of `autocast` and `patch_torch_functions` (`{prev}` is given too)"),
+                        ));
+                    }
+                    p.autocast = Some(boolean(k, v)?)
+                }
+                "keep_batchnorm_fp32" => p.keep_batchnorm_fp32 = Some(boolean(k, v)?),
+                "master_weights" => p.master_weights = Some(boolean(k, v)?),
+                "loss_scale" => {
+                    p.loss_scale = Some(match v {
+                        toml::Value::String(s) if s == "dynamic" => LossScale::Dynamic,
+                        toml::Value::Float(_) | toml::Value::Integer(_) => {
+                            LossScale::Static(number(k, v)?)
+                        }
+                        _ => return Err(cfg(k, v.to_string(), "\"dynamic\" or a number > 0")),
+                    })
+                }
+                "init_scale" => p.init_scale = number(k, v)?,
+                "scale_window" => p.scale_window = integer(k, v)?,
+                "growth_factor" => p.growth_factor = number(k, v)?,
+                "backoff_factor" => p.backoff_factor = number(k, v)?,
+                "min_loss_scale" => p.min_loss_scale = Some(number(k, v)?),
+                "max_loss_scale" => p.max_loss_scale = number(k, v)?,
+                "num_losses" => {
+                    p.num_losses = usize::try_from(integer(k, v)?)
+                        .map_err(|_| cfg(k, v.to_string(), "a small integer"))?
+                }
+                "verbosity" => {
+                    p.verbosity = u8::try_from(integer(k, v)?)
+                        .map_err(|_| cfg(k, v.to_string(), "0, 1 or 2"))?
+                }
+                "report_interval" => p.report_interval = integer(k, v)?,
+                _ => return Err(cfg(k, v.to_string(), &format!("one of {POLICY_KEYS:?}"))),
+            }
+        }
+        p.validate()?;
+        Ok(p)
+    }
+}

@@ -1,0 +1,212 @@
+//! The loss scaler: dynamic (apex's rule) or static, with its state on the device.
+//!
+//! The state is four F32 0-d tensors on the model's device: `scale`, `found_inf` (non-zero when
+//! a gradient since the last update held an Inf or NaN), `unskipped` (clean steps since the
+//! last change of scale) and `skipped_total`. A step reads none of them on the host: the
+//! overflow check writes `found_inf`, the optimizer step reads it and `1/scale` as tensors, and
+//! the update rewrites the state. [`LossScaler::stats`] reads them when asked, and the log line
+//! of every `report_interval` updates is the only read the scaler makes on its own.
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Device, Tensor};
+
+use super::policy::{LossScale, Policy, Properties};
+use super::{autocast, standin};
+
+/// The scaler state read to the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScalerStats {
+    pub loss_id: usize,
+    /// The current loss scale.
+    pub scale: f64,
+    /// Clean steps since the scale last changed (apex's `_unskipped`).
+    pub unskipped: u64,
+    /// Steps skipped for overflow since the scaler was made (or restored).
+    pub skipped_total: u64,
+    /// Updates (optimizer steps) since the scaler was made; host-side, never a device read.
+    pub steps: u64,
+}
+
+/// The part of a scaler saved with a checkpoint (apex's `loss_scaler{i}` entries).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScalerState {
+    pub loss_scale: f64,
+    pub unskipped: u64,
+    pub skipped_total: u64,
+}
+
+#[derive(Debug)]
+pub struct LossScaler {
+    loss_id: usize,
+    dynamic: bool,
+    growth: f64,
+    backoff: f64,
+    window: u64,
+    min: f64,
+    max: f64,
+    report_interval: u64,
+    verbosity: u8,
+    scale: Tensor,
+    found_inf: Tensor,
+    unskipped: Tensor,
+    skipped_total: Tensor,
+    steps: u64,
+    skipped_at_last_report: u64,
+}
+
+impl LossScaler {
+    /// The scaler of loss `loss_id` under `policy` (resolved as `props`), state on `device`.
+    pub fn new(
+        loss_id: usize,
+        policy: &Policy,
+        props: &Properties,
+        device: Device,
+    ) -> Result<LossScaler> {
+        let (dynamic, init) = match props.loss_scale {
+            LossScale::Dynamic => (true, policy.init_scale.min(policy.max_loss_scale)),
+            LossScale::Static(v) => (false, v),
+        };
+        let zero = || Tensor::scalar(0.0, DType::F32, device);
+        Ok(LossScaler {
+            loss_id,
+            dynamic,
+            growth: policy.growth_factor,
+            backoff: policy.backoff_factor,
+            window: policy.scale_window,
+            min: policy.min_loss_scale.unwrap_or(0.0),
+            max: policy.max_loss_scale,
+            report_interval: policy.report_interval,
+            verbosity: policy.verbosity,
+            scale: Tensor::scalar(init, DType::F32, device)?,
+            found_inf: zero()?,
+            unskipped: zero()?,
+            skipped_total: zero()?,
+            steps: 0,
+            skipped_at_last_report: 0,
+        })
+    }
+
+    pub fn loss_id(&self) -> usize {
+        self.loss_id
+    }
+
+    pub fn is_dynamic(&self) -> bool {
+        self.dynamic
+    }
+
+    /// The device scale (F32 0-d); reading it is a host synchronisation.
+    pub fn scale_tensor(&self) -> &Tensor {
+        &self.scale
+    }
+
+    /// The device overflow flag (F32 0-d, non-zero after an overflow since the last update).
+    pub fn found_inf(&self) -> &Tensor {
+        &self.found_inf
+    }
+
+    /// `loss · scale` in FP32 (F64 stays F64), recorded so that backward yields scaled
+    /// gradients. Drops autocast's cast cache, as apex does when a loss is scaled.
+    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
+        autocast::clear_cache();
+        let _s = autocast::suspend();
+        if loss.elem_count() != 1 {
+            return Err(Error::invalid_shape(
+                "amp::scale_loss",
+                loss.shape(),
+                "the loss must be a single value",
+            ));
+        }
+        let loss = if loss.dtype().is_half() {
+            loss.to_dtype(DType::F32)?
+        } else {
+            loss.clone()
+        };
+        loss.mul(&self.scale)
+    }
+
+    /// `1/scale` as an F32 0-d tensor (exact for the powers of two a dynamic scaler holds).
+    pub fn inv_scale(&self) -> Result<Tensor> {
+        let _g = crate::no_grad();
+        Tensor::scalar(1.0, DType::F32, self.scale.device())?.div(&self.scale)
+    }
+
+    /// Sets `found_inf` when any of `grads` holds an Inf or NaN (no host read in the fused
+    /// version).
+    pub fn check(&self, grads: &[Tensor]) -> Result<()> {
+        standin::non_finite_check(grads, &self.found_inf)
+    }
+
+    /// The end of a step: apex's rule on the device state (resets `found_inf`), and a report
+    /// line every `report_interval` updates.
+    pub fn update(&mut self) -> Result<()> {
+        standin::update_scale(
+            &self.scale,
+            &self.found_inf,
+            &self.unskipped,
+            &self.skipped_total,
+            self.dynamic,
+            self.growth,
+            self.backoff,
+            self.window,
+            self.min,
+            self.max,
+        )?;
+        self.steps += 1;
+        if self.verbosity > 0 && self.report_interval > 0 && self.steps % self.report_interval == 0
+        {
+            let s = self.stats()?;
+            log::info!(
+                "amp: loss scaler {}: step {}, scale {}, {} step(s) skipped in the last {} ({} in all)",
+                self.loss_id,
+                s.steps,
+                s.scale,
+                s.skipped_total.saturating_sub(self.skipped_at_last_report),
+                self.report_interval,
+                s.skipped_total
+            );
+            self.skipped_at_last_report = s.skipped_total;
+        }
+        Ok(())
+    }
+
+    /// Reads the state to the host (a synchronisation: call it when you log, not every step).
+    pub fn stats(&self) -> Result<ScalerStats> {
+        Ok(ScalerStats {
+            loss_id: self.loss_id,
+            scale: self.scale.item()?,
+            unskipped: self.unskipped.item()? as u64,
+            skipped_total: self.skipped_total.item()? as u64,
+            steps: self.steps,
+        })
+    }
+
+    /// The state a checkpoint saves.
+    pub fn state(&self) -> Result<ScalerState> {
+        let s = self.stats()?;
+        Ok(ScalerState {
+            loss_scale: s.scale,
+            unskipped: s.unskipped,
+            skipped_total: s.skipped_total,
+        })
+    }
+
+    /// Restores a saved state (the overflow flag is cleared).
+    pub fn load_state(&mut self, st: &ScalerState) -> Result<()> {
+        if !(st.loss_scale.is_finite() && st.loss_scale > 0.0) {
+            return Err(Error::invalid_arg(
+                "LossScaler::load_state",
+                "loss_scale",
+                st.loss_scale,
+                "a finite scale > 0",
+            ));
+        }
+        let dev = self.scale.device();
+        let set = |t: &Tensor, v: f64| t.set_data(&Tensor::scalar(v, DType::F32, dev)?);
+        set(&self.scale, st.loss_scale)?;
+        set(&self.unskipped, st.unskipped as f64)?;
+        set(&self.skipped_total, st.skipped_total as f64)?;
+        set(&self.found_inf, 0.0)?;
+        self.skipped_at_last_report = st.skipped_total;
+        Ok(())
+    }
+}
