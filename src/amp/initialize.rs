@@ -230,6 +230,9 @@ pub struct AmpOptimizer<O: Optimizer> {
     pending: Option<usize>,
     /// Scalers that scaled gradients of this optimizer since its last step.
     used: BTreeSet<usize>,
+    /// Gradients set aside during a backward, so that its overflow check sees only the new
+    /// ones (an overflow belongs to the loss that caused it, as in apex).
+    stash: Vec<(Tensor, Tensor)>,
     clip: Option<f64>,
     device: Device,
     ids: Vec<TensorId>,
@@ -414,6 +417,9 @@ pub trait ScaledBackward {
     /// After it: the overflow check into the loss's scaler.
     #[doc(hidden)]
     fn after_backward(&mut self, set: &mut ScalerSet, loss_id: usize) -> Result<()>;
+    /// After a failed backward: the gradients set aside are put back.
+    #[doc(hidden)]
+    fn abort_backward(&mut self) -> Result<()>;
 }
 
 impl<O: Optimizer> ScaledBackward for AmpOptimizer<O> {
@@ -423,14 +429,22 @@ impl<O: Optimizer> ScaledBackward for AmpOptimizer<O> {
 
     fn before_backward(&mut self, set: &ScalerSet, loss_id: usize) -> Result<()> {
         let new = set.scaler(loss_id)?;
-        if let Some(prev) = self.pending.filter(|&p| p != loss_id) {
-            let _g = crate::no_grad();
-            let factor = new.scale_tensor().div(set.scaler(prev)?.scale_tensor())?;
-            for p in self.inner.params() {
-                if let Some(g) = p.grad() {
-                    let r = g.to_dtype(DType::F32)?.mul(&factor)?.to_dtype(g.dtype())?;
-                    p.set_grad(Some(r));
-                }
+        let _g = crate::no_grad();
+        let factor = match self.pending {
+            Some(prev) if prev != loss_id => {
+                Some(new.scale_tensor().div(set.scaler(prev)?.scale_tensor())?)
+            }
+            _ => None,
+        };
+        self.stash.clear();
+        for p in self.inner.params() {
+            if let Some(g) = p.grad() {
+                let g = match &factor {
+                    Some(f) => g.to_dtype(DType::F32)?.mul(f)?.to_dtype(g.dtype())?,
+                    None => g,
+                };
+                p.set_grad(None);
+                self.stash.push((p, g));
             }
         }
         self.pending = Some(loss_id);
@@ -441,6 +455,18 @@ impl<O: Optimizer> ScaledBackward for AmpOptimizer<O> {
         set.scaler(loss_id)?.check(&self.grads())?;
         self.used.insert(loss_id);
         set.waiting[loss_id].insert(self.index);
+        self.abort_backward()
+    }
+
+    fn abort_backward(&mut self) -> Result<()> {
+        let _g = crate::no_grad();
+        for (p, old) in std::mem::take(&mut self.stash) {
+            let total = match p.grad() {
+                Some(new) => old.add(&new)?,
+                None => old,
+            };
+            p.set_grad(Some(total));
+        }
         Ok(())
     }
 }
@@ -500,13 +526,17 @@ pub fn scale_loss_many(
         }
         set.scaler(loss_id)?.scale_loss(loss)?
     };
-    f(&scaled)?;
+    let r = f(&scaled);
     autocast::clear_cache();
     let mut set = lock(&shared);
     for o in opts.iter_mut() {
-        o.after_backward(&mut set, loss_id)?;
+        match &r {
+            Ok(()) => o.after_backward(&mut set, loss_id)?,
+            // The gradients set aside go back; those of the failed backward count as seen.
+            Err(_) => o.abort_backward()?,
+        }
     }
-    Ok(())
+    r
 }
 
 // ---- initialize --------------------------------------------------------------------------------
@@ -529,6 +559,9 @@ pub fn initialize<M: Module, O: Optimizer>(
     }
 }
 
+/// What [`initialize_many`] returns: the wrapped models and optimizers, in the given order.
+pub type Wrapped<M, O> = (Vec<AmpModel<M>>, Vec<AmpOptimizer<O>>);
+
 /// Wraps several models and optimizers that share `num_losses` scalers (apex's
 /// `amp.initialize([m0, m1], [opt0, opt1], num_losses=...)`). Every optimizer parameter must be
 /// a parameter of one of the models.
@@ -536,7 +569,7 @@ pub fn initialize_many<M: Module, O: Optimizer>(
     models: Vec<M>,
     mut optimizers: Vec<O>,
     policy: Policy,
-) -> Result<(Vec<AmpModel<M>>, Vec<AmpOptimizer<O>>)> {
+) -> Result<Wrapped<M, O>> {
     let op = "amp::initialize";
     let props = policy.properties()?;
     if models.is_empty() || optimizers.is_empty() {
@@ -672,6 +705,7 @@ pub fn initialize_many<M: Module, O: Optimizer>(
                 masters,
                 pending: None,
                 used: BTreeSet::new(),
+                stash: Vec::new(),
                 clip: None,
                 device,
                 ids,

@@ -28,7 +28,7 @@ mod standin;
 pub use autocast::{autocast, AutocastGuard, OpClass};
 pub use initialize::{
     initialize, initialize_many, scale_loss, scale_loss_id, scale_loss_many, AmpModel,
-    AmpOptimizer, AmpOptimizerState, ScaledBackward, ScalerSet,
+    AmpOptimizer, AmpOptimizerState, ScaledBackward, ScalerSet, Wrapped,
 };
 pub use policy::{LossScale, OptLevel, Policy, Properties};
 pub use scaler::{LossScaler, ScalerState, ScalerStats};

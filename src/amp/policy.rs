@@ -538,7 +538,23 @@ impl Policy {
                 _ => return Err(cfg(k, v.to_string(), &format!("one of {POLICY_KEYS:?}"))),
             }
         }
-        p.validate()?;
+        p.validate().map_err(|e| match e {
+            // Name the key as the file spells it.
+            Error::Config {
+                file,
+                key,
+                value,
+                allowed,
+            } if key == "autocast" && autocast_key == Some("patch_torch_functions") => {
+                Error::Config {
+                    file,
+                    key: "patch_torch_functions".into(),
+                    value,
+                    allowed,
+                }
+            }
+            e => e,
+        })?;
         Ok(p)
     }
 }
