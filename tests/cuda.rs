@@ -1481,3 +1481,52 @@ fn resnet18_forward_backward_matches_cpu() {
         }
     }
 }
+
+// =================================================================================================
+// ---- amp: the device cases of tests/amp_cases (apex's suite) on the GPU -------------------------
+// =================================================================================================
+//
+// The same functions tests/amp.rs runs on the CPU in CI, here on CUDA device 0:
+// `cargo test --release --test cuda -- --ignored amp_gpu::`.
+
+mod amp_cases;
+
+/// The device of the amp cases in this binary.
+fn amp_device() -> Device {
+    gpu();
+    Device::Cuda(0)
+}
+
+mod amp_gpu {
+    macro_rules! on_gpu {
+        ($($name:ident),* $(,)?) => {
+            $(
+                #[test]
+                #[ignore = "needs a CUDA GPU"]
+                fn $name() {
+                    super::amp_cases::$name()
+                }
+            )*
+        };
+    }
+
+    on_gpu!(
+        o1_op_result_dtypes,
+        o1_gradients_have_the_parameters_dtype_and_scopes_nest,
+        user_ops_register_a_class,
+        cache_holds_parameter_casts_per_grad_mode_until_backward,
+        cache_never_goes_stale_across_train_eval_train,
+        checkpoint_at_step_5_of_10_restores_bitwise_at_every_level,
+        casts_per_level,
+        three_scalers_decrease_independently,
+        dynamic_scale_grows_after_the_window_and_clamps,
+        bf16_policy_runs_unscaled_and_trains,
+        multiple_models_optimizers_losses_with_planted_inf,
+        accumulation_unscales_once_and_matches_fp32,
+        clipping_uses_the_unscaled_norm,
+        o2_master_params_are_fp32_and_model_weights_follow_them,
+        initialize_twice_is_an_error,
+        initialize_checks_its_inputs,
+        tiny_resnet_trains_on_fashion_mnist_at_every_level,
+    );
+}
