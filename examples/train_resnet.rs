@@ -13,6 +13,8 @@
 //!     --widths A,B,C       channels per stage (default 32,64,128)
 //!     --blocks A,B,C       basic blocks per stage (default 1,1,1)
 //!     --seed N             (default 0)
+//!     --amp FILE           an AMP policy (configs/O0.toml … O3.toml, *_bf16.toml; default: O0,
+//!                          plain FP32)
 
 use std::time::Instant;
 
@@ -21,7 +23,7 @@ use mixprec::nn::loss::{cross_entropy_with, CrossEntropyConfig};
 use mixprec::nn::resnet::{ResNet, ResNetConfig, Stem};
 use mixprec::nn::{BlockKind, Module};
 use mixprec::optim::{Optimizer, Sgd, SgdConfig};
-use mixprec::{Device, Error, Result, Tensor};
+use mixprec::{amp, Device, Error, Result, Tensor};
 
 struct Args {
     data: Option<String>,
@@ -31,6 +33,7 @@ struct Args {
     widths: Vec<usize>,
     blocks: Vec<usize>,
     seed: u64,
+    amp: Option<String>,
 }
 
 fn parse_list(flag: &str, v: &str) -> Result<Vec<usize>> {
@@ -56,6 +59,7 @@ fn parse_args() -> Result<Args> {
         widths: vec![32, 64, 128],
         blocks: vec![1, 1, 1],
         seed: 0,
+        amp: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -90,6 +94,7 @@ fn parse_args() -> Result<Args> {
                     .parse()
                     .map_err(|_| bad(&value, "a positive number"))?
             }
+            "--amp" => a.amp = Some(value),
             "--widths" => a.widths = parse_list(&flag, &value)?,
             "--blocks" => a.blocks = parse_list(&flag, &value)?,
             "--seed" => {
@@ -100,7 +105,7 @@ fn parse_args() -> Result<Args> {
             _ => {
                 return Err(bad(
                     &value,
-                    "--data, --epochs, --batch-size, --lr, --widths, --blocks, --seed",
+                    "--data, --epochs, --batch-size, --lr, --widths, --blocks, --seed, --amp",
                 ))
             }
         }
@@ -136,7 +141,7 @@ fn one_cycle(step: usize, total: usize, peak: f64) -> f64 {
 }
 
 /// Fraction of `test` classified correctly, in eval mode, recording no graph.
-fn evaluate(model: &ResNet, test: &DataLoader) -> Result<f64> {
+fn evaluate(model: &impl Module, test: &DataLoader) -> Result<f64> {
     let _no_grad = mixprec::no_grad();
     model.eval();
     let (mut correct, mut total) = (0usize, 0usize);
@@ -186,7 +191,7 @@ fn main() -> Result<()> {
         args.lr
     );
 
-    let mut opt = Sgd::new(
+    let opt = Sgd::new(
         model.parameters(),
         SgdConfig {
             lr: args.lr,
@@ -196,6 +201,17 @@ fn main() -> Result<()> {
             ..Default::default()
         },
     )?;
+    let policy = match &args.amp {
+        Some(file) => amp::Policy::from_toml_file(file)?,
+        None => amp::Policy::opt_level(amp::OptLevel::O0),
+    };
+    println!(
+        "amp: {} from {} ({:?})",
+        policy.opt_level,
+        policy.source,
+        policy.properties()?
+    );
+    let (model, mut opt) = amp::initialize(model, opt, policy)?;
     let train_loader = DataLoader::new(train, args.batch_size)
         .shuffle(args.seed)
         .drop_last(true)
@@ -218,10 +234,11 @@ fn main() -> Result<()> {
         let mut epoch_loss: Option<Tensor> = None;
         for batch in train_loader.epoch(epoch) {
             let (x, y) = batch?;
-            opt.set_lr_all(one_cycle(step, total_steps, args.lr))?;
+            opt.inner_mut()
+                .set_lr_all(one_cycle(step, total_steps, args.lr))?;
             let loss = cross_entropy_with(&model.forward(&x)?, &y, loss_cfg)?;
-            opt.zero_grad();
-            loss.backward()?;
+            opt.zero_grad()?;
+            opt.backward(&loss)?;
             opt.step()?;
             let l = loss.detach();
             epoch_loss = Some(match epoch_loss {
@@ -247,11 +264,14 @@ fn main() -> Result<()> {
             start.elapsed().as_secs_f64()
         );
     }
+    let scaler = opt.stats()?[0];
     println!(
-        "done: test accuracy {:.2}% after {} epochs in {:.1} s",
+        "done: test accuracy {:.2}% after {} epochs in {:.1} s (loss scale {}, {} steps skipped)",
         100.0 * accuracy,
         args.epochs,
-        run_start.elapsed().as_secs_f64()
+        run_start.elapsed().as_secs_f64(),
+        scaler.scale,
+        scaler.skipped_total
     );
     Ok(())
 }
