@@ -1530,3 +1530,87 @@ mod amp_gpu {
         tiny_resnet_trains_on_fashion_mnist_at_every_level,
     );
 }
+
+/// One O2 training step (zero_grad, forward, loss, scaled backward, step with the scale update)
+/// on an MLP with an MSE loss makes no host synchronisation: the scaler's state, the overflow
+/// flag and the skip decision stay on the device. (MLP and MSE: cross-entropy's index check and
+/// BatchNorm's batch counter are not AMP's; the ResNet case below counts those too.)
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn amp_training_step_makes_no_host_sync() {
+    use mixprec::amp::{self, OptLevel, Policy};
+    use mixprec::backend::cuda::host_sync_count;
+    use mixprec::nn::{mse_loss, Linear, Module, ReLU, Reduction, Sequential};
+    use mixprec::optim::{Sgd, SgdConfig};
+    let dev = amp_device();
+    for level in [OptLevel::O1, OptLevel::O2, OptLevel::O3] {
+        let model = Sequential::new()
+            .with(Linear::new(64, 128, true, &dev, 1).unwrap())
+            .with(ReLU::new())
+            .with(Linear::new(128, 10, true, &dev, 2).unwrap());
+        let cfg = SgdConfig {
+            lr: 0.01,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let opt = Sgd::new(model.parameters(), cfg).unwrap();
+        let policy = Policy::opt_level(level).with_report_interval(0);
+        let (model, mut opt) = amp::initialize(model, opt, policy).unwrap();
+        let x = Tensor::randn(vec![32, 64], 0.0, 1.0, 3, DType::F32, dev).unwrap();
+        let t = Tensor::randn(vec![32, 10], 0.0, 1.0, 4, DType::F32, dev).unwrap();
+        let step = |opt: &mut amp::AmpOptimizer<Sgd>| {
+            let loss = mse_loss(&model.forward(&x).unwrap(), &t, Reduction::Mean).unwrap();
+            opt.zero_grad().unwrap();
+            opt.backward(&loss).unwrap();
+            opt.step().unwrap();
+        };
+        for _ in 0..3 {
+            step(&mut opt);
+        }
+        let before = host_sync_count();
+        for _ in 0..5 {
+            step(&mut opt);
+        }
+        let syncs = host_sync_count() - before;
+        assert_eq!(
+            syncs, 0,
+            "{level}: {syncs} host synchronisations in 5 steps"
+        );
+        assert_eq!(opt.stats().unwrap()[0].steps, 8);
+    }
+}
+
+/// The same count for the main job's step: the small ResNet with cross-entropy at O2.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn amp_resnet_step_host_syncs() {
+    use mixprec::amp::{self, OptLevel, Policy};
+    use mixprec::backend::cuda::host_sync_count;
+    use mixprec::nn::{cross_entropy, Module, ResNet};
+    use mixprec::optim::{Sgd, SgdConfig};
+    let dev = amp_device();
+    let model = ResNet::cifar_style(&[1, 1], 1, 10, &dev).unwrap();
+    let cfg = SgdConfig {
+        lr: 0.01,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let opt = Sgd::new(model.parameters(), cfg).unwrap();
+    let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
+    let (model, mut opt) = amp::initialize(model, opt, policy).unwrap();
+    let x = Tensor::randn(vec![16, 1, 28, 28], 0.0, 1.0, 3, DType::F32, dev).unwrap();
+    let y = Tensor::from_vec((0..16).map(|i| i % 10).collect::<Vec<i64>>(), vec![16], dev).unwrap();
+    let mut step = || {
+        let loss = cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+        opt.zero_grad().unwrap();
+        opt.backward(&loss).unwrap();
+        opt.step().unwrap();
+    };
+    step();
+    let before = host_sync_count();
+    for _ in 0..3 {
+        step();
+    }
+    let syncs = host_sync_count() - before;
+    assert_eq!(syncs, 0, "{syncs} host synchronisations in 3 ResNet steps");
+}

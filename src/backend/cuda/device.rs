@@ -3,7 +3,7 @@
 //! first use and kept for the life of the process.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys as cu;
@@ -178,6 +178,7 @@ impl CudaDevice {
 
     /// Waits for all work queued on the device's stream.
     pub fn synchronize(&self) -> Result<()> {
+        HOST_SYNCS.fetch_add(1, Ordering::Relaxed);
         self.stream
             .synchronize()
             .map_err(|e| cuda_err("synchronizing the stream", e))
@@ -190,6 +191,16 @@ impl CudaDevice {
     pub fn compute_capability(&self) -> (i32, i32) {
         self.arch
     }
+}
+
+/// Host synchronisations since the process started (every device → host read goes through
+/// [`CudaDevice::synchronize`]).
+static HOST_SYNCS: AtomicU64 = AtomicU64::new(0);
+
+/// The number of host synchronisations so far, all devices: a debug counter for proving that a
+/// training step makes none (read it before and after the steps).
+pub fn host_sync_count() -> u64 {
+    HOST_SYNCS.load(Ordering::Relaxed)
 }
 
 /// Keeps freed memory in the device's default pool (which cuMemAllocAsync draws from) instead of

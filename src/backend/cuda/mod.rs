@@ -13,7 +13,9 @@ mod probe;
 mod registry;
 mod storage;
 
-pub use device::{get as device, set_allow_tf32, set_poison_allocations, CudaDevice};
+pub use device::{
+    get as device, host_sync_count, set_allow_tf32, set_poison_allocations, CudaDevice,
+};
 pub use probe::probe;
 pub use storage::CudaStorage;
 
