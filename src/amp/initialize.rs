@@ -294,10 +294,20 @@ impl<O: Optimizer> AmpOptimizer<O> {
         let _g = crate::no_grad();
         let mut set = lock(&self.scalers);
         let dev = self.device;
-        let mut found = Tensor::scalar(0.0, DType::F32, dev)?;
+        // The scalers' flags: the one flag itself in the usual case of one loss, their sum
+        // (non-zero iff any is) with several.
+        let mut found: Option<Tensor> = None;
         for &id in &self.used {
-            found = found.add(set.scaler(id)?.found_inf())?;
+            let f = set.scaler(id)?.found_inf();
+            found = Some(match found {
+                None => f.clone(),
+                Some(acc) => acc.add(f)?,
+            });
         }
+        let found = match found {
+            Some(f) => f,
+            None => Tensor::scalar(0.0, DType::F32, dev)?,
+        };
         let mut mult = match self.pending {
             Some(id) => set.scaler(id)?.inv_scale()?,
             None => Tensor::scalar(1.0, DType::F32, dev)?,

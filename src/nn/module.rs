@@ -357,6 +357,13 @@ impl<M: Module + ?Sized> Module for Box<M> {
     fn training_flag(&self) -> Option<&TrainingFlag> {
         (**self).training_flag()
     }
+    // Forwarded so that a wrapper's own state dict (AMP's O2 masters) survives boxing/sharing.
+    fn state_dict(&self) -> Result<StateDict> {
+        (**self).state_dict()
+    }
+    fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
+        (**self).load_state_dict(entries)
+    }
 }
 
 impl<M: Module + ?Sized> Module for std::sync::Arc<M> {
@@ -380,5 +387,12 @@ impl<M: Module + ?Sized> Module for std::sync::Arc<M> {
     }
     fn training_flag(&self) -> Option<&TrainingFlag> {
         (**self).training_flag()
+    }
+    // Forwarded so that a wrapper's own state dict (AMP's O2 masters) survives boxing/sharing.
+    fn state_dict(&self) -> Result<StateDict> {
+        (**self).state_dict()
+    }
+    fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
+        (**self).load_state_dict(entries)
     }
 }

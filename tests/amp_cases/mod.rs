@@ -939,6 +939,14 @@ pub fn o2_master_params_are_fp32_and_model_weights_follow_them() {
         start,
         "the masters moved"
     );
+    // The state dict holds the FP32 masters, also through an Arc.
+    let masters = o.master_params();
+    let shared: Arc<dyn Module> = Arc::new(m);
+    let sd = shared.state_dict().unwrap();
+    assert_eq!(sd.len(), masters.len());
+    for ((n, t), m) in sd.iter().zip(&masters) {
+        assert_eq!(bits(t), bits(m), "{n}");
+    }
 }
 
 // ---- initialize's own errors -------------------------------------------------------------------
