@@ -11,7 +11,7 @@
 //! restore continues bitwise); the wrapped optimizer's state adds the scalers'.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::error::{Error, Result};
 use crate::nn::module::{Module, StateDict, TensorInfo, TensorKind, TrainingFlag};
@@ -101,6 +101,15 @@ impl ScalerSet {
 
 type SharedScalers = Arc<Mutex<ScalerSet>>;
 
+/// O2: the FP32 master of each trained parameter, by parameter, shared by the models and
+/// optimizers of one `initialize` call. The optimizers keep it current (an optimizer may replace
+/// its master tensors, e.g. when it loads a state).
+type MasterMap = Arc<RwLock<HashMap<TensorId, Tensor>>>;
+
+fn masters_of(map: &MasterMap) -> std::sync::RwLockReadGuard<'_, HashMap<TensorId, Tensor>> {
+    map.read().unwrap_or_else(|e| e.into_inner())
+}
+
 fn lock(s: &SharedScalers) -> MutexGuard<'_, ScalerSet> {
     s.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -111,8 +120,8 @@ fn lock(s: &SharedScalers) -> MutexGuard<'_, ScalerSet> {
 pub struct AmpModel<M: Module> {
     inner: M,
     props: Properties,
-    /// O2: the FP32 master of each trained parameter (shared with the optimizers).
-    masters: Arc<HashMap<TensorId, Tensor>>,
+    /// O2: the FP32 master of each trained parameter (kept current by the optimizers).
+    masters: MasterMap,
     ids: Vec<TensorId>,
 }
 
@@ -177,7 +186,8 @@ impl<M: Module> Module for AmpModel<M> {
     /// FP32 at every level; at O2 the parameters' entries are their FP32 masters.
     fn state_dict(&self) -> Result<StateDict> {
         let mut sd = self.inner.state_dict()?;
-        if self.masters.is_empty() {
+        let masters = masters_of(&self.masters);
+        if masters.is_empty() {
             return Ok(sd);
         }
         let mut ids = HashMap::new();
@@ -185,7 +195,7 @@ impl<M: Module> Module for AmpModel<M> {
             ids.insert(i.name.to_string(), i.tensor.id());
         });
         for (name, t) in sd.iter_mut() {
-            if let Some(m) = ids.get(name).and_then(|id| self.masters.get(id)) {
+            if let Some(m) = ids.get(name).and_then(|id| masters.get(id)) {
                 *t = crate::optim::owned_copy(m, DType::F32)?;
             }
         }
@@ -196,7 +206,8 @@ impl<M: Module> Module for AmpModel<M> {
     /// values into the masters too.
     fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
         self.inner.load_state_dict(entries)?;
-        if self.masters.is_empty() {
+        let masters = masters_of(&self.masters);
+        if masters.is_empty() {
             return Ok(());
         }
         let mut params = Vec::new();
@@ -208,7 +219,7 @@ impl<M: Module> Module for AmpModel<M> {
         let given: HashMap<&str, &Tensor> = entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let _g = crate::no_grad();
         for (name, id) in params {
-            if let (Some(m), Some(src)) = (self.masters.get(&id), given.get(name.as_str())) {
+            if let (Some(m), Some(src)) = (masters.get(&id), given.get(name.as_str())) {
                 m.set_data(&src.detach().to_dtype(DType::F32)?)?;
             }
         }
@@ -224,8 +235,12 @@ pub struct AmpOptimizer<O: Optimizer> {
     inner: O,
     index: usize,
     scalers: SharedScalers,
-    /// O2: masters in `inner.params()` order; empty otherwise.
+    /// O2 with the stand-in step: masters in `inner.params()` order; empty otherwise.
     masters: Vec<Tensor>,
+    master_weights: bool,
+    master_map: MasterMap,
+    /// The optimizer was lent out mutably: its masters may have been replaced.
+    masters_dirty: bool,
     /// The scaler whose scale the current gradients carry.
     pending: Option<usize>,
     /// Scalers that scaled gradients of this optimizer since its last step.
@@ -257,7 +272,21 @@ impl<O: Optimizer> AmpOptimizer<O> {
     }
     /// The optimizer (for learning-rate schedules and the like).
     pub fn inner_mut(&mut self) -> &mut O {
+        self.masters_dirty = self.master_weights;
         &mut self.inner
+    }
+
+    /// Publishes the optimizer's current masters to the models (O2).
+    fn publish_masters(&mut self) {
+        self.masters_dirty = false;
+        if !self.master_weights {
+            return;
+        }
+        let masters = standin::master_params(&self.inner, &self.masters);
+        let mut map = self.master_map.write().unwrap_or_else(|e| e.into_inner());
+        for (p, m) in self.inner.params().iter().zip(masters) {
+            map.insert(p.id(), m);
+        }
     }
 
     /// Scaled backward of loss 0: gradients accumulate, still scaled, over several calls until
@@ -290,6 +319,9 @@ impl<O: Optimizer> AmpOptimizer<O> {
     /// One step: unscale (× the clip coefficient when set) into the update, skipped exactly on
     /// overflow, then the update of every scaler that this step closes.
     pub fn step(&mut self) -> Result<()> {
+        if self.masters_dirty {
+            self.publish_masters();
+        }
         let _s = autocast::suspend();
         let _g = crate::no_grad();
         let mut set = lock(&self.scalers);
@@ -340,7 +372,7 @@ impl<O: Optimizer> AmpOptimizer<O> {
     /// Drops every gradient (the model's and the masters').
     pub fn zero_grad(&mut self) -> Result<()> {
         self.inner.zero_grad();
-        for m in &self.masters {
+        for m in self.master_params() {
             m.zero_grad();
         }
         Ok(())
@@ -348,10 +380,10 @@ impl<O: Optimizer> AmpOptimizer<O> {
 
     /// The parameters the update runs on: the FP32 masters at O2, the model's otherwise.
     pub fn master_params(&self) -> Vec<Tensor> {
-        if self.masters.is_empty() {
-            self.inner.params()
+        if self.master_weights {
+            standin::master_params(&self.inner, &self.masters)
         } else {
-            self.masters.clone()
+            self.inner.params()
         }
     }
 
@@ -402,8 +434,10 @@ impl<O: Optimizer> AmpOptimizer<O> {
         for (s, st) in set.scalers.iter_mut().zip(&state.scalers) {
             s.load_state(st)?;
         }
+        drop(set);
         self.pending = None;
         self.used.clear();
+        self.publish_masters();
         Ok(())
     }
 
@@ -663,24 +697,19 @@ pub fn initialize_many<M: Module, O: Optimizer>(
 
     // ---- masters, then the model cast ----
     let mut masters: Vec<Vec<Tensor>> = Vec::with_capacity(optimizers.len());
-    let mut master_map = HashMap::new();
     for o in optimizers.iter_mut() {
-        let m = if props.master_weights {
+        masters.push(if props.master_weights {
             standin::use_master_weights(o)?
         } else {
             Vec::new()
-        };
-        for (p, mt) in o.params().iter().zip(&m) {
-            master_map.insert(p.id(), mt.clone());
-        }
-        masters.push(m);
+        });
     }
     if let Some(t) = props.cast_model_type {
         for m in &models {
             m.cast(t, props.keep_batchnorm_fp32)?;
         }
     }
-    let master_map = Arc::new(master_map);
+    let master_map: MasterMap = Arc::default();
     let scalers = (0..policy.num_losses)
         .map(|i| LossScaler::new(i, &policy, &props, device))
         .collect::<Result<Vec<_>>>()?;
@@ -708,7 +737,7 @@ pub fn initialize_many<M: Module, O: Optimizer>(
         .enumerate()
         .map(|(index, ((inner, masters), ids))| {
             register(&ids);
-            AmpOptimizer {
+            let mut o = AmpOptimizer {
                 inner,
                 index,
                 scalers: shared.clone(),
@@ -719,7 +748,12 @@ pub fn initialize_many<M: Module, O: Optimizer>(
                 clip: None,
                 device,
                 ids,
-            }
+                master_weights: props.master_weights,
+                master_map: master_map.clone(),
+                masters_dirty: false,
+            };
+            o.publish_masters();
+            o
         })
         .collect();
     Ok((models, opts))

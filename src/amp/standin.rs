@@ -25,6 +25,12 @@ pub(crate) fn use_master_weights<O: Optimizer>(opt: &mut O) -> Result<Vec<Tensor
         .collect()
 }
 
+/// The masters of an optimizer after [`use_master_weights`] (`own`: what it returned). To be
+/// replaced by `opt.master_params()`.
+pub(crate) fn master_params<O: Optimizer>(_opt: &O, own: &[Tensor]) -> Vec<Tensor> {
+    own.to_vec()
+}
+
 /// One step with gradients × `grad_multiplier`, an exact no-op when `found_inf` ≠ 0. With
 /// `masters` (same order as `opt.params()`), the update runs on the FP32 masters from FP32
 /// gradients and the model parameters receive the masters cast to their dtype. To be replaced
