@@ -351,12 +351,7 @@ impl<O: Optimizer> AmpOptimizer<O> {
                 .iter()
                 .filter_map(|p| p.grad())
                 .collect();
-            let norm = standin::l2norm(&grads, dev)?.mul(&mult)?;
-            // torch's clip_grad_norm_: coefficient max_norm / (norm + 1e-6), at most 1.
-            let coef = Tensor::scalar(max_norm, DType::F32, dev)?
-                .div(&norm.add_scalar(1e-6)?)?
-                .minimum(&Tensor::scalar(1.0, DType::F32, dev)?)?;
-            mult = mult.mul(&coef)?;
+            mult = standin::clip_into(&grads, max_norm, mult, &found)?;
         }
         standin::step_scaled(&mut self.inner, &self.masters, &mult, &found)?;
         for id in std::mem::take(&mut self.used) {

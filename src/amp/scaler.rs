@@ -73,8 +73,12 @@ impl LossScaler {
             growth: policy.growth_factor,
             backoff: policy.backoff_factor,
             window: policy.scale_window,
-            min: policy.min_loss_scale.unwrap_or(0.0),
-            max: policy.max_loss_scale,
+            // No floor is the smallest positive f32; a static scale lies within [min, max].
+            min: policy
+                .min_loss_scale
+                .unwrap_or(f32::MIN_POSITIVE as f64)
+                .min(init),
+            max: policy.max_loss_scale.max(init),
             report_interval: policy.report_interval,
             verbosity: policy.verbosity,
             scale: Tensor::scalar(init, DType::F32, device)?,

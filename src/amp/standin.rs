@@ -104,14 +104,29 @@ pub(crate) fn non_finite_check(inputs: &[Tensor], found_inf: &Tensor) -> Result<
     Ok(())
 }
 
-/// The global L2 norm of `inputs` as an F32 0-d tensor. To be replaced by `multi_tensor::l2norm`.
-pub(crate) fn l2norm(inputs: &[Tensor], device: crate::Device) -> Result<Tensor> {
+/// `grad_multiplier` × torch's clip coefficient min(1, max_norm/(‖g·grad_multiplier‖ + 1e-6)) over
+/// the unscaled gradients (an Inf/NaN norm sets `found_inf`). To be replaced by
+/// `optim::clip_grad_norm_into`.
+pub(crate) fn clip_into(
+    grads: &[Tensor],
+    max_norm: f64,
+    grad_multiplier: Tensor,
+    found_inf: &Tensor,
+) -> Result<Tensor> {
     let _g = crate::no_grad();
-    let mut acc = Tensor::scalar(0.0, DType::F32, device)?;
-    for t in inputs {
+    let dev = grad_multiplier.device();
+    let mut acc = Tensor::scalar(0.0, DType::F32, dev)?;
+    for t in grads {
         acc = acc.add(&t.to_dtype(DType::F32)?.sqr()?.sum_all()?)?;
     }
-    acc.sqrt()
+    let norm = acc.sqrt()?.mul(&grad_multiplier)?;
+    if !norm.item()?.is_finite() {
+        found_inf.set_data(&Tensor::scalar(1.0, DType::F32, dev)?)?;
+    }
+    let coef = Tensor::scalar(max_norm, DType::F32, dev)?
+        .div(&norm.add_scalar(1e-6)?)?
+        .minimum(&Tensor::scalar(1.0, DType::F32, dev)?)?;
+    grad_multiplier.mul(&coef)
 }
 
 /// The loss-scale update of apex / PyTorch's `_amp_update_scale_` on the 0-d F32 state: on
