@@ -124,16 +124,18 @@ pub fn apply(
             }
             match n {
                 None => n = Some(t.elem_count()),
-                Some(n) if n != t.elem_count() => return Err(Error::invalid_arg(
-                    op,
-                    "tensor lists",
-                    format!(
+                Some(n) if n != t.elem_count() => {
+                    return Err(Error::invalid_arg(
+                        op,
+                        "tensor lists",
+                        format!(
                         "tensor {i}: list {k} has shape {:?} ({} elements), list 0 {n} elements",
                         t.dims(),
                         t.elem_count()
                     ),
-                    "the lists' i-th tensors of equal element count",
-                )),
+                        "the lists' i-th tensors of equal element count",
+                    ))
+                }
                 _ => {}
             }
         }
