@@ -195,10 +195,16 @@ pub fn apply(
         steps: opt(sc.steps),
         aux: [opt(sc.aux[0]), opt(sc.aux[1])],
     };
+    // Which arrays are indexed by slot (the others are single values).
+    let aux0_per_slot = !matches!(kernel, MtKernel::LambUpdate(_));
+    let aux1_per_slot = matches!(
+        kernel,
+        MtKernel::LambApply { .. } | MtKernel::NovoGradMoment { .. }
+    );
     for (what, b) in [
         ("steps", scalars.steps),
-        ("aux 0", scalars.aux[0]),
-        ("aux 1", scalars.aux[1]),
+        ("aux 0", scalars.aux[0].filter(|_| aux0_per_slot)),
+        ("aux 1", scalars.aux[1].filter(|_| aux1_per_slot)),
     ] {
         if let Some(b) = b {
             if let Some(e) = entries.iter().find(|e| e.slot >= b.len) {
