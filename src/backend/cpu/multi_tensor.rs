@@ -226,17 +226,19 @@ impl MultiTensorOps for CpuMultiTensor {
                 let s = mult.unwrap_or(1.0);
                 let parts = chunk_partials(entries, |e, a, b| {
                     let x = Buf::new(e.bufs[0].unwrap());
-                    let mut acc = 0.0f32;
+                    // Squares of FP32 values; the chunk's sum kept in f64 so that a sequential
+                    // loop is as accurate as the GPU's tree reduction.
+                    let mut acc = 0.0f64;
                     for i in a..b {
                         let v = x.get(i) * s;
                         flag(&found, v);
                         if inf {
-                            acc = acc.max(v.abs());
+                            acc = acc.max(v.abs() as f64);
                         } else {
-                            acc += v * v;
+                            acc += (v * v) as f64;
                         }
                     }
-                    acc
+                    acc as f32
                 });
                 let per: Vec<f32> = parts
                     .iter()
