@@ -99,8 +99,8 @@ impl NovoGradConfig {
     pub fn from_hyperparams(h: &Hyperparams) -> Result<NovoGradConfig> {
         let nt = hp(OP, h, &KEYS, "norm_type")?;
         let norm_type = match nt {
-            v if v == 2.0 => NovoGradNorm::L2,
-            v if v == 0.0 => NovoGradNorm::Inf,
+            2.0 => NovoGradNorm::L2,
+            0.0 => NovoGradNorm::Inf,
             v => {
                 return Err(Error::invalid_arg(
                     OP,

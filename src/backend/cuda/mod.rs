@@ -15,7 +15,7 @@ mod registry;
 mod storage;
 
 pub use device::{get as device, set_allow_tf32, set_poison_allocations, CudaDevice};
-pub use multi_tensor::{cached_lists, CudaMultiTensor};
+pub use multi_tensor::{cached_lists, tables_built_on_this_thread, CudaMultiTensor};
 pub use probe::probe;
 pub use storage::CudaStorage;
 

@@ -77,7 +77,18 @@ fn key(entries: &[MtEntry]) -> Vec<u64> {
     k
 }
 
+thread_local! {
+    static BUILDS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Chunk tables built by calls from this thread so far: a test aid showing that steps over
+/// the same lists reuse their cached tables (per thread, so parallel tests do not interfere).
+pub fn tables_built_on_this_thread() -> u64 {
+    BUILDS.with(|b| b.get())
+}
+
 fn build(dev: &Arc<CudaDevice>, entries: &[MtEntry]) -> Result<Cached> {
+    BUILDS.with(|b| b.set(b.get() + 1));
     // Groups in order of first appearance; chunks numbered globally in entry order.
     let mut sigs: Vec<[Option<DType>; MT_ROLES]> = Vec::new();
     let mut members: Vec<Vec<usize>> = Vec::new();
