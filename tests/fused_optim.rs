@@ -429,4 +429,13 @@ fn clip_grad_norm_scales_in_place_and_returns_the_norm() {
     assert!((n2.item().unwrap() - 0.5).abs() < 1e-5);
     assert_eq!(c2.item().unwrap(), 1.0);
     assert!(mixprec::optim::clip_grad_norm(&ps, -1.0).is_err());
+    // The AMP form: the coefficient lands in the multiplier; the gradients are untouched.
+    let m = Tensor::scalar(0.5, DType::F32, CPU).unwrap();
+    let n3 = mixprec::optim::clip_grad_norm_into(&gs, 0.25, &m, &f).unwrap();
+    let n3 = n3.item().unwrap();
+    assert!((n3 - 0.5).abs() < 1e-5);
+    assert!((m.item().unwrap() - 0.5 * 0.25 / (n3 + 1e-6)).abs() < 1e-6);
+    assert_eq!(f.item().unwrap(), 0.0);
+    let g_after: Vec<f64> = gs.iter().flat_map(|g| g.to_vec_f64().unwrap()).collect();
+    assert_eq!(g_after, after);
 }

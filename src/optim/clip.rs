@@ -35,6 +35,25 @@ pub fn clip_grad_norm_coef(
     Ok((norm, coef))
 }
 
+/// For AMP, in one call: the norm of the unscaled gradients (`grads[i]·grad_multiplier`,
+/// flagging Inf/NaN in `found_inf` in the same pass), then `grad_multiplier *= min(1,
+/// max_norm/(norm + 1e-6))` in place on the device, so the next `step_scaled` applies unscale and
+/// clip together. Returns the norm (F32 0-d, not read). A non-finite norm makes the multiplier
+/// non-finite too, but the step is skipped through `found_inf` anyway.
+pub fn clip_grad_norm_into(
+    grads: &[Tensor],
+    max_norm: f64,
+    grad_multiplier: &Tensor,
+    found_inf: &Tensor,
+) -> Result<Tensor> {
+    let (norm, coef) = clip_grad_norm_coef(grads, max_norm, grad_multiplier, found_inf)?;
+    // The multiplier is finite, so this never sets a flag; a scratch flag keeps found_inf exact.
+    let scratch = multi_tensor::scalar_on(norm.device(), 0.0)?;
+    let m = std::slice::from_ref(grad_multiplier);
+    multi_tensor::scale(m, m, &coef, &scratch)?;
+    Ok(norm)
+}
+
 fn coefficient(norm: &Tensor, max_norm: f64) -> Result<Tensor> {
     // max_norm / (norm + 1e-6), clamped to 1 (an Inf norm gives 0, a NaN norm NaN: AMP skips).
     let ratio = norm.add_scalar(1e-6)?.powf(-1.0)?.mul_scalar(max_norm)?;

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashSet};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
-pub use clip::{clip_grad_norm, clip_grad_norm_coef};
+pub use clip::{clip_grad_norm, clip_grad_norm_coef, clip_grad_norm_into};
 pub use fused_adam::{AdamConfig, FusedAdam};
 pub use fused_lamb::{FusedLamb, LambConfig};
 pub use fused_novograd::{FusedNovoGrad, NovoGradConfig, NovoGradNorm};
