@@ -153,6 +153,13 @@ impl FusedLamb {
     pub fn groups(&self) -> &[ParamGroup<LambConfig>] {
         &self.core.groups
     }
+
+    /// Replaces the hyperparameters of `group` (validated).
+    pub fn set_config(&mut self, group: usize, config: LambConfig) -> Result<()> {
+        config.validate()?;
+        self.core.group_mut(group)?.config = config;
+        Ok(())
+    }
 }
 
 impl Optimizer for FusedLamb {

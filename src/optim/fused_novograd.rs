@@ -170,6 +170,13 @@ impl FusedNovoGrad {
     pub fn groups(&self) -> &[ParamGroup<NovoGradConfig>] {
         &self.core.groups
     }
+
+    /// Replaces the hyperparameters of `group` (validated).
+    pub fn set_config(&mut self, group: usize, config: NovoGradConfig) -> Result<()> {
+        config.validate()?;
+        self.core.group_mut(group)?.config = config;
+        Ok(())
+    }
 }
 
 impl Optimizer for FusedNovoGrad {
