@@ -8,12 +8,14 @@ mod conv;
 mod device;
 mod launch;
 mod matmul;
+mod multi_tensor;
 mod ops;
 mod probe;
 mod registry;
 mod storage;
 
 pub use device::{get as device, set_allow_tf32, set_poison_allocations, CudaDevice};
+pub use multi_tensor::{cached_lists, tables_built_on_this_thread, CudaMultiTensor};
 pub use probe::probe;
 pub use storage::CudaStorage;
 
