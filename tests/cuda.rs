@@ -1454,8 +1454,10 @@ fn resnet18_forward_backward_matches_cpu() {
         let s = seed();
         let run = |dev: Device| {
             let net = ResNet18::new(d, dev, s);
-            let x = Tensor::randn(vec![2, 3, 64, 64], 0.0, 1.0, s ^ 1, d, dev).unwrap();
-            let y = Tensor::from_vec(vec![3i64, 7], vec![2, 1], dev).unwrap();
+            // 4 images of 128x128 keep 64 values per channel in layer4's batch norm: with fewer,
+            // its statistics (and every gradient below it) amplify single-ulp differences.
+            let x = Tensor::randn(vec![4, 3, 128, 128], 0.0, 1.0, s ^ 1, d, dev).unwrap();
+            let y = Tensor::from_vec(vec![3i64, 7, 1, 9], vec![4, 1], dev).unwrap();
             let logits = net.forward(&x);
             let lp = logits.to_dtype(DType::F32).unwrap().log_softmax(1).unwrap();
             let loss = lp.gather(1, &y).unwrap().mean_all().unwrap().neg().unwrap();
@@ -1475,8 +1477,16 @@ fn resnet18_forward_backward_matches_cpu() {
             out
         };
         let (cpu, gpu_) = (run(Device::Cpu), run(Device::Cuda(0)));
-        for (k, (g, c)) in gpu_.iter().zip(&cpu).enumerate() {
-            let e = rel_err(g, c);
+        let errs: Vec<(usize, f64)> = gpu_
+            .iter()
+            .zip(&cpu)
+            .map(|(g, c)| rel_err(g, c))
+            .enumerate()
+            .collect();
+        let mut worst = errs.clone();
+        worst.sort_by(|a, b| b.1.total_cmp(&a.1));
+        println!("resnet18 {d}: worst tensors (index, rel err; 0 = logits, then grads, then bn stats): {:?}", &worst[..5.min(worst.len())]);
+        for (k, e) in errs {
             assert!(e <= bound, "resnet18 {d}: tensor {k} (0 = logits, then grads, then bn stats): {e:e} > {bound:e}");
         }
     }
