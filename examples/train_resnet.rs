@@ -7,12 +7,15 @@
 //!     --data bundled|DIR   the bundled 10k/2k subset, or a directory with the four IDX files
 //!                          (default: $FASHION_MNIST_DIR, else the Debian package's full set, else
 //!                          the bundled subset)
-//!     --epochs N           (default 6)
+//!     --epochs N           (default 10)
 //!     --batch-size N       (default 128)
 //!     --lr X               peak learning rate of the one-cycle schedule (default 0.1)
-//!     --widths A,B,C       channels per stage (default 32,64,128)
+//!     --widths A,B,C       channels per stage (default 16,32,64)
 //!     --blocks A,B,C       basic blocks per stage (default 1,1,1)
 //!     --seed N             (default 0)
+//!     --augment on|off     random 2-pixel crop and horizontal flip (default off)
+//!     --label-smoothing X  (default 0)
+//!     --device cpu|cuda[:N] (default: the first GPU when one is usable, else the CPU, saying why)
 //!     --amp FILE           an AMP policy (configs/O0.toml … O3.toml, *_bf16.toml; default: O0,
 //!                          plain FP32)
 
@@ -33,7 +36,10 @@ struct Args {
     widths: Vec<usize>,
     blocks: Vec<usize>,
     seed: u64,
+    device: Option<String>,
     amp: Option<String>,
+    augment: bool,
+    label_smoothing: f64,
 }
 
 fn parse_list(flag: &str, v: &str) -> Result<Vec<usize>> {
@@ -53,13 +59,16 @@ fn parse_list(flag: &str, v: &str) -> Result<Vec<usize>> {
 fn parse_args() -> Result<Args> {
     let mut a = Args {
         data: None,
-        epochs: 6,
+        epochs: 10,
         batch_size: 128,
         lr: 0.1,
-        widths: vec![32, 64, 128],
+        widths: vec![16, 32, 64],
         blocks: vec![1, 1, 1],
         seed: 0,
+        device: None,
         amp: None,
+        augment: false,
+        label_smoothing: 0.0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -94,7 +103,6 @@ fn parse_args() -> Result<Args> {
                     .parse()
                     .map_err(|_| bad(&value, "a positive number"))?
             }
-            "--amp" => a.amp = Some(value),
             "--widths" => a.widths = parse_list(&flag, &value)?,
             "--blocks" => a.blocks = parse_list(&flag, &value)?,
             "--seed" => {
@@ -102,10 +110,27 @@ fn parse_args() -> Result<Args> {
                     .parse()
                     .map_err(|_| bad(&value, "an unsigned integer"))?
             }
+            "--device" => a.device = Some(value),
+            "--amp" => a.amp = Some(value),
+            "--augment" => {
+                a.augment = match value.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    _ => return Err(bad(&value, "on or off")),
+                }
+            }
+            "--label-smoothing" => {
+                a.label_smoothing = value
+                    .parse()
+                    .ok()
+                    .filter(|v| (0.0..=1.0).contains(v))
+                    .ok_or_else(|| bad(&value, "a number in [0, 1]"))?
+            }
             _ => {
                 return Err(bad(
                     &value,
-                    "--data, --epochs, --batch-size, --lr, --widths, --blocks, --seed, --amp",
+                    "--data, --epochs, --batch-size, --lr, --widths, --blocks, --seed, \
+                     --device, --augment, --label-smoothing, --amp",
                 ))
             }
         }
@@ -140,6 +165,14 @@ fn one_cycle(step: usize, total: usize, peak: f64) -> f64 {
     }
 }
 
+fn model_device(model: &impl Module) -> Device {
+    model
+        .parameters()
+        .first()
+        .map(|p| p.device())
+        .unwrap_or(Device::Cpu)
+}
+
 /// Fraction of `test` classified correctly, in eval mode, recording no graph.
 fn evaluate(model: &impl Module, test: &DataLoader) -> Result<f64> {
     let _no_grad = mixprec::no_grad();
@@ -147,6 +180,7 @@ fn evaluate(model: &impl Module, test: &DataLoader) -> Result<f64> {
     let (mut correct, mut total) = (0usize, 0usize);
     for batch in test.epoch(0) {
         let (x, y) = batch?;
+        let x = x.to_device(model_device(model))?;
         let pred = model.forward(&x)?.argmax(1, false)?.to_vec::<i64>()?;
         let labels = y.to_vec::<i64>()?;
         correct += pred.iter().zip(&labels).filter(|(p, l)| p == l).count();
@@ -159,7 +193,27 @@ fn evaluate(model: &impl Module, test: &DataLoader) -> Result<f64> {
 fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let args = parse_args()?;
-    let device = Device::Cpu;
+    let device = match args.device.as_deref() {
+        None => Device::cuda_if_available(0),
+        Some("cpu") => Device::Cpu,
+        Some(d) => {
+            let ordinal = d
+                .strip_prefix("cuda")
+                .map(|r| r.trim_start_matches(':'))
+                .map(|r| if r.is_empty() { Ok(0) } else { r.parse() });
+            match ordinal {
+                Some(Ok(i)) => Device::cuda(i)?,
+                _ => {
+                    return Err(Error::invalid_arg(
+                        "train_resnet",
+                        "--device",
+                        d,
+                        "cpu, cuda or cuda:N",
+                    ))
+                }
+            }
+        }
+    };
 
     let source = match args.data.as_deref() {
         None => DataSource::locate()?,
@@ -212,14 +266,16 @@ fn main() -> Result<()> {
         policy.properties()?
     );
     let (model, mut opt) = amp::initialize(model, opt, policy)?;
-    let train_loader = DataLoader::new(train, args.batch_size)
+    let mut train_loader = DataLoader::new(train, args.batch_size)
         .shuffle(args.seed)
         .drop_last(true)
-        .augment(Augment::crop_flip(2, args.seed))
         .prefetch(2);
+    if args.augment {
+        train_loader = train_loader.augment(Augment::crop_flip(2, args.seed));
+    }
     let test_loader = DataLoader::new(test, 500).prefetch(2);
     let loss_cfg = CrossEntropyConfig {
-        label_smoothing: 0.1,
+        label_smoothing: args.label_smoothing,
         ..Default::default()
     };
 
@@ -234,6 +290,7 @@ fn main() -> Result<()> {
         let mut epoch_loss: Option<Tensor> = None;
         for batch in train_loader.epoch(epoch) {
             let (x, y) = batch?;
+            let (x, y) = (x.to_device(device)?, y.to_device(device)?);
             opt.inner_mut()
                 .set_lr_all(one_cycle(step, total_steps, args.lr))?;
             let loss = cross_entropy_with(&model.forward(&x)?, &y, loss_cfg)?;

@@ -7,6 +7,7 @@ pub mod autograd;
 pub mod backend;
 pub mod data;
 pub mod error;
+pub mod multi_tensor;
 pub mod nn;
 pub mod optim;
 pub mod tensor;

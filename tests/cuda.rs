@@ -1454,8 +1454,10 @@ fn resnet18_forward_backward_matches_cpu() {
         let s = seed();
         let run = |dev: Device| {
             let net = ResNet18::new(d, dev, s);
-            let x = Tensor::randn(vec![2, 3, 64, 64], 0.0, 1.0, s ^ 1, d, dev).unwrap();
-            let y = Tensor::from_vec(vec![3i64, 7], vec![2, 1], dev).unwrap();
+            // 4 images of 128x128 keep 64 values per channel in layer4's batch norm: with fewer,
+            // its statistics (and every gradient below it) amplify single-ulp differences.
+            let x = Tensor::randn(vec![4, 3, 128, 128], 0.0, 1.0, s ^ 1, d, dev).unwrap();
+            let y = Tensor::from_vec(vec![3i64, 7, 1, 9], vec![4, 1], dev).unwrap();
             let logits = net.forward(&x);
             let lp = logits.to_dtype(DType::F32).unwrap().log_softmax(1).unwrap();
             let loss = lp.gather(1, &y).unwrap().mean_all().unwrap().neg().unwrap();
@@ -1475,10 +1477,297 @@ fn resnet18_forward_backward_matches_cpu() {
             out
         };
         let (cpu, gpu_) = (run(Device::Cpu), run(Device::Cuda(0)));
-        for (k, (g, c)) in gpu_.iter().zip(&cpu).enumerate() {
-            let e = rel_err(g, c);
+        let errs: Vec<(usize, f64)> = gpu_
+            .iter()
+            .zip(&cpu)
+            .map(|(g, c)| rel_err(g, c))
+            .enumerate()
+            .collect();
+        let mut worst = errs.clone();
+        worst.sort_by(|a, b| b.1.total_cmp(&a.1));
+        println!("resnet18 {d}: worst tensors (index, rel err; 0 = logits, then grads, then bn stats): {:?}", &worst[..5.min(worst.len())]);
+        for (k, e) in errs {
             assert!(e <= bound, "resnet18 {d}: tensor {k} (0 = logits, then grads, then bn stats): {e:e} > {bound:e}");
         }
+    }
+}
+
+// ================================================================================================
+// Fused multi-tensor kernels and optimizers (issue 5): the CPU tests' cases on the GPU, against
+// the same F64 references / host-computed expectations, plus CPU ↔ CUDA agreement and the chunk
+// table cache.
+// ================================================================================================
+
+#[path = "fused_support/mod.rs"]
+mod fused_support;
+
+#[path = "fused_support/multi_tensor_cases.rs"]
+mod multi_tensor_cases;
+
+mod fused_gpu {
+    use super::fused_support::*;
+    use super::multi_tensor_cases as mtc;
+    use mixprec::optim::{
+        AdamConfig, GradScaling, LambConfig, NovoGradConfig, NovoGradNorm, SgdConfig,
+    };
+    use mixprec::{DType, Device, Tensor};
+
+    const DEV: Device = Device::Cuda(0);
+
+    fn gpu() {
+        super::gpu();
+    }
+
+    fn kinds() -> Vec<Kind> {
+        let s = SgdConfig {
+            lr: 0.05,
+            ..Default::default()
+        };
+        let a = AdamConfig {
+            lr: 1e-2,
+            ..Default::default()
+        };
+        let l = LambConfig {
+            lr: 1e-2,
+            ..Default::default()
+        };
+        let n = NovoGradConfig {
+            lr: 1e-2,
+            ..Default::default()
+        };
+        vec![
+            Kind::Sgd(s),
+            Kind::Sgd(SgdConfig {
+                momentum: 0.9,
+                weight_decay: 1e-2,
+                ..s
+            }),
+            Kind::Sgd(SgdConfig {
+                momentum: 0.9,
+                dampening: 0.2,
+                weight_decay: 1e-2,
+                wd_after_momentum: true,
+                ..s
+            }),
+            Kind::Sgd(SgdConfig {
+                momentum: 0.8,
+                nesterov: true,
+                weight_decay: 1e-3,
+                ..s
+            }),
+            Kind::Adam(a),
+            Kind::Adam(AdamConfig {
+                adam_w_mode: false,
+                weight_decay: 0.1,
+                betas: (0.8, 0.99),
+                ..a
+            }),
+            Kind::Adam(AdamConfig {
+                weight_decay: 0.05,
+                eps: 1e-6,
+                bias_correction: false,
+                ..a
+            }),
+            Kind::Adam(AdamConfig {
+                amsgrad: true,
+                weight_decay: 0.01,
+                ..a
+            }),
+            Kind::Lamb(l),
+            Kind::Lamb(LambConfig {
+                weight_decay: 0.0,
+                use_nvlamb: true,
+                ..l
+            }),
+            Kind::Lamb(LambConfig {
+                bias_correction: false,
+                max_grad_norm: 0.0,
+                grad_averaging: false,
+                ..l
+            }),
+            Kind::Novo(n),
+            Kind::Novo(NovoGradConfig {
+                weight_decay: 0.01,
+                reg_inside_moment: true,
+                ..n
+            }),
+            Kind::Novo(NovoGradConfig {
+                weight_decay: 0.01,
+                norm_type: NovoGradNorm::Inf,
+                grad_averaging: false,
+                ..n
+            }),
+        ]
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_multi_tensor_scale() {
+        gpu();
+        mtc::scale_cases(DEV);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_multi_tensor_axpby() {
+        gpu();
+        mtc::axpby_cases(DEV);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_multi_tensor_norms() {
+        gpu();
+        mtc::norm_cases(DEV);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_multi_tensor_update_scale_and_errors() {
+        gpu();
+        mtc::update_scale_cases(DEV);
+        mtc::error_cases(DEV);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_fused_option_matrix() {
+        gpu();
+        let dims = vec![vec![37], vec![5, 7], vec![1], vec![65_537]];
+        for kind in kinds() {
+            for dt in [DType::F32, DType::F16, DType::BF16] {
+                for masters in [false, true] {
+                    if masters && dt == DType::F32 {
+                        continue;
+                    }
+                    run_case(kind, &dims, dt, masters, 7, DEV, false);
+                }
+            }
+            run_case(kind, &dims, DType::F16, true, 3, DEV, true);
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_fused_issue_sizes() {
+        gpu();
+        let dims = vec![
+            vec![4096, 1024],
+            vec![4096],
+            vec![4096, 2048],
+            vec![32320, 1024],
+            vec![1],
+            vec![278_011],
+        ];
+        for kind in [kinds()[3], kinds()[7], kinds()[8], kinds()[12]] {
+            run_case(kind, &dims, DType::F32, false, 7, DEV, false);
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_fused_skip_exactly() {
+        gpu();
+        for kind in [kinds()[1], kinds()[7], kinds()[8], kinds()[11]] {
+            for (bad, at) in [(f32::INFINITY, 0), (f32::NAN, 1), (f32::NEG_INFINITY, 2)] {
+                for (dt, masters) in [(DType::F32, false), (DType::F16, true), (DType::BF16, true)]
+                {
+                    check_skip(kind, dt, masters, bad, at, DEV);
+                }
+            }
+        }
+    }
+
+    /// The same steps on the CPU and the GPU agree (FP32 masters, F16 model, unscaled in-kernel),
+    /// and repeated steps reuse the cached chunk tables.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_fused_matches_cpu_and_caches_tables() {
+        gpu();
+        for kind in kinds() {
+            let dims = [vec![300, 7], vec![65_536], vec![3]];
+            let mut outs = Vec::new();
+            let mut cached = Vec::new();
+            for dev in [Device::Cpu, DEV] {
+                let ps: Vec<Tensor> = dims
+                    .iter()
+                    .enumerate()
+                    .map(|(k, d)| tensor(70 + k as u64, d, DType::F32, dev).to_variable())
+                    .collect();
+                let mut o = kind.make(ps.clone());
+                o.use_master_weights().unwrap();
+                for p in &ps {
+                    p.cast_in_place(DType::F16).unwrap();
+                }
+                let m = Tensor::scalar(0.5, DType::F32, dev).unwrap();
+                let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+                for s in 0..5u64 {
+                    for (k, p) in ps.iter().enumerate() {
+                        p.set_grad(Some(tensor(
+                            500 + 3 * s + k as u64,
+                            p.dims(),
+                            DType::F16,
+                            dev,
+                        )));
+                    }
+                    o.step_scaled(Some(GradScaling {
+                        grad_multiplier: &m,
+                        found_inf: &f,
+                    }))
+                    .unwrap();
+                    if dev != Device::Cpu {
+                        cached.push(mixprec::backend::cuda::cached_lists());
+                    }
+                }
+                outs.push(
+                    o.master_params()
+                        .iter()
+                        .map(|p| p.to_vec_f64().unwrap())
+                        .collect::<Vec<_>>(),
+                );
+            }
+            for (k, (a, b)) in outs[0].iter().zip(&outs[1]).enumerate() {
+                assert_close(
+                    &format!("{kind:?} cpu vs cuda, param {k}"),
+                    b,
+                    a,
+                    (1e-6, 1e-5),
+                );
+            }
+            // Grads are fresh tensors every step (new addresses, new tables, at most a few per
+            // step); the step counters / state lists stay: the cache does not grow unboundedly.
+            assert!(cached.iter().all(|&c| c <= 256), "{cached:?}");
+        }
+    }
+
+    /// With persistent gradient buffers (as AMP's), the tables are built once and reused.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_tables_are_reused_across_steps() {
+        gpu();
+        let ps: Vec<Tensor> = (0..10)
+            .map(|k| tensor(k, &[1000 + k as usize], DType::F32, DEV).to_variable())
+            .collect();
+        for p in &ps {
+            p.set_grad(Some(tensor(3, p.dims(), DType::F32, DEV)));
+        }
+        let mut o = Kind::Adam(AdamConfig::default()).make(ps.clone());
+        o.step().unwrap();
+        // Per-thread count: the global cache size also moves with tests running in parallel
+        // (what failed on the H200 run of 2026-11-21, which used the global count).
+        let n = mixprec::backend::cuda::tables_built_on_this_thread();
+        assert!(
+            n >= 2,
+            "the first step built its tables (update, step counters)"
+        );
+        for _ in 0..20 {
+            o.step().unwrap();
+        }
+        assert_eq!(
+            mixprec::backend::cuda::tables_built_on_this_thread(),
+            n,
+            "no new tables after the first step"
+        );
     }
 }
 

@@ -19,9 +19,9 @@ use crate::optim::{Optimizer, OptimizerState};
 use crate::tensor::{DType, Device, Tensor, TensorId};
 
 use super::autocast;
+use super::fused;
 use super::policy::{Policy, Properties};
 use super::scaler::{LossScaler, ScalerState, ScalerStats};
-use super::standin;
 
 // ---- the registry of wrapped parameters --------------------------------------------------------
 
@@ -235,8 +235,6 @@ pub struct AmpOptimizer<O: Optimizer> {
     inner: O,
     index: usize,
     scalers: SharedScalers,
-    /// O2 with the stand-in step: masters in `inner.params()` order; empty otherwise.
-    masters: Vec<Tensor>,
     master_weights: bool,
     master_map: MasterMap,
     /// The optimizer was lent out mutably: its masters may have been replaced.
@@ -282,7 +280,7 @@ impl<O: Optimizer> AmpOptimizer<O> {
         if !self.master_weights {
             return;
         }
-        let masters = standin::master_params(&self.inner, &self.masters);
+        let masters = fused::master_params(&self.inner);
         let mut map = self.master_map.write().unwrap_or_else(|e| e.into_inner());
         for (p, m) in self.inner.params().iter().zip(masters) {
             map.insert(p.id(), m);
@@ -351,9 +349,9 @@ impl<O: Optimizer> AmpOptimizer<O> {
                 .iter()
                 .filter_map(|p| p.grad())
                 .collect();
-            mult = standin::clip_into(&grads, max_norm, mult, &found)?;
+            mult = fused::clip_into(&grads, max_norm, mult, &found)?;
         }
-        standin::step_scaled(&mut self.inner, &self.masters, &mult, &found)?;
+        fused::step_scaled(&mut self.inner, &mult, &found)?;
         for id in std::mem::take(&mut self.used) {
             set.waiting[id].remove(&self.index);
             if set.waiting[id].is_empty() {
@@ -376,7 +374,7 @@ impl<O: Optimizer> AmpOptimizer<O> {
     /// The parameters the update runs on: the FP32 masters at O2, the model's otherwise.
     pub fn master_params(&self) -> Vec<Tensor> {
         if self.master_weights {
-            standin::master_params(&self.inner, &self.masters)
+            fused::master_params(&self.inner)
         } else {
             self.inner.params()
         }
@@ -691,13 +689,10 @@ pub fn initialize_many<M: Module, O: Optimizer>(
     }
 
     // ---- masters, then the model cast ----
-    let mut masters: Vec<Vec<Tensor>> = Vec::with_capacity(optimizers.len());
-    for o in optimizers.iter_mut() {
-        masters.push(if props.master_weights {
-            standin::use_master_weights(o)?
-        } else {
-            Vec::new()
-        });
+    if props.master_weights {
+        for o in optimizers.iter_mut() {
+            fused::use_master_weights(o)?;
+        }
     }
     if let Some(t) = props.cast_model_type {
         for m in &models {
@@ -727,16 +722,14 @@ pub fn initialize_many<M: Module, O: Optimizer>(
         .collect();
     let opts = optimizers
         .into_iter()
-        .zip(masters)
         .zip(opt_ids)
         .enumerate()
-        .map(|(index, ((inner, masters), ids))| {
+        .map(|(index, (inner, ids))| {
             register(&ids);
             let mut o = AmpOptimizer {
                 inner,
                 index,
                 scalers: shared.clone(),
-                masters,
                 pending: None,
                 used: BTreeSet::new(),
                 stash: Vec::new(),

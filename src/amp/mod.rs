@@ -20,10 +20,10 @@
 //! See `docs/amp.md` for the levels, the policy files and the loop.
 
 pub mod autocast;
+mod fused;
 pub mod initialize;
 pub mod policy;
 pub mod scaler;
-mod standin;
 
 pub use autocast::{autocast, AutocastGuard, OpClass};
 pub use initialize::{

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Tensor};
 
 use super::policy::{LossScale, Policy, Properties};
-use super::{autocast, standin};
+use super::{autocast, fused};
 
 /// The scaler state read to the host.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -134,16 +134,16 @@ impl LossScaler {
         Tensor::scalar(1.0, DType::F32, self.scale.device())?.div(&self.scale)
     }
 
-    /// Sets `found_inf` when any of `grads` holds an Inf or NaN (no host read in the fused
-    /// version).
+    /// Sets `found_inf` when any of `grads` holds an Inf or NaN (one multi-tensor launch, no host
+    /// read).
     pub fn check(&self, grads: &[Tensor]) -> Result<()> {
-        standin::non_finite_check(grads, &self.found_inf)
+        fused::non_finite_check(grads, &self.found_inf)
     }
 
     /// The end of a step: apex's rule on the device state (resets `found_inf`), and a report
     /// line every `report_interval` updates.
     pub fn update(&mut self) -> Result<()> {
-        standin::update_scale(
+        fused::update_scale(
             &self.scale,
             &self.found_inf,
             &self.unskipped,

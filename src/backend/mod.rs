@@ -251,3 +251,163 @@ pub trait BackendStorage: Sized {
     /// Called on the output gradient with the forward output `y`.
     fn softmax_backward(&self, y: &Self, split: DimSplit, log: bool) -> Result<Self>;
 }
+
+// ---- multi-tensor kernels -------------------------------------------------------------------
+
+/// One locked buffer of a multi-tensor op: its address (host address on the CPU, device address
+/// on CUDA), dtype and element count. Built by `crate::multi_tensor` from tensors it holds locked
+/// for the duration of the call; backends never see a dangling one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufRef {
+    pub addr: u64,
+    pub dtype: DType,
+    pub len: usize,
+}
+
+/// Roles of the (up to) six buffers of one tensor in a multi-tensor op. Which roles an op uses
+/// is documented on [`MtKernel`]; unused roles are `None`.
+pub const MT_ROLES: usize = 6;
+
+/// One tensor of a multi-tensor op: its buffers by role, its element count (every present buffer
+/// has it) and its slot (index into per-tensor arrays: step counters, norms).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MtEntry {
+    pub bufs: [Option<BufRef>; MT_ROLES],
+    pub len: usize,
+    pub slot: usize,
+}
+
+/// The device scalars and per-tensor arrays of a multi-tensor op (all F32).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MtScalars {
+    /// `[1]`: set to 1 on a non-finite input; when non-zero, optimizer kernels do nothing.
+    pub found_inf: Option<BufRef>,
+    /// `[1]`: every gradient (or input) is multiplied by it.
+    pub mult: Option<BufRef>,
+    /// `[slots]`: per-tensor step counters (updates read `steps[slot]` before this step).
+    pub steps: Option<BufRef>,
+    /// Op-specific outputs/inputs, see [`MtKernel`].
+    pub aux: [Option<BufRef>; 2],
+}
+
+/// `torch.optim.SGD` (and apex FusedSGD) hyperparameters as the kernels take them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdKernelParams {
+    pub lr: f32,
+    pub momentum: f32,
+    pub dampening: f32,
+    pub weight_decay: f32,
+    pub nesterov: u32,
+    pub wd_after_momentum: u32,
+}
+
+/// Adam/AdamW hyperparameters as the kernels take them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamKernelParams {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1: decoupled weight decay (AdamW); 0: L2 (g += wd·p).
+    pub adamw: u32,
+    pub bias_correction: u32,
+    pub amsgrad: u32,
+}
+
+/// LAMB hyperparameters (phase 1: moments and the raw update).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LambKernelParams {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    /// 1−β1 with grad averaging, else 1.
+    pub beta3: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// Clip the global gradient norm to this (≤ 0: off).
+    pub max_grad_norm: f32,
+    pub bias_correction: u32,
+    /// Apply the trust ratio even without weight decay.
+    pub use_nvlamb: u32,
+    pub _pad: u32,
+}
+
+/// NovoGrad hyperparameters.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NovoGradKernelParams {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub beta3: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub bias_correction: u32,
+    /// 1: weight decay inside the first moment (apex's moment_mode 0).
+    pub reg_inside_moment: u32,
+    /// 0: L2 norm of the gradient, 1: inf norm.
+    pub norm_type: u32,
+    pub _pad: u32,
+}
+
+/// Loss-scale update (apex/PyTorch `_amp_update_scale_`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScaleUpdateParams {
+    pub growth: f32,
+    pub backoff: f32,
+    pub window: f32,
+    pub min: f32,
+    pub max: f32,
+    pub _pad: u32,
+}
+
+/// The multi-tensor kernels. Roles are indices into [`MtEntry::bufs`]; "skips" means the kernel
+/// does nothing when `found_inf` is non-zero; FP32 math, half outputs rounded once on store.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MtKernel {
+    /// `out(1) = in(0)·mult`; sets found_inf on a non-finite input.
+    Scale,
+    /// Sets found_inf on a non-finite input(0).
+    Check,
+    /// `out(2) = a·x(0) + b·y(1)`; check 1: x, 2: y, 3: both for non-finite values.
+    Axpby { a: f32, b: f32, check: u32 },
+    /// Norms of in(0)·(mult or 1): aux[0][slot] per-tensor norm (optional), aux[1][0] the global
+    /// norm. `inf`: max-abs instead of L2. Sets found_inf (when given) on a non-finite input.
+    Norm { inf: bool },
+    /// Fused SGD over g(0), p(1), momentum(2), half copy(5); skips; first step from steps[slot].
+    Sgd(SgdKernelParams),
+    /// Fused Adam over g(0), p(1), m(2), v(3), vmax(4, amsgrad), half copy(5); skips.
+    Adam(AdamKernelParams),
+    /// LAMB phase 1 over g(0), p(1), m(2), v(3), update out(4); aux[0][0] the global grad
+    /// norm (of the unscaled grads) for clipping; skips.
+    LambUpdate(LambKernelParams),
+    /// LAMB phase 2 over update(0), p(1), copy(5): p −= lr·ratio·u, ratio from aux[0][slot]
+    /// (‖p‖) and aux[1][slot] (‖u‖); `use_ratio` when use_nvlamb or wd ≠ 0; skips.
+    LambApply { lr: f32, use_ratio: u32 },
+    /// NovoGrad per-tensor moment: aux[0][slot] (v) ← first ? n² : β2·v + (1−β2)·n², n =
+    /// aux[1][slot] the gradient norm; one entry per tensor; skips.
+    NovoGradMoment { beta2: f32 },
+    /// NovoGrad update over g(0), p(1), m(2), copy(5), v in aux[0][slot]; skips.
+    NovoGrad(NovoGradKernelParams),
+    /// steps[slot] += 1 for each entry unless found_inf.
+    StepIncrement,
+    /// The loss-scale update over aux[0] = [scale, unskipped, skipped_total] buffers: see
+    /// `multi_tensor::amp_update_scale`. Entries: role 0 scale, 1 unskipped, 2 skipped (one entry).
+    UpdateScale(ScaleUpdateParams),
+}
+
+/// Multi-tensor apply: one call runs `kernel` over every entry (one launch per dtype signature
+/// on CUDA, with the chunk table cached on the device).
+pub trait MultiTensorOps {
+    fn multi_tensor(
+        &self,
+        kernel: &MtKernel,
+        entries: &[MtEntry],
+        scalars: &MtScalars,
+    ) -> Result<()>;
+}

@@ -6,6 +6,13 @@
 //! The [`Optimizer`] trait is what AMP and training loops see; the update math of each optimizer
 //! lives in one function of its file, so fused kernels can replace it without touching the API.
 
+pub mod clip;
+mod fused;
+pub mod fused_adam;
+pub mod fused_lamb;
+pub mod fused_novograd;
+pub mod fused_sgd;
+pub mod schedule;
 pub mod sgd;
 
 use std::collections::{BTreeMap, HashSet};
@@ -13,7 +20,24 @@ use std::collections::{BTreeMap, HashSet};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
+pub use clip::{clip_grad_norm, clip_grad_norm_coef, clip_grad_norm_into};
+pub use fused_adam::{AdamConfig, FusedAdam};
+pub use fused_lamb::{FusedLamb, LambConfig};
+pub use fused_novograd::{FusedNovoGrad, NovoGradConfig, NovoGradNorm};
+pub use fused_sgd::FusedSgd;
+pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
+
+/// Device scalars that AMP hands to a step; kernels read them, the host never does.
+#[derive(Clone, Copy, Debug)]
+pub struct GradScaling<'a> {
+    /// F32 0-d tensor: every gradient is multiplied by it inside the update (1/loss_scale, times
+    /// a clip coefficient when clipping).
+    pub grad_multiplier: &'a Tensor,
+    /// F32 0-d tensor: non-zero when an Inf/NaN was found; the step is then an exact no-op
+    /// (parameters, state, step counts unchanged).
+    pub found_inf: &'a Tensor,
+}
 
 /// A group's hyperparameters by name (PyTorch's `param_group` dict without `params`); booleans
 /// are 0.0/1.0.
@@ -57,7 +81,22 @@ pub struct OptimizerState {
 
 pub trait Optimizer {
     /// One update of every parameter that has a gradient.
-    fn step(&mut self) -> Result<()>;
+    fn step(&mut self) -> Result<()> {
+        self.step_scaled(None)
+    }
+
+    /// One update with AMP's device scalars: gradients multiplied by `grad_multiplier` inside
+    /// the update, and nothing at all changes when `found_inf` is non-zero. No host sync.
+    fn step_scaled(&mut self, scaling: Option<GradScaling<'_>>) -> Result<()>;
+
+    /// amp O2: keep FP32 master copies of every parameter (made from the parameters' current
+    /// FP32 values, so call before the model is cast to half); from then on a step reads the
+    /// model's (half) gradients, updates the masters and FP32 state, and writes the rounded
+    /// values into the model's parameters in the same pass.
+    fn use_master_weights(&mut self) -> Result<()>;
+
+    /// The FP32 masters, or the parameters themselves when there are none.
+    fn master_params(&self) -> Vec<Tensor>;
 
     /// Drops every parameter's gradient.
     fn zero_grad(&mut self);
@@ -90,15 +129,6 @@ pub trait Optimizer {
             self.set_lr(g, lr)?;
         }
         Ok(())
-    }
-}
-
-/// The dtype optimizer state is kept in for a parameter of `dtype`: F32, or F64 for F64.
-pub(crate) fn state_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
     }
 }
 
@@ -187,7 +217,8 @@ pub(crate) fn match_layout<'a, C>(
             )
         })?;
         for (name, t) in entries {
-            if t.shape() != p.shape() {
+            // Per-tensor scalars (step counts, NovoGrad's norm moment) are single elements.
+            if t.shape() != p.shape() && t.elem_count() != 1 {
                 return Err(Error::shape_mismatch(
                     op,
                     p.shape(),

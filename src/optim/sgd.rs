@@ -1,18 +1,12 @@
 //! Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, matching
-//! `torch.optim.SGD` step for step. Plain (unfused) tensor ops; the update rule is
-//! [`sgd_update`], the one place a fused kernel will replace.
+//! `torch.optim.SGD` step for step: the config, and [`sgd_update`], the rule in plain tensor ops
+//! (the F64 path of [`super::FusedSgd`] and a readable reference for its kernel).
 
-use std::collections::{BTreeMap, HashMap};
-
-use super::{
-    check_groups, match_layout, owned_copy, state_dtype, GroupState, GroupView, Hyperparams,
-    Optimizer, OptimizerState, ParamGroup,
-};
+use super::{owned_copy, Hyperparams};
 use crate::error::{Error, Result};
-use crate::tensor::{Tensor, TensorId};
+use crate::tensor::Tensor;
 
 const OP: &str = "SGD";
-const MOMENTUM_BUFFER: &str = "momentum_buffer";
 
 /// `torch.optim.SGD`'s hyperparameters (defaults as torch's: lr 1e-3, the rest 0/false).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -22,6 +16,8 @@ pub struct SgdConfig {
     pub dampening: f64,
     pub nesterov: bool,
     pub weight_decay: f64,
+    /// Apply weight decay after the momentum (apex FusedSGD's `wd_after_momentum`).
+    pub wd_after_momentum: bool,
 }
 
 impl Default for SgdConfig {
@@ -32,6 +28,7 @@ impl Default for SgdConfig {
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
+            wd_after_momentum: false,
         }
     }
 }
@@ -79,6 +76,10 @@ impl SgdConfig {
             ("dampening", self.dampening),
             ("nesterov", if self.nesterov { 1.0 } else { 0.0 }),
             ("weight_decay", self.weight_decay),
+            (
+                "wd_after_momentum",
+                if self.wd_after_momentum { 1.0 } else { 0.0 },
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -87,7 +88,14 @@ impl SgdConfig {
 
     /// The config of saved hyperparameters: exactly the keys of [`SgdConfig::to_hyperparams`].
     pub fn from_hyperparams(h: &Hyperparams) -> Result<SgdConfig> {
-        const KEYS: [&str; 5] = ["dampening", "lr", "momentum", "nesterov", "weight_decay"];
+        const KEYS: [&str; 6] = [
+            "dampening",
+            "lr",
+            "momentum",
+            "nesterov",
+            "weight_decay",
+            "wd_after_momentum",
+        ];
         if let Some(k) = h.keys().find(|k| !KEYS.contains(&k.as_str())) {
             return Err(Error::invalid_arg(
                 OP,
@@ -121,6 +129,8 @@ impl SgdConfig {
             dampening: get("dampening")?,
             nesterov: nesterov == 1.0,
             weight_decay: get("weight_decay")?,
+            // Absent in states saved before it existed.
+            wd_after_momentum: h.get("wd_after_momentum").copied().unwrap_or(0.0) == 1.0,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -131,9 +141,10 @@ impl SgdConfig {
 /// before the first step), all in the state dtype:
 ///
 /// ```text
-/// g += wd·w
+/// g += wd·w                       (before the momentum unless wd_after_momentum)
 /// if momentum ≠ 0: buf = first ? g : μ·buf + (1−dampening)·g
 ///                  g = nesterov ? g + μ·buf : buf
+/// g += wd·w                       (with wd_after_momentum)
 /// w −= lr·g
 /// ```
 /// Returns the new weight and the new buffer (None without momentum). Not recorded.
@@ -145,7 +156,7 @@ pub fn sgd_update(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let _ng = crate::no_grad();
     let mut g = g.clone();
-    if cfg.weight_decay != 0.0 {
+    if cfg.weight_decay != 0.0 && !cfg.wd_after_momentum {
         g = g.add(&w.mul_scalar(cfg.weight_decay)?)?;
     }
     let mut new_buf = None;
@@ -164,161 +175,13 @@ pub fn sgd_update(
         };
         new_buf = Some(b);
     }
+    if cfg.weight_decay != 0.0 && cfg.wd_after_momentum {
+        g = g.add(&w.mul_scalar(cfg.weight_decay)?)?;
+    }
     let w = w.sub(&g.mul_scalar(cfg.lr)?)?;
     Ok((w, new_buf))
 }
 
-/// `torch.optim.SGD`.
-#[derive(Debug)]
-pub struct Sgd {
-    groups: Vec<ParamGroup<SgdConfig>>,
-    /// Momentum buffers (state dtype) by parameter.
-    buffers: HashMap<TensorId, Tensor>,
-}
-
-impl Sgd {
-    /// One group of `params` with `config`.
-    pub fn new(params: Vec<Tensor>, config: SgdConfig) -> Result<Sgd> {
-        Self::with_groups(vec![ParamGroup::new(params, config)])
-    }
-
-    /// Several groups, each with its own hyperparameters.
-    pub fn with_groups(groups: Vec<ParamGroup<SgdConfig>>) -> Result<Sgd> {
-        for g in &groups {
-            g.config.validate()?;
-        }
-        check_groups(OP, &groups)?;
-        Ok(Sgd {
-            groups,
-            buffers: HashMap::new(),
-        })
-    }
-
-    pub fn groups(&self) -> &[ParamGroup<SgdConfig>] {
-        &self.groups
-    }
-
-    /// Replaces the hyperparameters of `group` (validated).
-    pub fn set_config(&mut self, group: usize, config: SgdConfig) -> Result<()> {
-        config.validate()?;
-        let n = self.groups.len();
-        let g = self.groups.get_mut(group).ok_or_else(|| {
-            Error::invalid_arg(OP, "group", group, format!("a group index in 0..{n}"))
-        })?;
-        g.config = config;
-        Ok(())
-    }
-
-    /// The momentum buffer of `param`, once a step with momentum has made one.
-    pub fn momentum_buffer(&self, param: &Tensor) -> Option<&Tensor> {
-        self.buffers.get(&param.id())
-    }
-}
-
-impl Optimizer for Sgd {
-    fn step(&mut self) -> Result<()> {
-        let _ng = crate::no_grad();
-        for group in &self.groups {
-            let cfg = &group.config;
-            for p in &group.params {
-                let Some(grad) = p.grad() else { continue };
-                let dt = state_dtype(p.dtype());
-                let w = p.detach().to_dtype(dt)?;
-                let g = grad.detach().to_dtype(dt)?;
-                let (new_w, new_buf) = sgd_update(&w, &g, self.buffers.get(&p.id()), cfg)?;
-                p.set_data(&new_w.to_dtype(p.dtype())?)?;
-                if let Some(b) = new_buf {
-                    self.buffers.insert(p.id(), b);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn zero_grad(&mut self) {
-        for g in &self.groups {
-            for p in &g.params {
-                p.zero_grad();
-            }
-        }
-    }
-
-    fn param_groups(&self) -> Vec<GroupView<'_>> {
-        self.groups
-            .iter()
-            .map(|g| GroupView {
-                params: &g.params,
-                hyperparams: g.config.to_hyperparams(),
-            })
-            .collect()
-    }
-
-    fn lr(&self) -> f64 {
-        self.groups.first().map_or(0.0, |g| g.config.lr)
-    }
-
-    fn set_lr(&mut self, group: usize, lr: f64) -> Result<()> {
-        let n = self.groups.len();
-        let g = self.groups.get(group).ok_or_else(|| {
-            Error::invalid_arg(OP, "group", group, format!("a group index in 0..{n}"))
-        })?;
-        let cfg = SgdConfig { lr, ..g.config };
-        self.set_config(group, cfg)
-    }
-
-    fn state_dict(&self) -> Result<OptimizerState> {
-        let mut state = BTreeMap::new();
-        let mut param_groups = Vec::with_capacity(self.groups.len());
-        let mut pos = 0;
-        for g in &self.groups {
-            let mut ids = Vec::with_capacity(g.params.len());
-            for p in &g.params {
-                if let Some(b) = self.buffers.get(&p.id()) {
-                    let mut m = BTreeMap::new();
-                    m.insert(MOMENTUM_BUFFER.to_string(), owned_copy(b, b.dtype())?);
-                    state.insert(pos, m);
-                }
-                ids.push(pos);
-                pos += 1;
-            }
-            param_groups.push(GroupState {
-                params: ids,
-                hyperparams: g.config.to_hyperparams(),
-            });
-        }
-        Ok(OptimizerState {
-            state,
-            param_groups,
-        })
-    }
-
-    fn load_state_dict(&mut self, saved: &OptimizerState) -> Result<()> {
-        let op = "SGD::load_state_dict";
-        let map = match_layout(op, &self.groups, saved)?;
-        let configs = saved
-            .param_groups
-            .iter()
-            .map(|g| SgdConfig::from_hyperparams(&g.hyperparams))
-            .collect::<Result<Vec<_>>>()?;
-        let mut buffers = HashMap::new();
-        for (pos, entries) in &saved.state {
-            let p = map[pos];
-            for (name, t) in entries {
-                if name != MOMENTUM_BUFFER {
-                    return Err(Error::invalid_arg(
-                        op,
-                        "state",
-                        format!("`{name}` for parameter {pos}"),
-                        format!("only `{MOMENTUM_BUFFER}`"),
-                    ));
-                }
-                buffers.insert(p.id(), owned_copy(t, state_dtype(p.dtype()))?);
-            }
-        }
-        for (g, cfg) in self.groups.iter_mut().zip(configs) {
-            g.config = cfg;
-        }
-        self.buffers = buffers;
-        Ok(())
-    }
-}
+/// `torch.optim.SGD`: now the fused implementation ([`super::FusedSgd`]) under its old name;
+/// the interface (`new`, `with_groups`, `groups`, `set_config`, `momentum_buffer`) is unchanged.
+pub type Sgd = super::FusedSgd;

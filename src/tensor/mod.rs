@@ -363,6 +363,12 @@ impl Tensor {
         Arc::ptr_eq(&self.0.storage, &other.0.storage)
     }
 
+    /// Identifies the buffer (shared by reshapes of one tensor): multi-tensor ops lock each
+    /// buffer once.
+    pub(crate) fn storage_key(&self) -> usize {
+        Arc::as_ptr(&self.0.storage) as usize
+    }
+
     pub(crate) fn op(&self) -> Option<&Op> {
         self.0.op.as_ref()
     }

@@ -10,6 +10,7 @@ mod elementwise;
 mod index;
 mod layout;
 mod matmul;
+pub mod multi_tensor;
 mod pool;
 mod reduce;
 mod softmax;
@@ -173,6 +174,17 @@ macro_rules! acc_slice_mut {
 }
 
 impl CpuStorage {
+    /// The address of the first element (for multi-tensor kernels, which hold the lock).
+    pub(crate) fn addr_mut(&mut self) -> u64 {
+        match self {
+            CpuStorage::F16(v) => v.as_mut_ptr() as u64,
+            CpuStorage::BF16(v) => v.as_mut_ptr() as u64,
+            CpuStorage::F32(v) => v.as_mut_ptr() as u64,
+            CpuStorage::F64(v) => v.as_mut_ptr() as u64,
+            CpuStorage::I64(v) => v.as_mut_ptr() as u64,
+        }
+    }
+
     pub fn zeros(dtype: DType, len: usize) -> Self {
         Self::full(dtype, len, 0.0)
     }

@@ -8,6 +8,7 @@ mod conv;
 mod device;
 mod launch;
 mod matmul;
+mod multi_tensor;
 mod ops;
 mod probe;
 mod registry;
@@ -16,6 +17,7 @@ mod storage;
 pub use device::{
     get as device, host_sync_count, set_allow_tf32, set_poison_allocations, CudaDevice,
 };
+pub use multi_tensor::{cached_lists, tables_built_on_this_thread, CudaMultiTensor};
 pub use probe::probe;
 pub use storage::CudaStorage;
 

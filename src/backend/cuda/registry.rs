@@ -11,6 +11,8 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use crate::error::{Error, Result};
 
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
+/// Multi-tensor apply helpers, prepended (after common.cuh) to the families that use them.
+const MT_COMMON: &str = include_str!("../../../kernels/mt_common.cuh");
 
 /// One kernel family (one `.cu` file).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -23,6 +25,8 @@ pub enum Family {
     Softmax,
     BatchNorm,
     Pool,
+    MultiTensor,
+    FusedOptim,
 }
 
 impl Family {
@@ -36,6 +40,8 @@ impl Family {
             Family::Softmax => "softmax",
             Family::BatchNorm => "batch_norm",
             Family::Pool => "pool",
+            Family::MultiTensor => "multi_tensor",
+            Family::FusedOptim => "fused_optim",
         }
     }
 
@@ -49,10 +55,12 @@ impl Family {
             Family::Softmax => include_str!("../../../kernels/softmax.cu"),
             Family::BatchNorm => include_str!("../../../kernels/batch_norm.cu"),
             Family::Pool => include_str!("../../../kernels/pool.cu"),
+            Family::MultiTensor => include_str!("../../../kernels/multi_tensor.cu"),
+            Family::FusedOptim => include_str!("../../../kernels/fused_optim.cu"),
         }
     }
 
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 10] = [
         Family::Cast,
         Family::Elementwise,
         Family::Reduce,
@@ -61,12 +69,19 @@ impl Family {
         Family::Softmax,
         Family::BatchNorm,
         Family::Pool,
+        Family::MultiTensor,
+        Family::FusedOptim,
     ];
 }
 
 /// The full translation unit: common.cuh, then the family's source.
 pub fn full_source(f: Family) -> String {
-    format!("{COMMON}\n#line 1 \"{}.cu\"\n{}", f.name(), f.source())
+    let mt = if matches!(f, Family::MultiTensor | Family::FusedOptim) {
+        format!("#line 1 \"mt_common.cuh\"\n{MT_COMMON}\n")
+    } else {
+        String::new()
+    };
+    format!("{COMMON}\n{mt}#line 1 \"{}.cu\"\n{}", f.name(), f.source())
 }
 
 fn options(arch: (i32, i32)) -> Vec<String> {

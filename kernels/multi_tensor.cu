@@ -1,0 +1,144 @@
+// multi_tensor.cu: scale (unscale + overflow flag), non-finite check, axpby, norms (two stages:
+// per-chunk partials, then per-tensor and global), the loss-scale update.
+
+template <typename I, typename O>
+__device__ void mt_scale(const TEnt* tens, const CEnt* chunks, const float* mult, float* found) {
+    const float s = *mult;
+    bool bad = false;
+    MT_LOOP(tens, chunks) {
+        float r[4];
+        ld4<I>(te.p[0], i, end, vec, r);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            bad |= !finite_f(r[k]);
+            r[k] *= s;
+        }
+        st4<O>(te.p[1], i, end, vec, r);
+    }
+    if (bad) *found = 1.0f;
+}
+
+template <typename I>
+__device__ void mt_check(const TEnt* tens, const CEnt* chunks, float* found) {
+    bool bad = false;
+    MT_LOOP(tens, chunks) {
+        float r[4];
+        ld4<I>(te.p[0], i, end, vec, r);
+#pragma unroll
+        for (int k = 0; k < 4; k++) bad |= !finite_f(r[k]);
+    }
+    if (bad) *found = 1.0f;
+}
+
+struct AxpbyP { float a; float b; unsigned check; unsigned pad; };
+
+template <typename X, typename Y, typename O>
+__device__ void mt_axpby(const TEnt* tens, const CEnt* chunks, float* found, AxpbyP q) {
+    bool bad = false;
+    MT_LOOP(tens, chunks) {
+        float x[4], y[4], o[4];
+        ld4<X>(te.p[0], i, end, vec, x);
+        ld4<Y>(te.p[1], i, end, vec, y);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (q.check & 1) bad |= !finite_f(x[k]);
+            if (q.check & 2) bad |= !finite_f(y[k]);
+            o[k] = q.a * x[k] + q.b * y[k];
+        }
+        st4<O>(te.p[2], i, end, vec, o);
+    }
+    if (bad) *found = 1.0f;
+}
+
+// Stage 1: partials[chunk0 + c] = sum of squares (or max abs) of this chunk of in·mult.
+template <typename I>
+__device__ void mt_norm(const TEnt* tens, const CEnt* chunks, const float* mult, float* found,
+                        float* partials, unsigned inf) {
+    __shared__ float sh[32];
+    const float s = mult ? *mult : 1.0f;
+    float acc = 0.0f;
+    bool bad = false;
+    MT_LOOP(tens, chunks) {
+        float r[4];
+        ld4<I>(te.p[0], i, end, vec, r);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float v = r[k] * s;
+            bad |= !finite_f(v);
+            acc = inf ? fmaxf(acc, fabsf(v)) : acc + v * v;
+        }
+    }
+    if (bad && found) *found = 1.0f;
+    acc = inf ? block_reduce(acc, MaxF(), 0.0f, sh) : block_reduce(acc, AddF(), 0.0f, sh);
+    if (threadIdx.x == 0) partials[te.chunk0 + ce_.c] = acc;
+}
+
+// Stage 2: one block per tensor: spans[t] = (chunk0, chunks, slot); tensor_acc[t] = its total;
+// per_out[slot] = its norm when per_out is given.
+extern "C" __global__ void mt_norm_tensor(const u64* spans, const float* partials, float* tensor_acc,
+                                          float* per_out, unsigned inf) {
+    __shared__ float sh[32];
+    const u64 c0 = spans[3 * blockIdx.x], nc = spans[3 * blockIdx.x + 1], slot = spans[3 * blockIdx.x + 2];
+    float acc = 0.0f;
+    for (u64 c = threadIdx.x; c < nc; c += blockDim.x) acc = inf ? fmaxf(acc, partials[c0 + c]) : acc + partials[c0 + c];
+    acc = inf ? block_reduce(acc, MaxF(), 0.0f, sh) : block_reduce(acc, AddF(), 0.0f, sh);
+    if (threadIdx.x == 0) {
+        tensor_acc[blockIdx.x] = acc;
+        if (per_out) per_out[slot] = inf ? acc : sqrtf(acc);
+    }
+}
+
+// Stage 3: one block: total[0] = norm over all tensors.
+extern "C" __global__ void mt_norm_total(const float* tensor_acc, u64 nt, float* total, unsigned inf) {
+    __shared__ float sh[32];
+    float acc = 0.0f;
+    for (u64 t = threadIdx.x; t < nt; t += blockDim.x) acc = inf ? fmaxf(acc, tensor_acc[t]) : acc + tensor_acc[t];
+    acc = inf ? block_reduce(acc, MaxF(), 0.0f, sh) : block_reduce(acc, AddF(), 0.0f, sh);
+    if (threadIdx.x == 0) total[0] = inf ? acc : sqrtf(acc);
+}
+
+struct ScaleP { float growth; float backoff; float window; float mn; float mx; unsigned pad; };
+
+// PyTorch's _amp_update_scale_ (one thread).
+extern "C" __global__ void update_scale(float* scale, float* unskipped, float* skipped, float* found, ScaleP q) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    if (*found != 0.0f) {
+        *scale = fmaxf(*scale * q.backoff, q.mn);
+        *unskipped = 0.0f;
+        *skipped = *skipped + 1.0f;
+    } else {
+        float u = *unskipped + 1.0f;
+        if (u >= q.window) {
+            *scale = fminf(*scale * q.growth, q.mx);
+            *unskipped = 0.0f;
+        } else {
+            *unskipped = u;
+        }
+    }
+    *found = 0.0f;
+}
+
+#define MT_T1(M, A, TA) M(A, TA, f32, float) M(A, TA, f16, f16) M(A, TA, bf16, bf16)
+#define MT_ALL1(M) M(f32, float) M(f16, f16) M(bf16, bf16)
+
+#define SCALE(IN, I, ON, O) \
+    extern "C" __global__ void mt_scale_##IN##_##ON(const TEnt* t, const CEnt* c, const float* m, float* f) { mt_scale<I, O>(t, c, m, f); }
+MT_T1(SCALE, f32, float)
+MT_T1(SCALE, f16, f16)
+MT_T1(SCALE, bf16, bf16)
+
+#define CHECK(IN, I) \
+    extern "C" __global__ void mt_check_##IN(const TEnt* t, const CEnt* c, float* f) { mt_check<I>(t, c, f); }
+MT_ALL1(CHECK)
+
+#define NORM(IN, I) \
+    extern "C" __global__ void mt_norm_##IN(const TEnt* t, const CEnt* c, const float* m, float* f, float* p, unsigned inf) { mt_norm<I>(t, c, m, f, p, inf); }
+MT_ALL1(NORM)
+
+#define AXPBY(XN, X, YN, Y, ON, O) \
+    extern "C" __global__ void mt_axpby_##XN##_##YN##_##ON(const TEnt* t, const CEnt* c, float* f, AxpbyP q) { mt_axpby<X, Y, O>(t, c, f, q); }
+#define AXPBY_O(XN, X, YN, Y) AXPBY(XN, X, YN, Y, f32, float) AXPBY(XN, X, YN, Y, f16, f16) AXPBY(XN, X, YN, Y, bf16, bf16)
+#define AXPBY_Y(XN, X) AXPBY_O(XN, X, f32, float) AXPBY_O(XN, X, f16, f16) AXPBY_O(XN, X, bf16, bf16)
+AXPBY_Y(f32, float)
+AXPBY_Y(f16, f16)
+AXPBY_Y(bf16, bf16)

@@ -1,0 +1,533 @@
+//! What the fused optimizers share: parameter groups, per-parameter FP32 state created at a
+//! parameter's first gradient, per-group device step counters (F32 `[n]`, one per parameter,
+//! advanced by a kernel after the update unless the step was skipped), optional FP32 master
+//! weights, the multi-tensor rows of a step, and a PyTorch-shaped `state_dict`.
+
+use std::collections::BTreeMap;
+
+use super::{
+    check_groups, match_layout, owned_copy, GradScaling, GroupState, OptimizerState, ParamGroup,
+};
+use crate::backend::MtKernel;
+use crate::error::{Error, Result};
+use crate::multi_tensor::{self, Row, Scalars};
+use crate::tensor::{DType, Device, Shape, Tensor};
+
+pub(crate) const STEP: &str = "step";
+pub(crate) const MASTER: &str = "master_param";
+
+/// A parameter taking part in a step: its index in the group and its gradient.
+pub(crate) struct Active {
+    pub idx: usize,
+    pub grad: Tensor,
+}
+
+#[derive(Debug)]
+pub(crate) struct Core<C> {
+    pub op: &'static str,
+    pub groups: Vec<ParamGroup<C>>,
+    pub device: Device,
+    /// Per group: step counters, F32 `[n]` (None for an empty group).
+    pub steps: Vec<Option<Tensor>>,
+    /// Per group, per parameter: the state buffers (FP32), in the optimizer's name order.
+    pub state: Vec<Vec<Option<Vec<Tensor>>>>,
+    /// Per group, per parameter: FP32 masters (amp O2).
+    pub masters: Option<Vec<Vec<Tensor>>>,
+}
+
+impl<C> Core<C> {
+    pub fn new(op: &'static str, groups: Vec<ParamGroup<C>>) -> Result<Self> {
+        check_groups(op, &groups)?;
+        let device = groups
+            .iter()
+            .flat_map(|g| g.params.iter())
+            .next()
+            .map(|p| p.device())
+            .unwrap_or(Device::Cpu);
+        for (gi, g) in groups.iter().enumerate() {
+            for (pi, p) in g.params.iter().enumerate() {
+                if p.device() != device {
+                    return Err(Error::invalid_arg(
+                        op,
+                        "params",
+                        format!("group {gi} parameter {pi} on {}", p.device()),
+                        format!("every parameter on {device}, as the first"),
+                    ));
+                }
+            }
+        }
+        let steps = groups
+            .iter()
+            .map(|g| {
+                if g.params.is_empty() {
+                    Ok(None)
+                } else {
+                    Tensor::zeros(Shape::new(vec![g.params.len()]), DType::F32, device).map(Some)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let state = groups.iter().map(|g| vec![None; g.params.len()]).collect();
+        Ok(Core {
+            op,
+            groups,
+            device,
+            steps,
+            state,
+            masters: None,
+        })
+    }
+
+    pub fn group_mut(&mut self, group: usize) -> Result<&mut ParamGroup<C>> {
+        let n = self.groups.len();
+        self.groups.get_mut(group).ok_or_else(|| {
+            Error::invalid_arg(self.op, "group", group, format!("a group index in 0..{n}"))
+        })
+    }
+
+    /// The parameters of group `gi` with a gradient, creating zeroed state (`n_state` FP32
+    /// buffers of the parameter's shape) for those that have none yet.
+    pub fn prepare(&mut self, gi: usize, n_state: usize) -> Result<Vec<Active>> {
+        let mut out = Vec::new();
+        for (idx, p) in self.groups[gi].params.iter().enumerate() {
+            // F64 parameters (gradient checks) are not for fused kernels: callers handle them.
+            if p.dtype() == DType::F64 {
+                continue;
+            }
+            let Some(grad) = p.grad() else { continue };
+            let st = self.state[gi][idx].get_or_insert_with(Vec::new);
+            while st.len() < n_state {
+                st.push(Tensor::zeros(p.shape().clone(), DType::F32, self.device)?);
+            }
+            out.push(Active { idx, grad });
+        }
+        Ok(out)
+    }
+
+    /// The tensor updated in place for parameter `idx` (its master when there are masters), and
+    /// the half copy to write (the model's parameter) when there is a master.
+    pub fn target(&self, gi: usize, idx: usize) -> (&Tensor, Option<&Tensor>) {
+        let p = &self.groups[gi].params[idx];
+        match &self.masters {
+            Some(m) => (&m[gi][idx], Some(p)),
+            None => (p, None),
+        }
+    }
+
+    /// Rows for group `gi`: g(0), p(1), the state buffers at `state_roles`, copy(5).
+    pub fn rows<'a>(
+        &'a self,
+        gi: usize,
+        active: &'a [Active],
+        state_roles: &[usize],
+    ) -> Vec<Row<'a>> {
+        active
+            .iter()
+            .map(|a| {
+                let (p, copy) = self.target(gi, a.idx);
+                let mut r = Row {
+                    slot: a.idx,
+                    ..Default::default()
+                };
+                r.bufs[0] = Some(&a.grad);
+                r.bufs[1] = Some(p);
+                if let Some(st) = &self.state[gi][a.idx] {
+                    for (k, &role) in state_roles.iter().enumerate() {
+                        if let Some(t) = st.get(k) {
+                            r.bufs[role] = Some(t);
+                        }
+                    }
+                }
+                r.bufs[5] = copy;
+                r
+            })
+            .collect()
+    }
+
+    pub fn scalars<'a>(&'a self, gi: usize, scaling: &Option<GradScaling<'a>>) -> Scalars<'a> {
+        Scalars {
+            found_inf: scaling.map(|s| s.found_inf),
+            mult: scaling.map(|s| s.grad_multiplier),
+            steps: self.steps[gi].as_ref(),
+            aux: [None, None],
+        }
+    }
+
+    /// Advances the step counters of the active parameters (unless found_inf).
+    pub fn increment(
+        &self,
+        gi: usize,
+        active: &[Active],
+        scaling: &Option<GradScaling<'_>>,
+    ) -> Result<()> {
+        let rows: Vec<Row> = active
+            .iter()
+            .map(|a| {
+                let mut r = Row {
+                    slot: a.idx,
+                    ..Default::default()
+                };
+                r.bufs[0] = Some(&a.grad);
+                r
+            })
+            .collect();
+        multi_tensor::apply(
+            self.op,
+            &MtKernel::StepIncrement,
+            &rows,
+            &self.scalars(gi, scaling),
+        )
+    }
+
+    pub fn check_scaling(&self, scaling: &Option<GradScaling<'_>>) -> Result<()> {
+        if let Some(s) = scaling {
+            for (what, t) in [
+                ("grad_multiplier", s.grad_multiplier),
+                ("found_inf", s.found_inf),
+            ] {
+                if t.dtype() != DType::F32 || t.elem_count() != 1 || t.device() != self.device {
+                    return Err(Error::invalid_arg(
+                        self.op,
+                        what,
+                        format!(
+                            "a {} tensor of shape {:?} on {}",
+                            t.dtype(),
+                            t.dims(),
+                            t.device()
+                        ),
+                        format!("an F32 tensor of one element on {}", self.device),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn use_master_weights(&mut self) -> Result<()> {
+        if self.masters.is_some() {
+            return Ok(());
+        }
+        let mut m = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            let mut v = Vec::with_capacity(g.params.len());
+            for p in &g.params {
+                if p.dtype() == DType::F64 {
+                    return Err(Error::invalid_arg(
+                        self.op,
+                        "use_master_weights",
+                        "an F64 parameter",
+                        "F32/F16/BF16 parameters (masters are FP32)",
+                    ));
+                }
+                v.push(owned_copy(p, DType::F32)?);
+            }
+            m.push(v);
+        }
+        self.masters = Some(m);
+        Ok(())
+    }
+
+    pub fn master_params(&self) -> Vec<Tensor> {
+        match &self.masters {
+            Some(m) => m.iter().flatten().cloned().collect(),
+            None => self
+                .groups
+                .iter()
+                .flat_map(|g| g.params.iter().cloned())
+                .collect(),
+        }
+    }
+
+    pub fn zero_grad(&self) {
+        for g in &self.groups {
+            for p in &g.params {
+                p.zero_grad();
+            }
+        }
+    }
+
+    /// Host copies of the step counters (a sync: only for state_dict).
+    fn host_steps(&self) -> Result<Vec<Vec<f32>>> {
+        self.steps
+            .iter()
+            .map(|s| match s {
+                Some(t) => t.to_vec::<f32>(),
+                None => Ok(Vec::new()),
+            })
+            .collect()
+    }
+
+    /// PyTorch's layout: per-parameter state by position (`names[k]` for buffer k, plus `step`
+    /// and the master when there are masters), for parameters that have taken a step.
+    /// `extra(gi, idx)` adds optimizer-specific per-parameter entries.
+    pub fn state_dict(
+        &self,
+        names: &[&str],
+        hyper: impl Fn(&C) -> super::Hyperparams,
+        extra: impl Fn(usize, usize, f32) -> Result<Vec<(String, Tensor)>>,
+    ) -> Result<OptimizerState> {
+        let steps = self.host_steps()?;
+        let mut state = BTreeMap::new();
+        let mut param_groups = Vec::with_capacity(self.groups.len());
+        let mut pos = 0;
+        for (gi, g) in self.groups.iter().enumerate() {
+            let mut ids = Vec::with_capacity(g.params.len());
+            for idx in 0..g.params.len() {
+                let step = steps[gi][idx];
+                let mut m = BTreeMap::new();
+                if let (Some(st), true) = (&self.state[gi][idx], step > 0.0) {
+                    for (k, t) in st.iter().enumerate() {
+                        if let Some(name) = names.get(k) {
+                            m.insert(name.to_string(), owned_copy(t, DType::F32)?);
+                        }
+                    }
+                    m.insert(
+                        STEP.to_string(),
+                        Tensor::scalar(step as f64, DType::F32, Device::Cpu)?,
+                    );
+                    for (k, v) in extra(gi, idx, step)? {
+                        m.insert(k, v);
+                    }
+                }
+                if let Some(ms) = &self.masters {
+                    m.insert(MASTER.to_string(), owned_copy(&ms[gi][idx], DType::F32)?);
+                }
+                if !m.is_empty() {
+                    state.insert(pos, m);
+                }
+                ids.push(pos);
+                pos += 1;
+            }
+            param_groups.push(GroupState {
+                params: ids,
+                hyperparams: hyper(&g.config),
+            });
+        }
+        Ok(OptimizerState {
+            state,
+            param_groups,
+        })
+    }
+
+    /// Checks and restores a saved state completely before changing anything: configs via
+    /// `config`, buffers named `names` (missing ones zero), `step`, masters, and optimizer
+    /// specific per-parameter scalars (`scalar_names`, returned per group as `[n]` host vectors).
+    #[allow(clippy::type_complexity)]
+    pub fn load_state_dict(
+        &mut self,
+        saved: &OptimizerState,
+        names: &[&str],
+        scalar_names: &[&str],
+        config: impl Fn(&super::Hyperparams) -> Result<C>,
+    ) -> Result<Vec<BTreeMap<String, Vec<f32>>>> {
+        let op = self.op;
+        let map = match_layout(op, &self.groups, saved)?;
+        let configs = saved
+            .param_groups
+            .iter()
+            .map(|g| config(&g.hyperparams))
+            .collect::<Result<Vec<_>>>()?;
+        // (group, idx) of each position.
+        let mut where_ = BTreeMap::new();
+        for (gi, g) in saved.param_groups.iter().enumerate() {
+            for (idx, &pos) in g.params.iter().enumerate() {
+                where_.insert(pos, (gi, idx));
+            }
+        }
+        let mut state: Vec<Vec<Option<Vec<Tensor>>>> = self
+            .groups
+            .iter()
+            .map(|g| vec![None; g.params.len()])
+            .collect();
+        let mut steps: Vec<Vec<f32>> = self
+            .groups
+            .iter()
+            .map(|g| vec![0.0; g.params.len()])
+            .collect();
+        let mut scalars: Vec<BTreeMap<String, Vec<f32>>> = self
+            .groups
+            .iter()
+            .map(|g| {
+                scalar_names
+                    .iter()
+                    .map(|n| (n.to_string(), vec![0.0; g.params.len()]))
+                    .collect()
+            })
+            .collect();
+        let mut masters = self.masters.clone();
+        for (pos, entries) in &saved.state {
+            let p = map[pos];
+            let (gi, idx) = where_[pos];
+            let mut bufs: Vec<Option<Tensor>> = vec![None; names.len()];
+            for (name, t) in entries {
+                let full = |t: &Tensor| -> Result<Tensor> {
+                    if t.shape() != p.shape() {
+                        return Err(Error::shape_mismatch(
+                            op,
+                            p.shape(),
+                            t.shape(),
+                            format!("state `{name}` of parameter {pos}"),
+                        ));
+                    }
+                    owned_copy(&t.to_device(self.device)?, DType::F32)
+                };
+                if let Some(k) = names.iter().position(|n| n == name) {
+                    bufs[k] = Some(full(t)?);
+                } else if name == STEP {
+                    let v = t.item()?;
+                    if !(v >= 0.0 && v.fract() == 0.0 && v < 16_777_216.0) {
+                        return Err(Error::invalid_arg(
+                            op,
+                            "step",
+                            v,
+                            "a whole number of steps in 0..2^24",
+                        ));
+                    }
+                    steps[gi][idx] = v as f32;
+                } else if name == MASTER {
+                    let Some(m) = masters.as_mut() else {
+                        return Err(Error::invalid_arg(
+                            op,
+                            "state",
+                            format!("`{MASTER}` for parameter {pos}"),
+                            "master weights only after use_master_weights()",
+                        ));
+                    };
+                    m[gi][idx] = full(t)?;
+                } else if scalar_names.contains(&name.as_str()) {
+                    scalars[gi].get_mut(name.as_str()).expect("listed")[idx] = t.item()? as f32;
+                } else {
+                    let mut known: Vec<&str> = names.to_vec();
+                    known.extend([STEP, MASTER]);
+                    known.extend(scalar_names);
+                    return Err(Error::invalid_arg(
+                        op,
+                        "state",
+                        format!("`{name}` for parameter {pos}"),
+                        format!("the keys {known:?}"),
+                    ));
+                }
+            }
+            if bufs.iter().any(|b| b.is_some()) || steps[gi][idx] > 0.0 {
+                let bufs = bufs
+                    .into_iter()
+                    .map(|b| match b {
+                        Some(b) => Ok(b),
+                        None => Tensor::zeros(p.shape().clone(), DType::F32, self.device),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                state[gi][idx] = Some(bufs);
+            }
+        }
+        let new_steps = steps
+            .iter()
+            .map(|s| {
+                if s.is_empty() {
+                    Ok(None)
+                } else {
+                    Tensor::from_vec(s.clone(), Shape::new(vec![s.len()]), self.device).map(Some)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (g, c) in self.groups.iter_mut().zip(configs) {
+            g.config = c;
+        }
+        self.state = state;
+        self.steps = new_steps;
+        self.masters = masters;
+        Ok(scalars)
+    }
+}
+
+/// Implements the group/lr/grad parts of [`super::Optimizer`] for a type with a `core: Core<C>`
+/// field, `C` having a pub `lr` and a `validate()`.
+macro_rules! delegate_optimizer {
+    () => {
+        fn zero_grad(&mut self) {
+            self.core.zero_grad()
+        }
+        fn param_groups(&self) -> Vec<super::GroupView<'_>> {
+            self.core
+                .groups
+                .iter()
+                .map(|g| super::GroupView {
+                    params: &g.params,
+                    hyperparams: g.config.to_hyperparams(),
+                })
+                .collect()
+        }
+        fn lr(&self) -> f64 {
+            self.core.groups.first().map_or(0.0, |g| g.config.lr)
+        }
+        fn set_lr(&mut self, group: usize, lr: f64) -> crate::error::Result<()> {
+            let g = self.core.group_mut(group)?;
+            let mut c = g.config.clone();
+            c.lr = lr;
+            c.validate()?;
+            g.config = c;
+            Ok(())
+        }
+        fn use_master_weights(&mut self) -> crate::error::Result<()> {
+            self.core.use_master_weights()
+        }
+        fn master_params(&self) -> Vec<crate::tensor::Tensor> {
+            self.core.master_params()
+        }
+    };
+}
+pub(crate) use delegate_optimizer;
+
+/// Reads hyperparameter `k` of a saved group (error naming the op, the key and the keys).
+pub(crate) fn hp(op: &'static str, h: &super::Hyperparams, keys: &[&str], k: &str) -> Result<f64> {
+    if let Some(u) = h.keys().find(|u| !keys.contains(&u.as_str())) {
+        return Err(Error::invalid_arg(
+            op,
+            "param_groups",
+            format!("unknown hyperparameter `{u}`"),
+            format!("the keys {keys:?}"),
+        ));
+    }
+    h.get(k).copied().ok_or_else(|| {
+        Error::invalid_arg(
+            op,
+            "param_groups",
+            format!("missing hyperparameter `{k}`"),
+            format!("the keys {keys:?}"),
+        )
+    })
+}
+
+/// A saved boolean hyperparameter: 0 or 1.
+pub(crate) fn hp_bool(
+    op: &'static str,
+    h: &super::Hyperparams,
+    keys: &[&str],
+    k: &'static str,
+) -> Result<bool> {
+    let v = hp(op, h, keys, k)?;
+    if v != 0.0 && v != 1.0 {
+        return Err(Error::invalid_arg(op, k, v, "0 (false) or 1 (true)"));
+    }
+    Ok(v == 1.0)
+}
+
+/// Checks `v` is finite and in `[lo, hi]` (or `[lo, hi)` with `open_hi`).
+pub(crate) fn in_range(
+    op: &'static str,
+    k: &'static str,
+    v: f64,
+    lo: f64,
+    hi: f64,
+    open_hi: bool,
+) -> Result<()> {
+    let ok = v.is_finite() && v >= lo && if open_hi { v < hi } else { v <= hi };
+    if !ok {
+        let close = if open_hi { ")" } else { "]" };
+        return Err(Error::invalid_arg(
+            op,
+            k,
+            v,
+            format!("a finite value in [{lo}, {hi}{close}"),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,255 @@
+//! `FusedLamb` (apex FusedLAMB): global gradient-norm clipping to `max_grad_norm`, Adam moments
+//! with grad averaging (β3 = 1−β1 or 1), the update u = (m/bc1)/(√(v/bc2)+ε) + wd·p, and the
+//! per-tensor trust ratio ‖p‖/‖u‖ (1 where either is 0) applied when use_nvlamb or wd ≠ 0:
+//! p ← p − lr·ratio·u. Kernels: the gradient norm, phase 1 (moments + u), the norms of p and u,
+//! phase 2 (apply) — all on the device, the norms in preallocated arrays.
+
+use super::fused::{delegate_optimizer, hp, hp_bool, in_range, Core};
+use super::fused_adam::no_f64;
+use super::{GradScaling, Hyperparams, Optimizer, OptimizerState, ParamGroup};
+use crate::backend::{LambKernelParams, MtKernel};
+use crate::error::Result;
+use crate::multi_tensor::{self, Scalars};
+use crate::tensor::{DType, Shape, Tensor};
+
+const OP: &str = "FusedLamb";
+/// The update buffer (index 2) is scratch, not saved.
+const NAMES: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+const KEYS: [&str; 9] = [
+    "beta1",
+    "beta2",
+    "bias_correction",
+    "eps",
+    "grad_averaging",
+    "lr",
+    "max_grad_norm",
+    "use_nvlamb",
+    "weight_decay",
+];
+
+/// LAMB's hyperparameters (apex's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-6, wd 0.01,
+/// max_grad_norm 1.0, bias correction and grad averaging on, use_nvlamb off).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LambConfig {
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub bias_correction: bool,
+    pub grad_averaging: bool,
+    /// ≤ 0 turns clipping off.
+    pub max_grad_norm: f64,
+    pub use_nvlamb: bool,
+}
+
+impl Default for LambConfig {
+    fn default() -> Self {
+        LambConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-6,
+            weight_decay: 0.01,
+            bias_correction: true,
+            grad_averaging: true,
+            max_grad_norm: 1.0,
+            use_nvlamb: false,
+        }
+    }
+}
+
+impl LambConfig {
+    pub fn validate(&self) -> Result<()> {
+        in_range(OP, "lr", self.lr, 0.0, f64::MAX, false)?;
+        in_range(OP, "beta1", self.betas.0, 0.0, 1.0, true)?;
+        in_range(OP, "beta2", self.betas.1, 0.0, 1.0, true)?;
+        in_range(OP, "eps", self.eps, 0.0, f64::MAX, false)?;
+        in_range(OP, "weight_decay", self.weight_decay, 0.0, f64::MAX, false)?;
+        in_range(
+            OP,
+            "max_grad_norm",
+            self.max_grad_norm,
+            f64::MIN,
+            f64::MAX,
+            false,
+        )
+    }
+
+    pub fn to_hyperparams(&self) -> Hyperparams {
+        let b = |v: bool| if v { 1.0 } else { 0.0 };
+        [
+            ("lr", self.lr),
+            ("beta1", self.betas.0),
+            ("beta2", self.betas.1),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+            ("bias_correction", b(self.bias_correction)),
+            ("grad_averaging", b(self.grad_averaging)),
+            ("max_grad_norm", self.max_grad_norm),
+            ("use_nvlamb", b(self.use_nvlamb)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    pub fn from_hyperparams(h: &Hyperparams) -> Result<LambConfig> {
+        let c = LambConfig {
+            lr: hp(OP, h, &KEYS, "lr")?,
+            betas: (hp(OP, h, &KEYS, "beta1")?, hp(OP, h, &KEYS, "beta2")?),
+            eps: hp(OP, h, &KEYS, "eps")?,
+            weight_decay: hp(OP, h, &KEYS, "weight_decay")?,
+            bias_correction: hp_bool(OP, h, &KEYS, "bias_correction")?,
+            grad_averaging: hp_bool(OP, h, &KEYS, "grad_averaging")?,
+            max_grad_norm: hp(OP, h, &KEYS, "max_grad_norm")?,
+            use_nvlamb: hp_bool(OP, h, &KEYS, "use_nvlamb")?,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+#[derive(Debug)]
+pub struct FusedLamb {
+    core: Core<LambConfig>,
+    /// Per group: ‖p‖ and ‖u‖ per parameter (F32 `[n]`), and scratch totals.
+    norms: Vec<Option<[Tensor; 2]>>,
+    /// The global gradient norm and a scratch total (F32 0-d).
+    gnorm: [Tensor; 2],
+}
+
+impl FusedLamb {
+    pub fn new(params: Vec<Tensor>, config: LambConfig) -> Result<FusedLamb> {
+        Self::with_groups(vec![ParamGroup::new(params, config)])
+    }
+
+    pub fn with_groups(groups: Vec<ParamGroup<LambConfig>>) -> Result<FusedLamb> {
+        for g in &groups {
+            g.config.validate()?;
+        }
+        no_f64(OP, &groups)?;
+        let core = Core::new(OP, groups)?;
+        let dev = core.device;
+        let norms = core
+            .groups
+            .iter()
+            .map(|g| {
+                if g.params.is_empty() {
+                    return Ok(None);
+                }
+                let n = Shape::new(vec![g.params.len()]);
+                Ok(Some([
+                    Tensor::zeros(n.clone(), DType::F32, dev)?,
+                    Tensor::zeros(n, DType::F32, dev)?,
+                ]))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let gnorm = [
+            multi_tensor::scalar_on(dev, 0.0)?,
+            multi_tensor::scalar_on(dev, 0.0)?,
+        ];
+        Ok(FusedLamb { core, norms, gnorm })
+    }
+
+    pub fn groups(&self) -> &[ParamGroup<LambConfig>] {
+        &self.core.groups
+    }
+
+    /// Replaces the hyperparameters of `group` (validated).
+    pub fn set_config(&mut self, group: usize, config: LambConfig) -> Result<()> {
+        config.validate()?;
+        self.core.group_mut(group)?.config = config;
+        Ok(())
+    }
+}
+
+impl Optimizer for FusedLamb {
+    fn step_scaled(&mut self, scaling: Option<GradScaling<'_>>) -> Result<()> {
+        self.core.check_scaling(&scaling)?;
+        let _ng = crate::no_grad();
+        let mult = scaling.map(|s| s.grad_multiplier);
+        // The global norm of the unscaled gradients over every group (apex: one norm for all).
+        let mut actives = Vec::with_capacity(self.core.groups.len());
+        for gi in 0..self.core.groups.len() {
+            actives.push(self.core.prepare(gi, 3)?);
+        }
+        let grads: Vec<&Tensor> = actives.iter().flatten().map(|a| &a.grad).collect();
+        let slots: Vec<usize> = (0..grads.len()).collect();
+        multi_tensor::norms_into(&grads, &slots, mult, false, None, &self.gnorm[0])?;
+        for (gi, active) in actives.iter().enumerate() {
+            if active.is_empty() {
+                continue;
+            }
+            let c = self.core.groups[gi].config;
+            let k = MtKernel::LambUpdate(LambKernelParams {
+                lr: c.lr as f32,
+                beta1: c.betas.0 as f32,
+                beta2: c.betas.1 as f32,
+                beta3: if c.grad_averaging {
+                    1.0 - c.betas.0 as f32
+                } else {
+                    1.0
+                },
+                eps: c.eps as f32,
+                weight_decay: c.weight_decay as f32,
+                max_grad_norm: c.max_grad_norm as f32,
+                bias_correction: c.bias_correction as u32,
+                use_nvlamb: c.use_nvlamb as u32,
+                _pad: 0,
+            });
+            let rows = self.core.rows(gi, active, &[2, 3, 4]);
+            let mut sc = self.core.scalars(gi, &scaling);
+            sc.aux = [Some(&self.gnorm[0]), None];
+            multi_tensor::apply(OP, &k, &rows, &sc)?;
+            let [pn, un] = self.norms[gi]
+                .as_ref()
+                .expect("a non-empty group has norms");
+            let ps: Vec<&Tensor> = active
+                .iter()
+                .map(|a| self.core.target(gi, a.idx).0)
+                .collect();
+            let us: Vec<&Tensor> = active
+                .iter()
+                .map(|a| &self.core.state[gi][a.idx].as_ref().expect("prepared")[2])
+                .collect();
+            let slots: Vec<usize> = active.iter().map(|a| a.idx).collect();
+            multi_tensor::norms_into(&ps, &slots, None, false, Some(pn), &self.gnorm[1])?;
+            multi_tensor::norms_into(&us, &slots, None, false, Some(un), &self.gnorm[1])?;
+            let k = MtKernel::LambApply {
+                lr: c.lr as f32,
+                use_ratio: (c.use_nvlamb || c.weight_decay != 0.0) as u32,
+            };
+            let rows: Vec<_> = rows
+                .into_iter()
+                .map(|mut r| {
+                    r.bufs[0] = r.bufs[4];
+                    r.bufs[2] = None;
+                    r.bufs[3] = None;
+                    r.bufs[4] = None;
+                    r
+                })
+                .collect();
+            let sc = Scalars {
+                found_inf: scaling.map(|s| s.found_inf),
+                aux: [Some(pn), Some(un)],
+                ..Default::default()
+            };
+            multi_tensor::apply(OP, &k, &rows, &sc)?;
+            self.core.increment(gi, active, &scaling)?;
+        }
+        Ok(())
+    }
+
+    delegate_optimizer!();
+
+    fn state_dict(&self) -> Result<OptimizerState> {
+        self.core
+            .state_dict(&NAMES, |c| c.to_hyperparams(), |_, _, _| Ok(vec![]))
+    }
+
+    fn load_state_dict(&mut self, saved: &OptimizerState) -> Result<()> {
+        self.core
+            .load_state_dict(saved, &NAMES, &[], LambConfig::from_hyperparams)?;
+        // Restored states have two buffers; the update scratch is added at the next step.
+        Ok(())
+    }
+}

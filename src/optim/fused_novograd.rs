@@ -1,0 +1,284 @@
+//! `FusedNovoGrad` (apex FusedNovoGrad): a per-tensor second moment of the gradient norm
+//! (v ← first ? n² : β2·v + (1−β2)·n², n the L2 or inf norm of the unscaled gradient), grad
+//! averaging (β3 = 1−β1 or 1), bias correction, and two weight-decay placements:
+//! reg_inside_moment: m ← β1·m + β3·(g/(√(v/bc2)+ε) + wd·p), p ← p − lr·m/bc1;
+//! else: m ← β1·m + β3·g, p ← p − lr·((m/bc1)/(√(v/bc2)+ε) + wd·p).
+
+use super::fused::{delegate_optimizer, hp, hp_bool, in_range, Core};
+use super::fused_adam::no_f64;
+use super::{GradScaling, Hyperparams, Optimizer, OptimizerState, ParamGroup};
+use crate::backend::{MtKernel, NovoGradKernelParams};
+use crate::error::{Error, Result};
+use crate::multi_tensor::{self, Row};
+use crate::tensor::{DType, Device, Shape, Tensor};
+
+const OP: &str = "FusedNovoGrad";
+const NAMES: [&str; 1] = ["exp_avg"];
+const V: &str = "exp_avg_sq";
+const KEYS: [&str; 9] = [
+    "beta1",
+    "beta2",
+    "bias_correction",
+    "eps",
+    "grad_averaging",
+    "lr",
+    "norm_type",
+    "reg_inside_moment",
+    "weight_decay",
+];
+
+/// The gradient norm NovoGrad's second moment tracks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NovoGradNorm {
+    L2,
+    Inf,
+}
+
+/// NovoGrad's hyperparameters (apex's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0,
+/// bias correction and grad averaging on, L2 norm, decay outside the moment).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NovoGradConfig {
+    pub lr: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub bias_correction: bool,
+    pub grad_averaging: bool,
+    pub reg_inside_moment: bool,
+    pub norm_type: NovoGradNorm,
+}
+
+impl Default for NovoGradConfig {
+    fn default() -> Self {
+        NovoGradConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            bias_correction: true,
+            grad_averaging: true,
+            reg_inside_moment: false,
+            norm_type: NovoGradNorm::L2,
+        }
+    }
+}
+
+impl NovoGradConfig {
+    pub fn validate(&self) -> Result<()> {
+        in_range(OP, "lr", self.lr, 0.0, f64::MAX, false)?;
+        in_range(OP, "beta1", self.betas.0, 0.0, 1.0, true)?;
+        in_range(OP, "beta2", self.betas.1, 0.0, 1.0, true)?;
+        in_range(OP, "eps", self.eps, 0.0, f64::MAX, false)?;
+        in_range(OP, "weight_decay", self.weight_decay, 0.0, f64::MAX, false)
+    }
+
+    pub fn to_hyperparams(&self) -> Hyperparams {
+        let b = |v: bool| if v { 1.0 } else { 0.0 };
+        [
+            ("lr", self.lr),
+            ("beta1", self.betas.0),
+            ("beta2", self.betas.1),
+            ("eps", self.eps),
+            ("weight_decay", self.weight_decay),
+            ("bias_correction", b(self.bias_correction)),
+            ("grad_averaging", b(self.grad_averaging)),
+            ("reg_inside_moment", b(self.reg_inside_moment)),
+            (
+                "norm_type",
+                match self.norm_type {
+                    NovoGradNorm::L2 => 2.0,
+                    NovoGradNorm::Inf => 0.0,
+                },
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    pub fn from_hyperparams(h: &Hyperparams) -> Result<NovoGradConfig> {
+        let nt = hp(OP, h, &KEYS, "norm_type")?;
+        let norm_type = match nt {
+            2.0 => NovoGradNorm::L2,
+            0.0 => NovoGradNorm::Inf,
+            v => {
+                return Err(Error::invalid_arg(
+                    OP,
+                    "norm_type",
+                    v,
+                    "2 (L2) or 0 (inf), as apex",
+                ))
+            }
+        };
+        let c = NovoGradConfig {
+            lr: hp(OP, h, &KEYS, "lr")?,
+            betas: (hp(OP, h, &KEYS, "beta1")?, hp(OP, h, &KEYS, "beta2")?),
+            eps: hp(OP, h, &KEYS, "eps")?,
+            weight_decay: hp(OP, h, &KEYS, "weight_decay")?,
+            bias_correction: hp_bool(OP, h, &KEYS, "bias_correction")?,
+            grad_averaging: hp_bool(OP, h, &KEYS, "grad_averaging")?,
+            reg_inside_moment: hp_bool(OP, h, &KEYS, "reg_inside_moment")?,
+            norm_type,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+#[derive(Debug)]
+pub struct FusedNovoGrad {
+    core: Core<NovoGradConfig>,
+    /// Per group: the per-tensor second moments v and the gradient norms (F32 `[n]`).
+    moments: Vec<Option<[Tensor; 2]>>,
+    total: Tensor,
+}
+
+impl FusedNovoGrad {
+    pub fn new(params: Vec<Tensor>, config: NovoGradConfig) -> Result<FusedNovoGrad> {
+        Self::with_groups(vec![ParamGroup::new(params, config)])
+    }
+
+    pub fn with_groups(groups: Vec<ParamGroup<NovoGradConfig>>) -> Result<FusedNovoGrad> {
+        for g in &groups {
+            g.config.validate()?;
+        }
+        no_f64(OP, &groups)?;
+        let core = Core::new(OP, groups)?;
+        let dev = core.device;
+        let moments = core
+            .groups
+            .iter()
+            .map(|g| {
+                if g.params.is_empty() {
+                    return Ok(None);
+                }
+                let n = Shape::new(vec![g.params.len()]);
+                Ok(Some([
+                    Tensor::zeros(n.clone(), DType::F32, dev)?,
+                    Tensor::zeros(n, DType::F32, dev)?,
+                ]))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let total = multi_tensor::scalar_on(dev, 0.0)?;
+        Ok(FusedNovoGrad {
+            core,
+            moments,
+            total,
+        })
+    }
+
+    pub fn groups(&self) -> &[ParamGroup<NovoGradConfig>] {
+        &self.core.groups
+    }
+
+    /// Replaces the hyperparameters of `group` (validated).
+    pub fn set_config(&mut self, group: usize, config: NovoGradConfig) -> Result<()> {
+        config.validate()?;
+        self.core.group_mut(group)?.config = config;
+        Ok(())
+    }
+}
+
+impl Optimizer for FusedNovoGrad {
+    fn step_scaled(&mut self, scaling: Option<GradScaling<'_>>) -> Result<()> {
+        self.core.check_scaling(&scaling)?;
+        let _ng = crate::no_grad();
+        for gi in 0..self.core.groups.len() {
+            let c = self.core.groups[gi].config;
+            let active = self.core.prepare(gi, 1)?;
+            if active.is_empty() {
+                continue;
+            }
+            let [v, gn] = self.moments[gi]
+                .as_ref()
+                .expect("a non-empty group has moments");
+            let grads: Vec<&Tensor> = active.iter().map(|a| &a.grad).collect();
+            let slots: Vec<usize> = active.iter().map(|a| a.idx).collect();
+            let inf = c.norm_type == NovoGradNorm::Inf;
+            multi_tensor::norms_into(
+                &grads,
+                &slots,
+                scaling.map(|s| s.grad_multiplier),
+                inf,
+                Some(gn),
+                &self.total,
+            )?;
+            let table: Vec<Row> = active
+                .iter()
+                .map(|a| {
+                    let mut r = Row {
+                        slot: a.idx,
+                        ..Default::default()
+                    };
+                    r.bufs[0] = Some(&a.grad);
+                    r
+                })
+                .collect();
+            let mut sc = self.core.scalars(gi, &scaling);
+            sc.mult = None;
+            sc.aux = [Some(v), Some(gn)];
+            let k = MtKernel::NovoGradMoment {
+                beta2: c.betas.1 as f32,
+            };
+            multi_tensor::apply(OP, &k, &table, &sc)?;
+            let k = MtKernel::NovoGrad(NovoGradKernelParams {
+                lr: c.lr as f32,
+                beta1: c.betas.0 as f32,
+                beta2: c.betas.1 as f32,
+                beta3: if c.grad_averaging {
+                    1.0 - c.betas.0 as f32
+                } else {
+                    1.0
+                },
+                eps: c.eps as f32,
+                weight_decay: c.weight_decay as f32,
+                bias_correction: c.bias_correction as u32,
+                reg_inside_moment: c.reg_inside_moment as u32,
+                norm_type: inf as u32,
+                _pad: 0,
+            });
+            let rows = self.core.rows(gi, &active, &[2]);
+            let mut sc = self.core.scalars(gi, &scaling);
+            sc.aux = [Some(v), None];
+            multi_tensor::apply(OP, &k, &rows, &sc)?;
+            self.core.increment(gi, &active, &scaling)?;
+        }
+        Ok(())
+    }
+
+    delegate_optimizer!();
+
+    fn state_dict(&self) -> Result<OptimizerState> {
+        let vs: Vec<Vec<f32>> = self
+            .moments
+            .iter()
+            .map(|m| {
+                m.as_ref()
+                    .map_or(Ok(Vec::new()), |[v, _]| v.to_vec::<f32>())
+            })
+            .collect::<Result<_>>()?;
+        self.core.state_dict(
+            &NAMES,
+            |c| c.to_hyperparams(),
+            |gi, idx, _| {
+                Ok(vec![(
+                    V.to_string(),
+                    Tensor::scalar(vs[gi][idx] as f64, DType::F32, Device::Cpu)?,
+                )])
+            },
+        )
+    }
+
+    fn load_state_dict(&mut self, saved: &OptimizerState) -> Result<()> {
+        let scalars =
+            self.core
+                .load_state_dict(saved, &NAMES, &[V], NovoGradConfig::from_hyperparams)?;
+        for (gi, s) in scalars.iter().enumerate() {
+            if let Some([v, _]) = &self.moments[gi] {
+                let t = Tensor::from_vec(s[V].clone(), v.shape().clone(), self.core.device)?;
+                v.set_data(&t)?;
+            }
+        }
+        Ok(())
+    }
+}

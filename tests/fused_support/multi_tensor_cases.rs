@@ -1,0 +1,268 @@
+//! Cases shared by tests/multi_tensor.rs (CPU) and tests/cuda.rs (GPU): each takes the device.
+#![allow(dead_code)]
+
+use super::fused_support::{round_to, tensor};
+use mixprec::multi_tensor::{self, AxpbyCheck};
+use mixprec::{DType, Device, Tensor};
+
+pub const CHUNK: usize = 65536;
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Lists to fuzz: one tensor of each size around the chunk size, and 55 tensors of mixed sizes.
+pub fn lists() -> Vec<Vec<usize>> {
+    let mut v: Vec<Vec<usize>> = [CHUNK - 1, CHUNK, CHUNK + 1, 1, 2 * CHUNK + 3]
+        .iter()
+        .map(|&n| vec![n])
+        .collect();
+    v.push(
+        (0..55)
+            .map(|i| [1, 7, CHUNK - 1, 300, CHUNK + 1, 4096][i % 6] + i)
+            .collect(),
+    );
+    v
+}
+
+fn make(sizes: &[usize], dt: DType, seed: u64, dev: Device) -> Vec<Tensor> {
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| tensor(seed + k as u64, &[n], dt, dev))
+        .collect()
+}
+
+fn plant(ts: &mut [Tensor], at: usize, bad: f64) {
+    let k = match at {
+        0 => 0,
+        1 => ts.len() / 2,
+        _ => ts.len() - 1,
+    };
+    let mut v = ts[k].to_vec_f64().unwrap();
+    let i = match at {
+        0 => 0,
+        1 => v.len() / 2,
+        _ => v.len() - 1,
+    };
+    v[i] = bad;
+    let dt = ts[k].dtype();
+    ts[k] = Tensor::from_vec(v, ts[k].dims().to_vec(), ts[k].device())
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap();
+}
+
+pub fn scale_cases(dev: Device) {
+    for sizes in lists() {
+        for din in DTYPES {
+            for dout in DTYPES {
+                let x = make(&sizes, din, 1, dev);
+                let out: Vec<Tensor> = sizes
+                    .iter()
+                    .map(|&n| Tensor::zeros([n], dout, dev).unwrap())
+                    .collect();
+                let s = Tensor::scalar(0.375, DType::F32, dev).unwrap();
+                let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+                multi_tensor::scale(&x, &out, &s, &f).unwrap();
+                assert_eq!(f.item().unwrap(), 0.0);
+                for (a, b) in x.iter().zip(&out) {
+                    let want: Vec<f64> = a
+                        .to_vec_f64()
+                        .unwrap()
+                        .iter()
+                        .map(|v| round_to(dout, (*v as f32 * 0.375) as f64))
+                        .collect();
+                    assert_eq!(
+                        b.to_vec_f64().unwrap(),
+                        want,
+                        "scale {din}→{dout} sizes {}",
+                        sizes.len()
+                    );
+                }
+                // In place, with a planted Inf/NaN: flagged; the flag is never reset.
+                for (at, bad) in [(0, f64::INFINITY), (1, f64::NAN), (2, f64::NEG_INFINITY)] {
+                    let mut y = make(&sizes, din, 2, dev);
+                    plant(&mut y, at, bad);
+                    let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+                    multi_tensor::scale(&y, &y, &s, &f).unwrap();
+                    assert_eq!(f.item().unwrap(), 1.0, "{bad} at {at} in {din}");
+                    let clean = make(&sizes, din, 3, dev);
+                    multi_tensor::scale(&clean, &clean, &s, &f).unwrap();
+                    assert_eq!(f.item().unwrap(), 1.0, "found_inf is never reset");
+                    let f2 = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+                    let mut z = make(&sizes, din, 4, dev);
+                    plant(&mut z, at, bad);
+                    multi_tensor::non_finite_check(&z, &f2).unwrap();
+                    assert_eq!(f2.item().unwrap(), 1.0);
+                }
+            }
+        }
+    }
+}
+
+pub fn axpby_cases(dev: Device) {
+    for sizes in lists() {
+        for (dx, dy, dout) in [
+            (DType::F32, DType::F32, DType::F32),
+            (DType::F16, DType::F32, DType::F16),
+            (DType::BF16, DType::F16, DType::F32),
+        ] {
+            let x = make(&sizes, dx, 10, dev);
+            let y = make(&sizes, dy, 20, dev);
+            let out: Vec<Tensor> = sizes
+                .iter()
+                .map(|&n| Tensor::zeros([n], dout, dev).unwrap())
+                .collect();
+            let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+            multi_tensor::axpby(2.0, &x, -0.5, &y, &out, &f, AxpbyCheck::Both).unwrap();
+            assert_eq!(f.item().unwrap(), 0.0);
+            for k in 0..sizes.len() {
+                let (a, b) = (x[k].to_vec_f64().unwrap(), y[k].to_vec_f64().unwrap());
+                let want: Vec<f64> = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(p, q)| {
+                        round_to(dout, (2.0f32 * *p as f32 + (-0.5f32) * *q as f32) as f64)
+                    })
+                    .collect();
+                assert_eq!(out[k].to_vec_f64().unwrap(), want);
+            }
+            // A bad y is flagged by Y and Both, not by X.
+            let mut yb = y.clone();
+            plant(&mut yb, 1, f64::NAN);
+            for (check, flagged) in [
+                (AxpbyCheck::X, 0.0),
+                (AxpbyCheck::Y, 1.0),
+                (AxpbyCheck::Both, 1.0),
+            ] {
+                let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+                multi_tensor::axpby(1.0, &x, 1.0, &yb, &out, &f, check).unwrap();
+                assert_eq!(f.item().unwrap(), flagged, "{check:?}");
+            }
+        }
+    }
+}
+
+pub fn norm_cases(dev: Device) {
+    for sizes in lists() {
+        for dt in DTYPES {
+            let x = make(&sizes, dt, 30, dev);
+            let (total, per) = multi_tensor::l2norm(&x, true).unwrap();
+            let per = per.unwrap().to_vec_f64().unwrap();
+            let mut sum = 0.0;
+            for (k, t) in x.iter().enumerate() {
+                let s: f64 = t.to_vec_f64().unwrap().iter().map(|v| v * v).sum();
+                sum += s;
+                assert!(
+                    (per[k] - s.sqrt()).abs() <= 1e-5 * s.sqrt(),
+                    "per-tensor norm {k} {dt}"
+                );
+            }
+            assert!((total.item().unwrap() - sum.sqrt()).abs() <= 1e-5 * sum.sqrt());
+            let (t2, p2) = multi_tensor::l2norm(&x, false).unwrap();
+            assert!(p2.is_none());
+            assert_eq!(
+                t2.item().unwrap(),
+                total.item().unwrap(),
+                "same order, same value"
+            );
+            // Unscaled: the norm of x·inv, and the overflow flag in the same pass.
+            let inv = Tensor::scalar(0.25, DType::F32, dev).unwrap();
+            let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+            let (u, _) = multi_tensor::unscale_l2norm(&x, &inv, &f, false).unwrap();
+            assert!((u.item().unwrap() - 0.25 * sum.sqrt()).abs() <= 1e-5 * sum.sqrt());
+            assert_eq!(f.item().unwrap(), 0.0);
+            let mut xb = x.clone();
+            plant(&mut xb, 2, f64::INFINITY);
+            multi_tensor::unscale_l2norm(&xb, &inv, &f, true).unwrap();
+            assert_eq!(f.item().unwrap(), 1.0);
+        }
+    }
+    let (z, p) = multi_tensor::l2norm(&[], true).unwrap();
+    assert_eq!(z.item().unwrap(), 0.0);
+    assert_eq!(p.unwrap().elem_count(), 0);
+}
+
+pub fn update_scale_cases(dev: Device) {
+    let s = |v: f64| Tensor::scalar(v, DType::F32, dev).unwrap();
+    let (scale, found, unsk, skipped) = (s(65536.0), s(0.0), s(0.0), s(0.0));
+    let run = |f: f64| {
+        found.set_data(&s(f)).unwrap();
+        multi_tensor::amp_update_scale(
+            &scale,
+            &found,
+            &unsk,
+            &skipped,
+            2.0,
+            0.5,
+            3,
+            1.0,
+            2f64.powi(24),
+        )
+        .unwrap();
+        assert_eq!(found.item().unwrap(), 0.0, "found_inf is cleared");
+        (
+            scale.item().unwrap(),
+            unsk.item().unwrap(),
+            skipped.item().unwrap(),
+        )
+    };
+    assert_eq!(run(0.0), (65536.0, 1.0, 0.0));
+    assert_eq!(run(0.0), (65536.0, 2.0, 0.0));
+    assert_eq!(
+        run(0.0),
+        (131072.0, 0.0, 0.0),
+        "grows after `window` clean steps"
+    );
+    assert_eq!(run(1.0), (65536.0, 0.0, 1.0), "backs off on overflow");
+    assert_eq!(run(0.0), (65536.0, 1.0, 1.0));
+    assert_eq!(
+        run(1.0),
+        (32768.0, 0.0, 2.0),
+        "an overflow resets the clean count"
+    );
+    for _ in 0..30 {
+        run(1.0);
+    }
+    assert_eq!(scale.item().unwrap(), 1.0, "clamped to min");
+    scale.set_data(&s(2f64.powi(24))).unwrap();
+    for _ in 0..3 {
+        run(0.0);
+    }
+    assert_eq!(scale.item().unwrap(), 2f64.powi(24), "clamped to max");
+}
+
+pub fn error_cases(dev: Device) {
+    let x = make(&[10, 20], DType::F32, 1, dev);
+    let s = Tensor::scalar(1.0, DType::F32, dev).unwrap();
+    let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+    let e = multi_tensor::scale(&x, &x[..1], &s, &f)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("scale") && e.contains("outputs"), "{e}");
+    let y = make(&[10, 21], DType::F32, 1, dev);
+    let e = multi_tensor::scale(&x, &y, &s, &f).unwrap_err().to_string();
+    assert!(e.contains("tensor 1"), "{e}");
+    let bad = Tensor::zeros([2], DType::F32, dev).unwrap();
+    let e = multi_tensor::scale(&x, &x, &bad, &f)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("scale") && e.contains("[2]"), "{e}");
+    let i = vec![Tensor::zeros([3], DType::I64, dev).unwrap()];
+    assert!(multi_tensor::non_finite_check(&i, &f).is_err());
+    let e = multi_tensor::amp_update_scale(&s, &f, &s, &f, 2.0, 0.5, 10, 1.0, 10.0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("share"), "{e}");
+    let t = |v| Tensor::scalar(v, DType::F32, dev).unwrap();
+    assert!(multi_tensor::amp_update_scale(
+        &t(1.0),
+        &t(0.0),
+        &t(0.0),
+        &t(0.0),
+        2.0,
+        0.5,
+        0,
+        1.0,
+        10.0
+    )
+    .is_err());
+}
