@@ -266,3 +266,62 @@ on_cpu!(
     initialize_checks_its_inputs,
     tiny_resnet_trains_on_fashion_mnist_at_every_level,
 );
+
+// ---- the report line -----------------------------------------------------------------------------
+
+/// Log records of this test binary (the scaler's report lines).
+static LINES: std::sync::Mutex<Vec<(std::thread::ThreadId, String)>> =
+    std::sync::Mutex::new(Vec::new());
+
+struct Capture;
+
+impl log::Log for Capture {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+    fn log(&self, r: &log::Record) {
+        if let Ok(mut l) = LINES.lock() {
+            l.push((std::thread::current().id(), format!("{}", r.args())));
+        }
+    }
+    fn flush(&self) {}
+}
+
+#[test]
+fn the_scaler_reports_one_line_per_interval_not_per_overflow() {
+    let _ = log::set_logger(&Capture);
+    log::set_max_level(log::LevelFilter::Info);
+    let m = Linear::new(4, 2, true, &CPU, 0).unwrap();
+    let o = sgd(m.parameters(), 0.01, 0.0);
+    let policy = Policy::opt_level(OptLevel::O1).with_report_interval(4);
+    let (m, mut o) = amp::initialize(m, o, policy).unwrap();
+    let x = mixprec::Tensor::ones([3, 4], DType::F32, CPU).unwrap();
+    for i in 0..8 {
+        let mut loss = m.forward(&x).unwrap().sum_all().unwrap();
+        if i < 3 {
+            loss = loss.mul_scalar(1e38).unwrap(); // overflows: three skipped steps
+        }
+        o.zero_grad().unwrap();
+        o.backward(&loss).unwrap();
+        o.step().unwrap();
+    }
+    // This test's lines (the other tests of the binary log from their own threads).
+    let me = std::thread::current().id();
+    let lines: Vec<String> = LINES
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(t, l)| *t == me && l.starts_with("amp: loss scaler 0:"))
+        .map(|(_, l)| l.clone())
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(
+        lines[0].contains("step 4") && lines[0].contains("3 step(s) skipped"),
+        "{lines:?}"
+    );
+    assert!(lines[0].contains("scale 8192"), "{lines:?}");
+    assert!(
+        lines[1].contains("step 8") && lines[1].contains("0 step(s) skipped"),
+        "{lines:?}"
+    );
+}

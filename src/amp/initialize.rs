@@ -645,6 +645,19 @@ pub fn initialize_many<M: Module, O: Optimizer>(
             "a model and optimizer initialized once (call initialize once, with every model and optimizer)",
         ));
     }
+    let mut owner: HashMap<TensorId, usize> = HashMap::new();
+    for (k, ids) in opt_ids.iter().enumerate() {
+        for id in ids {
+            if let Some(j) = owner.insert(*id, k) {
+                return Err(Error::invalid_arg(
+                    op,
+                    "optimizers",
+                    format!("a parameter in optimizers {j} and {k}"),
+                    "each parameter in one optimizer",
+                ));
+            }
+        }
+    }
     let known: HashSet<TensorId> = model_params.iter().flatten().map(|p| p.id()).collect();
     for (k, ids) in opt_ids.iter().enumerate() {
         if let Some(pos) = ids.iter().position(|id| !known.contains(id)) {

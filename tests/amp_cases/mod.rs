@@ -983,6 +983,10 @@ pub fn initialize_checks_its_inputs() {
         amp::initialize(m, o, Policy::opt_level(OptLevel::O2)),
         Err(Error::UnsupportedDType { .. })
     ));
+    // One parameter in two optimizers.
+    let m = mlp(73);
+    let (o1, o2) = (sgd(m.parameters(), 0.1, 0.0), sgd(m.parameters(), 0.1, 0.0));
+    assert!(amp::initialize_many(vec![m], vec![o1, o2], Policy::opt_level(OptLevel::O2)).is_err());
     // A loss id past num_losses.
     let m = mlp(72);
     let o = sgd(m.parameters(), 0.1, 0.0);
