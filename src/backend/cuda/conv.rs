@@ -561,12 +561,27 @@ fn sizes(p: &Conv2dParams) -> (usize, usize, usize) {
     )
 }
 
-pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
-    check("conv2d", p)?;
+/// The checks and the run of one direction: `a`, `b` as [`run`] takes them.
+fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    let op = match dir {
+        Dir::Forward => "conv2d",
+        Dir::BackwardData => "conv2d_backward_input",
+        Dir::BackwardFilter => "conv2d_backward_weight",
+    };
+    check(op, p)?;
     let (nx, nw, ny) = sizes(p);
-    check_len("conv2d", x, nx, "the input")?;
-    check_len("conv2d", w, nw, "the weight")?;
-    run(&x.dev, Dir::Forward, p, x.dtype(), x, w, ny)
+    let (na, a_what, nb, b_what, n_out) = match dir {
+        Dir::Forward => (nx, "the input", nw, "the weight", ny),
+        Dir::BackwardData => (ny, "the output gradient", nw, "the weight", nx),
+        Dir::BackwardFilter => (ny, "the output gradient", nx, "the input", nw),
+    };
+    check_len(op, a, na, a_what)?;
+    check_len(op, b, nb, b_what)?;
+    run(&a.dev, dir, p, a.dtype(), a, b, n_out)
+}
+
+pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    conv(Dir::Forward, x, w, p)
 }
 
 /// `g` is the output gradient; returns the input gradient.
@@ -575,11 +590,7 @@ pub(crate) fn conv2d_backward_input(
     w: &CudaStorage,
     p: &Conv2dParams,
 ) -> Result<CudaStorage> {
-    check("conv2d_backward_input", p)?;
-    let (nx, nw, ny) = sizes(p);
-    check_len("conv2d_backward_input", g, ny, "the output gradient")?;
-    check_len("conv2d_backward_input", w, nw, "the weight")?;
-    run(&g.dev, Dir::BackwardData, p, g.dtype(), g, w, nx)
+    conv(Dir::BackwardData, g, w, p)
 }
 
 /// `g` is the output gradient; returns the weight gradient.
@@ -588,9 +599,5 @@ pub(crate) fn conv2d_backward_weight(
     x: &CudaStorage,
     p: &Conv2dParams,
 ) -> Result<CudaStorage> {
-    check("conv2d_backward_weight", p)?;
-    let (nx, nw, ny) = sizes(p);
-    check_len("conv2d_backward_weight", g, ny, "the output gradient")?;
-    check_len("conv2d_backward_weight", x, nx, "the input")?;
-    run(&g.dev, Dir::BackwardFilter, p, g.dtype(), g, x, nw)
+    conv(Dir::BackwardFilter, g, x, p)
 }
