@@ -143,54 +143,32 @@ fn run() -> mixprec::Result<()> {
         tflops_row(format!("matmul {d} 8192^3"), t, 2.0 * (m as f64).powi(3));
     }
     // ResNet-50 convolutions (batch 64): layer1 3x3 64→64 @56², layer3 3x3 256→256 @14², conv1 7x7/2.
+    // Batch 64, square inputs, no dilation or groups.
+    let conv = |c_in, hw, c_out, k, stride, pad| Conv2dParams {
+        n: 64,
+        c_in,
+        h: hw,
+        w: hw,
+        c_out,
+        kh: k,
+        kw: k,
+        stride: (stride, stride),
+        padding: (pad, pad),
+        dilation: (1, 1),
+        groups: 1,
+    };
     let convs = [
         (
             "resnet50 layer1 3x3 64->64 56x56",
-            Conv2dParams {
-                n: 64,
-                c_in: 64,
-                h: 56,
-                w: 56,
-                c_out: 64,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                padding: (1, 1),
-                dilation: (1, 1),
-                groups: 1,
-            },
+            conv(64, 56, 64, 3, 1, 1),
         ),
         (
             "resnet50 layer3 3x3 256->256 14x14",
-            Conv2dParams {
-                n: 64,
-                c_in: 256,
-                h: 14,
-                w: 14,
-                c_out: 256,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                padding: (1, 1),
-                dilation: (1, 1),
-                groups: 1,
-            },
+            conv(256, 14, 256, 3, 1, 1),
         ),
         (
             "resnet50 conv1 7x7/2 3->64 224x224",
-            Conv2dParams {
-                n: 64,
-                c_in: 3,
-                h: 224,
-                w: 224,
-                c_out: 64,
-                kh: 7,
-                kw: 7,
-                stride: (2, 2),
-                padding: (3, 3),
-                dilation: (1, 1),
-                groups: 1,
-            },
+            conv(3, 224, 64, 7, 2, 3),
         ),
     ];
     for (name, p) in convs {
