@@ -5,50 +5,18 @@
 //!
 //! Bytes are the fewest a kernel must move: each input read once, each output written once.
 
-use std::time::Instant;
+mod common;
 
+use common::{copy_bandwidth, time};
 use mixprec::backend::cpu::CpuStorage;
 use mixprec::backend::cuda::{device, CudaStorage};
 use mixprec::backend::{
     BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, UnaryOp,
 };
-use mixprec::{DType, Device, Shape};
+use mixprec::{DType, Shape};
 
 fn main() {
-    if let Err(e) = Device::cuda(0) {
-        println!("no CUDA device, skipping the benchmark: {e}");
-        return;
-    }
-    if let Err(e) = run() {
-        eprintln!("benchmark failed: {e}");
-        std::process::exit(1);
-    }
-}
-
-/// Seconds per call: `warm` untimed calls, then 5 rounds of `iters` back-to-back calls (one
-/// synchronisation per round, so launch latency overlaps with work as in a training loop); the
-/// median round.
-fn time(
-    warm: usize,
-    iters: usize,
-    mut f: impl FnMut() -> mixprec::Result<()>,
-) -> mixprec::Result<f64> {
-    let dev = device(0)?;
-    for _ in 0..warm {
-        f()?;
-    }
-    dev.synchronize()?;
-    let mut ts = Vec::with_capacity(5);
-    for _ in 0..5 {
-        let t = Instant::now();
-        for _ in 0..iters {
-            f()?;
-        }
-        dev.synchronize()?;
-        ts.push(t.elapsed().as_secs_f64() / iters as f64);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
+    common::main_with(run)
 }
 
 fn rand(n: usize, d: DType, seed: u64) -> mixprec::Result<CudaStorage> {
@@ -71,8 +39,7 @@ fn run() -> mixprec::Result<()> {
     let y32 = rand(n, DType::F32, 2)?;
     let x16 = x32.to_dtype(DType::F16)?;
     let y16 = y32.to_dtype(DType::F16)?;
-    let copy_t = time(3, 20, || x32.try_clone().map(|_| ()))?;
-    let copy_bw = (2 * 4 * n) as f64 / copy_t;
+    let (copy_t, copy_bw) = copy_bandwidth(&x32)?;
     println!(
         "{:<34} {:>10} {:>12} {:>9}",
         "op (2^28 elements)", "ms", "GB/s", "vs copy"
@@ -155,6 +122,9 @@ fn run() -> mixprec::Result<()> {
     drop((x32, y32, x16, y16));
 
     println!("{:<34} {:>10} {:>12}", "compute", "ms", "TFLOP/s");
+    let tflops_row = |name: String, t: f64, flops: f64| {
+        println!("{:<34} {:>10.3} {:>12.1}", name, t * 1e3, flops / t / 1e12);
+    };
     let m = 8192;
     for d in [DType::F16, DType::BF16] {
         let a = rand(m * m, d, 3)?;
@@ -170,62 +140,35 @@ fn run() -> mixprec::Result<()> {
             b_batch_stride: m * m,
         };
         let t = time(3, 20, || a.matmul(&bm, &dims).map(|_| ()))?;
-        println!(
-            "{:<34} {:>10.3} {:>12.1}",
-            format!("matmul {d} 8192^3"),
-            t * 1e3,
-            2.0 * (m as f64).powi(3) / t / 1e12
-        );
+        tflops_row(format!("matmul {d} 8192^3"), t, 2.0 * (m as f64).powi(3));
     }
     // ResNet-50 convolutions (batch 64): layer1 3x3 64→64 @56², layer3 3x3 256→256 @14², conv1 7x7/2.
+    // Batch 64, square inputs, no dilation or groups.
+    let conv = |c_in, hw, c_out, k, stride, pad| Conv2dParams {
+        n: 64,
+        c_in,
+        h: hw,
+        w: hw,
+        c_out,
+        kh: k,
+        kw: k,
+        stride: (stride, stride),
+        padding: (pad, pad),
+        dilation: (1, 1),
+        groups: 1,
+    };
     let convs = [
         (
             "resnet50 layer1 3x3 64->64 56x56",
-            Conv2dParams {
-                n: 64,
-                c_in: 64,
-                h: 56,
-                w: 56,
-                c_out: 64,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                padding: (1, 1),
-                dilation: (1, 1),
-                groups: 1,
-            },
+            conv(64, 56, 64, 3, 1, 1),
         ),
         (
             "resnet50 layer3 3x3 256->256 14x14",
-            Conv2dParams {
-                n: 64,
-                c_in: 256,
-                h: 14,
-                w: 14,
-                c_out: 256,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                padding: (1, 1),
-                dilation: (1, 1),
-                groups: 1,
-            },
+            conv(256, 14, 256, 3, 1, 1),
         ),
         (
             "resnet50 conv1 7x7/2 3->64 224x224",
-            Conv2dParams {
-                n: 64,
-                c_in: 3,
-                h: 224,
-                w: 224,
-                c_out: 64,
-                kh: 7,
-                kw: 7,
-                stride: (2, 2),
-                padding: (3, 3),
-                dilation: (1, 1),
-                groups: 1,
-            },
+            conv(3, 224, 64, 7, 2, 3),
         ),
     ];
     for (name, p) in convs {
@@ -234,26 +177,11 @@ fn run() -> mixprec::Result<()> {
         let w = rand(p.c_out * p.c_in * p.kh * p.kw, DType::F16, 6)?;
         let g = rand(p.n * p.c_out * p.out_h() * p.out_w(), DType::F16, 7)?;
         let t = time(3, 20, || x.conv2d(&w, &p).map(|_| ()))?;
-        println!(
-            "{:<34} {:>10.3} {:>12.1}",
-            format!("{name} fwd f16"),
-            t * 1e3,
-            flops / t / 1e12
-        );
+        tflops_row(format!("{name} fwd f16"), t, flops);
         let t = time(3, 20, || g.conv2d_backward_input(&w, &p).map(|_| ()))?;
-        println!(
-            "{:<34} {:>10.3} {:>12.1}",
-            format!("{name} bwd-data f16"),
-            t * 1e3,
-            flops / t / 1e12
-        );
+        tflops_row(format!("{name} bwd-data f16"), t, flops);
         let t = time(3, 20, || g.conv2d_backward_weight(&x, &p).map(|_| ()))?;
-        println!(
-            "{:<34} {:>10.3} {:>12.1}",
-            format!("{name} bwd-filter f16"),
-            t * 1e3,
-            flops / t / 1e12
-        );
+        tflops_row(format!("{name} bwd-filter f16"), t, flops);
     }
     Ok(())
 }

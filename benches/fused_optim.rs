@@ -6,8 +6,9 @@
 //! device-to-device copy bandwidth measured in the same run. PyTorch's numbers come from
 //! `python3 .gpu/torch_anchor.py` (fused AdamW / SGD, `_amp_foreach_non_finite_check_and_unscale_`).
 
-use std::time::Instant;
+mod common;
 
+use common::{copy_bandwidth, time};
 use mixprec::backend::cuda::{device, CudaStorage};
 use mixprec::optim::{AdamConfig, FusedAdam, FusedSgd, GradScaling, Optimizer, SgdConfig};
 use mixprec::{multi_tensor, DType, Device, Tensor};
@@ -16,37 +17,7 @@ const N: usize = 100_000_000;
 const TENSORS: usize = 200;
 
 fn main() {
-    if let Err(e) = Device::cuda(0) {
-        println!("no CUDA device, skipping the benchmark: {e}");
-        return;
-    }
-    if let Err(e) = run() {
-        eprintln!("benchmark failed: {e}");
-        std::process::exit(1);
-    }
-}
-
-fn time(
-    warm: usize,
-    iters: usize,
-    mut f: impl FnMut() -> mixprec::Result<()>,
-) -> mixprec::Result<f64> {
-    let dev = device(0)?;
-    for _ in 0..warm {
-        f()?;
-    }
-    dev.synchronize()?;
-    let mut ts = Vec::with_capacity(5);
-    for _ in 0..5 {
-        let t = Instant::now();
-        for _ in 0..iters {
-            f()?;
-        }
-        dev.synchronize()?;
-        ts.push(t.elapsed().as_secs_f64() / iters as f64);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
+    common::main_with(run)
 }
 
 fn list(dt: DType, v: f64, variable: bool) -> mixprec::Result<Vec<Tensor>> {
@@ -59,15 +30,37 @@ fn list(dt: DType, v: f64, variable: bool) -> mixprec::Result<Vec<Tensor>> {
         .collect()
 }
 
+/// The AdamW of every row: weight decay 0.01, the rest default.
+fn adamw(ps: &[Tensor]) -> mixprec::Result<FusedAdam> {
+    FusedAdam::new(
+        ps.to_vec(),
+        AdamConfig {
+            weight_decay: 0.01,
+            ..Default::default()
+        },
+    )
+}
+
+/// The SGD of every row: lr 1e-3, momentum 0.9.
+fn sgd_momentum(ps: &[Tensor]) -> mixprec::Result<FusedSgd> {
+    FusedSgd::new(
+        ps.to_vec(),
+        SgdConfig {
+            lr: 1e-3,
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )
+}
+
 fn run() -> mixprec::Result<()> {
     let dev = device(0)?;
     let (ma, mi) = dev.compute_capability();
     println!("device cuda:0 sm_{ma}{mi}; {N} parameters in {TENSORS} tensors");
     let copy_n = 1usize << 28;
     let src = CudaStorage::full(0, DType::F32, copy_n, 1.0)?;
-    let copy_t = time(3, 20, || src.try_clone().map(|_| ()))?;
+    let (_, copy_bw) = copy_bandwidth(&src)?;
     drop(src);
-    let copy_bw = (2 * 4 * copy_n) as f64 / copy_t;
     println!("d2d copy: {:.1} GB/s", copy_bw / 1e9);
     println!("{:<44} {:>9} {:>10} {:>8}", "step", "ms", "GB/s", "vs copy");
     let row = |name: &str, t: f64, bytes_per_param: usize| {
@@ -99,24 +92,11 @@ fn run() -> mixprec::Result<()> {
                 dev0,
             )?));
         }
-        let mut adam = FusedAdam::new(
-            ps.clone(),
-            AdamConfig {
-                weight_decay: 0.01,
-                ..Default::default()
-            },
-        )?;
+        let mut adam = adamw(&ps)?;
         let t = time(3, 10, || adam.step_scaled(Some(scaling)))?;
         row("FusedAdamW fp32 (g,p,m,v → p,m,v)", t, 28);
         drop(adam);
-        let mut sgd = FusedSgd::new(
-            ps.clone(),
-            SgdConfig {
-                lr: 1e-3,
-                momentum: 0.9,
-                ..Default::default()
-            },
-        )?;
+        let mut sgd = sgd_momentum(&ps)?;
         let t = time(3, 10, || sgd.step_scaled(Some(scaling)))?;
         row("FusedSgd momentum fp32 (g,p,m → p,m)", t, 20);
         drop(sgd);
@@ -129,13 +109,7 @@ fn run() -> mixprec::Result<()> {
     // F16 gradients, FP32 masters, F16 model copy written in the same pass.
     {
         let ps = list(DType::F32, 0.5, true)?;
-        let mut adam = FusedAdam::new(
-            ps.clone(),
-            AdamConfig {
-                weight_decay: 0.01,
-                ..Default::default()
-            },
-        )?;
+        let mut adam = adamw(&ps)?;
         adam.use_master_weights()?;
         for p in &ps {
             p.cast_in_place(DType::F16)?;
@@ -157,14 +131,7 @@ fn run() -> mixprec::Result<()> {
             2 + 12 + 12 + 2,
         );
         drop(adam);
-        let mut sgd = FusedSgd::new(
-            ps.clone(),
-            SgdConfig {
-                lr: 1e-3,
-                momentum: 0.9,
-                ..Default::default()
-            },
-        )?;
+        let mut sgd = sgd_momentum(&ps)?;
         // Masters from the (now f16) params: benchmark only.
         sgd.use_master_weights()?;
         let t = time(3, 10, || sgd.step_scaled(Some(half_scaling)))?;

@@ -135,7 +135,8 @@ fn parse_args() -> Result<Args> {
             }
         }
     }
-    if a.epochs == 0 || a.batch_size == 0 || !(a.lr > 0.0) || a.widths.len() != a.blocks.len() {
+    let lr_ok = a.lr > 0.0; // false for NaN too
+    if a.epochs == 0 || a.batch_size == 0 || !lr_ok || a.widths.len() != a.blocks.len() {
         return Err(Error::invalid_arg(
             "train_resnet",
             "options",

@@ -29,20 +29,27 @@ template <typename T> __device__ void max_fwd(PoolP p, const T* x, T* y, i64* ar
     }
 }
 
+// The output cells whose windows cover input cell (ih, iw): rows oh0..=oh1, columns ow0..=ow1.
+// Output rows whose window covers ih: oh·sh − ph ≤ ih < oh·sh − ph + kh.
+__device__ __forceinline__ void covering(PoolP p, i64 ih, i64 iw, i64& oh0, i64& oh1, i64& ow0,
+                                         i64& ow1) {
+    oh0 = ih + p.ph - p.kh + 1;
+    oh0 = oh0 <= 0 ? 0 : (oh0 + p.sh - 1) / p.sh;
+    oh1 = (ih + p.ph) / p.sh;
+    if (oh1 >= p.oh) oh1 = p.oh - 1;
+    ow0 = iw + p.pw - p.kw + 1;
+    ow0 = ow0 <= 0 ? 0 : (ow0 + p.sw - 1) / p.sw;
+    ow1 = (iw + p.pw) / p.sw;
+    if (ow1 >= p.ow) ow1 = p.ow - 1;
+}
+
 template <typename T> __device__ void max_bwd(PoolP p, const T* g, const i64* arg, T* dx) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.h * p.w);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
         i64 iw = k % p.w, ih = (k / p.w) % p.h, nc = k / (p.w * p.h);
-        // Output rows whose window covers ih: oh·sh − ph ≤ ih < oh·sh − ph + kh.
-        i64 oh0 = ih + p.ph - p.kh + 1;
-        oh0 = oh0 <= 0 ? 0 : (oh0 + p.sh - 1) / p.sh;
-        i64 oh1 = (ih + p.ph) / p.sh;
-        if (oh1 >= p.oh) oh1 = p.oh - 1;
-        i64 ow0 = iw + p.pw - p.kw + 1;
-        ow0 = ow0 <= 0 ? 0 : (ow0 + p.sw - 1) / p.sw;
-        i64 ow1 = (iw + p.pw) / p.sw;
-        if (ow1 >= p.ow) ow1 = p.ow - 1;
+        i64 oh0, oh1, ow0, ow1;
+        covering(p, ih, iw, oh0, oh1, ow0, ow1);
         A s = 0;
         i64 me = ih * p.w + iw;
         for (i64 oh = oh0; oh <= oh1; oh++)
@@ -95,14 +102,8 @@ template <typename T> __device__ void avg_bwd(PoolP p, const T* g, T* dx) {
     u64 total = (u64)(p.n * p.c * p.h * p.w);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
         i64 iw = k % p.w, ih = (k / p.w) % p.h, nc = k / (p.w * p.h);
-        i64 oh0 = ih + p.ph - p.kh + 1;
-        oh0 = oh0 <= 0 ? 0 : (oh0 + p.sh - 1) / p.sh;
-        i64 oh1 = (ih + p.ph) / p.sh;
-        if (oh1 >= p.oh) oh1 = p.oh - 1;
-        i64 ow0 = iw + p.pw - p.kw + 1;
-        ow0 = ow0 <= 0 ? 0 : (ow0 + p.sw - 1) / p.sw;
-        i64 ow1 = (iw + p.pw) / p.sw;
-        if (ow1 >= p.ow) ow1 = p.ow - 1;
+        i64 oh0, oh1, ow0, ow1;
+        covering(p, ih, iw, oh0, oh1, ow0, ow1);
         A s = 0;
         for (i64 oh = oh0; oh <= oh1; oh++)
             for (i64 ow = ow0; ow <= ow1; ow++) {

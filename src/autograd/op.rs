@@ -151,29 +151,24 @@ impl Op {
             Op::Affine { x, mul } => push(x, &mut || g.affine(*mul, 0.0))?,
             Op::Powf { x, e } => push(x, &mut || g.mul(&x.powf(e - 1.0)?.affine(*e, 0.0)?))?,
             Op::Binary { lhs, rhs, op } => {
-                let (gl, gr): (
-                    Box<dyn Fn() -> Result<Tensor>>,
-                    Box<dyn Fn() -> Result<Tensor>>,
-                ) = match op {
-                    BinaryOp::Add => (Box::new(|| Ok(g.clone())), Box::new(|| Ok(g.clone()))),
-                    BinaryOp::Sub => (Box::new(|| Ok(g.clone())), Box::new(|| g.neg())),
-                    BinaryOp::Mul => (Box::new(|| g.mul(rhs)), Box::new(|| g.mul(lhs))),
-                    BinaryOp::Div => (
-                        Box::new(|| g.div(rhs)),
-                        Box::new(|| g.mul(lhs)?.div(&rhs.sqr()?)?.neg()),
-                    ),
-                    // Ties send the whole gradient to lhs.
-                    BinaryOp::Maximum => (
-                        Box::new(|| g.sub(&g.relu_backward(&rhs.sub(lhs)?)?)),
-                        Box::new(|| g.relu_backward(&rhs.sub(lhs)?)),
-                    ),
-                    BinaryOp::Minimum => (
-                        Box::new(|| g.sub(&g.relu_backward(&lhs.sub(rhs)?)?)),
-                        Box::new(|| g.relu_backward(&lhs.sub(rhs)?)),
-                    ),
+                // Ties of maximum/minimum send the whole gradient to lhs.
+                let grad_lhs = || match op {
+                    BinaryOp::Add | BinaryOp::Sub => Ok(g.clone()),
+                    BinaryOp::Mul => g.mul(rhs),
+                    BinaryOp::Div => g.div(rhs),
+                    BinaryOp::Maximum => g.sub(&g.relu_backward(&rhs.sub(lhs)?)?),
+                    BinaryOp::Minimum => g.sub(&g.relu_backward(&lhs.sub(rhs)?)?),
                 };
-                push(lhs, &mut || gl()?.sum_to_shape(lhs.shape()))?;
-                push(rhs, &mut || gr()?.sum_to_shape(rhs.shape()))?;
+                let grad_rhs = || match op {
+                    BinaryOp::Add => Ok(g.clone()),
+                    BinaryOp::Sub => g.neg(),
+                    BinaryOp::Mul => g.mul(lhs),
+                    BinaryOp::Div => g.mul(lhs)?.div(&rhs.sqr()?)?.neg(),
+                    BinaryOp::Maximum => g.relu_backward(&rhs.sub(lhs)?),
+                    BinaryOp::Minimum => g.relu_backward(&lhs.sub(rhs)?),
+                };
+                push(lhs, &mut || grad_lhs()?.sum_to_shape(lhs.shape()))?;
+                push(rhs, &mut || grad_rhs()?.sum_to_shape(rhs.shape()))?;
             }
             Op::BroadcastTo(x) => push(x, &mut || g.sum_to_shape(x.shape()))?,
             Op::Sum { x, dim } => push(x, &mut || {

@@ -56,16 +56,10 @@ impl<C> Core<C> {
                 }
             }
         }
-        let steps = groups
-            .iter()
-            .map(|g| {
-                if g.params.is_empty() {
-                    Ok(None)
-                } else {
-                    Tensor::zeros(Shape::new(vec![g.params.len()]), DType::F32, device).map(Some)
-                }
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let steps = group_vectors::<C, 1>(&groups, device)?
+            .into_iter()
+            .map(|v| v.map(|[t]| t))
+            .collect();
         let state = groups.iter().map(|g| vec![None; g.params.len()]).collect();
         Ok(Core {
             op,
@@ -75,6 +69,28 @@ impl<C> Core<C> {
             state,
             masters: None,
         })
+    }
+
+    /// [`Core::new`] after validating every group's config (in order) and, with `reject_f64`,
+    /// refusing F64 parameters (see [`no_f64`]).
+    pub fn validated(
+        op: &'static str,
+        groups: Vec<ParamGroup<C>>,
+        validate: impl Fn(&C) -> Result<()>,
+        reject_f64: bool,
+    ) -> Result<Self> {
+        for g in &groups {
+            validate(&g.config)?;
+        }
+        if reject_f64 {
+            no_f64(op, &groups)?;
+        }
+        Self::new(op, groups)
+    }
+
+    /// Per group: `K` zeroed F32 `[n]` vectors (None for an empty group).
+    pub fn group_vectors<const K: usize>(&self) -> Result<Vec<Option<[Tensor; K]>>> {
+        group_vectors(&self.groups, self.device)
     }
 
     pub fn group_mut(&mut self, group: usize) -> Result<&mut ParamGroup<C>> {
@@ -143,6 +159,21 @@ impl<C> Core<C> {
             .collect()
     }
 
+    /// One multi-tensor launch of `kernel` over [`Core::rows`], then [`Core::increment`]: the
+    /// whole step of a group for a single-kernel optimizer.
+    pub fn apply_and_increment(
+        &self,
+        gi: usize,
+        active: &[Active],
+        kernel: &MtKernel,
+        state_roles: &[usize],
+        scaling: &Option<GradScaling<'_>>,
+    ) -> Result<()> {
+        let rows = self.rows(gi, active, state_roles);
+        multi_tensor::apply(self.op, kernel, &rows, &self.scalars(gi, scaling))?;
+        self.increment(gi, active, scaling)
+    }
+
     pub fn scalars<'a>(&'a self, gi: usize, scaling: &Option<GradScaling<'a>>) -> Scalars<'a> {
         Scalars {
             found_inf: scaling.map(|s| s.found_inf),
@@ -159,21 +190,10 @@ impl<C> Core<C> {
         active: &[Active],
         scaling: &Option<GradScaling<'_>>,
     ) -> Result<()> {
-        let rows: Vec<Row> = active
-            .iter()
-            .map(|a| {
-                let mut r = Row {
-                    slot: a.idx,
-                    ..Default::default()
-                };
-                r.bufs[0] = Some(&a.grad);
-                r
-            })
-            .collect();
         multi_tensor::apply(
             self.op,
             &MtKernel::StepIncrement,
-            &rows,
+            &grad_rows(active),
             &self.scalars(gi, scaling),
         )
     }
@@ -438,6 +458,83 @@ impl<C> Core<C> {
     }
 }
 
+/// Rows holding only each active parameter's gradient (g, role 0), at its slot.
+pub(crate) fn grad_rows(active: &[Active]) -> Vec<Row<'_>> {
+    active
+        .iter()
+        .map(|a| {
+            let mut r = Row {
+                slot: a.idx,
+                ..Default::default()
+            };
+            r.bufs[0] = Some(&a.grad);
+            r
+        })
+        .collect()
+}
+
+/// Per group: `K` zeroed F32 `[n]` vectors on `device` (None for an empty group).
+fn group_vectors<C, const K: usize>(
+    groups: &[ParamGroup<C>],
+    device: Device,
+) -> Result<Vec<Option<[Tensor; K]>>> {
+    groups
+        .iter()
+        .map(|g| {
+            if g.params.is_empty() {
+                return Ok(None);
+            }
+            let n = Shape::new(vec![g.params.len()]);
+            let v = (0..K)
+                .map(|_| Tensor::zeros(n.clone(), DType::F32, device))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Some(
+                v.try_into().unwrap_or_else(|_| unreachable!("K vectors")),
+            ))
+        })
+        .collect()
+}
+
+/// Refuses F64 parameters (the optimizers with no plain F64 path).
+pub(crate) fn no_f64<C>(op: &'static str, groups: &[ParamGroup<C>]) -> Result<()> {
+    for (gi, g) in groups.iter().enumerate() {
+        for (pi, p) in g.params.iter().enumerate() {
+            if p.dtype() == DType::F64 {
+                return Err(Error::invalid_arg(
+                    op,
+                    "params",
+                    format!("group {gi} parameter {pi} of dtype f64"),
+                    "F32, F16 or BF16 parameters",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The inherent `new` / `groups` / `set_config` of a fused optimizer with a `core: Core<C>`
+/// field and a `with_groups` constructor; `C` has a `validate()`.
+macro_rules! config_methods {
+    ($config:ty) => {
+        /// One group of `params` with `config`.
+        pub fn new(params: Vec<Tensor>, config: $config) -> Result<Self> {
+            Self::with_groups(vec![ParamGroup::new(params, config)])
+        }
+
+        pub fn groups(&self) -> &[ParamGroup<$config>] {
+            &self.core.groups
+        }
+
+        /// Replaces the hyperparameters of `group` (validated).
+        pub fn set_config(&mut self, group: usize, config: $config) -> Result<()> {
+            config.validate()?;
+            self.core.group_mut(group)?.config = config;
+            Ok(())
+        }
+    };
+}
+pub(crate) use config_methods;
+
 /// Implements the group/lr/grad parts of [`super::Optimizer`] for a type with a `core: Core<C>`
 /// field, `C` having a pub `lr` and a `validate()`.
 macro_rules! delegate_optimizer {
@@ -530,4 +627,71 @@ pub(crate) fn in_range(
         ));
     }
     Ok(())
+}
+
+/// A boolean hyperparameter as saved: 1 or 0.
+pub(crate) fn flag(v: bool) -> f64 {
+    f64::from(u8::from(v))
+}
+
+/// The hyperparameters the Adam-family configs share (lr, betas, eps, weight decay), followed
+/// by the optimizer's own `rest`.
+pub(crate) fn adam_like_hyperparams(
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    rest: impl IntoIterator<Item = (&'static str, f64)>,
+) -> super::Hyperparams {
+    [
+        ("lr", lr),
+        ("beta1", betas.0),
+        ("beta2", betas.1),
+        ("eps", eps),
+        ("weight_decay", weight_decay),
+    ]
+    .into_iter()
+    .chain(rest)
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// Reads the shared Adam-family hyperparameters `(lr, (beta1, beta2), eps, weight_decay)`, in
+/// that order.
+pub(crate) fn adam_like_from(
+    op: &'static str,
+    h: &super::Hyperparams,
+    keys: &[&str],
+) -> Result<(f64, (f64, f64), f64, f64)> {
+    Ok((
+        hp(op, h, keys, "lr")?,
+        (hp(op, h, keys, "beta1")?, hp(op, h, keys, "beta2")?),
+        hp(op, h, keys, "eps")?,
+        hp(op, h, keys, "weight_decay")?,
+    ))
+}
+
+/// Checks the shared Adam-family values: lr, eps and weight decay finite and >= 0, betas in
+/// [0, 1).
+pub(crate) fn validate_adam_like(
+    op: &'static str,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+) -> Result<()> {
+    in_range(op, "lr", lr, 0.0, f64::MAX, false)?;
+    in_range(op, "beta1", betas.0, 0.0, 1.0, true)?;
+    in_range(op, "beta2", betas.1, 0.0, 1.0, true)?;
+    in_range(op, "eps", eps, 0.0, f64::MAX, false)?;
+    in_range(op, "weight_decay", weight_decay, 0.0, f64::MAX, false)
+}
+
+/// β3 of LAMB and NovoGrad: 1 − β1 with grad averaging, else 1.
+pub(crate) fn beta3(grad_averaging: bool, beta1: f64) -> f32 {
+    if grad_averaging {
+        1.0 - beta1 as f32
+    } else {
+        1.0
+    }
 }

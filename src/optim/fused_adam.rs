@@ -3,12 +3,14 @@
 //! (g += wd·p) or decoupled (p ← p − lr·wd·p) weight decay, bias correction from the device step
 //! counters, and amsgrad as torch has it (the max of v over steps in the denominator).
 
-use super::fused::{delegate_optimizer, hp, hp_bool, in_range, Core};
+use super::fused::{
+    adam_like_from, adam_like_hyperparams, config_methods, delegate_optimizer, flag, hp_bool,
+    validate_adam_like, Core,
+};
 use super::{GradScaling, Hyperparams, Optimizer, OptimizerState, ParamGroup};
 use crate::backend::{AdamKernelParams, MtKernel};
-use crate::error::{Error, Result};
-use crate::multi_tensor;
-use crate::tensor::{DType, Tensor};
+use crate::error::Result;
+use crate::tensor::Tensor;
 
 const OP: &str = "FusedAdam";
 const NAMES: [&str; 3] = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"];
@@ -52,36 +54,30 @@ impl Default for AdamConfig {
 
 impl AdamConfig {
     pub fn validate(&self) -> Result<()> {
-        in_range(OP, "lr", self.lr, 0.0, f64::MAX, false)?;
-        in_range(OP, "beta1", self.betas.0, 0.0, 1.0, true)?;
-        in_range(OP, "beta2", self.betas.1, 0.0, 1.0, true)?;
-        in_range(OP, "eps", self.eps, 0.0, f64::MAX, false)?;
-        in_range(OP, "weight_decay", self.weight_decay, 0.0, f64::MAX, false)
+        validate_adam_like(OP, self.lr, self.betas, self.eps, self.weight_decay)
     }
 
     pub fn to_hyperparams(&self) -> Hyperparams {
-        let b = |v: bool| if v { 1.0 } else { 0.0 };
-        [
-            ("lr", self.lr),
-            ("beta1", self.betas.0),
-            ("beta2", self.betas.1),
-            ("eps", self.eps),
-            ("weight_decay", self.weight_decay),
-            ("adam_w_mode", b(self.adam_w_mode)),
-            ("bias_correction", b(self.bias_correction)),
-            ("amsgrad", b(self.amsgrad)),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect()
+        adam_like_hyperparams(
+            self.lr,
+            self.betas,
+            self.eps,
+            self.weight_decay,
+            [
+                ("adam_w_mode", flag(self.adam_w_mode)),
+                ("bias_correction", flag(self.bias_correction)),
+                ("amsgrad", flag(self.amsgrad)),
+            ],
+        )
     }
 
     pub fn from_hyperparams(h: &Hyperparams) -> Result<AdamConfig> {
+        let (lr, betas, eps, weight_decay) = adam_like_from(OP, h, &KEYS)?;
         let c = AdamConfig {
-            lr: hp(OP, h, &KEYS, "lr")?,
-            betas: (hp(OP, h, &KEYS, "beta1")?, hp(OP, h, &KEYS, "beta2")?),
-            eps: hp(OP, h, &KEYS, "eps")?,
-            weight_decay: hp(OP, h, &KEYS, "weight_decay")?,
+            lr,
+            betas,
+            eps,
+            weight_decay,
             adam_w_mode: hp_bool(OP, h, &KEYS, "adam_w_mode")?,
             bias_correction: hp_bool(OP, h, &KEYS, "bias_correction")?,
             amsgrad: hp_bool(OP, h, &KEYS, "amsgrad")?,
@@ -91,50 +87,18 @@ impl AdamConfig {
     }
 }
 
-pub(crate) fn no_f64<C>(op: &'static str, groups: &[ParamGroup<C>]) -> Result<()> {
-    for (gi, g) in groups.iter().enumerate() {
-        for (pi, p) in g.params.iter().enumerate() {
-            if p.dtype() == DType::F64 {
-                return Err(Error::invalid_arg(
-                    op,
-                    "params",
-                    format!("group {gi} parameter {pi} of dtype f64"),
-                    "F32, F16 or BF16 parameters",
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
 #[derive(Debug)]
 pub struct FusedAdam {
     core: Core<AdamConfig>,
 }
 
 impl FusedAdam {
-    pub fn new(params: Vec<Tensor>, config: AdamConfig) -> Result<FusedAdam> {
-        Self::with_groups(vec![ParamGroup::new(params, config)])
-    }
+    config_methods!(AdamConfig);
 
     pub fn with_groups(groups: Vec<ParamGroup<AdamConfig>>) -> Result<FusedAdam> {
-        for g in &groups {
-            g.config.validate()?;
-        }
-        no_f64(OP, &groups)?;
         Ok(FusedAdam {
-            core: Core::new(OP, groups)?,
+            core: Core::validated(OP, groups, AdamConfig::validate, true)?,
         })
-    }
-
-    pub fn groups(&self) -> &[ParamGroup<AdamConfig>] {
-        &self.core.groups
-    }
-
-    pub fn set_config(&mut self, group: usize, config: AdamConfig) -> Result<()> {
-        config.validate()?;
-        self.core.group_mut(group)?.config = config;
-        Ok(())
     }
 }
 
@@ -159,9 +123,8 @@ impl Optimizer for FusedAdam {
                 amsgrad: c.amsgrad as u32,
             });
             let roles: &[usize] = if c.amsgrad { &[2, 3, 4] } else { &[2, 3] };
-            let rows = self.core.rows(gi, &active, roles);
-            multi_tensor::apply(OP, &k, &rows, &self.core.scalars(gi, &scaling))?;
-            self.core.increment(gi, &active, &scaling)?;
+            self.core
+                .apply_and_increment(gi, &active, &k, roles, &scaling)?;
         }
         Ok(())
     }

@@ -4,13 +4,15 @@
 //! p ← p − lr·ratio·u. Kernels: the gradient norm, phase 1 (moments + u), the norms of p and u,
 //! phase 2 (apply) — all on the device, the norms in preallocated arrays.
 
-use super::fused::{delegate_optimizer, hp, hp_bool, in_range, Core};
-use super::fused_adam::no_f64;
+use super::fused::{
+    adam_like_from, adam_like_hyperparams, beta3, config_methods, delegate_optimizer, flag, hp,
+    hp_bool, in_range, validate_adam_like, Core,
+};
 use super::{GradScaling, Hyperparams, Optimizer, OptimizerState, ParamGroup};
 use crate::backend::{LambKernelParams, MtKernel};
 use crate::error::Result;
 use crate::multi_tensor::{self, Scalars};
-use crate::tensor::{DType, Shape, Tensor};
+use crate::tensor::Tensor;
 
 const OP: &str = "FusedLamb";
 /// The update buffer (index 2) is scratch, not saved.
@@ -59,11 +61,7 @@ impl Default for LambConfig {
 
 impl LambConfig {
     pub fn validate(&self) -> Result<()> {
-        in_range(OP, "lr", self.lr, 0.0, f64::MAX, false)?;
-        in_range(OP, "beta1", self.betas.0, 0.0, 1.0, true)?;
-        in_range(OP, "beta2", self.betas.1, 0.0, 1.0, true)?;
-        in_range(OP, "eps", self.eps, 0.0, f64::MAX, false)?;
-        in_range(OP, "weight_decay", self.weight_decay, 0.0, f64::MAX, false)?;
+        validate_adam_like(OP, self.lr, self.betas, self.eps, self.weight_decay)?;
         in_range(
             OP,
             "max_grad_norm",
@@ -75,29 +73,27 @@ impl LambConfig {
     }
 
     pub fn to_hyperparams(&self) -> Hyperparams {
-        let b = |v: bool| if v { 1.0 } else { 0.0 };
-        [
-            ("lr", self.lr),
-            ("beta1", self.betas.0),
-            ("beta2", self.betas.1),
-            ("eps", self.eps),
-            ("weight_decay", self.weight_decay),
-            ("bias_correction", b(self.bias_correction)),
-            ("grad_averaging", b(self.grad_averaging)),
-            ("max_grad_norm", self.max_grad_norm),
-            ("use_nvlamb", b(self.use_nvlamb)),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect()
+        adam_like_hyperparams(
+            self.lr,
+            self.betas,
+            self.eps,
+            self.weight_decay,
+            [
+                ("bias_correction", flag(self.bias_correction)),
+                ("grad_averaging", flag(self.grad_averaging)),
+                ("max_grad_norm", self.max_grad_norm),
+                ("use_nvlamb", flag(self.use_nvlamb)),
+            ],
+        )
     }
 
     pub fn from_hyperparams(h: &Hyperparams) -> Result<LambConfig> {
+        let (lr, betas, eps, weight_decay) = adam_like_from(OP, h, &KEYS)?;
         let c = LambConfig {
-            lr: hp(OP, h, &KEYS, "lr")?,
-            betas: (hp(OP, h, &KEYS, "beta1")?, hp(OP, h, &KEYS, "beta2")?),
-            eps: hp(OP, h, &KEYS, "eps")?,
-            weight_decay: hp(OP, h, &KEYS, "weight_decay")?,
+            lr,
+            betas,
+            eps,
+            weight_decay,
             bias_correction: hp_bool(OP, h, &KEYS, "bias_correction")?,
             grad_averaging: hp_bool(OP, h, &KEYS, "grad_averaging")?,
             max_grad_norm: hp(OP, h, &KEYS, "max_grad_norm")?,
@@ -118,47 +114,17 @@ pub struct FusedLamb {
 }
 
 impl FusedLamb {
-    pub fn new(params: Vec<Tensor>, config: LambConfig) -> Result<FusedLamb> {
-        Self::with_groups(vec![ParamGroup::new(params, config)])
-    }
+    config_methods!(LambConfig);
 
     pub fn with_groups(groups: Vec<ParamGroup<LambConfig>>) -> Result<FusedLamb> {
-        for g in &groups {
-            g.config.validate()?;
-        }
-        no_f64(OP, &groups)?;
-        let core = Core::new(OP, groups)?;
+        let core = Core::validated(OP, groups, LambConfig::validate, true)?;
         let dev = core.device;
-        let norms = core
-            .groups
-            .iter()
-            .map(|g| {
-                if g.params.is_empty() {
-                    return Ok(None);
-                }
-                let n = Shape::new(vec![g.params.len()]);
-                Ok(Some([
-                    Tensor::zeros(n.clone(), DType::F32, dev)?,
-                    Tensor::zeros(n, DType::F32, dev)?,
-                ]))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let norms = core.group_vectors()?;
         let gnorm = [
             multi_tensor::scalar_on(dev, 0.0)?,
             multi_tensor::scalar_on(dev, 0.0)?,
         ];
         Ok(FusedLamb { core, norms, gnorm })
-    }
-
-    pub fn groups(&self) -> &[ParamGroup<LambConfig>] {
-        &self.core.groups
-    }
-
-    /// Replaces the hyperparameters of `group` (validated).
-    pub fn set_config(&mut self, group: usize, config: LambConfig) -> Result<()> {
-        config.validate()?;
-        self.core.group_mut(group)?.config = config;
-        Ok(())
     }
 }
 
@@ -184,11 +150,7 @@ impl Optimizer for FusedLamb {
                 lr: c.lr as f32,
                 beta1: c.betas.0 as f32,
                 beta2: c.betas.1 as f32,
-                beta3: if c.grad_averaging {
-                    1.0 - c.betas.0 as f32
-                } else {
-                    1.0
-                },
+                beta3: beta3(c.grad_averaging, c.betas.0),
                 eps: c.eps as f32,
                 weight_decay: c.weight_decay as f32,
                 max_grad_norm: c.max_grad_norm as f32,

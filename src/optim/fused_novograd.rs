@@ -4,13 +4,15 @@
 //! reg_inside_moment: m ← β1·m + β3·(g/(√(v/bc2)+ε) + wd·p), p ← p − lr·m/bc1;
 //! else: m ← β1·m + β3·g, p ← p − lr·((m/bc1)/(√(v/bc2)+ε) + wd·p).
 
-use super::fused::{delegate_optimizer, hp, hp_bool, in_range, Core};
-use super::fused_adam::no_f64;
+use super::fused::{
+    adam_like_from, adam_like_hyperparams, beta3, config_methods, delegate_optimizer, flag,
+    grad_rows, hp, hp_bool, validate_adam_like, Core,
+};
 use super::{GradScaling, Hyperparams, Optimizer, OptimizerState, ParamGroup};
 use crate::backend::{MtKernel, NovoGradKernelParams};
 use crate::error::{Error, Result};
-use crate::multi_tensor::{self, Row};
-use crate::tensor::{DType, Device, Shape, Tensor};
+use crate::multi_tensor;
+use crate::tensor::{DType, Device, Tensor};
 
 const OP: &str = "FusedNovoGrad";
 const NAMES: [&str; 1] = ["exp_avg"];
@@ -65,35 +67,28 @@ impl Default for NovoGradConfig {
 
 impl NovoGradConfig {
     pub fn validate(&self) -> Result<()> {
-        in_range(OP, "lr", self.lr, 0.0, f64::MAX, false)?;
-        in_range(OP, "beta1", self.betas.0, 0.0, 1.0, true)?;
-        in_range(OP, "beta2", self.betas.1, 0.0, 1.0, true)?;
-        in_range(OP, "eps", self.eps, 0.0, f64::MAX, false)?;
-        in_range(OP, "weight_decay", self.weight_decay, 0.0, f64::MAX, false)
+        validate_adam_like(OP, self.lr, self.betas, self.eps, self.weight_decay)
     }
 
     pub fn to_hyperparams(&self) -> Hyperparams {
-        let b = |v: bool| if v { 1.0 } else { 0.0 };
-        [
-            ("lr", self.lr),
-            ("beta1", self.betas.0),
-            ("beta2", self.betas.1),
-            ("eps", self.eps),
-            ("weight_decay", self.weight_decay),
-            ("bias_correction", b(self.bias_correction)),
-            ("grad_averaging", b(self.grad_averaging)),
-            ("reg_inside_moment", b(self.reg_inside_moment)),
-            (
-                "norm_type",
-                match self.norm_type {
-                    NovoGradNorm::L2 => 2.0,
-                    NovoGradNorm::Inf => 0.0,
-                },
-            ),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect()
+        adam_like_hyperparams(
+            self.lr,
+            self.betas,
+            self.eps,
+            self.weight_decay,
+            [
+                ("bias_correction", flag(self.bias_correction)),
+                ("grad_averaging", flag(self.grad_averaging)),
+                ("reg_inside_moment", flag(self.reg_inside_moment)),
+                (
+                    "norm_type",
+                    match self.norm_type {
+                        NovoGradNorm::L2 => 2.0,
+                        NovoGradNorm::Inf => 0.0,
+                    },
+                ),
+            ],
+        )
     }
 
     pub fn from_hyperparams(h: &Hyperparams) -> Result<NovoGradConfig> {
@@ -110,11 +105,12 @@ impl NovoGradConfig {
                 ))
             }
         };
+        let (lr, betas, eps, weight_decay) = adam_like_from(OP, h, &KEYS)?;
         let c = NovoGradConfig {
-            lr: hp(OP, h, &KEYS, "lr")?,
-            betas: (hp(OP, h, &KEYS, "beta1")?, hp(OP, h, &KEYS, "beta2")?),
-            eps: hp(OP, h, &KEYS, "eps")?,
-            weight_decay: hp(OP, h, &KEYS, "weight_decay")?,
+            lr,
+            betas,
+            eps,
+            weight_decay,
             bias_correction: hp_bool(OP, h, &KEYS, "bias_correction")?,
             grad_averaging: hp_bool(OP, h, &KEYS, "grad_averaging")?,
             reg_inside_moment: hp_bool(OP, h, &KEYS, "reg_inside_moment")?,
@@ -134,48 +130,17 @@ pub struct FusedNovoGrad {
 }
 
 impl FusedNovoGrad {
-    pub fn new(params: Vec<Tensor>, config: NovoGradConfig) -> Result<FusedNovoGrad> {
-        Self::with_groups(vec![ParamGroup::new(params, config)])
-    }
+    config_methods!(NovoGradConfig);
 
     pub fn with_groups(groups: Vec<ParamGroup<NovoGradConfig>>) -> Result<FusedNovoGrad> {
-        for g in &groups {
-            g.config.validate()?;
-        }
-        no_f64(OP, &groups)?;
-        let core = Core::new(OP, groups)?;
-        let dev = core.device;
-        let moments = core
-            .groups
-            .iter()
-            .map(|g| {
-                if g.params.is_empty() {
-                    return Ok(None);
-                }
-                let n = Shape::new(vec![g.params.len()]);
-                Ok(Some([
-                    Tensor::zeros(n.clone(), DType::F32, dev)?,
-                    Tensor::zeros(n, DType::F32, dev)?,
-                ]))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let total = multi_tensor::scalar_on(dev, 0.0)?;
+        let core = Core::validated(OP, groups, NovoGradConfig::validate, true)?;
+        let moments = core.group_vectors()?;
+        let total = multi_tensor::scalar_on(core.device, 0.0)?;
         Ok(FusedNovoGrad {
             core,
             moments,
             total,
         })
-    }
-
-    pub fn groups(&self) -> &[ParamGroup<NovoGradConfig>] {
-        &self.core.groups
-    }
-
-    /// Replaces the hyperparameters of `group` (validated).
-    pub fn set_config(&mut self, group: usize, config: NovoGradConfig) -> Result<()> {
-        config.validate()?;
-        self.core.group_mut(group)?.config = config;
-        Ok(())
     }
 }
 
@@ -203,17 +168,7 @@ impl Optimizer for FusedNovoGrad {
                 Some(gn),
                 &self.total,
             )?;
-            let table: Vec<Row> = active
-                .iter()
-                .map(|a| {
-                    let mut r = Row {
-                        slot: a.idx,
-                        ..Default::default()
-                    };
-                    r.bufs[0] = Some(&a.grad);
-                    r
-                })
-                .collect();
+            let table = grad_rows(&active);
             let mut sc = self.core.scalars(gi, &scaling);
             sc.mult = None;
             sc.aux = [Some(v), Some(gn)];
@@ -225,11 +180,7 @@ impl Optimizer for FusedNovoGrad {
                 lr: c.lr as f32,
                 beta1: c.betas.0 as f32,
                 beta2: c.betas.1 as f32,
-                beta3: if c.grad_averaging {
-                    1.0 - c.betas.0 as f32
-                } else {
-                    1.0
-                },
+                beta3: beta3(c.grad_averaging, c.betas.0),
                 eps: c.eps as f32,
                 weight_decay: c.weight_decay as f32,
                 bias_correction: c.bias_correction as u32,

@@ -4,12 +4,11 @@
 
 use std::collections::HashMap;
 
-use super::fused::{delegate_optimizer, Core};
+use super::fused::{config_methods, delegate_optimizer, Core};
 use super::sgd::{sgd_update, SgdConfig};
 use super::{owned_copy, GradScaling, Optimizer, OptimizerState, ParamGroup};
 use crate::backend::{MtKernel, SgdKernelParams};
 use crate::error::Result;
-use crate::multi_tensor;
 use crate::tensor::{DType, Tensor, TensorId};
 
 const OP: &str = "FusedSgd";
@@ -23,31 +22,14 @@ pub struct FusedSgd {
 }
 
 impl FusedSgd {
-    /// One group of `params` with `config`.
-    pub fn new(params: Vec<Tensor>, config: SgdConfig) -> Result<FusedSgd> {
-        Self::with_groups(vec![ParamGroup::new(params, config)])
-    }
+    config_methods!(SgdConfig);
 
     /// Several groups, each with its own hyperparameters.
     pub fn with_groups(groups: Vec<ParamGroup<SgdConfig>>) -> Result<FusedSgd> {
-        for g in &groups {
-            g.config.validate()?;
-        }
         Ok(FusedSgd {
-            core: Core::new(OP, groups)?,
+            core: Core::validated(OP, groups, SgdConfig::validate, false)?,
             f64_buffers: HashMap::new(),
         })
-    }
-
-    pub fn groups(&self) -> &[ParamGroup<SgdConfig>] {
-        &self.core.groups
-    }
-
-    /// Replaces the hyperparameters of `group` (validated).
-    pub fn set_config(&mut self, group: usize, config: SgdConfig) -> Result<()> {
-        config.validate()?;
-        self.core.group_mut(group)?.config = config;
-        Ok(())
     }
 
     /// The momentum buffer of `param`, once a step with momentum has made one.
@@ -118,9 +100,8 @@ impl Optimizer for FusedSgd {
                 wd_after_momentum: cfg.wd_after_momentum as u32,
             });
             let roles: &[usize] = if cfg.momentum != 0.0 { &[2] } else { &[] };
-            let rows = self.core.rows(gi, &active, roles);
-            multi_tensor::apply(OP, &k, &rows, &self.core.scalars(gi, &scaling))?;
-            self.core.increment(gi, &active, &scaling)?;
+            self.core
+                .apply_and_increment(gi, &active, &k, roles, &scaling)?;
         }
         Ok(())
     }

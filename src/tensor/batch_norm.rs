@@ -61,7 +61,9 @@ impl Tensor {
                 ));
             }
         }
-        if !(cfg.eps > 0.0) || !(0.0..=1.0).contains(&cfg.momentum) {
+        // Written so that NaN fails too.
+        let eps_ok = cfg.eps > 0.0;
+        if !eps_ok || !(0.0..=1.0).contains(&cfg.momentum) {
             return Err(Error::invalid_arg(
                 op,
                 "eps/momentum",

@@ -12,6 +12,7 @@ use cudarc::cudnn::{result as dnn, sys as dsys};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::device::{allow_tf32, cuda_err, CudaDevice};
+use super::ops::check_len;
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::error::{Error, Result};
@@ -240,70 +241,73 @@ impl Dnn {
         const N: usize = 16;
         let mut count: c_int = 0;
         let h = self.handle;
-        let (algo, workspace) = match dir {
-            Dir::Forward => {
+        // cuDNN's heuristic candidates in order; the first that fits WORKSPACE_LIMIT and whose
+        // workspace size can be queried wins. `$get` and `$ws` take the same descriptors.
+        macro_rules! heuristic {
+            ($perf:ty, $get:path, $ws:path, $variant:path, $name:literal, $d1:expr, $d2:expr, $d3:expr) => {{
                 // SAFETY: zeroed plain-data structs filled by cuDNN.
-                let mut perf: [dsys::cudnnConvolutionFwdAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+                let mut perf: [$perf; N] = unsafe { std::mem::zeroed() };
                 // SAFETY: live handle and descriptors; `perf` holds N entries.
                 unsafe {
-                    dnn::get_convolution_forward_algorithm(h, x.0, w.0, conv.0, y.0, N as c_int, &mut count, perf.as_mut_ptr())
+                    $get(
+                        h,
+                        $d1,
+                        $d2,
+                        conv.0,
+                        $d3,
+                        N as c_int,
+                        &mut count,
+                        perf.as_mut_ptr(),
+                    )
                 }
-                .map_err(|e| dnn_err("cudnnGetConvolutionForwardAlgorithm_v7", e))?;
+                .map_err(|e| dnn_err($name, e))?;
                 let mut pick = None;
                 for pf in perf.iter().take(count.max(0) as usize) {
-                    if pf.status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS || pf.memory > WORKSPACE_LIMIT {
+                    if pf.status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+                        || pf.memory > WORKSPACE_LIMIT
+                    {
                         continue;
                     }
                     // SAFETY: as above.
-                    if let Ok(ws) = unsafe { dnn::get_convolution_forward_workspace_size(h, x.0, w.0, conv.0, y.0, pf.algo) } {
-                        pick = Some((Algo::Fwd(pf.algo), ws));
+                    if let Ok(ws) = unsafe { $ws(h, $d1, $d2, conv.0, $d3, pf.algo) } {
+                        pick = Some(($variant(pf.algo), ws));
                         break;
                     }
                 }
                 pick
-            }
-            Dir::BackwardData => {
-                // SAFETY: as above.
-                let mut perf: [dsys::cudnnConvolutionBwdDataAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
-                // SAFETY: as above.
-                unsafe {
-                    dnn::get_convolution_backward_data_algorithm(h, w.0, y.0, conv.0, x.0, N as c_int, &mut count, perf.as_mut_ptr())
-                }
-                .map_err(|e| dnn_err("cudnnGetConvolutionBackwardDataAlgorithm_v7", e))?;
-                let mut pick = None;
-                for pf in perf.iter().take(count.max(0) as usize) {
-                    if pf.status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS || pf.memory > WORKSPACE_LIMIT {
-                        continue;
-                    }
-                    // SAFETY: as above.
-                    if let Ok(ws) = unsafe { dnn::get_convolution_backward_data_workspace_size(h, w.0, y.0, conv.0, x.0, pf.algo) } {
-                        pick = Some((Algo::BwdData(pf.algo), ws));
-                        break;
-                    }
-                }
-                pick
-            }
-            Dir::BackwardFilter => {
-                // SAFETY: as above.
-                let mut perf: [dsys::cudnnConvolutionBwdFilterAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
-                // SAFETY: as above.
-                unsafe {
-                    dnn::get_convolution_backward_filter_algorithm(h, x.0, y.0, conv.0, w.0, N as c_int, &mut count, perf.as_mut_ptr())
-                }
-                .map_err(|e| dnn_err("cudnnGetConvolutionBackwardFilterAlgorithm_v7", e))?;
-                let mut pick = None;
-                for pf in perf.iter().take(count.max(0) as usize) {
-                    if pf.status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS || pf.memory > WORKSPACE_LIMIT {
-                        continue;
-                    }
-                    // SAFETY: as above.
-                    if let Ok(ws) = unsafe { dnn::get_convolution_backward_filter_workspace_size(h, x.0, y.0, conv.0, w.0, pf.algo) } {
-                        pick = Some((Algo::BwdFilter(pf.algo), ws));
-                        break;
-                    }
-                }
-                pick
-            }
+            }};
+        }
+        let (algo, workspace) = match dir {
+            Dir::Forward => heuristic!(
+                dsys::cudnnConvolutionFwdAlgoPerf_t,
+                dnn::get_convolution_forward_algorithm,
+                dnn::get_convolution_forward_workspace_size,
+                Algo::Fwd,
+                "cudnnGetConvolutionForwardAlgorithm_v7",
+                x.0,
+                w.0,
+                y.0
+            ),
+            Dir::BackwardData => heuristic!(
+                dsys::cudnnConvolutionBwdDataAlgoPerf_t,
+                dnn::get_convolution_backward_data_algorithm,
+                dnn::get_convolution_backward_data_workspace_size,
+                Algo::BwdData,
+                "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+                w.0,
+                y.0,
+                x.0
+            ),
+            Dir::BackwardFilter => heuristic!(
+                dsys::cudnnConvolutionBwdFilterAlgoPerf_t,
+                dnn::get_convolution_backward_filter_algorithm,
+                dnn::get_convolution_backward_filter_workspace_size,
+                Algo::BwdFilter,
+                "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+                x.0,
+                y.0,
+                w.0
+            ),
         }
         .ok_or_else(|| {
             Error::Cuda(format!(
@@ -473,20 +477,21 @@ fn find(
     let ok = |st: dsys::cudnnStatus_t, mem: usize| {
         st == dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS && mem <= FIND_WORKSPACE
     };
-    let choice = match dir {
-        Dir::Forward => {
+    // Times the candidates on (d1, p1), (d2, p2) -> (d3, out) and keeps the fastest that fits.
+    macro_rules! find_fastest {
+        ($perf:ty, $find:path, $variant:path, $name:literal, $d1:expr, $p1:expr, $d2:expr, $p2:expr, $d3:expr) => {{
             // SAFETY: zeroed plain-data structs filled by cuDNN.
-            let mut perf: [dsys::cudnnConvolutionFwdAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+            let mut perf: [$perf; N] = unsafe { std::mem::zeroed() };
             // SAFETY: descriptors describe these buffers; scratch holds FIND_WORKSPACE bytes.
             unsafe {
-                dsys::cudnnFindConvolutionForwardAlgorithmEx(
+                $find(
                     h,
-                    plan.x.0,
-                    ap,
-                    plan.w.0,
-                    bp,
+                    $d1,
+                    $p1,
+                    $d2,
+                    $p2,
                     plan.conv.0,
-                    plan.y.0,
+                    $d3,
                     op,
                     N as c_int,
                     &mut count,
@@ -496,70 +501,49 @@ fn find(
                 )
             }
             .result()
-            .map_err(|e| dnn_err("cudnnFindConvolutionForwardAlgorithmEx", e))?;
+            .map_err(|e| dnn_err($name, e))?;
             perf.iter()
                 .take(count.max(0) as usize)
                 .find(|pf| ok(pf.status, pf.memory))
-                .map(|pf| (Algo::Fwd(pf.algo), pf.memory))
-        }
-        Dir::BackwardData => {
-            // SAFETY: as above.
-            let mut perf: [dsys::cudnnConvolutionBwdDataAlgoPerf_t; N] =
-                unsafe { std::mem::zeroed() };
-            // SAFETY: as above (a = dy, b = w, out = dx).
-            unsafe {
-                dsys::cudnnFindConvolutionBackwardDataAlgorithmEx(
-                    h,
-                    plan.w.0,
-                    bp,
-                    plan.y.0,
-                    ap,
-                    plan.conv.0,
-                    plan.x.0,
-                    op,
-                    N as c_int,
-                    &mut count,
-                    perf.as_mut_ptr(),
-                    ws,
-                    FIND_WORKSPACE,
-                )
-            }
-            .result()
-            .map_err(|e| dnn_err("cudnnFindConvolutionBackwardDataAlgorithmEx", e))?;
-            perf.iter()
-                .take(count.max(0) as usize)
-                .find(|pf| ok(pf.status, pf.memory))
-                .map(|pf| (Algo::BwdData(pf.algo), pf.memory))
-        }
-        Dir::BackwardFilter => {
-            // SAFETY: as above.
-            let mut perf: [dsys::cudnnConvolutionBwdFilterAlgoPerf_t; N] =
-                unsafe { std::mem::zeroed() };
-            // SAFETY: as above (a = dy, b = x, out = dw).
-            unsafe {
-                dsys::cudnnFindConvolutionBackwardFilterAlgorithmEx(
-                    h,
-                    plan.x.0,
-                    bp,
-                    plan.y.0,
-                    ap,
-                    plan.conv.0,
-                    plan.w.0,
-                    op,
-                    N as c_int,
-                    &mut count,
-                    perf.as_mut_ptr(),
-                    ws,
-                    FIND_WORKSPACE,
-                )
-            }
-            .result()
-            .map_err(|e| dnn_err("cudnnFindConvolutionBackwardFilterAlgorithmEx", e))?;
-            perf.iter()
-                .take(count.max(0) as usize)
-                .find(|pf| ok(pf.status, pf.memory))
-                .map(|pf| (Algo::BwdFilter(pf.algo), pf.memory))
-        }
+                .map(|pf| ($variant(pf.algo), pf.memory))
+        }};
+    }
+    let choice = match dir {
+        Dir::Forward => find_fastest!(
+            dsys::cudnnConvolutionFwdAlgoPerf_t,
+            dsys::cudnnFindConvolutionForwardAlgorithmEx,
+            Algo::Fwd,
+            "cudnnFindConvolutionForwardAlgorithmEx",
+            plan.x.0,
+            ap,
+            plan.w.0,
+            bp,
+            plan.y.0
+        ),
+        // a = dy, b = w, out = dx.
+        Dir::BackwardData => find_fastest!(
+            dsys::cudnnConvolutionBwdDataAlgoPerf_t,
+            dsys::cudnnFindConvolutionBackwardDataAlgorithmEx,
+            Algo::BwdData,
+            "cudnnFindConvolutionBackwardDataAlgorithmEx",
+            plan.w.0,
+            bp,
+            plan.y.0,
+            ap,
+            plan.x.0
+        ),
+        // a = dy, b = x, out = dw.
+        Dir::BackwardFilter => find_fastest!(
+            dsys::cudnnConvolutionBwdFilterAlgoPerf_t,
+            dsys::cudnnFindConvolutionBackwardFilterAlgorithmEx,
+            Algo::BwdFilter,
+            "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+            plan.x.0,
+            bp,
+            plan.y.0,
+            ap,
+            plan.w.0
+        ),
     };
     drop(scratch);
     if let Some((algo, memory)) = choice {
@@ -577,24 +561,27 @@ fn sizes(p: &Conv2dParams) -> (usize, usize, usize) {
     )
 }
 
-fn check_len(op: &'static str, s: &CudaStorage, want: usize, what: &str) -> Result<()> {
-    if s.len() != want {
-        return Err(Error::invalid_arg(
-            op,
-            "len",
-            s.len(),
-            format!("{what} must have {want} elements"),
-        ));
-    }
-    Ok(())
+/// The checks and the run of one direction: `a`, `b` as [`run`] takes them.
+fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    let op = match dir {
+        Dir::Forward => "conv2d",
+        Dir::BackwardData => "conv2d_backward_input",
+        Dir::BackwardFilter => "conv2d_backward_weight",
+    };
+    check(op, p)?;
+    let (nx, nw, ny) = sizes(p);
+    let (na, a_what, nb, b_what, n_out) = match dir {
+        Dir::Forward => (nx, "the input", nw, "the weight", ny),
+        Dir::BackwardData => (ny, "the output gradient", nw, "the weight", nx),
+        Dir::BackwardFilter => (ny, "the output gradient", nx, "the input", nw),
+    };
+    check_len(op, a, na, a_what)?;
+    check_len(op, b, nb, b_what)?;
+    run(&a.dev, dir, p, a.dtype(), a, b, n_out)
 }
 
 pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
-    check("conv2d", p)?;
-    let (nx, nw, ny) = sizes(p);
-    check_len("conv2d", x, nx, "the input")?;
-    check_len("conv2d", w, nw, "the weight")?;
-    run(&x.dev, Dir::Forward, p, x.dtype(), x, w, ny)
+    conv(Dir::Forward, x, w, p)
 }
 
 /// `g` is the output gradient; returns the input gradient.
@@ -603,11 +590,7 @@ pub(crate) fn conv2d_backward_input(
     w: &CudaStorage,
     p: &Conv2dParams,
 ) -> Result<CudaStorage> {
-    check("conv2d_backward_input", p)?;
-    let (nx, nw, ny) = sizes(p);
-    check_len("conv2d_backward_input", g, ny, "the output gradient")?;
-    check_len("conv2d_backward_input", w, nw, "the weight")?;
-    run(&g.dev, Dir::BackwardData, p, g.dtype(), g, w, nx)
+    conv(Dir::BackwardData, g, w, p)
 }
 
 /// `g` is the output gradient; returns the weight gradient.
@@ -616,9 +599,5 @@ pub(crate) fn conv2d_backward_weight(
     x: &CudaStorage,
     p: &Conv2dParams,
 ) -> Result<CudaStorage> {
-    check("conv2d_backward_weight", p)?;
-    let (nx, nw, ny) = sizes(p);
-    check_len("conv2d_backward_weight", g, ny, "the output gradient")?;
-    check_len("conv2d_backward_weight", x, nx, "the input")?;
-    run(&g.dev, Dir::BackwardFilter, p, g.dtype(), g, x, nw)
+    conv(Dir::BackwardFilter, g, x, p)
 }

@@ -56,7 +56,7 @@ fn same_dtype(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> 
     Ok(())
 }
 
-fn check_len(op: &'static str, s: &CudaStorage, want: usize, what: &str) -> Result<()> {
+pub(crate) fn check_len(op: &'static str, s: &CudaStorage, want: usize, what: &str) -> Result<()> {
     if s.len() != want {
         return Err(Error::invalid_arg(
             op,
@@ -64,6 +64,33 @@ fn check_len(op: &'static str, s: &CudaStorage, want: usize, what: &str) -> Resu
             s.len(),
             format!("{what} must have {want} elements"),
         ));
+    }
+    Ok(())
+}
+
+/// Batch-norm parameters and statistics: dtype `acc` and `c` elements each.
+fn check_bn_stats(op: &'static str, acc: DType, c: usize, ts: &[&CudaStorage]) -> Result<()> {
+    for t in ts {
+        if t.dtype() != acc {
+            return Err(Error::UnsupportedDType {
+                op,
+                got: t.dtype(),
+                expected: "f32 batch-norm parameters and statistics (f64 for f64 inputs)",
+            });
+        }
+        check_len(op, t, c, "parameters and statistics")?;
+    }
+    Ok(())
+}
+
+/// Index operands are I64.
+fn check_index_dtype(op: &'static str, idx: &CudaStorage) -> Result<()> {
+    if idx.dtype() != DType::I64 {
+        return Err(Error::UnsupportedDType {
+            op,
+            got: idx.dtype(),
+            expected: "i64 indices",
+        });
     }
     Ok(())
 }
@@ -228,6 +255,15 @@ impl CudaStorage {
         Grid {
             blocks: rows.div_ceil(rows_per_block).clamp(1, max_blocks) as u32,
             threads: BLOCK,
+        }
+    }
+
+    /// The grid of softmax.cu: a block per row when `inner == 1`, else a thread per lane.
+    fn softmax_grid(&self, outer: usize, inner: usize) -> Grid {
+        if inner == 1 {
+            Grid::per_row(outer, BLOCK)
+        } else {
+            Grid::for_items(&self.dev, outer * inner)
         }
     }
 
@@ -398,13 +434,7 @@ impl BackendStorage for CudaStorage {
     }
 
     fn gather(&self, idx: &Self, (outer, len, inner): DimSplit, idx_len: usize) -> Result<Self> {
-        if idx.dtype() != DType::I64 {
-            return Err(Error::UnsupportedDType {
-                op: "gather",
-                got: idx.dtype(),
-                expected: "i64 indices",
-            });
-        }
+        check_index_dtype("gather", idx)?;
         check_len("gather", self, outer * len * inner, "the input")?;
         check_len("gather", idx, outer * idx_len * inner, "the index")?;
         let n = outer * idx_len * inner;
@@ -427,13 +457,7 @@ impl BackendStorage for CudaStorage {
         idx_len: usize,
     ) -> Result<Self> {
         let s = float_sfx("scatter_add", self.dtype())?;
-        if idx.dtype() != DType::I64 {
-            return Err(Error::UnsupportedDType {
-                op: "scatter_add",
-                got: idx.dtype(),
-                expected: "i64 indices",
-            });
-        }
+        check_index_dtype("scatter_add", idx)?;
         check_len("scatter_add", self, outer * idx_len * inner, "the source")?;
         check_len("scatter_add", idx, outer * idx_len * inner, "the index")?;
         let acc_dt = acc_dtype(self.dtype());
@@ -562,16 +586,7 @@ impl BackendStorage for CudaStorage {
         let op = "batch_norm";
         let s = float_sfx(op, self.dtype())?;
         let acc = acc_dtype(self.dtype());
-        for t in [weight, bias, &*running_mean, &*running_var] {
-            if t.dtype() != acc {
-                return Err(Error::UnsupportedDType {
-                    op,
-                    got: t.dtype(),
-                    expected: "f32 batch-norm parameters and statistics (f64 for f64 inputs)",
-                });
-            }
-            check_len(op, t, p.c, "parameters and statistics")?;
-        }
+        check_bn_stats(op, acc, p.c, &[weight, bias, &*running_mean, &*running_var])?;
         check_len(op, self, p.n * p.c * p.spatial, "the input")?;
         let y = self.new_like(self.dtype(), self.len())?;
         let mean = self.new_like(acc, p.c)?;
@@ -607,16 +622,7 @@ impl BackendStorage for CudaStorage {
         same_dtype(op, self, x)?;
         let s = float_sfx(op, self.dtype())?;
         let acc = acc_dtype(self.dtype());
-        for t in [weight, saved_mean, saved_invstd] {
-            if t.dtype() != acc {
-                return Err(Error::UnsupportedDType {
-                    op,
-                    got: t.dtype(),
-                    expected: "f32 batch-norm parameters and statistics (f64 for f64 inputs)",
-                });
-            }
-            check_len(op, t, p.c, "parameters and statistics")?;
-        }
+        check_bn_stats(op, acc, p.c, &[weight, saved_mean, saved_invstd])?;
         check_len(op, self, p.n * p.c * p.spatial, "the output gradient")?;
         check_len(op, x, p.n * p.c * p.spatial, "the input")?;
         let dx = self.new_like(self.dtype(), self.len())?;
@@ -757,11 +763,7 @@ impl BackendStorage for CudaStorage {
         if self.is_empty() {
             return Ok(out);
         }
-        let grid = if inner == 1 {
-            Grid::per_row(outer, BLOCK)
-        } else {
-            Grid::for_items(&self.dev, outer * inner)
-        };
+        let grid = self.softmax_grid(outer, inner);
         launch!(self.dev, Family::Softmax, format!("softmax_{s}"), grid;
             outer as u64, len as u64, inner as u64, self.ptr(), out.ptr(), log as i32);
         Ok(out)
@@ -781,11 +783,7 @@ impl BackendStorage for CudaStorage {
         if self.is_empty() {
             return Ok(out);
         }
-        let grid = if inner == 1 {
-            Grid::per_row(outer, BLOCK)
-        } else {
-            Grid::for_items(&self.dev, outer * inner)
-        };
+        let grid = self.softmax_grid(outer, inner);
         launch!(self.dev, Family::Softmax, format!("softmax_backward_{s}"), grid;
             outer as u64, len as u64, inner as u64, self.ptr(), y.ptr(), out.ptr(), log as i32);
         Ok(out)
