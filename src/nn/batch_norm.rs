@@ -15,7 +15,9 @@ pub struct BatchNorm2d {
     pub running_mean: Tensor,
     /// Buffer `[c]`, initialised to 1.
     pub running_var: Tensor,
-    /// Buffer, 0-d I64: the number of training forward passes (as torch's).
+    /// Buffer, 0-d I64: the number of training forward passes (as torch's). Kept on the CPU
+    /// whatever the module's device: it is counted on the host every training forward, and
+    /// nothing in a step reads it, so a GPU step makes no host synchronisation for it.
     pub num_batches_tracked: Tensor,
     pub momentum: f64,
     pub eps: f64,
@@ -56,7 +58,7 @@ impl BatchNorm2d {
             bias: init::constant([channels], 0.0, dev)?,
             running_mean: Tensor::zeros([channels], DType::F32, dev)?,
             running_var: Tensor::ones([channels], DType::F32, dev)?,
-            num_batches_tracked: Tensor::zeros((), DType::I64, dev)?,
+            num_batches_tracked: Tensor::zeros((), DType::I64, Device::Cpu)?,
             momentum,
             eps,
             training: TrainingFlag::default(),
@@ -94,7 +96,7 @@ impl Module for BatchNorm2d {
         if training {
             let _g = crate::no_grad();
             let n = self.num_batches_tracked.to_vec::<i64>()?[0];
-            let next = Tensor::from_vec(vec![n + 1], (), self.num_batches_tracked.device())?;
+            let next = Tensor::from_vec(vec![n + 1], (), Device::Cpu)?;
             self.num_batches_tracked.set_data(&next)?;
         }
         Ok(y)

@@ -220,13 +220,6 @@ pub trait Module: Send + Sync {
                     ),
                 ));
             }
-            if src.device() != dst.device() {
-                return Err(Error::DeviceMismatch {
-                    op: "load_state_dict",
-                    lhs: dst.device(),
-                    rhs: src.device(),
-                });
-            }
             if src.dtype().is_float() != dst.dtype().is_float() {
                 return Err(Error::DTypeMismatch {
                     op: "load_state_dict",
@@ -237,7 +230,12 @@ pub trait Module: Send + Sync {
         }
         let _g = crate::no_grad();
         for (name, dst) in &targets {
-            let src = given[name.as_str()].detach().to_dtype(dst.dtype())?;
+            // Copied across devices as PyTorch's load_state_dict does (a checkpoint is read on
+            // the CPU; a BatchNorm's step counter lives there whatever the model's device).
+            let src = given[name.as_str()]
+                .detach()
+                .to_device(dst.device())?
+                .to_dtype(dst.dtype())?;
             dst.set_data(&src)?;
         }
         Ok(())

@@ -64,6 +64,9 @@ impl Drop for ConvDesc {
 }
 
 struct Plan {
+    /// The math the descriptor allows: cudnnFind's candidates must use exactly this one, or an
+    /// f32 convolution could come back computed in TF32.
+    math: dsys::cudnnMathType_t,
     x: TensorDesc,
     w: FilterDesc,
     y: TensorDesc,
@@ -208,12 +211,7 @@ impl Dnn {
             i("kh", p.kh)?,
             i("kw", p.kw)?,
         ];
-        let math = match dtype {
-            DType::F16 | DType::BF16 => dsys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
-            DType::F32 if allow_tf32() => dsys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
-            DType::F32 => dsys::cudnnMathType_t::CUDNN_FMA_MATH,
-            _ => dsys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
-        };
+        let math = math_type(dtype);
         // SAFETY: descriptors were just created; arrays are by value.
         unsafe {
             dnn::set_tensor4d_descriptor(x.0, nchw, dt, xd)
@@ -315,6 +313,7 @@ impl Dnn {
             ))
         })?;
         Ok(Plan {
+            math,
             x,
             w,
             y,
@@ -459,6 +458,16 @@ fn run(
 }
 
 /// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits.
+/// Tensor cores for half types; for f32 plain FMA unless TF32 was allowed.
+fn math_type(dtype: DType) -> dsys::cudnnMathType_t {
+    match dtype {
+        DType::F16 | DType::BF16 => dsys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+        DType::F32 if allow_tf32() => dsys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+        DType::F32 => dsys::cudnnMathType_t::CUDNN_FMA_MATH,
+        _ => dsys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+    }
+}
+
 fn find(
     dev: &CudaDevice,
     h: dsys::cudnnHandle_t,
@@ -504,7 +513,7 @@ fn find(
             .map_err(|e| dnn_err($name, e))?;
             perf.iter()
                 .take(count.max(0) as usize)
-                .find(|pf| ok(pf.status, pf.memory))
+                .find(|pf| ok(pf.status, pf.memory) && pf.mathType == plan.math)
                 .map(|pf| ($variant(pf.algo), pf.memory))
         }};
     }

@@ -3,7 +3,7 @@
 //! first use and kept for the life of the process.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys as cu;
@@ -178,7 +178,7 @@ impl CudaDevice {
 
     /// Waits for all work queued on the device's stream.
     pub fn synchronize(&self) -> Result<()> {
-        HOST_SYNCS.fetch_add(1, Ordering::Relaxed);
+        HOST_SYNCS.with(|c| c.set(c.get() + 1));
         self.stream
             .synchronize()
             .map_err(|e| cuda_err("synchronizing the stream", e))
@@ -193,14 +193,17 @@ impl CudaDevice {
     }
 }
 
-/// Host synchronisations since the process started (every device → host read goes through
-/// [`CudaDevice::synchronize`]).
-static HOST_SYNCS: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    /// Host synchronisations made by this thread (every device → host read goes through
+    /// [`CudaDevice::synchronize`]). Per thread, so that a test measuring its own training step
+    /// is not charged for other threads' reads.
+    static HOST_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
-/// The number of host synchronisations so far, all devices: a debug counter for proving that a
-/// training step makes none (read it before and after the steps).
+/// The number of host synchronisations this thread has made, all devices: a debug counter for
+/// proving that a training step makes none (read it before and after the steps).
 pub fn host_sync_count() -> u64 {
-    HOST_SYNCS.load(Ordering::Relaxed)
+    HOST_SYNCS.with(|c| c.get())
 }
 
 /// Keeps freed memory in the device's default pool (which cuMemAllocAsync draws from) instead of

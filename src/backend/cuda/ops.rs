@@ -1,6 +1,12 @@
 //! [`BackendStorage`] for [`CudaStorage`]: each op checks its operands, allocates its output on
 //! the device's stream and launches the kernel of `kernels/<family>.cu` for the dtype.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::result as cur;
+
+use super::device::CudaDevice;
 use super::launch::{launch, Grid, BLOCK};
 use super::registry::Family;
 use super::storage::CudaStorage;
@@ -205,22 +211,71 @@ fn check_pool(op: &'static str, p: &Pool2dParams) -> Result<()> {
     Ok(())
 }
 
-/// Reads the device-side "bad index" flag of gather/scatter_add (one small synchronous copy).
-fn check_bad_flag(op: &'static str, flag: &CudaStorage, len: usize) -> Result<()> {
-    let host = flag.to_cpu()?;
-    let bad = match host {
-        crate::backend::cpu::CpuStorage::F32(v) => v.first().copied().unwrap_or(0.0).to_bits() != 0,
-        _ => false,
+thread_local! {
+    /// Per device: the sticky out-of-range flag of this thread's gather / scatter_add launches
+    /// (allocated at first use) and the ops that may have raised it since the last read. Kernels
+    /// raise it; the host looks at it only at this thread's next read from the device, so an
+    /// index op costs no synchronisation, and the error reaches the thread that caused it.
+    static INDEX_FLAGS: std::cell::RefCell<HashMap<usize, (CudaStorage, Vec<&'static str>)>> =
+        std::cell::RefCell::new(HashMap::new());
+}
+
+/// The address of this thread's index-range flag on `dev`, noting that `op` may raise it.
+fn index_flag(dev: &Arc<CudaDevice>, op: &'static str) -> Result<u64> {
+    INDEX_FLAGS.with(|flags| {
+        let mut flags = flags.borrow_mut();
+        if !flags.contains_key(&dev.ordinal) {
+            flags.insert(
+                dev.ordinal,
+                (CudaStorage::zeroed(dev, DType::F32, 1)?, Vec::new()),
+            );
+        }
+        let (flag, ops) = flags.get_mut(&dev.ordinal).expect("inserted above");
+        if !ops.contains(&op) {
+            ops.push(op);
+        }
+        Ok(flag.ptr())
+    })
+}
+
+/// Called after a synchronisation: an error if a gather / scatter_add this thread queued since
+/// the last check met an index out of range (CUDA reports such errors at the next read, as
+/// PyTorch's device-side checks do, so that index ops cost no synchronisation). Clears the flag.
+pub(crate) fn check_index_flag(dev: &Arc<CudaDevice>) -> Result<()> {
+    let pending = INDEX_FLAGS.with(|flags| {
+        let mut flags = flags.borrow_mut();
+        flags
+            .get_mut(&dev.ordinal)
+            .and_then(|(flag, ops)| (!ops.is_empty()).then(|| (flag.ptr(), std::mem::take(ops))))
+    });
+    let Some((flag, ops)) = pending else {
+        return Ok(());
     };
-    if bad {
-        return Err(Error::invalid_arg(
-            op,
-            "index",
-            "out of range",
-            format!("indices must lie in 0..{len}"),
-        ));
+    let mut bits = [0u8; 4];
+    // SAFETY: `flag` is this thread's live 4-byte device buffer; the stream has just been
+    // synchronised, so this copy waits for nothing.
+    unsafe { cur::memcpy_dtoh_async(&mut bits, flag, dev.stream.cu_stream()) }
+        .map_err(|e| Error::Cuda(format!("reading the index flag: {e:?}")))?;
+    dev.stream
+        .synchronize()
+        .map_err(|e| Error::Cuda(format!("reading the index flag: {e:?}")))?;
+    if bits == [0; 4] {
+        return Ok(());
     }
-    Ok(())
+    // SAFETY: as above.
+    unsafe { cur::memset_d8_async(flag, 0, 4, dev.stream.cu_stream()) }
+        .map_err(|e| Error::Cuda(format!("clearing the index flag: {e:?}")))?;
+    Err(Error::invalid_arg(
+        ops.first().copied().unwrap_or("gather"),
+        "index",
+        "out of range",
+        format!(
+            "indices must lie in 0..len of the indexed dimension; raised by an earlier {} on cuda:{} \
+             (CUDA reports it at the next read from the device)",
+            ops.join(" / "),
+            dev.ordinal
+        ),
+    ))
 }
 
 pub(crate) fn fill(out: &CudaStorage, v: f64) -> Result<()> {
@@ -442,11 +497,10 @@ impl BackendStorage for CudaStorage {
         if n == 0 {
             return Ok(out);
         }
-        let flag = CudaStorage::zeroed(&self.dev, DType::F32, 1)?;
+        let flag = index_flag(&self.dev, "gather")?;
         let name = format!("gather_{}", esz(self.dtype()));
         launch!(self.dev, Family::Index, name, Grid::for_items(&self.dev, n);
-            outer as u64, len as u64, inner as u64, idx_len as u64, self.ptr(), idx.ptr(), out.ptr(), flag.ptr());
-        check_bad_flag("gather", &flag, len)?;
+            outer as u64, len as u64, inner as u64, idx_len as u64, self.ptr(), idx.ptr(), out.ptr(), flag);
         Ok(out)
     }
 
@@ -464,10 +518,9 @@ impl BackendStorage for CudaStorage {
         let acc = CudaStorage::zeroed(&self.dev, acc_dt, outer * len * inner)?;
         let n = outer * idx_len * inner;
         if n > 0 {
-            let flag = CudaStorage::zeroed(&self.dev, DType::F32, 1)?;
+            let flag = index_flag(&self.dev, "scatter_add")?;
             launch!(self.dev, Family::Index, format!("scatter_add_{s}"), Grid::for_items(&self.dev, n);
-                outer as u64, len as u64, inner as u64, idx_len as u64, self.ptr(), idx.ptr(), acc.ptr(), flag.ptr());
-            check_bad_flag("scatter_add", &flag, len)?;
+                outer as u64, len as u64, inner as u64, idx_len as u64, self.ptr(), idx.ptr(), acc.ptr(), flag);
         }
         if acc_dt == self.dtype() {
             Ok(acc)

@@ -141,6 +141,7 @@ impl CudaStorage {
                 .map_err(|e| cuda_err("copying device → host", e))?;
             }
             s.dev.synchronize()?;
+            super::ops::check_index_flag(&s.dev)?;
             Ok(v)
         }
         Ok(match self.dtype {
