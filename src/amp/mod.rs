@@ -17,7 +17,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! See `docs/amp.md` for the levels, the policy files and the loop.
+//! See the README's "Mixed precision (AMP)" section for the levels, the policy files and the loop.
 
 pub mod autocast;
 mod fused;
