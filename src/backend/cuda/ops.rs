@@ -224,13 +224,12 @@ thread_local! {
 fn index_flag(dev: &Arc<CudaDevice>, op: &'static str) -> Result<u64> {
     INDEX_FLAGS.with(|flags| {
         let mut flags = flags.borrow_mut();
-        if !flags.contains_key(&dev.ordinal) {
-            flags.insert(
-                dev.ordinal,
-                (CudaStorage::zeroed(dev, DType::F32, 1)?, Vec::new()),
-            );
-        }
-        let (flag, ops) = flags.get_mut(&dev.ordinal).expect("inserted above");
+        let (flag, ops) = match flags.entry(dev.ordinal) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((CudaStorage::zeroed(dev, DType::F32, 1)?, Vec::new()))
+            }
+        };
         if !ops.contains(&op) {
             ops.push(op);
         }
