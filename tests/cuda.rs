@@ -1431,13 +1431,21 @@ impl ResNet18 {
 #[ignore = "needs a CUDA GPU"]
 fn resnet18_forward_backward_matches_cpu() {
     gpu();
-    for (d, bound) in [(DType::F32, 1e-3), (DType::F16, 2e-2), (DType::BF16, 8e-2)] {
+    for d in [DType::F32, DType::F16, DType::BF16] {
         let s = seed();
-        let run = |dev: Device| {
+        // The network is drawn in `d`; `compute` may widen those same values (the f32 truth of a
+        // half run).
+        let run = |dev: Device, compute: DType| {
             let net = ResNet18::new(d, dev, s);
+            for p in &net.params {
+                p.cast_in_place(compute).unwrap();
+            }
             // 4 images of 128x128 keep 64 values per channel in layer4's batch norm: with fewer,
             // its statistics (and every gradient below it) amplify single-ulp differences.
-            let x = Tensor::randn(vec![4, 3, 128, 128], 0.0, 1.0, s ^ 1, d, dev).unwrap();
+            let x = Tensor::randn(vec![4, 3, 128, 128], 0.0, 1.0, s ^ 1, d, dev)
+                .unwrap()
+                .to_dtype(compute)
+                .unwrap();
             let y = Tensor::from_vec(vec![3i64, 7, 1, 9], vec![4, 1], dev).unwrap();
             let logits = net.forward(&x);
             let lp = logits.to_dtype(DType::F32).unwrap().log_softmax(1).unwrap();
@@ -1457,18 +1465,43 @@ fn resnet18_forward_backward_matches_cpu() {
             }
             out
         };
-        let (cpu, gpu_) = (run(Device::Cpu), run(Device::Cuda(0)));
-        let errs: Vec<(usize, f64)> = gpu_
-            .iter()
-            .zip(&cpu)
-            .map(|(g, c)| rel_err(g, c))
-            .enumerate()
-            .collect();
-        let mut worst = errs.clone();
-        worst.sort_by(|a, b| b.1.total_cmp(&a.1));
-        println!("resnet18 {d}: worst tensors (index, rel err; 0 = logits, then grads, then bn stats): {:?}", &worst[..5.min(worst.len())]);
-        for (k, e) in errs {
-            assert!(e <= bound, "resnet18 {d}: tensor {k} (0 = logits, then grads, then bn stats): {e:e} > {bound:e}");
+        let worst = |errs: &[f64]| {
+            let mut w: Vec<(usize, f64)> = errs.iter().copied().enumerate().collect();
+            w.sort_by(|a, b| b.1.total_cmp(&a.1));
+            w.truncate(5);
+            w
+        };
+        let errs = |a: &[Vec<f64>], b: &[Vec<f64>]| -> Vec<f64> {
+            a.iter().zip(b).map(|(x, y)| rel_err(x, y)).collect()
+        };
+        let what = "tensor (0 = logits, then grads, then bn stats)";
+        if d == DType::F32 {
+            let e = errs(&run(Device::Cuda(0), d), &run(Device::Cpu, d));
+            println!("resnet18 f32: worst GPU vs CPU {what}: {:?}", worst(&e));
+            for (k, e) in e.iter().enumerate() {
+                assert!(*e <= 1e-3, "resnet18 f32: {what} {k}: {e:e} > 1e-3");
+            }
+        } else {
+            // A half run of a deep net differs from any other half run by last-bit roundings
+            // that the net amplifies (the f32 case shows ~300x), so two half runs are not compared
+            // with each other: each is compared with the f32 truth of the same values, and the
+            // GPU must be no further from it than the CPU reference is.
+            let truth = run(Device::Cpu, DType::F32);
+            let (e_gpu, e_cpu) = (
+                errs(&run(Device::Cuda(0), d), &truth),
+                errs(&run(Device::Cpu, d), &truth),
+            );
+            println!(
+                "resnet18 {d}: worst GPU vs f32 {what}: {:?}; CPU vs f32: {:?}",
+                worst(&e_gpu),
+                worst(&e_cpu)
+            );
+            for (k, (g, c)) in e_gpu.iter().zip(&e_cpu).enumerate() {
+                assert!(
+                    *g <= 2.0 * c + tol(d),
+                    "resnet18 {d}: {what} {k}: GPU {g:e} from the f32 truth, CPU {c:e}"
+                );
+            }
         }
     }
 }
