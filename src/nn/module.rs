@@ -333,64 +333,40 @@ fn cast_with_grad(t: &Tensor, dtype: DType) -> Result<()> {
     Ok(())
 }
 
-impl<M: Module + ?Sized> Module for Box<M> {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        (**self).forward(x)
-    }
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&TensorInfo)) {
-        (**self).visit(prefix, f)
-    }
-    fn set_training(&self, training: bool) {
-        (**self).set_training(training)
-    }
-    fn is_training(&self) -> bool {
-        (**self).is_training()
-    }
-    fn visit_own(&self, f: &mut dyn FnMut(&TensorInfo)) {
-        (**self).visit_own(f)
-    }
-    fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
-        (**self).visit_children(f)
-    }
-    fn training_flag(&self) -> Option<&TrainingFlag> {
-        (**self).training_flag()
-    }
-    // Forwarded so that a wrapper's own state dict (AMP's O2 masters) survives boxing/sharing.
-    fn state_dict(&self) -> Result<StateDict> {
-        (**self).state_dict()
-    }
-    fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
-        (**self).load_state_dict(entries)
-    }
+/// `Module` for smart pointers to modules, forwarding every method (the provided ones too, so
+/// that a wrapper's own state dict, AMP's O2 masters, survives boxing or sharing).
+macro_rules! forward_module {
+    ($($ptr:ident)::+) => {
+        impl<M: Module + ?Sized> Module for $($ptr)::+<M> {
+            fn forward(&self, x: &Tensor) -> Result<Tensor> {
+                (**self).forward(x)
+            }
+            fn visit(&self, prefix: &str, f: &mut dyn FnMut(&TensorInfo)) {
+                (**self).visit(prefix, f)
+            }
+            fn set_training(&self, training: bool) {
+                (**self).set_training(training)
+            }
+            fn is_training(&self) -> bool {
+                (**self).is_training()
+            }
+            fn visit_own(&self, f: &mut dyn FnMut(&TensorInfo)) {
+                (**self).visit_own(f)
+            }
+            fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
+                (**self).visit_children(f)
+            }
+            fn training_flag(&self) -> Option<&TrainingFlag> {
+                (**self).training_flag()
+            }
+            fn state_dict(&self) -> Result<StateDict> {
+                (**self).state_dict()
+            }
+            fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
+                (**self).load_state_dict(entries)
+            }
+        }
+    };
 }
-
-impl<M: Module + ?Sized> Module for std::sync::Arc<M> {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        (**self).forward(x)
-    }
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&TensorInfo)) {
-        (**self).visit(prefix, f)
-    }
-    fn set_training(&self, training: bool) {
-        (**self).set_training(training)
-    }
-    fn is_training(&self) -> bool {
-        (**self).is_training()
-    }
-    fn visit_own(&self, f: &mut dyn FnMut(&TensorInfo)) {
-        (**self).visit_own(f)
-    }
-    fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
-        (**self).visit_children(f)
-    }
-    fn training_flag(&self) -> Option<&TrainingFlag> {
-        (**self).training_flag()
-    }
-    // Forwarded so that a wrapper's own state dict (AMP's O2 masters) survives boxing/sharing.
-    fn state_dict(&self) -> Result<StateDict> {
-        (**self).state_dict()
-    }
-    fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
-        (**self).load_state_dict(entries)
-    }
-}
+forward_module!(Box);
+forward_module!(std::sync::Arc);
