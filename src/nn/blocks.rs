@@ -179,15 +179,20 @@ impl BasicBlock {
     }
 }
 
+/// `relu(out + shortcut(x))`, the shortcut being `x` itself or the downsample branch.
+fn add_shortcut(out: &Tensor, x: &Tensor, downsample: Option<&Downsample>) -> Result<Tensor> {
+    let identity = match downsample {
+        Some(d) => d.forward(x)?,
+        None => x.clone(),
+    };
+    out.add(&identity)?.relu()
+}
+
 impl Module for BasicBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let out = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
         let out = self.bn2.forward(&self.conv2.forward(&out)?)?;
-        let identity = match &self.downsample {
-            Some(d) => d.forward(x)?,
-            None => x.clone(),
-        };
-        out.add(&identity)?.relu()
+        add_shortcut(&out, x, self.downsample.as_ref())
     }
 
     fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
@@ -260,11 +265,7 @@ impl Module for Bottleneck {
         let out = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
         let out = self.bn2.forward(&self.conv2.forward(&out)?)?.relu()?;
         let out = self.bn3.forward(&self.conv3.forward(&out)?)?;
-        let identity = match &self.downsample {
-            Some(d) => d.forward(x)?,
-            None => x.clone(),
-        };
-        out.add(&identity)?.relu()
+        add_shortcut(&out, x, self.downsample.as_ref())
     }
 
     fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
