@@ -132,6 +132,47 @@ pub trait Optimizer {
     }
 }
 
+/// A boxed optimizer is an optimizer, so a program can pick one at run time (`--optimizer adam`)
+/// and still hand it to `amp::initialize`.
+impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
+    fn step(&mut self) -> Result<()> {
+        (**self).step()
+    }
+    fn step_scaled(&mut self, scaling: Option<GradScaling<'_>>) -> Result<()> {
+        (**self).step_scaled(scaling)
+    }
+    fn use_master_weights(&mut self) -> Result<()> {
+        (**self).use_master_weights()
+    }
+    fn master_params(&self) -> Vec<Tensor> {
+        (**self).master_params()
+    }
+    fn zero_grad(&mut self) {
+        (**self).zero_grad()
+    }
+    fn param_groups(&self) -> Vec<GroupView<'_>> {
+        (**self).param_groups()
+    }
+    fn lr(&self) -> f64 {
+        (**self).lr()
+    }
+    fn set_lr(&mut self, group: usize, lr: f64) -> Result<()> {
+        (**self).set_lr(group, lr)
+    }
+    fn state_dict(&self) -> Result<OptimizerState> {
+        (**self).state_dict()
+    }
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
+        (**self).load_state_dict(state)
+    }
+    fn params(&self) -> Vec<Tensor> {
+        (**self).params()
+    }
+    fn set_lr_all(&mut self, lr: f64) -> Result<()> {
+        (**self).set_lr_all(lr)
+    }
+}
+
 /// Checks that groups hold float parameters, each at most once, and at least one in all.
 pub(crate) fn check_groups<C>(op: &'static str, groups: &[ParamGroup<C>]) -> Result<()> {
     let mut seen = HashSet::new();

@@ -393,23 +393,31 @@ pub fn conv2d_backward_weight<T: Elem>(g: &[T], x: &[T], p: &Conv2dParams) -> Ve
         )
     };
     let dw = if outer {
-        // One partial sum per rayon task, added at the end.
-        (0..p.n)
+        // One partial sum per fixed, contiguous range of images, added in range order: the sum's
+        // order depends on the batch size and thread count alone, never on scheduling, so a run
+        // (and a resumed run) is bit-reproducible.
+        let parts = rayon::current_num_threads().min(p.n);
+        let per = p.n.div_ceil(parts);
+        let partials: Vec<Vec<T::Acc>> = (0..p.n.div_ceil(per))
             .into_par_iter()
-            .fold(init, |mut s, i| {
-                image(i, &mut s);
-                s
+            .map(|part| {
+                let mut s = init();
+                for i in part * per..((part + 1) * per).min(p.n) {
+                    image(i, &mut s);
+                }
+                s.0
             })
-            .map(|s| s.0)
-            .reduce(
-                || vec![T::Acc::zero(); wlen],
-                |mut a, b| {
-                    for (x, y) in a.iter_mut().zip(b) {
-                        *x += y;
-                    }
-                    a
-                },
-            )
+            .collect();
+        let mut partials = partials.into_iter();
+        let mut dw = partials
+            .next()
+            .unwrap_or_else(|| vec![T::Acc::zero(); wlen]);
+        for b in partials {
+            for (x, y) in dw.iter_mut().zip(b) {
+                *x += y;
+            }
+        }
+        dw
     } else {
         let mut s = init();
         for i in 0..p.n {
