@@ -1,5 +1,6 @@
 //! dtype conversion.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::CpuStorage;
@@ -13,11 +14,11 @@ pub fn to_dtype(s: &CpuStorage, dtype: DType) -> CpuStorage {
         return s.clone();
     }
     match (s, dtype) {
-        (S::F32(v), DType::F16) => S::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
-        (S::F32(v), DType::BF16) => S::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+        (S::F32(v), DType::F16) => S::F16(narrow(v)),
+        (S::F32(v), DType::BF16) => S::BF16(narrow(v)),
         (S::F32(v), DType::F64) => S::F64(v.iter().map(|&x| x as f64).collect()),
-        (S::F16(v), DType::F32) => S::F32(v.iter().map(|x| x.to_f32()).collect()),
-        (S::BF16(v), DType::F32) => S::F32(v.iter().map(|x| x.to_f32()).collect()),
+        (S::F16(v), DType::F32) => S::F32(widen(v)),
+        (S::BF16(v), DType::F32) => S::F32(widen(v)),
         (S::F16(v), DType::BF16) => S::BF16(v.iter().map(|x| bf16::from_f32(x.to_f32())).collect()),
         (S::BF16(v), DType::F16) => S::F16(v.iter().map(|x| f16::from_f32(x.to_f32())).collect()),
         (S::F64(v), DType::F32) => S::F32(v.iter().map(|&x| x as f32).collect()),
@@ -27,6 +28,56 @@ pub fn to_dtype(s: &CpuStorage, dtype: DType) -> CpuStorage {
         (src, DType::I64) => S::I64(src.to_f64_vec().into_iter().map(|x| x as i64).collect()),
         (src, _) => CpuStorage::from_f64_iter(dtype, src.to_f64_vec().into_iter()),
     }
+}
+
+/// A half type whose slices convert to and from f32 in bulk (half's vectorised F16C/SIMD paths
+/// where the CPU has them; per element they cost a function call each).
+pub(crate) trait HalfSlice: Sized + Copy + Default {
+    fn widen_into(src: &[Self], dst: &mut [f32]);
+    fn narrow_into(src: &[f32], dst: &mut [Self]);
+}
+
+impl HalfSlice for f16 {
+    fn widen_into(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+    fn narrow_into(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src)
+    }
+}
+
+impl HalfSlice for bf16 {
+    fn widen_into(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
+    }
+    fn narrow_into(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src)
+    }
+}
+
+/// Exact widening of a half slice.
+pub(crate) fn widen<H: HalfSlice>(src: &[H]) -> Vec<f32> {
+    let mut out = vec![0.0; src.len()];
+    H::widen_into(src, &mut out);
+    out
+}
+
+/// Round-to-nearest-even narrowing of an f32 slice.
+pub(crate) fn narrow<H: HalfSlice>(src: &[f32]) -> Vec<H> {
+    let mut out = vec![H::default(); src.len()];
+    H::narrow_into(src, &mut out);
+    out
+}
+
+/// `f` over f32 copies of two half slices, rounded back once: how the CPU runs convolutions on
+/// half inputs. The arithmetic is the generic kernels' (widen exactly, accumulate in f32, round
+/// the result once), with the conversions done in two bulk passes instead of per tap.
+pub(crate) fn via_f32<H: HalfSlice>(
+    a: &[H],
+    b: &[H],
+    f: impl FnOnce(&[f32], &[f32]) -> Vec<f32>,
+) -> Vec<H> {
+    narrow(&f(&widen(a), &widen(b)))
 }
 
 impl CpuStorage {

@@ -127,6 +127,35 @@ macro_rules! map_float2 {
     };
 }
 
+/// Rounds an f32 result of a half op back to the half type.
+fn narrow_vec<H: cast::HalfSlice>(v: Vec<f32>) -> Vec<H> {
+    cast::narrow(&v)
+}
+
+/// [`map_float2!`] for convolutions: half operands run the f32 kernels on bulk-widened copies
+/// (`cast::via_f32`), which is the same arithmetic without a conversion call per tap.
+macro_rules! map_conv {
+    ($a:expr, $b:expr, $op:expr, |$x:ident, $y:ident| $body:expr) => {
+        match ($a, $b) {
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => {
+                CpuStorage::F16(cast::via_f32(a, b, |$x, $y| $body))
+            }
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(cast::via_f32(a, b, |$x, $y| $body))
+            }
+            (CpuStorage::F32($x), CpuStorage::F32($y)) => CpuStorage::F32($body),
+            (CpuStorage::F64($x), CpuStorage::F64($y)) => CpuStorage::F64($body),
+            (a, b) => {
+                return Err(Error::DTypeMismatch {
+                    op: $op,
+                    lhs: a.dtype(),
+                    rhs: b.dtype(),
+                })
+            }
+        }
+    };
+}
+
 /// Runs `$body` for any dtype (I64 included) with `$v` bound to the vector.
 macro_rules! map_any {
     ($s:expr, |$v:ident| $body:expr) => {
@@ -383,27 +412,21 @@ impl BackendStorage for CpuStorage {
     }
 
     fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_float2!(self, weight, "conv2d", |x, w| conv::conv2d(
+        Ok(map_conv!(self, weight, "conv2d", |x, w| conv::conv2d(
             x, w, p
         )))
     }
 
     fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_float2!(
-            self,
-            weight,
-            "conv2d_backward_input",
-            |g, w| conv::conv2d_backward_input(g, w, p)
-        ))
+        Ok(map_conv!(self, weight, "conv2d_backward_input", |g, w| {
+            conv::conv2d_backward_input(g, w, p)
+        }))
     }
 
     fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_float2!(
-            self,
-            input,
-            "conv2d_backward_weight",
-            |g, x| conv::conv2d_backward_weight(g, x, p)
-        ))
+        Ok(map_conv!(self, input, "conv2d_backward_weight", |g, x| {
+            conv::conv2d_backward_weight(g, x, p)
+        }))
     }
 
     fn batch_norm_train(
@@ -416,8 +439,10 @@ impl BackendStorage for CpuStorage {
     ) -> Result<(Self, Self, Self)> {
         // Parameters and statistics are f32 for f32/f16/bf16 inputs and f64 for f64 inputs
         // (the gradient checks run in f64).
+        // Half inputs run the f32 kernel on a bulk-widened copy (same arithmetic, see
+        // `cast::via_f32`) and are rounded back once.
         macro_rules! arm {
-            ($x:expr, $in:ident, $acc:ident) => {{
+            ($x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
                 let (w, b) = (
                     acc_slice!(weight, $acc, "batch_norm"),
                     acc_slice!(bias, $acc, "batch_norm"),
@@ -426,17 +451,17 @@ impl BackendStorage for CpuStorage {
                 let rv = acc_slice_mut!(running_var, $acc, "batch_norm");
                 let (y, mean, invstd) = batch_norm::forward_train($x, w, b, rm, rv, p);
                 (
-                    CpuStorage::$in(y),
+                    CpuStorage::$in($narrow(y)),
                     CpuStorage::$acc(mean),
                     CpuStorage::$acc(invstd),
                 )
             }};
         }
         Ok(match self {
-            CpuStorage::F16(x) => arm!(x, F16, F32),
-            CpuStorage::BF16(x) => arm!(x, BF16, F32),
-            CpuStorage::F32(x) => arm!(x, F32, F32),
-            CpuStorage::F64(x) => arm!(x, F64, F64),
+            CpuStorage::F16(x) => arm!(&cast::widen(x), F16, F32, narrow_vec),
+            CpuStorage::BF16(x) => arm!(&cast::widen(x), BF16, F32, narrow_vec),
+            CpuStorage::F32(x) => arm!(x, F32, F32, std::convert::identity),
+            CpuStorage::F64(x) => arm!(x, F64, F64, std::convert::identity),
             CpuStorage::I64(_) => {
                 return Err(Error::UnsupportedDType {
                     op: "batch_norm",
@@ -457,7 +482,7 @@ impl BackendStorage for CpuStorage {
     ) -> Result<(Self, Self, Self)> {
         let op = "batch_norm_backward";
         macro_rules! arm {
-            ($g:expr, $x:expr, $in:ident, $acc:ident) => {{
+            ($g:expr, $x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
                 let w = acc_slice!(weight, $acc, op);
                 let (m, s) = (
                     acc_slice!(saved_mean, $acc, op),
@@ -465,17 +490,27 @@ impl BackendStorage for CpuStorage {
                 );
                 let (dx, dw, db) = batch_norm::backward($g, $x, w, m, s, p);
                 (
-                    CpuStorage::$in(dx),
+                    CpuStorage::$in($narrow(dx)),
                     CpuStorage::$acc(dw),
                     CpuStorage::$acc(db),
                 )
             }};
         }
         Ok(match (self, x) {
-            (CpuStorage::F16(g), CpuStorage::F16(x)) => arm!(g, x, F16, F32),
-            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => arm!(g, x, BF16, F32),
-            (CpuStorage::F32(g), CpuStorage::F32(x)) => arm!(g, x, F32, F32),
-            (CpuStorage::F64(g), CpuStorage::F64(x)) => arm!(g, x, F64, F64),
+            (CpuStorage::F16(g), CpuStorage::F16(x)) => {
+                let (g, x) = (cast::widen(g), cast::widen(x));
+                arm!(&g, &x, F16, F32, narrow_vec)
+            }
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
+                let (g, x) = (cast::widen(g), cast::widen(x));
+                arm!(&g, &x, BF16, F32, narrow_vec)
+            }
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => {
+                arm!(g, x, F32, F32, std::convert::identity)
+            }
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => {
+                arm!(g, x, F64, F64, std::convert::identity)
+            }
             (g, x) => {
                 return Err(Error::DTypeMismatch {
                     op,
