@@ -112,3 +112,43 @@ pub fn check_read(
     }
     Ok(())
 }
+
+/// The first `len` items of a dataset (quick runs on part of the data).
+pub struct First<D> {
+    inner: D,
+    len: usize,
+}
+
+impl<D: Dataset> First<D> {
+    /// The first `len` items of `inner` (all of them when it has fewer).
+    pub fn new(inner: D, len: usize) -> Self {
+        let len = len.min(inner.len());
+        First { inner, len }
+    }
+}
+
+impl<D: Dataset> Dataset for First<D> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn item_shape(&self) -> ItemShape {
+        self.inner.item_shape()
+    }
+    fn num_classes(&self) -> usize {
+        self.inner.num_classes()
+    }
+    fn read_into(&self, index: usize, out: &mut [f32]) -> Result<i64> {
+        if index >= self.len {
+            return Err(Error::invalid_arg(
+                "First::read_into",
+                "index",
+                index.to_string(),
+                format!("below the subset's length {}", self.len),
+            ));
+        }
+        self.inner.read_into(index, out)
+    }
+    fn pad_value(&self) -> f32 {
+        self.inner.pad_value()
+    }
+}

@@ -29,7 +29,7 @@ pub mod loader;
 pub mod synthetic;
 pub mod transforms;
 
-pub use dataset::{Dataset, ItemShape};
+pub use dataset::{Dataset, First, ItemShape};
 pub use fashion_mnist::{DataSource, FashionMnist, Split};
 pub use loader::{Batch, DataLoader, EpochIter};
 pub use synthetic::SyntheticDataset;
