@@ -7,13 +7,56 @@ use super::{Elem, PAR_THRESHOLD};
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::tensor::Shape;
 
-/// Applies `f` elementwise, in parallel for large inputs.
+/// Elements per block of the blocked maps: widened blocks stay in L1.
+const BLOCK: usize = 2048;
+
+/// Applies `f` elementwise, in parallel for large inputs. Works on blocks of widened values so
+/// that half inputs convert in bulk.
 pub(crate) fn map<T: Elem>(x: &[T], f: impl Fn(T::Acc) -> T::Acc + Sync) -> Vec<T> {
+    let mut out = vec![T::default(); x.len()];
+    let body = |(src, dst): (&[T], &mut [T])| {
+        let mut buf = vec![T::Acc::default(); src.len()];
+        T::widen_into(src, &mut buf);
+        for v in buf.iter_mut() {
+            *v = f(*v);
+        }
+        T::narrow_into(&buf, dst);
+    };
     if x.len() >= PAR_THRESHOLD {
-        x.par_iter().map(|&v| T::from_acc(f(v.to_acc()))).collect()
+        x.par_chunks(BLOCK)
+            .zip(out.par_chunks_mut(BLOCK))
+            .for_each(body);
     } else {
-        x.iter().map(|&v| T::from_acc(f(v.to_acc()))).collect()
+        x.chunks(BLOCK).zip(out.chunks_mut(BLOCK)).for_each(body);
     }
+    out
+}
+
+/// `f` over two equal-length inputs, blocked like [`map`].
+fn zip_map<T: Elem>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc) -> T::Acc + Sync) -> Vec<T> {
+    let mut out = vec![T::default(); a.len()];
+    let body = |((sa, sb), dst): ((&[T], &[T]), &mut [T])| {
+        let mut wa = vec![T::Acc::default(); sa.len()];
+        let mut wb = vec![T::Acc::default(); sb.len()];
+        T::widen_into(sa, &mut wa);
+        T::widen_into(sb, &mut wb);
+        for (x, &y) in wa.iter_mut().zip(&wb) {
+            *x = f(*x, y);
+        }
+        T::narrow_into(&wa, dst);
+    };
+    if a.len() >= PAR_THRESHOLD {
+        a.par_chunks(BLOCK)
+            .zip(b.par_chunks(BLOCK))
+            .zip(out.par_chunks_mut(BLOCK))
+            .for_each(body);
+    } else {
+        a.chunks(BLOCK)
+            .zip(b.chunks(BLOCK))
+            .zip(out.chunks_mut(BLOCK))
+            .for_each(body);
+    }
+    out
 }
 
 pub fn unary<T: Elem>(x: &[T], op: UnaryOp) -> Vec<T> {
@@ -75,12 +118,7 @@ pub fn binary<T: Elem>(
 ) -> Vec<T> {
     let n = out.elem_count();
     if sa == sb {
-        let f = |(x, y): (&T, &T)| T::from_acc(apply(op, x.to_acc(), y.to_acc()));
-        return if n >= PAR_THRESHOLD {
-            a.par_iter().zip(b.par_iter()).map(f).collect()
-        } else {
-            a.iter().zip(b.iter()).map(f).collect()
-        };
+        return zip_map(a, b, |x, y| apply(op, x, y));
     }
     if n == 0 {
         return Vec::new();

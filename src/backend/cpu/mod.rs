@@ -36,6 +36,19 @@ pub trait Elem: WithDType + Default {
         + 'static;
     fn to_acc(self) -> Self::Acc;
     fn from_acc(v: Self::Acc) -> Self;
+    /// `to_acc` over a slice; the half types convert in bulk (vectorised), which per element
+    /// would cost a call each.
+    fn widen_into(src: &[Self], dst: &mut [Self::Acc]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s.to_acc();
+        }
+    }
+    /// `from_acc` over a slice (bulk for the half types).
+    fn narrow_into(src: &[Self::Acc], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::from_acc(s);
+        }
+    }
     fn acc(v: f64) -> Self::Acc {
         <Self::Acc as num_traits::FromPrimitive>::from_f64(v).unwrap_or_else(num_traits::Float::nan)
     }
@@ -67,6 +80,12 @@ impl Elem for f16 {
     fn from_acc(v: f32) -> Self {
         f16::from_f32(v)
     }
+    fn widen_into(src: &[Self], dst: &mut [f32]) {
+        <Self as cast::HalfSlice>::widen_into(src, dst)
+    }
+    fn narrow_into(src: &[f32], dst: &mut [Self]) {
+        <Self as cast::HalfSlice>::narrow_into(src, dst)
+    }
 }
 impl Elem for bf16 {
     type Acc = f32;
@@ -75,6 +94,12 @@ impl Elem for bf16 {
     }
     fn from_acc(v: f32) -> Self {
         bf16::from_f32(v)
+    }
+    fn widen_into(src: &[Self], dst: &mut [f32]) {
+        <Self as cast::HalfSlice>::widen_into(src, dst)
+    }
+    fn narrow_into(src: &[f32], dst: &mut [Self]) {
+        <Self as cast::HalfSlice>::narrow_into(src, dst)
     }
 }
 
