@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use mixprec::train::metrics::{read_jsonl, EpochRecord, MetricsWriter, CSV_HEADER};
+use mixprec::train::plot::{plot_history, HEIGHT, WIDTH};
 use mixprec::Error;
 
 /// A fresh directory under the target's temp dir, named after the test.
@@ -191,4 +192,141 @@ fn a_corrupt_jsonl_line_is_an_error_naming_the_file_and_line() {
     std::fs::write(&path, bad).unwrap();
     let msg = read_jsonl(&path).unwrap_err().to_string();
     assert!(msg.contains("line 1") && msg.contains("fast"), "{msg}");
+}
+
+#[test]
+fn io_failures_are_errors_naming_the_path() {
+    let dir = temp_dir("io");
+    let missing = dir.join("nope.jsonl");
+    let msg = read_jsonl(&missing).unwrap_err().to_string();
+    assert!(msg.contains("nope.jsonl"), "{msg}");
+
+    // A file where the directory should be.
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("file");
+    std::fs::write(&file, "x").unwrap();
+    let msg = MetricsWriter::create(&file.join("run"))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("file"), "{msg}");
+    let msg = plot_history(&history(3), &file.join("plot.png"), "t")
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("plot.png"), "{msg}");
+}
+
+/// Decodes a PNG and returns (width, height, RGB bytes).
+fn decode(path: &Path) -> (u32, u32, Vec<u8>) {
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    assert_eq!(info.color_type, png::ColorType::Rgb);
+    assert_eq!(info.bit_depth, png::BitDepth::Eight);
+    buf.truncate(info.buffer_size());
+    (info.width, info.height, buf)
+}
+
+/// How many pixels are close to `rgb`.
+fn count_color(px: &[u8], rgb: [u8; 3]) -> usize {
+    px.chunks(3)
+        .filter(|p| p.iter().zip(rgb).all(|(&a, b)| a.abs_diff(b) < 24))
+        .count()
+}
+
+const TRAIN_BLUE: [u8; 3] = [31, 119, 180];
+const TEST_ORANGE: [u8; 3] = [255, 127, 14];
+
+#[test]
+fn plot_writes_a_png_of_the_expected_size_with_both_series() {
+    let dir = temp_dir("plot");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("plot.png");
+    plot_history(&history(10), &path, "resnet18 O2 fashion-mnist").unwrap();
+    let (w, h, px) = decode(&path);
+    assert_eq!((w as usize, h as usize), (WIDTH, HEIGHT));
+    assert_eq!(px.len(), WIDTH * HEIGHT * 3);
+    let white = count_color(&px, [255, 255, 255]);
+    assert!(white < WIDTH * HEIGHT, "blank image");
+    assert!(white > WIDTH * HEIGHT / 2, "mostly background: {white}");
+    assert!(count_color(&px, TRAIN_BLUE) > 200, "no train line");
+    assert!(count_color(&px, TEST_ORANGE) > 200, "no test line");
+    // Dark pixels: text, ticks, frames.
+    assert!(count_color(&px, [40, 40, 40]) > 1000);
+
+    // Replaced in place, with no temporary left beside it.
+    plot_history(&history(3), &path, "again").unwrap();
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+}
+
+#[test]
+fn plot_handles_one_epoch_flat_lines_nan_and_many_epochs() {
+    let dir = temp_dir("plot_edges");
+    std::fs::create_dir_all(&dir).unwrap();
+    let check = |name: &str, hist: &[EpochRecord]| {
+        let path = dir.join(name);
+        plot_history(hist, &path, name).unwrap();
+        let (w, h, px) = decode(&path);
+        assert_eq!((w as usize, h as usize), (WIDTH, HEIGHT), "{name}");
+        px
+    };
+
+    let one = check("one.png", &history(1));
+    assert!(
+        count_color(&one, TEST_ORANGE) > 20,
+        "one epoch shows a marker"
+    );
+
+    let flat: Vec<EpochRecord> = history(6)
+        .into_iter()
+        .map(|mut r| {
+            r.train_loss = 0.5;
+            r.test_loss = 0.5;
+            r.test_accuracy = 1.0;
+            r
+        })
+        .collect();
+    check("flat.png", &flat);
+
+    let mut nan = history(8);
+    nan[3].train_loss = f64::NAN;
+    nan[4].test_loss = f64::INFINITY;
+    nan[5].test_accuracy = f64::NAN;
+    check("nan.png", &nan);
+
+    let all_nan: Vec<EpochRecord> = history(4)
+        .into_iter()
+        .map(|mut r| {
+            r.train_loss = f64::NAN;
+            r.test_loss = f64::NAN;
+            r
+        })
+        .collect();
+    check("all_nan.png", &all_nan);
+
+    let many = check("many.png", &history(250));
+    assert!(count_color(&many, TRAIN_BLUE) > 200);
+
+    check("empty.png", &[]);
+
+    let mut huge = history(6);
+    huge[1].train_loss = 1e308;
+    huge[2].train_loss = -1e299;
+    huge[3].test_loss = 1e299;
+    huge[4].test_loss = 5e-324;
+    huge[5].test_accuracy = 1e10;
+    check("huge.png", &huge);
+
+    let tiny: Vec<EpochRecord> = history(5)
+        .into_iter()
+        .map(|mut r| {
+            r.train_loss *= 1e-7;
+            r.test_loss *= 1e-7;
+            r
+        })
+        .collect();
+    check("tiny.png", &tiny);
+    check("long_title.png", &history(3)[..]);
+    let long = "x".repeat(500) + "\u{00e9}\u{4e2d}";
+    plot_history(&history(3), &dir.join("t.png"), &long).unwrap();
 }
