@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use mixprec::train::metrics::{read_jsonl, EpochRecord, MetricsWriter, CSV_HEADER};
 use mixprec::train::plot::{plot_history, HEIGHT, WIDTH};
+use mixprec::train::progress::{group_thousands, progress_line, EpochProgress, ProgressMode};
 use mixprec::Error;
 
 /// A fresh directory under the target's temp dir, named after the test.
@@ -329,4 +330,55 @@ fn plot_handles_one_epoch_flat_lines_nan_and_many_epochs() {
     check("long_title.png", &history(3)[..]);
     let long = "x".repeat(500) + "\u{00e9}\u{4e2d}";
     plot_history(&history(3), &dir.join("t.png"), &long).unwrap();
+}
+
+#[test]
+fn progress_lines_are_plain_and_complete() {
+    assert_eq!(
+        progress_line(3, 10, 31, 78, 5120.4, ""),
+        "epoch 3/10: 39% (31/78 steps), 5,120 images/s"
+    );
+    assert_eq!(
+        progress_line(3, 10, 39, 78, 5120.6, "loss 0.4123"),
+        "epoch 3/10: 50% (39/78 steps), 5,121 images/s, loss 0.4123"
+    );
+    assert_eq!(
+        progress_line(1, 1, 0, 10, f64::INFINITY, ""),
+        "epoch 1/1: 0% (0/10 steps)"
+    );
+    assert_eq!(
+        progress_line(2, 5, 7, 0, 12.0, "loss 1.5"),
+        "epoch 2/5: 7 steps, 12 images/s, loss 1.5"
+    );
+    assert_eq!(
+        progress_line(1, 2, 12, 10, 1.0, ""),
+        "epoch 1/2: 100% (12/10 steps), 1 images/s"
+    );
+    assert!(!progress_line(1, 2, 3, 10, 1e9, "m").contains('\x1b'));
+
+    assert_eq!(group_thousands(0), "0");
+    assert_eq!(group_thousands(999), "999");
+    assert_eq!(group_thousands(1000), "1,000");
+    assert_eq!(group_thousands(5120), "5,120");
+    assert_eq!(group_thousands(1234567), "1,234,567");
+}
+
+#[test]
+fn progress_runs_in_every_mode_without_a_terminal() {
+    for mode in [ProgressMode::Off, ProgressMode::Lines, ProgressMode::Bar] {
+        let mut p = EpochProgress::new(1, 2, 20, mode);
+        for i in 0..25 {
+            p.tick(64);
+            if i == 5 {
+                p.set_message("loss 0.5");
+            }
+        }
+        p.println("a log line");
+        p.finish();
+        let mut p = EpochProgress::new(2, 2, 0, mode);
+        p.tick(1);
+        p.finish();
+    }
+    // Tests do not run on a terminal's stderr (cargo captures it).
+    let _ = ProgressMode::detect();
 }

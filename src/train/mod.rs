@@ -4,6 +4,7 @@
 // The training loop's own modules (`config`, `trainer`) are declared here, next to these.
 pub mod metrics;
 pub mod plot;
+pub mod progress;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
