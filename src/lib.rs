@@ -11,6 +11,7 @@ pub mod multi_tensor;
 pub mod nn;
 pub mod optim;
 pub mod tensor;
+pub mod train;
 
 pub use autograd::{no_grad, with_no_grad};
 pub use error::{Error, Result};
