@@ -102,6 +102,96 @@ pub enum Error {
     /// Something that the crate cannot do yet on this device or dtype.
     #[error("{op}: not supported: {detail}")]
     Unsupported { op: &'static str, detail: String },
+
+    /// A state dict (a weights file, a checkpoint) does not fit the module or optimizer it is
+    /// loaded into: every problem at once, each naming the tensor and both shapes/dtypes.
+    #[error("{context}: does not match ({} problem(s)): {}", .problems.len(), join_problems(.problems))]
+    StateMismatch {
+        /// The operation and, when there is one, the file.
+        context: String,
+        problems: Vec<Mismatch>,
+    },
+}
+
+/// One tensor of a state dict that does not fit where it is loaded ("expected" is the module's
+/// or optimizer's side, "found" the state's).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mismatch {
+    /// The destination has the tensor, the state does not.
+    Missing {
+        name: String,
+        shape: Shape,
+        dtype: DType,
+    },
+    /// The state has a tensor that the destination has not.
+    Unexpected {
+        name: String,
+        shape: Shape,
+        dtype: DType,
+    },
+    Shape {
+        name: String,
+        expected: Shape,
+        found: Shape,
+    },
+    /// A kind of dtype that cannot be converted (a float where integers are kept, ...).
+    DType {
+        name: String,
+        expected: DType,
+        found: DType,
+    },
+    /// A mismatch of layout rather than of one tensor (the number of optimizer groups, ...).
+    Layout { name: String, detail: String },
+}
+
+impl Mismatch {
+    /// The tensor (or layout item) the problem is about.
+    pub fn name(&self) -> &str {
+        match self {
+            Mismatch::Missing { name, .. }
+            | Mismatch::Unexpected { name, .. }
+            | Mismatch::Shape { name, .. }
+            | Mismatch::DType { name, .. }
+            | Mismatch::Layout { name, .. } => name,
+        }
+    }
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Mismatch::Missing { name, shape, dtype } => {
+                write!(f, "missing `{name}` ({dtype} {:?})", shape.dims())
+            }
+            Mismatch::Unexpected { name, shape, dtype } => {
+                write!(f, "unexpected `{name}` ({dtype} {:?})", shape.dims())
+            }
+            Mismatch::Shape {
+                name,
+                expected,
+                found,
+            } => write!(
+                f,
+                "`{name}`: shape {:?} expected, {:?} found",
+                expected.dims(),
+                found.dims()
+            ),
+            Mismatch::DType {
+                name,
+                expected,
+                found,
+            } => write!(f, "`{name}`: dtype {expected} expected, {found} found"),
+            Mismatch::Layout { name, detail } => write!(f, "`{name}`: {detail}"),
+        }
+    }
+}
+
+fn join_problems(problems: &[Mismatch]) -> String {
+    problems
+        .iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -7,6 +7,7 @@ pub mod autograd;
 pub mod backend;
 pub mod data;
 pub mod error;
+pub mod io;
 pub mod multi_tensor;
 pub mod nn;
 pub mod optim;
@@ -14,6 +15,6 @@ pub mod tensor;
 pub mod train;
 
 pub use autograd::{no_grad, with_no_grad};
-pub use error::{Error, Result};
+pub use error::{Error, Mismatch, Result};
 pub use tensor::{BatchNormConfig, Conv2dConfig};
 pub use tensor::{DType, Device, Shape, Tensor, TensorId, WithDType};

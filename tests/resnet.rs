@@ -353,7 +353,7 @@ fn state_dict_round_trip_and_strict_errors() {
     let i = wrong.iter().position(|(n, _)| n == "fc.weight").unwrap();
     wrong[i].1 = Tensor::zeros([1000, 8], DType::F32, CPU).unwrap();
     let e = c.load_state_dict(&wrong).unwrap_err();
-    assert!(matches!(e, Error::ShapeMismatch { .. }));
+    assert!(matches!(e, Error::StateMismatch { .. }));
     let e = e.to_string();
     assert!(
         e.contains("fc.weight") && e.contains("[10, 8]") && e.contains("[1000, 8]"),

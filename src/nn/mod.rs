@@ -22,7 +22,7 @@ pub use conv::Conv2d;
 pub use flatten::Flatten;
 pub use linear::Linear;
 pub use loss::{cross_entropy, cross_entropy_with, mse_loss, CrossEntropyConfig, Reduction};
-pub use module::{Module, StateDict, TensorInfo, TensorKind, TrainingFlag};
+pub use module::{state_dict_mismatches, Module, StateDict, TensorInfo, TensorKind, TrainingFlag};
 pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
 pub use resnet::{ResNet, ResNetConfig, Stem};
 pub use sequential::Sequential;

@@ -9,10 +9,10 @@
 //! are replaced in place (`set_data`, `cast_in_place`) and the train/eval mode is an atomic flag,
 //! so a model can be shared (`Arc`) with the optimizer and AMP while it trains.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Mismatch, Result};
 use crate::tensor::{DType, Tensor};
 
 /// Whether a tensor is trained (a parameter) or state that is saved but not trained (a buffer).
@@ -158,76 +158,25 @@ pub trait Module: Send + Sync {
         }
     }
 
-    /// Copies `entries` into this module's parameters and buffers (strict: every name must be
-    /// present exactly once, no other names, equal shapes). Values are converted to each
-    /// tensor's current dtype; tensors keep their identity. Everything is checked before
-    /// anything is written, so an error leaves the module unchanged.
+    /// Copies `entries` into this module's parameters and buffers, strictly (PyTorch's
+    /// `load_state_dict(strict=True)`): every name must be present exactly once, no other names,
+    /// equal shapes; every problem is reported at once ([`Error::StateMismatch`], see
+    /// [`state_dict_mismatches`]). Values are converted to each tensor's current dtype; tensors
+    /// keep their identity. Everything is checked before anything is written, so an error leaves
+    /// the module unchanged.
     fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
-        let mut given: HashMap<&str, &Tensor> = HashMap::with_capacity(entries.len());
-        for (name, t) in entries {
-            if given.insert(name.as_str(), t).is_some() {
-                return Err(Error::invalid_arg(
-                    "load_state_dict",
-                    "state_dict",
-                    format!("`{name}` given twice"),
-                    "each name at most once",
-                ));
-            }
+        let problems = state_dict_mismatches(self, entries)?;
+        if !problems.is_empty() {
+            return Err(Error::StateMismatch {
+                context: "load_state_dict".into(),
+                problems,
+            });
         }
+        let given: HashMap<&str, &Tensor> = entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let mut targets: Vec<(String, Tensor)> = Vec::new();
         self.visit("", &mut |i| {
             targets.push((i.name.to_string(), i.tensor.clone()))
         });
-        let missing: Vec<&str> = targets
-            .iter()
-            .filter(|(n, _)| !given.contains_key(n.as_str()))
-            .map(|(n, _)| n.as_str())
-            .collect();
-        if !missing.is_empty() {
-            return Err(Error::invalid_arg(
-                "load_state_dict",
-                "state_dict",
-                format!("missing key(s) {}", quote_list(&missing)),
-                "every parameter and buffer of the module",
-            ));
-        }
-        let known: std::collections::HashSet<&str> =
-            targets.iter().map(|(n, _)| n.as_str()).collect();
-        let unexpected: Vec<&str> = entries
-            .iter()
-            .map(|(n, _)| n.as_str())
-            .filter(|n| !known.contains(n))
-            .collect();
-        if !unexpected.is_empty() {
-            return Err(Error::invalid_arg(
-                "load_state_dict",
-                "state_dict",
-                format!("unexpected key(s) {}", quote_list(&unexpected)),
-                "only the module's parameter and buffer names",
-            ));
-        }
-        for (name, dst) in &targets {
-            let src = given[name.as_str()];
-            if src.shape() != dst.shape() {
-                return Err(Error::shape_mismatch(
-                    "load_state_dict",
-                    dst.shape(),
-                    src.shape(),
-                    format!(
-                        "`{name}`: the module's tensor has shape {:?}, the state dict's {:?}",
-                        dst.dims(),
-                        src.dims()
-                    ),
-                ));
-            }
-            if src.dtype().is_float() != dst.dtype().is_float() {
-                return Err(Error::DTypeMismatch {
-                    op: "load_state_dict",
-                    lhs: dst.dtype(),
-                    rhs: src.dtype(),
-                });
-            }
-        }
         let _g = crate::no_grad();
         for (name, dst) in &targets {
             // Copied across devices as PyTorch's load_state_dict does (a checkpoint is read on
@@ -304,12 +253,63 @@ pub trait Module: Send + Sync {
     }
 }
 
-fn quote_list(names: &[&str]) -> String {
-    names
-        .iter()
-        .map(|n| format!("`{n}`"))
-        .collect::<Vec<_>>()
-        .join(", ")
+/// What [`Module::load_state_dict`] checks, without loading anything: every name of the module
+/// that `entries` lacks, every entry the module has no tensor for, every shape that differs and
+/// every float/integer disagreement (values are otherwise converted to the module's dtype), in
+/// the module's order and then the entries'. An empty list means the load will succeed. A name
+/// given twice in `entries` is an error of its own.
+pub fn state_dict_mismatches<M: Module + ?Sized>(
+    module: &M,
+    entries: &[(String, Tensor)],
+) -> Result<Vec<Mismatch>> {
+    let mut given: HashMap<&str, &Tensor> = HashMap::with_capacity(entries.len());
+    for (name, t) in entries {
+        if given.insert(name.as_str(), t).is_some() {
+            return Err(Error::invalid_arg(
+                "load_state_dict",
+                "state_dict",
+                format!("`{name}` given twice"),
+                "each name at most once",
+            ));
+        }
+    }
+    let mut problems = Vec::new();
+    let mut known = HashSet::new();
+    module.visit("", &mut |i| {
+        known.insert(i.name.to_string());
+        let dst = i.tensor;
+        let Some(src) = given.get(i.name) else {
+            problems.push(Mismatch::Missing {
+                name: i.name.to_string(),
+                shape: dst.shape().clone(),
+                dtype: dst.dtype(),
+            });
+            return;
+        };
+        if src.shape() != dst.shape() {
+            problems.push(Mismatch::Shape {
+                name: i.name.to_string(),
+                expected: dst.shape().clone(),
+                found: src.shape().clone(),
+            });
+        } else if src.dtype().is_float() != dst.dtype().is_float() {
+            problems.push(Mismatch::DType {
+                name: i.name.to_string(),
+                expected: dst.dtype(),
+                found: src.dtype(),
+            });
+        }
+    });
+    for (name, t) in entries {
+        if !known.contains(name) {
+            problems.push(Mismatch::Unexpected {
+                name: name.clone(),
+                shape: t.shape().clone(),
+                dtype: t.dtype(),
+            });
+        }
+    }
+    Ok(problems)
 }
 
 /// A copy of `t` sharing nothing with it: half as F32, other dtypes kept.

@@ -428,6 +428,12 @@ impl<C> Core<C> {
                 }
             }
             if bufs.iter().any(|b| b.is_some()) || steps[gi][idx] > 0.0 {
+                // Buffers the state does not have after its last one (amsgrad's max when it was
+                // off) are not made: a step makes them when it needs them, and the state then
+                // saves as it was loaded.
+                while bufs.last().is_some_and(|b| b.is_none()) {
+                    bufs.pop();
+                }
                 let bufs = bufs
                     .into_iter()
                     .map(|b| match b {

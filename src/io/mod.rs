@@ -1,0 +1,26 @@
+//! Files: safetensors tensors (`safetensors`), model weights exchanged with PyTorch/torchvision
+//! under their parameter names (`weights`), training checkpoints that continue a run bit for bit
+//! (`checkpoint`), and the atomic write they all use (`atomic`).
+//!
+//! ```no_run
+//! # use mixprec::{io, nn::ResNet, Device};
+//! # fn main() -> mixprec::Result<()> {
+//! let model = ResNet::resnet18(1000, &Device::Cpu, 0)?;
+//! // torch: safetensors.torch.save_file(torchvision.models.resnet18().state_dict(), "r18.safetensors")
+//! io::load_weights(&model, "r18.safetensors".as_ref())?;
+//! io::save_weights(&model, "r18-mixprec.safetensors".as_ref())?; // torch: load_state_dict(load_file(...))
+//! # Ok(()) }
+//! ```
+
+pub mod atomic;
+pub mod checkpoint;
+pub mod safetensors;
+pub mod weights;
+
+/// For [`Checkpoint::extra`]: `mixprec::io::serde_json::json!({...})` without a dependency of
+/// your own.
+pub use serde_json;
+
+pub use atomic::write_atomic;
+pub use checkpoint::{Checkpoint, TrainProgress};
+pub use weights::{load_weights, save_weights};
