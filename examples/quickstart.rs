@@ -1,40 +1,40 @@
-//! The training loop of the README, compiled and runnable:
-//! `cargo run --release --example quickstart` (ten steps of a CIFAR-style ResNet-18
-//! on Fashion-MNIST).
+//! The shortest complete AMP training loop (the README's): a CIFAR-style ResNet-18 on
+//! Fashion-MNIST under policy O2, one epoch of at most 50 steps.
+//! `cargo run --release --example quickstart`
 
-use mixprec::data::{Augment, DataLoader, FashionMnist, Split};
+use mixprec::data::{DataLoader, FashionMnist, Split};
 use mixprec::nn::{self, Module};
-use mixprec::optim::{Optimizer, Sgd, SgdConfig};
-use mixprec::Device;
+use mixprec::optim::{FusedSgd, SgdConfig};
+use mixprec::{amp, Device};
 
 fn main() -> mixprec::Result<()> {
-    let dev = Device::cuda_if_available(0); // Cpu when there is no GPU or driver (logged)
-    let (train, source) = FashionMnist::load(Split::Train)?;
-    println!("data: {source}");
-    let loader = DataLoader::new(train, 64)
-        .shuffle(0)
-        .drop_last(true)
-        .augment(Augment::crop_flip(2, 0));
+    let dev = Device::cuda_if_available(0); // the CPU when there is no GPU or driver (logged)
+    let (train, _) = FashionMnist::load(Split::Train)?;
+    let loader = DataLoader::new(train, 128).shuffle(0).drop_last(true);
 
     let model = nn::resnet::ResNet::cifar_style(&[2, 2, 2, 2], 1, 10, &dev)?;
-    let mut opt = Sgd::new(
+    let opt = FusedSgd::new(
         model.parameters(),
         SgdConfig {
-            lr: 0.01,
+            lr: 0.05,
             momentum: 0.9,
             ..Default::default()
         },
     )?;
-    for epoch in 0..1 {
-        for (step, batch) in loader.epoch(epoch).take(10).enumerate() {
-            let (x, y) = batch?;
-            let (x, y) = (x.to_device(dev)?, y.to_device(dev)?);
-            let loss = nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
-            opt.zero_grad();
-            loss.backward()?;
-            opt.step()?;
-            println!("step {step}: loss {:.4}", loss.item()?);
+    let policy = amp::Policy::opt_level(amp::OptLevel::O2); // or Policy::from_toml_file("configs/O2.toml")
+    let (model, mut opt) = amp::initialize(model, opt, policy)?;
+
+    for (step, batch) in loader.epoch(0).take(50).enumerate() {
+        let (x, y) = batch?;
+        let (x, y) = (x.to_device(dev)?, y.to_device(dev)?);
+        let loss = nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+        opt.zero_grad()?;
+        opt.backward(&loss)?; // loss × scale, backward, overflow check (on the device)
+        opt.step()?; // unscale inside the fused update; skipped on overflow; scale update
+        if step % 10 == 0 {
+            println!("step {step}: loss {:.4}", loss.item()?); // a host read: only now and then
         }
     }
+    println!("loss scale: {}", opt.stats()?[0].scale);
     Ok(())
 }

@@ -156,15 +156,27 @@ impl LossScaler {
             self.max,
         )?;
         self.steps += 1;
-        if self.verbosity > 0 && self.report_interval > 0 && self.steps % self.report_interval == 0
+        // A static scale has nothing to report (and the report costs a host read).
+        if self.dynamic
+            && self.verbosity > 0
+            && self.report_interval > 0
+            && self.steps % self.report_interval == 0
         {
             let s = self.stats()?;
-            log::info!(
+            let skipped = s.skipped_total.saturating_sub(self.skipped_at_last_report);
+            // Skipped steps are news (apex prints each one); a quiet interval is debug detail.
+            let level = if skipped > 0 {
+                log::Level::Info
+            } else {
+                log::Level::Debug
+            };
+            log::log!(
+                level,
                 "amp: loss scaler {}: step {}, scale {}, {} step(s) skipped in the last {} ({} in all)",
                 self.loss_id,
                 s.steps,
                 s.scale,
-                s.skipped_total.saturating_sub(self.skipped_at_last_report),
+                skipped,
                 self.report_interval,
                 s.skipped_total
             );

@@ -1,10 +1,16 @@
-//! The reporting side of the main training job: per-epoch metrics files (`metrics`), the loss and
-//! accuracy plot (`plot`) and the per-epoch progress display (`progress`).
+//! The main training job behind `examples/train_resnet.rs`: the run configuration (`config`:
+//! TOML + flags), the loop with checkpoints and exact resume (`trainer`), and its reports:
+//! per-epoch metrics files (`metrics`), the loss and accuracy plot (`plot`) and the progress
+//! display (`progress`).
 
-// The training loop's own modules (`config`, `trainer`) are declared here, next to these.
+pub mod config;
 pub mod metrics;
 pub mod plot;
 pub mod progress;
+pub mod trainer;
+
+pub use config::RunConfig;
+pub use trainer::{run, RunOptions, RunSummary};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
