@@ -18,7 +18,7 @@ python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchv
 
 echo "== 1. full config: mixprec"
 $bin/train_resnet --config configs/run_fashion_mnist_full.toml --out "$out/full" --progress lines 2>&1 \
-  | grep -v "^epoch .*%" | tee "$out/mixprec_full.log"
+  | grep -Ev "^epoch +[0-9]+/[0-9]+: " | tee "$out/mixprec_full.log"
 echo "== 1. full config: PyTorch"
 python3 benches/torch_train_fashion_mnist.py --data "$FASHION_MNIST_DIR" --epochs 15 \
   --widths 32,64,128 --blocks 2,2,2 --batch-size 128 --lr 0.1 --warmup-fraction 0.25 --augment 2>&1 \
@@ -36,4 +36,5 @@ python3 benches/torchvision_interop.py "$out/tv" 2>&1 | tail -3
 for d in cpu cuda; do
   $bin/torchvision_logits --weights "$out/tv/resnet18.safetensors" --io "$out/tv/resnet18_io.safetensors" --device $d 2>&1 | tail -4
 done
-rm -rf "$out/tv" "$out"/*/checkpoints/epoch-*.safetensors  # keep what comes back small
+# Keep what comes back small: logs, metrics and plots.
+rm -rf "$out/tv" "$out"/*/checkpoints "$out"/*/model.safetensors
