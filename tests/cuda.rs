@@ -1003,8 +1003,8 @@ fn resnet18_forward_backward_matches_cpu() {
     gpu();
     for d in [DType::F32, DType::F16, DType::BF16] {
         let s = seed();
-        // The network is drawn in `d`; `compute` may widen those same values (the f32 truth of a
-        // half run).
+        // The network is drawn in `d`; `compute` may widen those same values (the truth of a run:
+        // F64 for f32, f32 for the half types).
         let run = |dev: Device, compute: DType| {
             let net = ResNet18::new(d, dev, s);
             for p in &net.params {
@@ -1045,33 +1045,36 @@ fn resnet18_forward_backward_matches_cpu() {
             a.iter().zip(b).map(|(x, y)| rel_err(x, y)).collect()
         };
         let what = "tensor (0 = logits, then grads, then bn stats)";
-        if d == DType::F32 {
-            let e = errs(&run(Device::Cuda(0), d), &run(Device::Cpu, d));
-            println!("resnet18 f32: worst GPU vs CPU {what}: {:?}", worst(&e));
-            for (k, e) in e.iter().enumerate() {
-                assert!(*e <= 1e-3, "resnet18 f32: {what} {k}: {e:e} > 1e-3");
-            }
+        // Neither run is compared with the other: each is compared with a truth of the same values
+        // in a wider type, and the GPU must be no further from it than about the CPU reference is.
+        // - Half runs differ from any other half run by last-bit roundings that the net amplifies,
+        //   so their truth is the f32 run.
+        // - f32 runs too: this net's training-mode backward is ill-conditioned for some draws. On
+        //   the CPU alone, f32 against an F64 run of the same values is 7e-6 for some seeds and
+        //   1e-3..1.7e-2 for others (seeds 11, 22: worst tensors 2.3e-3, 1.7e-2; reproducible per
+        //   seed), so a GPU-vs-CPU f32 bound either fails on such draws or is too loose for the
+        //   rest. The truth of an f32 run is the F64 run, and the CPU's own distance sets the bound.
+        let truth_dtype = if d == DType::F32 {
+            DType::F64
         } else {
-            // A half run of a deep net differs from any other half run by last-bit roundings
-            // that the net amplifies (the f32 case shows ~300x), so two half runs are not compared
-            // with each other: each is compared with the f32 truth of the same values, and the
-            // GPU must be no further from it than the CPU reference is.
-            let truth = run(Device::Cpu, DType::F32);
-            let (e_gpu, e_cpu) = (
-                errs(&run(Device::Cuda(0), d), &truth),
-                errs(&run(Device::Cpu, d), &truth),
+            DType::F32
+        };
+        let truth = run(Device::Cpu, truth_dtype);
+        let (e_gpu, e_cpu) = (
+            errs(&run(Device::Cuda(0), d), &truth),
+            errs(&run(Device::Cpu, d), &truth),
+        );
+        println!(
+            "resnet18 {d}: worst GPU vs {truth_dtype} {what}: {:?}; CPU vs {truth_dtype}: {:?}",
+            worst(&e_gpu),
+            worst(&e_cpu)
+        );
+        let slack = if d == DType::F32 { 1e-4 } else { tol(d) };
+        for (k, (g, c)) in e_gpu.iter().zip(&e_cpu).enumerate() {
+            assert!(
+                *g <= 2.0 * c + slack,
+                "resnet18 {d}: {what} {k}: GPU {g:e} from the {truth_dtype} truth, CPU {c:e}"
             );
-            println!(
-                "resnet18 {d}: worst GPU vs f32 {what}: {:?}; CPU vs f32: {:?}",
-                worst(&e_gpu),
-                worst(&e_cpu)
-            );
-            for (k, (g, c)) in e_gpu.iter().zip(&e_cpu).enumerate() {
-                assert!(
-                    *g <= 2.0 * c + tol(d),
-                    "resnet18 {d}: {what} {k}: GPU {g:e} from the f32 truth, CPU {c:e}"
-                );
-            }
         }
     }
 }
