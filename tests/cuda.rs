@@ -611,7 +611,20 @@ fn batch_norm_train_and_backward() {
     gpu();
     for d in DTYPES {
         // (Not 2 values per channel: there dx is eps-sized cancellation, no test of anything.)
-        for (n, c, spatial) in [(8, 16, 49), (6, 3, 1), (32, 4, 1024)] {
+        // bn_fwd's geometry (on a 132-SM H100/H200): one block per channel; 4 blocks per channel;
+        // teams taking several channels one after the other, with 1 and 2 blocks each (a mean of
+        // 30 against a spread of 0.5 in the second); a channel larger than all shared memory, in
+        // 16-byte units and in single values (the excess re-read).
+        let shapes = [
+            (8, 16, 49, 0.5),
+            (6, 3, 1, 0.5),
+            (32, 4, 1024, 0.5),
+            (16, 300, 64, 0.5),
+            (8, 80, 4096, 30.0),
+            (2, 2, 2_500_000, 0.5),
+            (2, 2, 2_500_001, 0.5),
+        ];
+        for (n, c, spatial, shift) in shapes {
             let p = BatchNormParams {
                 n,
                 c,
@@ -619,15 +632,28 @@ fn batch_norm_train_and_backward() {
                 eps: 1e-5,
                 momentum: 0.1,
             };
-            let x = randn(n * c * spatial, d).affine(2.0, 0.5).unwrap();
+            let spread = if shift > 1.0 { 0.5 } else { 2.0 };
+            let x = randn(n * c * spatial, d).affine(spread, shift).unwrap();
             let (w, b) = (f32s(&randn(c, DType::F32)), f32s(&randn(c, DType::F32)));
-            let (mut rm, mut rv) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+            let (rm_in, rv_in) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+            let (mut rm, mut rv) = (rm_in.clone(), rv_in.clone());
             let (mut grm, mut grv) = (up(&rm), up(&rv));
             let (y, mean, invstd) = x.batch_norm_train(&w, &b, &mut rm, &mut rv, &p).unwrap();
             let (gy, gmean, ginvstd) = up(&x)
                 .batch_norm_train(&up(&w), &up(&b), &mut grm, &mut grv, &p)
                 .unwrap();
             let what = format!("batch_norm {d} {n}x{c}x{spatial}");
+            // The blocks of a channel wait for each other: a race would move the result.
+            let (mut grm2, mut grv2) = (up(&rm_in), up(&rv_in));
+            let (gy2, gmean2, _) = up(&x)
+                .batch_norm_train(&up(&w), &up(&b), &mut grm2, &mut grv2, &p)
+                .unwrap();
+            check_exact(&format!("{what} y, run twice"), &gy2, &gy.to_cpu().unwrap());
+            check_exact(
+                &format!("{what} mean, run twice"),
+                &gmean2,
+                &gmean.to_cpu().unwrap(),
+            );
             check(&format!("{what} y"), &gy, &y, tol(d) * 2.0);
             check(&format!("{what} mean"), &gmean, &mean, 1e-4);
             check(&format!("{what} invstd"), &ginvstd, &invstd, 1e-4);
