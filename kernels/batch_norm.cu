@@ -27,21 +27,23 @@ template <typename A> __device__ __forceinline__ Welford<A> wf_merge(Welford<A> 
 // ---- forward ------------------------------------------------------------------------------------
 //
 // A channel's m = n·spatial values are cut into P equal slices, one per block of a team; team t
-// takes channels t, t + T, t + 2T, ... (T teams, grid = T·P blocks). The launch is cooperative
-// (every block resident), so a block may wait for the other blocks of its team. Per channel a
-// block:
-//   1. reads its slice of x once, into shared memory (what does not fit stays in L2 and is read
-//      again in step 3), and sums d = x − K and d² with a shift K (the slice's first value):
-//      mean_b = K + Σd/n_b and M2_b = Σd² − (Σd)²/n_b, whose terms stay near M2_b in size
-//      (unlike Σx² − (Σx)²/n when the mean is large against the spread);
-//   2. publishes (n_b, mean_b, M2_b) and counts itself in on the channel's arrival counter;
-//   3. waits until the P blocks of its team have arrived, merges their moments in a fixed order
-//      (so every block gets the same mean and variance: Chan's merge, as above), and writes
-//      y = x·scale + shift, scale = w/√(var + eps), shift = b − mean·scale, from shared memory.
-// Shared memory holds two slices: step 3 of a channel runs after steps 1–2 of the block's next
-// channel, so by the time a block waits, its team has long arrived: the wait costs nothing.
-// Statistics are in the acc type whatever T; var is the biased one (÷m) for normalising, the
-// running variance takes the unbiased one (÷(m − 1)), as PyTorch does.
+// takes channels t, t + T, t + 2T, ... (T teams, grid = T·P blocks, all resident at once, so
+// that a block may wait for the other blocks of its team). A block is two groups of warps that
+// work on two channels at once:
+//   readers: read the block's slice of the next channel once, into shared memory (what does not
+//     fit stays in L2 and the writers read it again), summing d = x − K and d² with a shift K
+//     (the slice's first value): mean_b = K + Σd/n_b and M2_b = Σd² − (Σd)²/n_b, whose terms
+//     stay near M2_b in size (unlike Σx² − (Σx)²/n when the mean is large against the spread).
+//     They publish (n_b, mean_b, M2_b) and count the block in on the channel's arrival counter.
+//   writers: for the channel the readers gathered one step earlier, wait until the team's P
+//     blocks have arrived, merge their moments in a fixed order (Chan's merge, above: every block
+//     gets the same mean and variance) and write y = x·scale + shift from shared memory, with
+//     scale = w/√(var + eps), shift = b − mean·scale.
+// Shared memory holds two slices, one per group; the groups swap them at a block barrier after
+// each step. The wait, the merge and the readers' reduction each overlap the other group's
+// streaming, so that memory stays busy. Statistics are in the acc type whatever T; var is the
+// biased one (÷m) for normalising, the running variance takes the unbiased one (÷(m − 1)), as
+// PyTorch does.
 
 // N values of T, read and written as one access (16 bytes when N = 16 / sizeof(T)).
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
@@ -65,16 +67,27 @@ struct Cursor {
     }
 };
 
-// Units in flight per thread (independent loads issued before their first use).
-#define BN_UNROLL 8
+// Threads per group (readers are threads [0, BN_GROUP), writers the rest); ops.rs launches bn_fwd
+// with BN_THREADS.
+#define BN_GROUP 256
+#define BN_THREADS (2 * BN_GROUP)
 
-// Threads per block of bn_fwd (ops.rs launches it with as many): 512 keep 8 loads of 16 bytes in
-// flight each (64 KB per SM) in under 128 registers, no spills.
-#define BN_THREADS 512
+// A barrier for one group (ids 1 and 2; __syncthreads is barrier 0).
+__device__ __forceinline__ void group_sync(int id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(BN_GROUP) : "memory");
+}
+__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void add_release(unsigned long long* p) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(1ull) : "memory");
+}
 
 struct BnFwd {
     u64 n, c, sp, P, T;
-    u64 cap;  // units of one slice that shared memory holds (it holds two slices)
+    u64 cap;  // units of a block's slice that one of its two shared-memory buffers holds
     double eps, momentum;
 };
 
@@ -85,35 +98,41 @@ __device__ void bn_fwd(BnFwd p, const T* x_, const typename Num<T>::acc* w, cons
                        unsigned long long* arrived) {
     typedef typename Num<T>::acc A;
     typedef Vec<T, N> V;
+    const int W = BN_GROUP / 32;  // warps per group
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ A red[32];
+    __shared__ A sums[W][2];
+    __shared__ Welford<A> moments[W];
     __shared__ A coef[2];
     const V* __restrict__ x = (const V*)x_;
     V* __restrict__ y = (V*)y_;
     const u64 spn = p.sp / N, M = p.n * spn;  // units per row, per channel
     const u64 team = blockIdx.x / p.P, r = blockIdx.x % p.P;
     const u64 per = (M + p.P - 1) / p.P, lo = r * per < M ? r * per : M, hi = lo + per < M ? lo + per : M;
-    const u64 B = blockDim.x;
+    const bool reader = threadIdx.x < BN_GROUP;
+    const unsigned t = threadIdx.x % BN_GROUP, lane = t % 32, warp = t / 32;
+    // Loads each reader keeps in flight before their first use (16 bytes each: 64 KB per block;
+    // 32 KB for f64, whose wider sums would spill past 128 registers).
+    const int U = sizeof(A) == 8 ? 8 : 16;
 
-    // Steps 1 and 2 for channel ch into slice buffer `slot`.
+    // Readers: the block's slice of channel ch into `slot`, its moments published.
     auto gather = [&](u64 ch, V* slot) {
         A K = 0, s1 = 0, s2 = 0;
         if (lo < hi) K = Num<T>::to(x[Cursor(lo, spn).at(p.c, ch, spn)].v[0]);
-        u64 k = lo + threadIdx.x;
+        u64 k = lo + t;
         if (k < hi) {
             Cursor cur(k, spn);
             while (k < hi) {
                 const u64 k0 = k;
-                V v[BN_UNROLL];
+                V v[U];
 #pragma unroll
-                for (int u = 0; u < BN_UNROLL; u++) {
+                for (int u = 0; u < U; u++) {
                     if (k < hi) v[u] = x[cur.at(p.c, ch, spn)];
-                    k += B;
-                    cur.step(B, spn);
+                    k += BN_GROUP;
+                    cur.step(BN_GROUP, spn);
                 }
 #pragma unroll
-                for (int u = 0; u < BN_UNROLL; u++) {
-                    const u64 kk = k0 + u * B;
+                for (int u = 0; u < U; u++) {
+                    const u64 kk = k0 + u * BN_GROUP;
                     if (kk >= hi) break;
                     if (kk - lo < p.cap) slot[kk - lo] = v[u];
 #pragma unroll
@@ -125,63 +144,77 @@ __device__ void bn_fwd(BnFwd p, const T* x_, const typename Num<T>::acc* w, cons
                 }
             }
         }
-        s1 = block_reduce(s1, [](A a, A c) { return a + c; }, (A)0, red);
-        s2 = block_reduce(s2, [](A a, A c) { return a + c; }, (A)0, red);
-        if (threadIdx.x == 0) {
-            A nb = (A)((hi - lo) * N);
+        s1 = warp_reduce(s1, [](A a, A c) { return a + c; });
+        s2 = warp_reduce(s2, [](A a, A c) { return a + c; });
+        if (lane == 0) {
+            sums[warp][0] = s1;
+            sums[warp][1] = s2;
+        }
+        group_sync(1);
+        if (t == 0) {
+            A S1 = 0, S2 = 0;
+            for (int q = 0; q < W; q++) {
+                S1 += sums[q][0];
+                S2 += sums[q][1];
+            }
+            const A nb = (A)((hi - lo) * N);
             A* q = part + 3 * (ch * p.P + r);
             q[0] = nb;
-            q[1] = nb > (A)0 ? K + s1 / nb : (A)0;
-            q[2] = nb > (A)0 ? s2 - s1 * (s1 / nb) : (A)0;
-            __threadfence();
-            atomicAdd(arrived + ch, 1ull);
+            q[1] = nb > (A)0 ? K + S1 / nb : (A)0;
+            q[2] = nb > (A)0 ? S2 - S1 * (S1 / nb) : (A)0;
+            add_release(arrived + ch);  // orders the three stores before the count
         }
     };
 
-    // Step 3 for channel ch from slice buffer `slot`.
+    // Writers: y for channel ch from `slot`, once the team's moments are all in.
     auto normalise = [&](u64 ch, const V* slot) {
-        if (threadIdx.x < 32) {
-            while (*(volatile unsigned long long*)(arrived + ch) < p.P) {
-            }
-            __threadfence();
-            const volatile A* q = part + 3 * ch * p.P;
-            Welford<A> st = {0, 0, 0};
-            for (u64 k = threadIdx.x; k < p.P; k += 32) {
-                Welford<A> o = {q[3 * k], q[3 * k + 1], q[3 * k + 2]};
-                st = wf_merge(st, o);
-            }
+        if (t == 0) {
+            // Seconds of polling mean a block that never comes (a grid that was not all
+            // resident): an error, not a hang.
+            for (unsigned spins = 0; load_acquire(arrived + ch) < p.P; spins++)
+                if (spins == 1u << 24) __trap();
+        }
+        group_sync(2);
+        const volatile A* q = part + 3 * ch * p.P;  // volatile: past L1, written by other SMs
+        Welford<A> st = {0, 0, 0};
+        for (u64 k = t; k < p.P; k += BN_GROUP) {
+            Welford<A> o = {q[3 * k], q[3 * k + 1], q[3 * k + 2]};
+            st = wf_merge(st, o);
+        }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                Welford<A> other;
-                other.count = __shfl_down_sync(0xffffffffu, st.count, o);
-                other.mean = __shfl_down_sync(0xffffffffu, st.mean, o);
-                other.m2 = __shfl_down_sync(0xffffffffu, st.m2, o);
-                st = wf_merge(st, other);
-            }
-            if (threadIdx.x == 0) {
-                const u64 m = p.n * p.sp;
-                A var = m > 0 ? st.m2 / (A)m : (A)0;
-                A invstd = (A)1 / m_sqrt(var + (A)p.eps);
-                A scale = w[ch] * invstd;
-                coef[0] = scale;
-                coef[1] = b[ch] - st.mean * scale;
-                if (r == 0) {
-                    mean_out[ch] = st.mean;
-                    invstd_out[ch] = invstd;
-                    A mom = (A)p.momentum;
-                    A unbiased = m > 1 ? st.m2 / (A)(m - 1) : var;
-                    rm[ch] = ((A)1 - mom) * rm[ch] + mom * st.mean;
-                    rv[ch] = ((A)1 - mom) * rv[ch] + mom * unbiased;
-                }
+        for (int o = 16; o > 0; o >>= 1) {
+            Welford<A> other;
+            other.count = __shfl_xor_sync(0xffffffffu, st.count, o);
+            other.mean = __shfl_xor_sync(0xffffffffu, st.mean, o);
+            other.m2 = __shfl_xor_sync(0xffffffffu, st.m2, o);
+            st = wf_merge(st, other);
+        }
+        if (lane == 0) moments[warp] = st;
+        group_sync(2);
+        if (t == 0) {
+            st = moments[0];
+            for (int k = 1; k < W; k++) st = wf_merge(st, moments[k]);
+            const u64 m = p.n * p.sp;
+            A var = m > 0 ? st.m2 / (A)m : (A)0;
+            A invstd = (A)1 / m_sqrt(var + (A)p.eps);
+            A scale = w[ch] * invstd;
+            coef[0] = scale;
+            coef[1] = b[ch] - st.mean * scale;
+            if (r == 0) {
+                mean_out[ch] = st.mean;
+                invstd_out[ch] = invstd;
+                A mom = (A)p.momentum;
+                A unbiased = m > 1 ? st.m2 / (A)(m - 1) : var;
+                rm[ch] = ((A)1 - mom) * rm[ch] + mom * st.mean;
+                rv[ch] = ((A)1 - mom) * rv[ch] + mom * unbiased;
             }
         }
-        __syncthreads();
+        group_sync(2);
         const A scale = coef[0], shift = coef[1];
-        __syncthreads();  // coef is rewritten for the next channel
         // Values from shared memory need no loads in flight; the few from L2 get by without.
-        u64 k = lo + threadIdx.x;
+        u64 k = lo + t;
         if (k >= hi) return;
-        for (Cursor cur(k, spn); k < hi; k += B, cur.step(B, spn)) {
+        for (Cursor cur(k, spn); k < hi; k += BN_GROUP, cur.step(BN_GROUP, spn)) {
             const u64 at = cur.at(p.c, ch, spn);
             const V v = k - lo < p.cap ? slot[k - lo] : x[at];
             V o;
@@ -191,14 +224,15 @@ __device__ void bn_fwd(BnFwd p, const T* x_, const typename Num<T>::acc* w, cons
         }
     };
 
-    // Slice buffer of the block's it-th channel: the two halves of shared memory in turn.
-    auto slot = [&](u64 it) { return (V*)smem + (it & 1) * p.cap; };
-    u64 it = 0;
-    for (u64 ch = team; ch < p.c; ch += p.T, it++) {
-        gather(ch, slot(it));
-        if (it > 0) normalise(ch - p.T, slot(it - 1));
+    // Step s: the readers gather the team's s-th channel into buffer s mod 2 while the writers
+    // normalise the (s−1)-th from the other buffer; the barrier hands the buffers over.
+    auto slot = [&](u64 s) { return (V*)smem + (s & 1) * p.cap; };
+    for (u64 s = 0, ch = team;; s++, ch += p.T) {
+        if (reader && ch < p.c) gather(ch, slot(s));
+        if (!reader && s > 0) normalise(ch - p.T, slot(s - 1));
+        __syncthreads();
+        if (ch >= p.c) break;
     }
-    if (it > 0) normalise(team + (it - 1) * p.T, slot(it - 1));
 }
 
 // Iterates the values of channel `ch` with flat index k in [lo, hi) over (batch i, spatial j),

@@ -121,7 +121,12 @@ pub(crate) fn launch_cooperative(
     }
     .map_err(|e| {
         cuda_err(
-            &format!("launching {name} ({}.cu, cooperative)", f.name()),
+            &format!(
+                "launching {name} ({}.cu, cooperative: {} blocks of {}, {shared} B shared)",
+                f.name(),
+                grid.blocks,
+                grid.threads
+            ),
             e,
         )
     })

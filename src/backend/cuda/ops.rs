@@ -330,26 +330,34 @@ impl CudaStorage {
             .get_attribute(Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
             .map_err(|e| cuda_err("batch_norm: reading bn_fwd's shared memory", e))?
             as usize;
-        let max_cap =
-            ((self.dev.smem_per_block as usize).saturating_sub(static_smem) / 2 / unit).max(1);
+        let max_shared = (self.dev.smem_per_block as usize).saturating_sub(static_smem);
+        let max_cap = (max_shared / 2 / unit).max(1);
         let shared = |blocks: usize| 2 * units.div_ceil(blocks).clamp(1, max_cap) * unit;
-        let fit = units.div_ceil(max_cap).max(1);
+        // The same limit on every call (calls on other threads may be planning the same kernel),
+        // and all of the L1/shared split to shared memory.
         func.set_attribute(
             Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shared(fit) as i32,
+            max_shared as i32,
         )
         .map_err(|e| cuda_err("batch_norm: raising bn_fwd's shared memory limit", e))?;
-        // Blocks resident at once with the largest buffers this input needs (smaller later).
+        func.set_attribute(
+            Attr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+        )
+        .map_err(|e| cuda_err("batch_norm: bn_fwd's shared memory carveout", e))?;
+        // Blocks resident at once with the largest buffers this input can ask for (one block per
+        // channel); more blocks per channel only shrink them.
         let per_sm =
-            func.occupancy_max_active_blocks_per_multiprocessor(BN_FWD_THREADS, shared(fit), None)
+            func.occupancy_max_active_blocks_per_multiprocessor(BN_FWD_THREADS, shared(1), None)
                 .map_err(|e| cuda_err("batch_norm: bn_fwd's occupancy", e))? as usize;
         if per_sm == 0 {
             return Err(Error::Cuda(format!(
                 "{op}: bn_fwd cannot run with {} bytes of shared memory",
-                shared(fit)
+                shared(1)
             )));
         }
         let total = per_sm * self.dev.sm_count as usize;
+        let fit = units.div_ceil(max_cap).max(1);
         let small = units.div_ceil(BN_MIN_UNITS).max(1);
         let mut blocks = fit.max(small.min(total.div_ceil(p.c))).min(total);
         let teams = p.c.min(total / blocks);
