@@ -4,6 +4,10 @@
 //! `benches/torch_ref.py` times the same operations through PyTorch for the comparison.
 //!
 //! Bytes are the fewest a kernel must move: each input read once, each output written once.
+//! Both sides time the same way (`common::time`: warm-up, then the median of 5 rounds of
+//! back-to-back calls) on the same data (uniform in [-1, 1)).
+//!
+//! An argument `bandwidth`, `matmul` or `conv` runs that section only (as torch_ref.py does).
 
 mod common;
 
@@ -27,14 +31,53 @@ fn rand(n: usize, d: DType, seed: u64) -> mixprec::Result<CudaStorage> {
     CudaStorage::from_cpu(&CpuStorage::F32(v), 0)?.to_dtype(d)
 }
 
+/// Whether the section `name` runs: every section without an argument.
+fn section(name: &str) -> bool {
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    only.is_empty() || only.iter().any(|a| a == name)
+}
+
+/// The file a loaded library came from (`/proc/self/maps`), to tell which cuBLAS ran.
+fn loaded(lib: &str) -> String {
+    std::fs::read_to_string("/proc/self/maps")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .filter_map(|l| l.split_whitespace().nth(5))
+                .find(|p| p.contains(lib))
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| format!("{lib}: not loaded"))
+}
+
 fn run() -> mixprec::Result<()> {
-    let n: usize = 1 << 28;
     let dev = device(0)?;
     println!(
         "device cuda:0 sm_{}{}",
         dev.compute_capability().0,
         dev.compute_capability().1
     );
+    if section("bandwidth") {
+        bandwidth()?;
+    }
+    if section("matmul") {
+        matmul()?;
+    }
+    if section("conv") {
+        conv()?;
+    }
+    Ok(())
+}
+
+fn tflops_row(name: String, t: f64, flops: f64) {
+    println!("{:<34} {:>10.3} {:>12.1}", name, t * 1e3, flops / t / 1e12);
+}
+
+fn bandwidth() -> mixprec::Result<()> {
+    let n: usize = 1 << 28;
     let x32 = rand(n, DType::F32, 1)?;
     let y32 = rand(n, DType::F32, 2)?;
     let x16 = x32.to_dtype(DType::F16)?;
@@ -119,12 +162,11 @@ fn run() -> mixprec::Result<()> {
         })?,
         4 * n,
     );
-    drop((x32, y32, x16, y16));
+    Ok(())
+}
 
+fn matmul() -> mixprec::Result<()> {
     println!("{:<34} {:>10} {:>12}", "compute", "ms", "TFLOP/s");
-    let tflops_row = |name: String, t: f64, flops: f64| {
-        println!("{:<34} {:>10.3} {:>12.1}", name, t * 1e3, flops / t / 1e12);
-    };
     let m = 8192;
     for d in [DType::F16, DType::BF16] {
         let a = rand(m * m, d, 3)?;
@@ -139,9 +181,15 @@ fn run() -> mixprec::Result<()> {
             a_batch_stride: m * m,
             b_batch_stride: m * m,
         };
-        let t = time(3, 20, || a.matmul(&bm, &dims).map(|_| ()))?;
+        let t = time(10, 20, || a.matmul(&bm, &dims).map(|_| ()))?;
         tflops_row(format!("matmul {d} 8192^3"), t, 2.0 * (m as f64).powi(3));
     }
+    println!("cuBLAS: {}", loaded("libcublas"));
+    Ok(())
+}
+
+fn conv() -> mixprec::Result<()> {
+    println!("{:<34} {:>10} {:>12}", "compute", "ms", "TFLOP/s");
     // ResNet-50 convolutions (batch 64): layer1 3x3 64→64 @56², layer3 3x3 256→256 @14², conv1 7x7/2.
     // Batch 64, square inputs, no dilation or groups.
     let conv = |c_in, hw, c_out, k, stride, pad| Conv2dParams {

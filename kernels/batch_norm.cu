@@ -1,11 +1,14 @@
 // batch_norm.cu: training-mode batch norm over [n, c, spatial] with f32 statistics (f64 for f64).
-// Parameters and statistics are of the acc type. Three launches each way, so that every SM
-// works whatever the channel count:
+// Parameters and statistics are of the acc type.
+//
+// Forward: one persistent kernel that reads x once and writes y once (see bn_fwd below).
+// Backward: three launches, so that every SM works whatever the channel count:
 //   partial: grid (c × S) blocks, block (ch, s) reduces its 1/S of the channel's n·spatial values;
-//   finalize: one thread per channel merges the S partials (and updates running statistics);
+//   finalize: one thread per channel merges the S partials;
 //   apply: elementwise over the tensor with per-channel coefficients, 16-byte packs.
 
-// Welford state merged across threads (Chan et al.).
+// Moments of a set of values: count, mean, and M2 = Σ(x − mean)². Two sets merge exactly
+// (Chan, Golub & LeVeque): the merged mean moves by d·n_b/n, and M2 gains d²·n_a·n_b/n.
 template <typename A> struct Welford {
     A count, mean, m2;
 };
@@ -21,33 +24,216 @@ template <typename A> __device__ __forceinline__ Welford<A> wf_merge(Welford<A> 
     return r;
 }
 
-template <typename A> __device__ Welford<A> wf_block(Welford<A> w, A* sh /* 3*32 */) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        Welford<A> b;
-        b.count = __shfl_xor_sync(0xffffffffu, w.count, o);
-        b.mean = __shfl_xor_sync(0xffffffffu, w.mean, o);
-        b.m2 = __shfl_xor_sync(0xffffffffu, w.m2, o);
-        w = wf_merge(w, b);
-    }
-    __syncthreads();
-    if (lane == 0) { sh[warp] = w.count; sh[32 + warp] = w.mean; sh[64 + warp] = w.m2; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        Welford<A> t = {sh[0], sh[32], sh[64]};
-        for (int k = 1; k < nw; k++) {
-            Welford<A> b = {sh[k], sh[32 + k], sh[64 + k]};
-            t = wf_merge(t, b);
+// ---- forward ------------------------------------------------------------------------------------
+//
+// A channel's m = n·spatial values are cut into P equal slices, one per block of a team; team t
+// takes channels t, t + T, t + 2T, ... (T teams, grid = T·P blocks, all resident at once, so
+// that a block may wait for the other blocks of its team). A block is two groups of warps that
+// work on two channels at once:
+//   readers: read the block's slice of the next channel once, into shared memory (what does not
+//     fit stays in L2 and the writers read it again), summing d = x − K and d² with a shift K
+//     (the slice's first value): mean_b = K + Σd/n_b and M2_b = Σd² − (Σd)²/n_b, whose terms
+//     stay near M2_b in size (unlike Σx² − (Σx)²/n when the mean is large against the spread).
+//     They publish (n_b, mean_b, M2_b) and count the block in on the channel's arrival counter.
+//   writers: for the channel the readers gathered one step earlier, wait until the team's P
+//     blocks have arrived, merge their moments in a fixed order (Chan's merge, above: every block
+//     gets the same mean and variance) and write y = x·scale + shift from shared memory, with
+//     scale = w/√(var + eps), shift = b − mean·scale.
+// Shared memory holds two slices, one per group; the groups swap them at a block barrier after
+// each step. The wait, the merge and the readers' reduction each overlap the other group's
+// streaming, so that memory stays busy. Statistics are in the acc type whatever T; var is the
+// biased one (÷m) for normalising, the running variance takes the unbiased one (÷(m − 1)), as
+// PyTorch does.
+
+// N values of T, read and written as one access (16 bytes when N = 16 / sizeof(T)).
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
+    T v[N];
+};
+
+// Unit k of a channel (units of N values; a row of the channel holds spn = spatial/N units) lies
+// at ((i·c + ch)·spn + j) for k = i·spn + j. Stepping by s moves (i, j) without a division per
+// step when s < spn.
+struct Cursor {
+    u64 i, j;
+    __device__ __forceinline__ Cursor(u64 k, u64 spn) : i(k / spn), j(k % spn) {}
+    __device__ __forceinline__ u64 at(u64 c, u64 ch, u64 spn) const { return (i * c + ch) * spn + j; }
+    __device__ __forceinline__ void step(u64 s, u64 spn) {
+        j += s;
+        if (j >= spn) {
+            u64 q = j / spn;
+            i += q;
+            j -= q * spn;
         }
-        sh[0] = t.count; sh[32] = t.mean; sh[64] = t.m2;
     }
-    __syncthreads();
-    Welford<A> r = {sh[0], sh[32], sh[64]};
-    __syncthreads();
-    return r;
+};
+
+// Threads per group (readers are threads [0, BN_GROUP), writers the rest); ops.rs launches bn_fwd
+// with BN_THREADS.
+#define BN_GROUP 256
+#define BN_THREADS (2 * BN_GROUP)
+
+// A barrier for one group (ids 1 and 2; __syncthreads is barrier 0).
+__device__ __forceinline__ void group_sync(int id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(BN_GROUP) : "memory");
+}
+__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void add_release(unsigned long long* p) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(1ull) : "memory");
 }
 
+struct BnFwd {
+    u64 n, c, sp, P, T;
+    u64 cap;  // units of a block's slice that one of its two shared-memory buffers holds
+    double eps, momentum;
+};
+
+template <typename T, int N>
+__device__ void bn_fwd(BnFwd p, const T* x_, const typename Num<T>::acc* w, const typename Num<T>::acc* b,
+                       typename Num<T>::acc* rm, typename Num<T>::acc* rv, typename Num<T>::acc* mean_out,
+                       typename Num<T>::acc* invstd_out, T* y_, typename Num<T>::acc* part,
+                       unsigned long long* arrived) {
+    typedef typename Num<T>::acc A;
+    typedef Vec<T, N> V;
+    const int W = BN_GROUP / 32;  // warps per group
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ A sums[W][2];
+    __shared__ Welford<A> moments[W];
+    __shared__ A coef[2];
+    const V* __restrict__ x = (const V*)x_;
+    V* __restrict__ y = (V*)y_;
+    const u64 spn = p.sp / N, M = p.n * spn;  // units per row, per channel
+    const u64 team = blockIdx.x / p.P, r = blockIdx.x % p.P;
+    const u64 per = (M + p.P - 1) / p.P, lo = r * per < M ? r * per : M, hi = lo + per < M ? lo + per : M;
+    const bool reader = threadIdx.x < BN_GROUP;
+    const unsigned t = threadIdx.x % BN_GROUP, lane = t % 32, warp = t / 32;
+    // Loads each reader keeps in flight before their first use (16 bytes each: 64 KB per block;
+    // 32 KB for f64, whose wider sums would spill past 128 registers).
+    const int U = sizeof(A) == 8 ? 8 : 16;
+
+    // Readers: the block's slice of channel ch into `slot`, its moments published.
+    auto gather = [&](u64 ch, V* slot) {
+        A K = 0, s1 = 0, s2 = 0;
+        if (lo < hi) K = Num<T>::to(x[Cursor(lo, spn).at(p.c, ch, spn)].v[0]);
+        u64 k = lo + t;
+        if (k < hi) {
+            Cursor cur(k, spn);
+            while (k < hi) {
+                const u64 k0 = k;
+                V v[U];
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (k < hi) v[u] = x[cur.at(p.c, ch, spn)];
+                    k += BN_GROUP;
+                    cur.step(BN_GROUP, spn);
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const u64 kk = k0 + u * BN_GROUP;
+                    if (kk >= hi) break;
+                    if (kk - lo < p.cap) slot[kk - lo] = v[u];
+#pragma unroll
+                    for (int e = 0; e < N; e++) {
+                        A d = Num<T>::to(v[u].v[e]) - K;
+                        s1 += d;
+                        s2 += d * d;
+                    }
+                }
+            }
+        }
+        s1 = warp_reduce(s1, [](A a, A c) { return a + c; });
+        s2 = warp_reduce(s2, [](A a, A c) { return a + c; });
+        if (lane == 0) {
+            sums[warp][0] = s1;
+            sums[warp][1] = s2;
+        }
+        group_sync(1);
+        if (t == 0) {
+            A S1 = 0, S2 = 0;
+            for (int q = 0; q < W; q++) {
+                S1 += sums[q][0];
+                S2 += sums[q][1];
+            }
+            const A nb = (A)((hi - lo) * N);
+            A* q = part + 3 * (ch * p.P + r);
+            q[0] = nb;
+            q[1] = nb > (A)0 ? K + S1 / nb : (A)0;
+            q[2] = nb > (A)0 ? S2 - S1 * (S1 / nb) : (A)0;
+            add_release(arrived + ch);  // orders the three stores before the count
+        }
+    };
+
+    // Writers: y for channel ch from `slot`, once the team's moments are all in.
+    auto normalise = [&](u64 ch, const V* slot) {
+        if (t == 0) {
+            // Seconds of polling mean a block that never comes (a grid that was not all
+            // resident): an error, not a hang.
+            for (unsigned spins = 0; load_acquire(arrived + ch) < p.P; spins++)
+                if (spins == 1u << 24) __trap();
+        }
+        group_sync(2);
+        const volatile A* q = part + 3 * ch * p.P;  // volatile: past L1, written by other SMs
+        Welford<A> st = {0, 0, 0};
+        for (u64 k = t; k < p.P; k += BN_GROUP) {
+            Welford<A> o = {q[3 * k], q[3 * k + 1], q[3 * k + 2]};
+            st = wf_merge(st, o);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            Welford<A> other;
+            other.count = __shfl_xor_sync(0xffffffffu, st.count, o);
+            other.mean = __shfl_xor_sync(0xffffffffu, st.mean, o);
+            other.m2 = __shfl_xor_sync(0xffffffffu, st.m2, o);
+            st = wf_merge(st, other);
+        }
+        if (lane == 0) moments[warp] = st;
+        group_sync(2);
+        if (t == 0) {
+            st = moments[0];
+            for (int k = 1; k < W; k++) st = wf_merge(st, moments[k]);
+            const u64 m = p.n * p.sp;
+            A var = m > 0 ? st.m2 / (A)m : (A)0;
+            A invstd = (A)1 / m_sqrt(var + (A)p.eps);
+            A scale = w[ch] * invstd;
+            coef[0] = scale;
+            coef[1] = b[ch] - st.mean * scale;
+            if (r == 0) {
+                mean_out[ch] = st.mean;
+                invstd_out[ch] = invstd;
+                A mom = (A)p.momentum;
+                A unbiased = m > 1 ? st.m2 / (A)(m - 1) : var;
+                rm[ch] = ((A)1 - mom) * rm[ch] + mom * st.mean;
+                rv[ch] = ((A)1 - mom) * rv[ch] + mom * unbiased;
+            }
+        }
+        group_sync(2);
+        const A scale = coef[0], shift = coef[1];
+        // Values from shared memory need no loads in flight; the few from L2 get by without.
+        u64 k = lo + t;
+        if (k >= hi) return;
+        for (Cursor cur(k, spn); k < hi; k += BN_GROUP, cur.step(BN_GROUP, spn)) {
+            const u64 at = cur.at(p.c, ch, spn);
+            const V v = k - lo < p.cap ? slot[k - lo] : x[at];
+            V o;
+#pragma unroll
+            for (int e = 0; e < N; e++) o.v[e] = Num<T>::from(Num<T>::to(v.v[e]) * scale + shift);
+            y[at] = o;
+        }
+    };
+
+    // Step s: the readers gather the team's s-th channel into buffer s mod 2 while the writers
+    // normalise the (s−1)-th from the other buffer; the barrier hands the buffers over.
+    auto slot = [&](u64 s) { return (V*)smem + (s & 1) * p.cap; };
+    for (u64 s = 0, ch = team;; s++, ch += p.T) {
+        if (reader && ch < p.c) gather(ch, slot(s));
+        if (!reader && s > 0) normalise(ch - p.T, slot(s - 1));
+        __syncthreads();
+        if (ch >= p.c) break;
+    }
+}
 
 // Iterates the values of channel `ch` with flat index k in [lo, hi) over (batch i, spatial j),
 // stepping by blockDim.x; the (i, j) cursor moves without a division per element.
@@ -65,55 +251,6 @@ __device__ __forceinline__ void channel_range(u64 c, u64 sp, u64 ch, u64 lo, u64
             i += q;
             j -= q * sp;
         }
-    }
-}
-
-template <typename T>
-__device__ void bn_partial(u64 n, u64 c, u64 sp, u64 S, const T* x, typename Num<T>::acc* part) {
-    typedef typename Num<T>::acc A;
-    __shared__ A sh[96];
-    for (u64 b = blockIdx.x; b < c * S; b += gridDim.x) {
-        u64 ch = b / S, s = b - ch * S;
-        u64 m = n * sp, per = (m + S - 1) / S;
-        u64 lo = s * per, hi = lo + per < m ? lo + per : m;
-        Welford<A> st = {0, 0, 0};
-        channel_range(c, sp, ch, lo, hi, [&](u64 at) {
-            A v = Num<T>::to(x[at]);
-            st.count += (A)1;
-            A d = v - st.mean;
-            st.mean += d / st.count;
-            st.m2 += d * (v - st.mean);
-        });
-        st = wf_block(st, sh);
-        if (threadIdx.x == 0) {
-            part[3 * b] = st.count;
-            part[3 * b + 1] = st.mean;
-            part[3 * b + 2] = st.m2;
-        }
-    }
-}
-
-// coef[2·ch] = scale, coef[2·ch+1] = shift.
-template <typename A>
-__device__ void bn_finalize(u64 c, u64 S, u64 m, const A* part, const A* w, const A* b, A* rm, A* rv,
-                            A* mean_out, A* invstd_out, A* coef, double eps, double momentum) {
-    for (u64 ch = global_tid(); ch < c; ch += global_stride()) {
-        Welford<A> st = {0, 0, 0};
-        for (u64 s = 0; s < S; s++) {
-            Welford<A> p = {part[3 * (ch * S + s)], part[3 * (ch * S + s) + 1], part[3 * (ch * S + s) + 2]};
-            st = wf_merge(st, p);
-        }
-        A var = m > 0 ? st.m2 / (A)m : (A)0;
-        A invstd = (A)1 / m_sqrt(var + (A)eps);
-        A scale = w[ch] * invstd;
-        coef[2 * ch] = scale;
-        coef[2 * ch + 1] = b[ch] - st.mean * scale;
-        mean_out[ch] = st.mean;
-        invstd_out[ch] = invstd;
-        A mom = (A)momentum;
-        A unbiased = m > 1 ? st.m2 / (A)(m - 1) : var;
-        rm[ch] = ((A)1 - mom) * rm[ch] + mom * st.mean;
-        rv[ch] = ((A)1 - mom) * rv[ch] + mom * unbiased;
     }
 }
 
@@ -153,12 +290,6 @@ __device__ void per_channel_map(u64 rows, u64 c, u64 sp, const T* x, T* y, F f) 
             y[at] = Num<T>::from(f(Num<T>::to(x[at]), ch, at));
         }
     }
-}
-
-template <typename T>
-__device__ void bn_apply(u64 n, u64 c, u64 sp, const T* x, const typename Num<T>::acc* coef, T* y) {
-    typedef typename Num<T>::acc A;
-    per_channel_map(n * c, c, sp, x, y, [coef](A v, unsigned ch, u64) { return v * coef[2 * ch] + coef[2 * ch + 1]; });
 }
 
 // Backward partial sums per (channel, part): Σg and Σg·(x − mean).
@@ -222,21 +353,22 @@ __device__ void bn_bwd_apply(u64 n, u64 c, u64 sp, const T* g, const T* x, const
     });
 }
 
-#define BN(N, T)                                                                                   \
-    extern "C" __global__ void bn_partial_##N(u64 n, u64 c, u64 sp, u64 S, const T* x,             \
-                                              Num<T>::acc* part) {                                 \
-        bn_partial<T>(n, c, sp, S, x, part);                                                       \
+#define BN(NAME, T)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(BN_THREADS)                                             \
+        bn_fwd_##NAME(BnFwd p, const T* x, const Num<T>::acc* w, const Num<T>::acc* b,                \
+                   Num<T>::acc* rm, Num<T>::acc* rv, Num<T>::acc* mean, Num<T>::acc* invstd, T* y,  \
+                   Num<T>::acc* part, unsigned long long* arrived) {                               \
+        if (p.sp % Pack<T>::N == 0)                                                                \
+            bn_fwd<T, Pack<T>::N>(p, x, w, b, rm, rv, mean, invstd, y, part, arrived);             \
+        else                                                                                       \
+            bn_fwd<T, 1>(p, x, w, b, rm, rv, mean, invstd, y, part, arrived);                      \
     }                                                                                              \
-    extern "C" __global__ void bn_apply_##N(u64 n, u64 c, u64 sp, const T* x,                      \
-                                            const Num<T>::acc* coef, T* y) {                       \
-        bn_apply<T>(n, c, sp, x, coef, y);                                                         \
-    }                                                                                              \
-    extern "C" __global__ void bn_bwd_partial_##N(u64 n, u64 c, u64 sp, u64 S, const T* g,         \
+    extern "C" __global__ void bn_bwd_partial_##NAME(u64 n, u64 c, u64 sp, u64 S, const T* g,         \
                                                   const T* x, const Num<T>::acc* mean,             \
                                                   Num<T>::acc* part) {                             \
         bn_bwd_partial<T>(n, c, sp, S, g, x, mean, part);                                          \
     }                                                                                              \
-    extern "C" __global__ void bn_bwd_apply_##N(u64 n, u64 c, u64 sp, const T* g, const T* x,      \
+    extern "C" __global__ void bn_bwd_apply_##NAME(u64 n, u64 c, u64 sp, const T* g, const T* x,      \
                                                 const Num<T>::acc* coef, T* dx) {                  \
         bn_bwd_apply<T>(n, c, sp, g, x, coef, dx);                                                 \
     }
@@ -246,11 +378,6 @@ BN(f32, float)
 BN(f64, double)
 
 #define BN_ACC(N, A)                                                                               \
-    extern "C" __global__ void bn_finalize_##N(u64 c, u64 S, u64 m, const A* part, const A* w,     \
-                                               const A* b, A* rm, A* rv, A* mean, A* invstd,       \
-                                               A* coef, double eps, double momentum) {             \
-        bn_finalize<A>(c, S, m, part, w, b, rm, rv, mean, invstd, coef, eps, momentum);            \
-    }                                                                                              \
     extern "C" __global__ void bn_bwd_finalize_##N(u64 c, u64 S, u64 m, const A* part,            \
                                                    const A* w, const A* mean, const A* invstd,     \
                                                    A* dw, A* db, A* coef) {                        \

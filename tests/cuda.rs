@@ -611,7 +611,20 @@ fn batch_norm_train_and_backward() {
     gpu();
     for d in DTYPES {
         // (Not 2 values per channel: there dx is eps-sized cancellation, no test of anything.)
-        for (n, c, spatial) in [(8, 16, 49), (6, 3, 1), (32, 4, 1024)] {
+        // bn_fwd's geometry (on a 132-SM H100/H200): one block per channel; 4 blocks per channel;
+        // teams taking several channels one after the other, with 1 and 2 blocks each (a mean of
+        // 30 against a spread of 0.5 in the second); a channel larger than all shared memory, in
+        // 16-byte units and in single values (the excess re-read).
+        let shapes = [
+            (8, 16, 49, 0.5),
+            (6, 3, 1, 0.5),
+            (32, 4, 1024, 0.5),
+            (16, 300, 64, 0.5),
+            (8, 80, 4096, 30.0),
+            (2, 2, 2_500_000, 0.5),
+            (2, 2, 2_500_001, 0.5),
+        ];
+        for (n, c, spatial, shift) in shapes {
             let p = BatchNormParams {
                 n,
                 c,
@@ -619,15 +632,28 @@ fn batch_norm_train_and_backward() {
                 eps: 1e-5,
                 momentum: 0.1,
             };
-            let x = randn(n * c * spatial, d).affine(2.0, 0.5).unwrap();
+            let spread = if shift > 1.0 { 0.5 } else { 2.0 };
+            let x = randn(n * c * spatial, d).affine(spread, shift).unwrap();
             let (w, b) = (f32s(&randn(c, DType::F32)), f32s(&randn(c, DType::F32)));
-            let (mut rm, mut rv) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+            let (rm_in, rv_in) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+            let (mut rm, mut rv) = (rm_in.clone(), rv_in.clone());
             let (mut grm, mut grv) = (up(&rm), up(&rv));
             let (y, mean, invstd) = x.batch_norm_train(&w, &b, &mut rm, &mut rv, &p).unwrap();
             let (gy, gmean, ginvstd) = up(&x)
                 .batch_norm_train(&up(&w), &up(&b), &mut grm, &mut grv, &p)
                 .unwrap();
             let what = format!("batch_norm {d} {n}x{c}x{spatial}");
+            // The blocks of a channel wait for each other: a race would move the result.
+            let (mut grm2, mut grv2) = (up(&rm_in), up(&rv_in));
+            let (gy2, gmean2, _) = up(&x)
+                .batch_norm_train(&up(&w), &up(&b), &mut grm2, &mut grv2, &p)
+                .unwrap();
+            check_exact(&format!("{what} y, run twice"), &gy2, &gy.to_cpu().unwrap());
+            check_exact(
+                &format!("{what} mean, run twice"),
+                &gmean2,
+                &gmean.to_cpu().unwrap(),
+            );
             check(&format!("{what} y"), &gy, &y, tol(d) * 2.0);
             check(&format!("{what} mean"), &gmean, &mean, 1e-4);
             check(&format!("{what} invstd"), &ginvstd, &invstd, 1e-4);
@@ -1003,8 +1029,8 @@ fn resnet18_forward_backward_matches_cpu() {
     gpu();
     for d in [DType::F32, DType::F16, DType::BF16] {
         let s = seed();
-        // The network is drawn in `d`; `compute` may widen those same values (the f32 truth of a
-        // half run).
+        // The network is drawn in `d`; `compute` may widen those same values (the truth of a run:
+        // F64 for f32, f32 for the half types).
         let run = |dev: Device, compute: DType| {
             let net = ResNet18::new(d, dev, s);
             for p in &net.params {
@@ -1045,33 +1071,36 @@ fn resnet18_forward_backward_matches_cpu() {
             a.iter().zip(b).map(|(x, y)| rel_err(x, y)).collect()
         };
         let what = "tensor (0 = logits, then grads, then bn stats)";
-        if d == DType::F32 {
-            let e = errs(&run(Device::Cuda(0), d), &run(Device::Cpu, d));
-            println!("resnet18 f32: worst GPU vs CPU {what}: {:?}", worst(&e));
-            for (k, e) in e.iter().enumerate() {
-                assert!(*e <= 1e-3, "resnet18 f32: {what} {k}: {e:e} > 1e-3");
-            }
+        // Neither run is compared with the other: each is compared with a truth of the same values
+        // in a wider type, and the GPU must be no further from it than about the CPU reference is.
+        // - Half runs differ from any other half run by last-bit roundings that the net amplifies,
+        //   so their truth is the f32 run.
+        // - f32 runs too: this net's training-mode backward is ill-conditioned for some draws. On
+        //   the CPU alone, f32 against an F64 run of the same values is 7e-6 for some seeds and
+        //   1e-3..1.7e-2 for others (seeds 11, 22: worst tensors 2.3e-3, 1.7e-2; reproducible per
+        //   seed), so a GPU-vs-CPU f32 bound either fails on such draws or is too loose for the
+        //   rest. The truth of an f32 run is the F64 run, and the CPU's own distance sets the bound.
+        let truth_dtype = if d == DType::F32 {
+            DType::F64
         } else {
-            // A half run of a deep net differs from any other half run by last-bit roundings
-            // that the net amplifies (the f32 case shows ~300x), so two half runs are not compared
-            // with each other: each is compared with the f32 truth of the same values, and the
-            // GPU must be no further from it than the CPU reference is.
-            let truth = run(Device::Cpu, DType::F32);
-            let (e_gpu, e_cpu) = (
-                errs(&run(Device::Cuda(0), d), &truth),
-                errs(&run(Device::Cpu, d), &truth),
+            DType::F32
+        };
+        let truth = run(Device::Cpu, truth_dtype);
+        let (e_gpu, e_cpu) = (
+            errs(&run(Device::Cuda(0), d), &truth),
+            errs(&run(Device::Cpu, d), &truth),
+        );
+        println!(
+            "resnet18 {d}: worst GPU vs {truth_dtype} {what}: {:?}; CPU vs {truth_dtype}: {:?}",
+            worst(&e_gpu),
+            worst(&e_cpu)
+        );
+        let slack = if d == DType::F32 { 1e-4 } else { tol(d) };
+        for (k, (g, c)) in e_gpu.iter().zip(&e_cpu).enumerate() {
+            assert!(
+                *g <= 2.0 * c + slack,
+                "resnet18 {d}: {what} {k}: GPU {g:e} from the {truth_dtype} truth, CPU {c:e}"
             );
-            println!(
-                "resnet18 {d}: worst GPU vs f32 {what}: {:?}; CPU vs f32: {:?}",
-                worst(&e_gpu),
-                worst(&e_cpu)
-            );
-            for (k, (g, c)) in e_gpu.iter().zip(&e_cpu).enumerate() {
-                assert!(
-                    *g <= 2.0 * c + tol(d),
-                    "resnet18 {d}: {what} {k}: GPU {g:e} from the f32 truth, CPU {c:e}"
-                );
-            }
         }
     }
 }

@@ -41,6 +41,16 @@ fn rows<'a, T>(x: &'a [T], p: &BatchNormParams, c: usize) -> impl Iterator<Item 
     (0..p.n).map(move |i| &x[(i * nc + c) * s..][..s])
 }
 
+/// Longest run of values summed on its own before joining a channel's sum.
+const RUN: usize = 4096;
+
+/// The values of channel `c` in runs of at most `RUN` (each row cut into runs). Summing each run
+/// on its own first keeps f32 sums accurate however long the rows: two rows of 2.5M values
+/// summed value by value are 2e-3 off in the variance, in runs 1e-6.
+fn runs<'a, T>(x: &'a [T], p: &BatchNormParams, c: usize) -> impl Iterator<Item = &'a [T]> {
+    rows(x, p, c).flat_map(|r| r.chunks(RUN))
+}
+
 pub fn forward_train<T: Elem>(
     x: &[T],
     w: &[T::Acc],
@@ -52,10 +62,10 @@ pub fn forward_train<T: Elem>(
     let count = p.n * p.spatial;
     let nf = T::acc(count as f64);
     // Two passes (mean, then squared deviations): no cancellation, unlike Σx² − (Σx)².
-    // Each row is summed on its own first, which keeps the f32 sums of long channels accurate.
+    // Each run of values is summed on its own first (`runs`).
     let stats = per_channel(p, |c| {
         let mut sum = T::Acc::zero();
-        for row in rows(x, p, c) {
+        for row in runs(x, p, c) {
             let mut s = T::Acc::zero();
             for v in row {
                 s += v.to_acc();
@@ -64,7 +74,7 @@ pub fn forward_train<T: Elem>(
         }
         let mean = sum / nf;
         let mut ss = T::Acc::zero();
-        for row in rows(x, p, c) {
+        for row in runs(x, p, c) {
             let mut s = T::Acc::zero();
             for v in row {
                 let d = v.to_acc() - mean;
@@ -114,7 +124,7 @@ pub fn backward<T: Elem>(
     let sums = per_channel(p, |c| {
         let (mu, is) = (mean[c], invstd[c]);
         let (mut db, mut dg) = (T::Acc::zero(), T::Acc::zero());
-        for (gr, xr) in rows(g, p, c).zip(rows(x, p, c)) {
+        for (gr, xr) in runs(g, p, c).zip(runs(x, p, c)) {
             let (mut sb, mut sg) = (T::Acc::zero(), T::Acc::zero());
             for (gv, xv) in gr.iter().zip(xr) {
                 let gv = gv.to_acc();

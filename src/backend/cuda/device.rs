@@ -58,6 +58,8 @@ pub struct CudaDevice {
     /// (major, minor) compute capability.
     pub(crate) arch: (i32, i32),
     pub(crate) sm_count: u32,
+    /// The most shared memory one block may ask for (after raising its dynamic limit).
+    pub(crate) smem_per_block: u32,
     modules: Mutex<HashMap<Family, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(Family, String), CudaFunction>>,
     pub(crate) blas: Mutex<Option<super::matmul::Blas>>,
@@ -114,6 +116,12 @@ impl CudaDevice {
             .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda_err("reading the SM count", e))?
             .max(1) as u32;
+        let smem_per_block = ctx
+            .attribute(
+                cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| cuda_err("reading the shared memory per block", e))?
+            .max(0) as u32;
         if ctx.has_async_alloc() {
             raise_pool_threshold(&ctx)?;
         } else {
@@ -125,6 +133,7 @@ impl CudaDevice {
             stream,
             arch,
             sm_count,
+            smem_per_block,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),

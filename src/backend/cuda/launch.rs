@@ -88,6 +88,50 @@ pub(crate) fn launch_kernel(
     .map_err(|e| cuda_err(&format!("launching {name} ({}.cu)", f.name()), e))
 }
 
+/// A cooperative launch (every block resident at once, or an error): for kernels whose blocks
+/// wait for each other. `shared` bytes of dynamic shared memory per block.
+pub(crate) fn launch_cooperative(
+    dev: &CudaDevice,
+    f: Family,
+    name: &str,
+    grid: Grid,
+    shared: u32,
+    args: Args,
+) -> Result<()> {
+    let func = dev.function(f, name)?;
+    let mut ptrs: Vec<*mut std::ffi::c_void> = args
+        .cells
+        .iter()
+        .map(|c| c.as_ptr() as *mut std::ffi::c_void)
+        .collect();
+    dev.ctx
+        .bind_to_thread()
+        .map_err(|e| cuda_err("binding the context", e))?;
+    // SAFETY: as in `launch_kernel`; the caller raised the function's dynamic shared memory limit
+    // to at least `shared`.
+    unsafe {
+        cudarc::driver::result::launch_cooperative_kernel(
+            func.cu_function(),
+            (grid.blocks, 1, 1),
+            (grid.threads, 1, 1),
+            shared,
+            dev.stream.cu_stream(),
+            &mut ptrs,
+        )
+    }
+    .map_err(|e| {
+        cuda_err(
+            &format!(
+                "launching {name} ({}.cu, cooperative: {} blocks of {}, {shared} B shared)",
+                f.name(),
+                grid.blocks,
+                grid.threads
+            ),
+            e,
+        )
+    })
+}
+
 /// `launch!(dev, Family::X, name, grid; arg, arg, ...)`.
 macro_rules! launch {
     ($dev:expr, $fam:expr, $name:expr, $grid:expr; $($arg:expr),* $(,)?) => {{

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::result as cur;
 
-use super::device::CudaDevice;
-use super::launch::{launch, Grid, BLOCK};
+use super::device::{cuda_err, CudaDevice};
+use super::launch::{launch, launch_cooperative, Args, Grid, BLOCK};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::{
@@ -289,7 +289,96 @@ fn esz(d: DType) -> usize {
     d.size_in_bytes()
 }
 
+/// `BnFwd` of batch_norm.cu: the geometry of one training-mode batch-norm forward.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BnFwd {
+    n: u64,
+    c: u64,
+    sp: u64,
+    /// Blocks per channel (a team).
+    blocks: u64,
+    teams: u64,
+    /// Units of a block's slice that one of its two shared-memory buffers holds.
+    cap: u64,
+    eps: f64,
+    momentum: f64,
+}
+
+/// Threads per block of `bn_fwd` (`BN_THREADS` in batch_norm.cu).
+const BN_FWD_THREADS: u32 = 512;
+
+/// The fewest units (16 bytes, or single values) a block's slice of a channel gets when the
+/// channel is split at all: each extra block of a team costs a partial in every merge.
+const BN_MIN_UNITS: usize = 2048;
+
 impl CudaStorage {
+    /// The launch of `bn_fwd` (batch_norm.cu) for this input: (geometry, grid, dynamic shared
+    /// memory bytes). A channel is split over as many blocks as it takes for each block's slice
+    /// to fit in one half of its shared memory (or over every resident block when even that is
+    /// not enough: the rest of each slice is read again from L2), over more when there are too
+    /// few channels to fill the device, but into slices of at least `BN_MIN_UNITS`.
+    fn bn_fwd_plan(&self, name: &str, p: &BatchNormParams) -> Result<(BnFwd, Grid, u32)> {
+        use cudarc::driver::sys::CUfunction_attribute as Attr;
+        let op = "batch_norm";
+        let esz = self.dtype().size_in_bytes();
+        // 16-byte units when every row of a channel starts 16-byte aligned (as the kernel decides).
+        let unit = if p.spatial % (16 / esz) == 0 { 16 } else { esz };
+        let units = p.n * p.spatial * esz / unit;
+        let func = self.dev.function(Family::BatchNorm, name)?;
+        let static_smem = func
+            .get_attribute(Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .map_err(|e| cuda_err("batch_norm: reading bn_fwd's shared memory", e))?
+            as usize;
+        let max_shared = (self.dev.smem_per_block as usize).saturating_sub(static_smem);
+        let max_cap = (max_shared / 2 / unit).max(1);
+        let shared = |blocks: usize| 2 * units.div_ceil(blocks).clamp(1, max_cap) * unit;
+        // The same limit on every call (calls on other threads may be planning the same kernel),
+        // and all of the L1/shared split to shared memory.
+        func.set_attribute(
+            Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            max_shared as i32,
+        )
+        .map_err(|e| cuda_err("batch_norm: raising bn_fwd's shared memory limit", e))?;
+        func.set_attribute(
+            Attr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            100,
+        )
+        .map_err(|e| cuda_err("batch_norm: bn_fwd's shared memory carveout", e))?;
+        // Blocks resident at once with the largest buffers this input can ask for (one block per
+        // channel); more blocks per channel only shrink them.
+        let per_sm =
+            func.occupancy_max_active_blocks_per_multiprocessor(BN_FWD_THREADS, shared(1), None)
+                .map_err(|e| cuda_err("batch_norm: bn_fwd's occupancy", e))? as usize;
+        if per_sm == 0 {
+            return Err(Error::Cuda(format!(
+                "{op}: bn_fwd cannot run with {} bytes of shared memory",
+                shared(1)
+            )));
+        }
+        let total = per_sm * self.dev.sm_count as usize;
+        let fit = units.div_ceil(max_cap).max(1);
+        let small = units.div_ceil(BN_MIN_UNITS).max(1);
+        let mut blocks = fit.max(small.min(total.div_ceil(p.c))).min(total);
+        let teams = p.c.min(total / blocks);
+        blocks = blocks.max(small.min(total / teams));
+        let geo = BnFwd {
+            n: p.n as u64,
+            c: p.c as u64,
+            sp: p.spatial as u64,
+            blocks: blocks as u64,
+            teams: teams as u64,
+            cap: units.div_ceil(blocks).clamp(1, max_cap) as u64,
+            eps: p.eps,
+            momentum: p.momentum,
+        };
+        let grid = Grid {
+            blocks: (teams * blocks) as u32,
+            threads: BN_FWD_THREADS,
+        };
+        Ok((geo, grid, shared(blocks) as u32))
+    }
+
     /// Blocks per channel for the batch-norm reductions: enough blocks to fill the device, each
     /// with at least a few thousand values.
     fn bn_parts(&self, c: usize, m: usize) -> usize {
@@ -644,20 +733,27 @@ impl BackendStorage for CudaStorage {
         let mean = self.new_like(acc, p.c)?;
         let invstd = self.new_like(acc, p.c)?;
         if p.c > 0 {
-            let a = sfx(acc);
-            let m = p.n * p.spatial;
-            let parts = self.bn_parts(p.c, m);
-            let part = self.new_like(acc, 3 * p.c * parts)?;
-            let coef = self.new_like(acc, 2 * p.c)?;
-            launch!(self.dev, Family::BatchNorm, format!("bn_partial_{s}"), Grid::per_row(p.c * parts, 512);
-                p.n as u64, p.c as u64, p.spatial as u64, parts as u64, self.ptr(), part.ptr());
-            launch!(self.dev, Family::BatchNorm, format!("bn_finalize_{a}"), Grid::for_items(&self.dev, p.c);
-                p.c as u64, parts as u64, m as u64, part.ptr(), weight.ptr(), bias.ptr(),
-                running_mean.ptr(), running_var.ptr(), mean.ptr(), invstd.ptr(), coef.ptr(), p.eps, p.momentum);
-            if m > 0 {
-                launch!(self.dev, Family::BatchNorm, format!("bn_apply_{s}"), self.per_channel_grid(p);
-                    p.n as u64, p.c as u64, p.spatial as u64, self.ptr(), coef.ptr(), y.ptr());
+            let name = format!("bn_fwd_{s}");
+            let (geo, grid, shared) = self.bn_fwd_plan(&name, p)?;
+            let part = self.new_like(acc, 3 * p.c * geo.blocks as usize)?;
+            let arrived = CudaStorage::zeroed(&self.dev, DType::I64, p.c)?;
+            let mut args = Args::new();
+            args.push(geo);
+            for ptr in [
+                self.ptr(),
+                weight.ptr(),
+                bias.ptr(),
+                running_mean.ptr(),
+                running_var.ptr(),
+                mean.ptr(),
+                invstd.ptr(),
+                y.ptr(),
+                part.ptr(),
+                arrived.ptr(),
+            ] {
+                args.push(ptr);
             }
+            launch_cooperative(&self.dev, Family::BatchNorm, &name, grid, shared, args)?;
         }
         Ok((y, mean, invstd))
     }
