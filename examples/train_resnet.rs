@@ -36,13 +36,16 @@ struct Cli {
     /// `bundled`, or a directory with the four Fashion-MNIST IDX files (default: auto).
     #[arg(long, value_name = "DIR")]
     data: Option<String>,
+    /// Epochs (the schedule spans them all).
     #[arg(long)]
     epochs: Option<usize>,
+    /// Training batch size.
     #[arg(long)]
     batch_size: Option<usize>,
     /// Peak learning rate.
     #[arg(long)]
     lr: Option<f64>,
+    /// Fused optimizer.
     #[arg(long, value_parser = OPTIMIZERS)]
     optimizer: Option<String>,
     /// Learning-rate schedule.
@@ -57,6 +60,7 @@ struct Cli {
     /// Output directory (metrics, plot, checkpoints, weights).
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Seeds the weights, the data order and the augmentation.
     #[arg(long)]
     seed: Option<u64>,
     /// Channels per stage, e.g. 16,32,64.
@@ -113,9 +117,18 @@ impl Cli {
     }
 }
 
-fn main() -> mixprec::Result<()> {
+fn main() -> std::process::ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    let cli = Cli::parse();
+    match train(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("train_resnet: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn train(cli: Cli) -> mixprec::Result<()> {
     let mut cfg = match (&cli.resume, &cli.config) {
         (Some(ckpt), _) => checkpoint_config(&Checkpoint::load(ckpt)?)?,
         (None, Some(file)) => RunConfig::from_toml_file(file)?,
