@@ -72,36 +72,28 @@ impl Elem for f64 {
         v
     }
 }
-impl Elem for f16 {
-    type Acc = f32;
-    fn to_acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_acc(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-    fn widen_into(src: &[Self], dst: &mut [f32]) {
-        <Self as cast::HalfSlice>::widen_into(src, dst)
-    }
-    fn narrow_into(src: &[f32], dst: &mut [Self]) {
-        <Self as cast::HalfSlice>::narrow_into(src, dst)
-    }
+/// The half types: stored as 16 bits, computed in f32, converted in bulk.
+macro_rules! half_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            type Acc = f32;
+            fn to_acc(self) -> f32 {
+                self.to_f32()
+            }
+            fn from_acc(v: f32) -> Self {
+                <$t>::from_f32(v)
+            }
+            fn widen_into(src: &[Self], dst: &mut [f32]) {
+                <Self as cast::HalfSlice>::widen_into(src, dst)
+            }
+            fn narrow_into(src: &[f32], dst: &mut [Self]) {
+                <Self as cast::HalfSlice>::narrow_into(src, dst)
+            }
+        }
+    };
 }
-impl Elem for bf16 {
-    type Acc = f32;
-    fn to_acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_acc(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-    fn widen_into(src: &[Self], dst: &mut [f32]) {
-        <Self as cast::HalfSlice>::widen_into(src, dst)
-    }
-    fn narrow_into(src: &[f32], dst: &mut [Self]) {
-        <Self as cast::HalfSlice>::narrow_into(src, dst)
-    }
-}
+half_elem!(f16);
+half_elem!(bf16);
 
 /// A buffer of one dtype in host memory.
 #[derive(Clone, Debug, PartialEq)]
