@@ -1027,10 +1027,9 @@ impl ResNet18 {
 #[ignore = "needs a CUDA GPU"]
 fn resnet18_forward_backward_matches_cpu() {
     gpu();
-    for d in [DType::F32, DType::F16, DType::BF16] {
+    for d in [DType::F64, DType::F32, DType::F16, DType::BF16] {
         let s = seed();
-        // The network is drawn in `d`; `compute` may widen those same values (the truth of a run:
-        // F64 for f32, f32 for the half types).
+        // The network is drawn in `d`; `compute` may widen those same values (the truth of a run).
         let run = |dev: Device, compute: DType| {
             let net = ResNet18::new(d, dev, s);
             for p in &net.params {
@@ -1044,7 +1043,13 @@ fn resnet18_forward_backward_matches_cpu() {
                 .unwrap();
             let y = Tensor::from_vec(vec![3i64, 7, 1, 9], vec![4, 1], dev).unwrap();
             let logits = net.forward(&x);
-            let lp = logits.to_dtype(DType::F32).unwrap().log_softmax(1).unwrap();
+            // The loss in F32 (as training computes it), or F64 for an F64 run.
+            let loss_dtype = if compute == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            };
+            let lp = logits.to_dtype(loss_dtype).unwrap().log_softmax(1).unwrap();
             let loss = lp.gather(1, &y).unwrap().mean_all().unwrap().neg().unwrap();
             loss.backward().unwrap();
             let mut out = vec![logits.to_vec_f64().unwrap()];
@@ -1061,6 +1066,8 @@ fn resnet18_forward_backward_matches_cpu() {
             }
             out
         };
+        let n_grads = ResNet18::new(d, Device::Cpu, s).params.len();
+        let is_grad = |k: usize| (1..=n_grads).contains(&k);
         let worst = |errs: &[f64]| {
             let mut w: Vec<(usize, f64)> = errs.iter().copied().enumerate().collect();
             w.sort_by(|a, b| b.1.total_cmp(&a.1));
@@ -1071,15 +1078,34 @@ fn resnet18_forward_backward_matches_cpu() {
             a.iter().zip(b).map(|(x, y)| rel_err(x, y)).collect()
         };
         let what = "tensor (0 = logits, then grads, then bn stats)";
-        // Neither run is compared with the other: each is compared with a truth of the same values
-        // in a wider type, and the GPU must be no further from it than about the CPU reference is.
-        // - Half runs differ from any other half run by last-bit roundings that the net amplifies,
-        //   so their truth is the f32 run.
-        // - f32 runs too: this net's training-mode backward is ill-conditioned for some draws. On
-        //   the CPU alone, f32 against an F64 run of the same values is 7e-6 for some seeds and
-        //   1e-3..1.7e-2 for others (seeds 11, 22: worst tensors 2.3e-3, 1.7e-2; reproducible per
-        //   seed), so a GPU-vs-CPU f32 bound either fails on such draws or is too loose for the
-        //   rest. The truth of an f32 run is the F64 run, and the CPU's own distance sets the bound.
+        // Why three schemes: this net's training-mode backward sums many terms of both signs
+        // (conv weight gradients over every position), so one discrete event — a ReLU input or a
+        // max-pool candidate within rounding of a tie, decided one way on one side and the other
+        // way on the other — moves a whole weight gradient by ~1e-3..1e-2. On the CPU alone, f32
+        // against an F64 run of the same values is 7e-6 for some draws and up to 1.7e-2 for
+        // others (reproducible per seed), and the GPU, with other summation orders, meets such
+        // events on other draws. So:
+        // - F64: rounding is ~1e-16 and ties within it do not happen: the GPU and CPU compute the
+        //   same network, every tensor within 1e-9 (the exact check of the GPU's ops and graph).
+        // - F32: compared with the F64 truth. Forward tensors (logits, running statistics) are
+        //   well conditioned: within 2x the CPU's distance + 1e-4 (TF32 or a half accumulation
+        //   would be ~1e-3 here). Gradients can be ill-conditioned as a whole (layer4's batch-norm
+        //   backward sees 64 values per channel; one draw puts every CPU f32 gradient 1.4e-2
+        //   from F64): the median gradient within 10x the CPU's median + 1e-3, and each within
+        //   2x the CPU's + 5e-2 (a wrong kernel is off by O(1)).
+        // - F16/BF16: compared with the f32 run of the same values; the GPU no further from it
+        //   than about the CPU reference is (half roundings dwarf the events above).
+        if d == DType::F64 {
+            let e = errs(&run(Device::Cuda(0), d), &run(Device::Cpu, d));
+            println!("resnet18 f64: worst GPU vs CPU {what}: {:?}", worst(&e));
+            for (k, e) in e.iter().enumerate() {
+                assert!(
+                    *e <= 1e-9,
+                    "resnet18 f64: {what} {k}: GPU vs CPU {e:e} > 1e-9"
+                );
+            }
+            continue;
+        }
         let truth_dtype = if d == DType::F32 {
             DType::F64
         } else {
@@ -1095,12 +1121,36 @@ fn resnet18_forward_backward_matches_cpu() {
             worst(&e_gpu),
             worst(&e_cpu)
         );
-        let slack = if d == DType::F32 { 1e-4 } else { tol(d) };
-        for (k, (g, c)) in e_gpu.iter().zip(&e_cpu).enumerate() {
+        if d == DType::F32 {
+            let median_grad = |e: &[f64]| {
+                let mut g: Vec<f64> = (0..e.len()).filter(|&k| is_grad(k)).map(|k| e[k]).collect();
+                g.sort_by(f64::total_cmp);
+                g[g.len() / 2]
+            };
+            let (mg, mc) = (median_grad(&e_gpu), median_grad(&e_cpu));
+            println!("resnet18 f32: median gradient error vs F64: GPU {mg:e}, CPU {mc:e}");
             assert!(
-                *g <= 2.0 * c + slack,
-                "resnet18 {d}: {what} {k}: GPU {g:e} from the {truth_dtype} truth, CPU {c:e}"
+                mg <= 10.0 * mc + 1e-3,
+                "resnet18 f32: median gradient error GPU {mg:e}, CPU {mc:e}"
             );
+            for (k, (g, c)) in e_gpu.iter().zip(&e_cpu).enumerate() {
+                let bound = if is_grad(k) {
+                    2.0 * c + 5e-2
+                } else {
+                    2.0 * c + 1e-4
+                };
+                assert!(
+                    *g <= bound,
+                    "resnet18 f32: {what} {k}: GPU {g:e} from the F64 truth (CPU {c:e}), bound {bound:e}"
+                );
+            }
+        } else {
+            for (k, (g, c)) in e_gpu.iter().zip(&e_cpu).enumerate() {
+                assert!(
+                    *g <= 2.0 * c + tol(d),
+                    "resnet18 {d}: {what} {k}: GPU {g:e} from the f32 truth, CPU {c:e}"
+                );
+            }
         }
     }
 }
