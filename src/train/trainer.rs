@@ -189,7 +189,7 @@ fn describe(p: &Properties) -> String {
     }
     parts.push(match p.loss_scale {
         LossScale::Dynamic => "dynamic loss scale".into(),
-        LossScale::Static(s) if s == 1.0 => "no loss scaling".into(),
+        LossScale::Static(1.0) => "no loss scaling".into(),
         LossScale::Static(s) => format!("static loss scale {s}"),
     });
     parts.join(", ")
