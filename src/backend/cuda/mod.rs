@@ -17,7 +17,9 @@ mod storage;
 pub use device::{
     get as device, host_sync_count, set_allow_tf32, set_poison_allocations, CudaDevice,
 };
-pub use multi_tensor::{cached_lists, tables_built_on_this_thread, CudaMultiTensor};
+pub use multi_tensor::{
+    cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
+};
 pub use probe::probe;
 pub use storage::CudaStorage;
 

@@ -159,6 +159,14 @@ fn build(dev: &Arc<CudaDevice>, entries: &[MtEntry]) -> Result<Cached> {
     })
 }
 
+static CLEARS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Times the (process-wide) table cache was full and cleared: a test aid, since a clear forces
+/// every thread's next step to rebuild its tables.
+pub fn table_cache_clears() -> u64 {
+    CLEARS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn cached(dev: &Arc<CudaDevice>, entries: &[MtEntry]) -> Result<Arc<Cached>> {
     let k = (dev.ordinal, key(entries));
     let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
@@ -167,6 +175,7 @@ fn cached(dev: &Arc<CudaDevice>, entries: &[MtEntry]) -> Result<Arc<Cached>> {
     }
     if c.len() >= CACHE_LIMIT {
         c.clear();
+        CLEARS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     let v = Arc::new(build(dev, entries)?);
     c.insert(k, v.clone());
