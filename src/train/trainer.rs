@@ -316,8 +316,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     std::fs::create_dir_all(cfg.out.join("checkpoints"))
         .map_err(|e| Error::io(format!("creating {}", cfg.out.display()), e))?;
     let config_toml = cfg.out.join("config.toml");
-    std::fs::write(&config_toml, cfg.to_toml())
-        .map_err(|e| Error::io(format!("writing {}", config_toml.display()), e))?;
+    super::write_atomic(&config_toml, cfg.to_toml().as_bytes())?;
 
     let (mut start_epoch, mut step) = (0usize, 0u64);
     let mut metrics = match &opts.resume {
