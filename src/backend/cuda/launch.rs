@@ -56,13 +56,18 @@ impl Grid {
     }
 }
 
-pub(crate) fn launch_kernel(
+/// Looks up `name`, binds the device's context to this thread and hands `launch` the function and
+/// the kernel's argument pointers: what the plain and the cooperative launch share.
+fn with_kernel(
     dev: &CudaDevice,
     f: Family,
     name: &str,
-    grid: Grid,
     args: Args,
-) -> Result<()> {
+    launch: impl FnOnce(
+        cudarc::driver::sys::CUfunction,
+        &mut Vec<*mut std::ffi::c_void>,
+    ) -> std::result::Result<(), cudarc::driver::DriverError>,
+) -> Result<std::result::Result<(), cudarc::driver::DriverError>> {
     let func = dev.function(f, name)?;
     let mut ptrs: Vec<*mut std::ffi::c_void> = args
         .cells
@@ -72,19 +77,31 @@ pub(crate) fn launch_kernel(
     dev.ctx
         .bind_to_thread()
         .map_err(|e| cuda_err("binding the context", e))?;
-    // SAFETY: the argument list matches the kernel's parameters (each call site passes the types
-    // of the kernel's signature in kernels/*.cu), and every pointer is a live buffer of this
-    // device whose size covers the indices the kernel touches.
-    unsafe {
-        cudarc::driver::result::launch_kernel(
-            func.cu_function(),
-            (grid.blocks, 1, 1),
-            (grid.threads, 1, 1),
-            0,
-            dev.stream.cu_stream(),
-            &mut ptrs,
-        )
-    }
+    Ok(launch(func.cu_function(), &mut ptrs))
+}
+
+pub(crate) fn launch_kernel(
+    dev: &CudaDevice,
+    f: Family,
+    name: &str,
+    grid: Grid,
+    args: Args,
+) -> Result<()> {
+    with_kernel(dev, f, name, args, |func, ptrs| {
+        // SAFETY: the argument list matches the kernel's parameters (each call site passes the
+        // types of the kernel's signature in kernels/*.cu), and every pointer is a live buffer of
+        // this device whose size covers the indices the kernel touches.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                func,
+                (grid.blocks, 1, 1),
+                (grid.threads, 1, 1),
+                0,
+                dev.stream.cu_stream(),
+                ptrs,
+            )
+        }
+    })?
     .map_err(|e| cuda_err(&format!("launching {name} ({}.cu)", f.name()), e))
 }
 
@@ -98,27 +115,20 @@ pub(crate) fn launch_cooperative(
     shared: u32,
     args: Args,
 ) -> Result<()> {
-    let func = dev.function(f, name)?;
-    let mut ptrs: Vec<*mut std::ffi::c_void> = args
-        .cells
-        .iter()
-        .map(|c| c.as_ptr() as *mut std::ffi::c_void)
-        .collect();
-    dev.ctx
-        .bind_to_thread()
-        .map_err(|e| cuda_err("binding the context", e))?;
-    // SAFETY: as in `launch_kernel`; the caller raised the function's dynamic shared memory limit
-    // to at least `shared`.
-    unsafe {
-        cudarc::driver::result::launch_cooperative_kernel(
-            func.cu_function(),
-            (grid.blocks, 1, 1),
-            (grid.threads, 1, 1),
-            shared,
-            dev.stream.cu_stream(),
-            &mut ptrs,
-        )
-    }
+    with_kernel(dev, f, name, args, |func, ptrs| {
+        // SAFETY: as in `launch_kernel`; the caller raised the function's dynamic shared memory
+        // limit to at least `shared`.
+        unsafe {
+            cudarc::driver::result::launch_cooperative_kernel(
+                func,
+                (grid.blocks, 1, 1),
+                (grid.threads, 1, 1),
+                shared,
+                dev.stream.cu_stream(),
+                ptrs,
+            )
+        }
+    })?
     .map_err(|e| {
         cuda_err(
             &format!(
