@@ -15,12 +15,14 @@ const BLOCK: usize = 2048;
 pub(crate) fn map<T: Elem>(x: &[T], f: impl Fn(T::Acc) -> T::Acc + Sync) -> Vec<T> {
     let mut out = vec![T::default(); x.len()];
     let body = |(src, dst): (&[T], &mut [T])| {
-        let mut buf = vec![T::Acc::default(); src.len()];
-        T::widen_into(src, &mut buf);
+        // On the stack: no allocation per block.
+        let mut buf = [T::Acc::default(); BLOCK];
+        let buf = &mut buf[..src.len()];
+        T::widen_into(src, buf);
         for v in buf.iter_mut() {
             *v = f(*v);
         }
-        T::narrow_into(&buf, dst);
+        T::narrow_into(buf, dst);
     };
     if x.len() >= PAR_THRESHOLD {
         x.par_chunks(BLOCK)
@@ -36,14 +38,14 @@ pub(crate) fn map<T: Elem>(x: &[T], f: impl Fn(T::Acc) -> T::Acc + Sync) -> Vec<
 fn zip_map<T: Elem>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc) -> T::Acc + Sync) -> Vec<T> {
     let mut out = vec![T::default(); a.len()];
     let body = |((sa, sb), dst): ((&[T], &[T]), &mut [T])| {
-        let mut wa = vec![T::Acc::default(); sa.len()];
-        let mut wb = vec![T::Acc::default(); sb.len()];
-        T::widen_into(sa, &mut wa);
-        T::widen_into(sb, &mut wb);
-        for (x, &y) in wa.iter_mut().zip(&wb) {
+        let (mut wa, mut wb) = ([T::Acc::default(); BLOCK], [T::Acc::default(); BLOCK]);
+        let (wa, wb) = (&mut wa[..sa.len()], &mut wb[..sb.len()]);
+        T::widen_into(sa, wa);
+        T::widen_into(sb, wb);
+        for (x, &y) in wa.iter_mut().zip(wb.iter()) {
             *x = f(*x, y);
         }
-        T::narrow_into(&wa, dst);
+        T::narrow_into(wa, dst);
     };
     if a.len() >= PAR_THRESHOLD {
         a.par_chunks(BLOCK)
