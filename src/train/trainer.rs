@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::amp::{self, AmpModel, AmpOptimizer, LossScale, Properties};
+use crate::amp::{self, AmpModel, LossScale, Properties};
 use crate::data::{Augment, DataLoader, DataSource, Dataset, FashionMnist, First, Split};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
@@ -452,6 +452,3 @@ impl RunConfig {
         }
     }
 }
-
-/// The optimizer type the trainer builds, for code that names it.
-pub type TrainOptimizer = AmpOptimizer<Box<dyn Optimizer>>;
