@@ -29,21 +29,25 @@ template <typename A> __device__ __forceinline__ Welford<A> wf_merge(Welford<A> 
 // A channel's m = n·spatial values are cut into P equal slices, one per block of a team; team t
 // takes channels t, t + T, t + 2T, ... (T teams, grid = T·P blocks, all resident at once, so
 // that a block may wait for the other blocks of its team). A block is two groups of warps that
-// work on two channels at once:
-//   readers: read the block's slice of the next channel once, into shared memory (what does not
-//     fit stays in L2 and the writers read it again), summing d = x − K and d² with a shift K
-//     (the slice's first value): mean_b = K + Σd/n_b and M2_b = Σd² − (Σd)²/n_b, whose terms
-//     stay near M2_b in size (unlike Σx² − (Σx)²/n when the mean is large against the spread).
-//     They publish (n_b, mean_b, M2_b) and count the block in on the channel's arrival counter.
-//   writers: for the channel the readers gathered one step earlier, wait until the team's P
-//     blocks have arrived, merge their moments in a fixed order (Chan's merge, above: every block
-//     gets the same mean and variance) and write y = x·scale + shift from shared memory, with
-//     scale = w/√(var + eps), shift = b − mean·scale.
-// Shared memory holds two slices, one per group; the groups swap them at a block barrier after
-// each step. The wait, the merge and the readers' reduction each overlap the other group's
-// streaming, so that memory stays busy. Statistics are in the acc type whatever T; var is the
-// biased one (÷m) for normalising, the running variance takes the unbiased one (÷(m − 1)), as
-// PyTorch does.
+// run their own loops over the team's channels and meet only in a ring buffer in shared memory:
+//   readers: copy the block's slice of each channel into the ring (cp.async, several chunks in
+//     flight; what the ring cannot hold stays in L2/DRAM and the writers read it again), summing
+//     d = x − K and d² with a shift K (the slice's first value): mean_b = K + Σd/n_b and
+//     M2_b = Σd² − (Σd)²/n_b, whose terms stay near M2_b in size (unlike Σx² − (Σx)²/n when the
+//     mean is large against the spread). They publish (n_b, mean_b, M2_b) and count the block in
+//     on the channel's arrival counter.
+//   writers: for each channel, wait until the team's P blocks have arrived, merge their moments
+//     in a fixed order (Chan's merge, above: every block gets the same mean and variance) and
+//     write y = x·scale + shift from the ring, with scale = w/√(var + eps), shift = b − mean·scale;
+//     every few hundred units they tell the readers how much of the ring is free again.
+// Channel s of the team occupies ring units [s·L, (s+1)·L) (mod the ring's size R; L = the stored
+// part of the slice, at most R). The readers may run up to R units ahead of the writers, so while
+// the writers wait for the team's last block of channel s, or write it, the readers are already
+// streaming channel s + 1 (and s + 2 when the slices are small): no step is the length of the
+// slowest block, and there is no block-wide barrier between the groups. Statistics are in the acc
+// type whatever T; var is the biased one (÷m) for normalising, the running variance takes the
+// unbiased one (÷(m − 1)), as PyTorch does. Each thread sums its units in the same order on every
+// run, so the results are deterministic.
 
 // N values of T, read and written as one access (16 bytes when N = 16 / sizeof(T)).
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
@@ -68,7 +72,7 @@ struct Cursor {
 };
 
 // Threads per group (readers are threads [0, BN_GROUP), writers the rest); ops.rs launches bn_fwd
-// with BN_THREADS.
+// with BN_THREADS and makes the ring at least BN_GROUP units.
 #define BN_GROUP 256
 #define BN_THREADS (2 * BN_GROUP)
 
@@ -84,10 +88,33 @@ __device__ __forceinline__ unsigned long long load_acquire(const unsigned long l
 __device__ __forceinline__ void add_release(unsigned long long* p) {
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(1ull) : "memory");
 }
+__device__ __forceinline__ void nap() { asm volatile("nanosleep.u32 64;" ::: "memory"); }
+
+// Asynchronous global → shared copies (cp.async, sm_80+) of one unit; 2-byte units have no
+// cp.async form and are copied through a register.
+__device__ __forceinline__ unsigned shared_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+template <typename V> __device__ __forceinline__ void copy_async(V* dst, const V* src) {
+    if constexpr (sizeof(V) == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_addr(dst)), "l"(src) : "memory");
+    else if constexpr (sizeof(V) == 8 || sizeof(V) == 4)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(shared_addr(dst)), "l"(src),
+                     "n"((int)sizeof(V))
+                     : "memory");
+    else
+        *dst = *src;
+}
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int K> __device__ __forceinline__ void async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(K) : "memory");
+}
 
 struct BnFwd {
     u64 n, c, sp, P, T;
-    u64 cap;  // units of a block's slice that one of its two shared-memory buffers holds
+    u64 ring;  // units of the block's ring buffer (the whole dynamic shared memory), ≥ BN_GROUP
     double eps, momentum;
 };
 
@@ -103,6 +130,8 @@ __device__ void bn_fwd(BnFwd p, const T* x_, const typename Num<T>::acc* w, cons
     __shared__ A sums[W][2];
     __shared__ Welford<A> moments[W];
     __shared__ A coef[2];
+    __shared__ u64 freed;  // ring units (counted from the start) the writers are done with
+    V* ring = (V*)smem;
     const V* __restrict__ x = (const V*)x_;
     V* __restrict__ y = (V*)y_;
     const u64 spn = p.sp / N, M = p.n * spn;  // units per row, per channel
@@ -110,64 +139,103 @@ __device__ void bn_fwd(BnFwd p, const T* x_, const typename Num<T>::acc* w, cons
     const u64 per = (M + p.P - 1) / p.P, lo = r * per < M ? r * per : M, hi = lo + per < M ? lo + per : M;
     const bool reader = threadIdx.x < BN_GROUP;
     const unsigned t = threadIdx.x % BN_GROUP, lane = t % 32, warp = t / 32;
-    // Loads each reader keeps in flight before their first use (16 bytes each: 64 KB per block;
-    // 32 KB for f64, whose wider sums would spill past 128 registers).
-    const int U = sizeof(A) == 8 ? 8 : 16;
+    const unsigned G = BN_GROUP, R = (unsigned)p.ring;
+    // S units in the slice, L of them kept in the ring (the rest is read again by the writers).
+    const u64 S = hi - lo, L = S < R ? S : R;
+    // Readers: chunks of U units per thread, up to D chunks in flight (16 bytes each: 32–64 KB
+    // per block; more in flight measured slower on an H200). Writers: F units per thread between
+    // reports of their progress.
+    const int U = 8, D = 2, F = 4;
+    // The ring position `q` moved on by one group stride.
+    auto next = [&](unsigned& q) {
+        q += G;
+        if (q >= R) q -= R;
+    };
 
-    // Readers: the block's slice of channel ch into `slot`, its moments published.
-    auto gather = [&](u64 ch, V* slot) {
-        A K = 0, s1 = 0, s2 = 0;
-        if (lo < hi) K = Num<T>::to(x[Cursor(lo, spn).at(p.c, ch, spn)].v[0]);
-        u64 k = lo + t;
-        if (k < hi) {
-            Cursor cur(k, spn);
-            while (k < hi) {
-                const u64 k0 = k;
-                V v[U];
+    if (threadIdx.x == 0) freed = 0;
+    __syncthreads();
+
+    if (reader) {
+        u64 base = 0;        // ring units used before this channel
+        unsigned first = 0;  // base mod R
+        for (u64 ch = team; ch < p.c; ch += p.T) {
+            A K = 0, s1 = 0, s2 = 0;
+            if (lo < hi) K = Num<T>::to(x[Cursor(lo, spn).at(p.c, ch, spn)].v[0]);
+            Cursor in(lo + t, spn);
+            unsigned qin = first + t, qout;
+            if (qin >= R) qin -= R;
+            qout = qin;
+            const u64 chunk = (u64)G * U, chunks = (S + chunk - 1) / chunk;
+            for (u64 i = 0; i < chunks + D - 1; i++) {
+                if (i < chunks) {
+                    const u64 off = i * chunk, end = off + chunk < L ? off + chunk : L;
+                    // The chunk's ring units must have been written out by the writers.
+                    if (off < L && base + end > R) {
+                        for (unsigned spins = 0; *(volatile u64*)&freed < base + end - R; spins++) {
+                            if (spins == 1u << 26) __trap();
+                            nap();
+                        }
+                        __threadfence_block();
+                    }
 #pragma unroll
-                for (int u = 0; u < U; u++) {
-                    if (k < hi) v[u] = x[cur.at(p.c, ch, spn)];
-                    k += BN_GROUP;
-                    cur.step(BN_GROUP, spn);
+                    for (int u = 0; u < U; u++) {
+                        if (off + u * G + t < L) copy_async(ring + qin, x + in.at(p.c, ch, spn));
+                        in.step(G, spn);
+                        next(qin);
+                    }
                 }
+                async_commit();
+                if (i + 1 >= D) {
+                    async_wait<D - 1>();  // chunk i + 1 − D has landed
+                    const u64 off = (i + 1 - D) * chunk;
 #pragma unroll
-                for (int u = 0; u < U; u++) {
-                    const u64 kk = k0 + u * BN_GROUP;
-                    if (kk >= hi) break;
-                    if (kk - lo < p.cap) slot[kk - lo] = v[u];
+                    for (int u = 0; u < U; u++) {
+                        const u64 o = off + u * G + t;
+                        if (o < S) {
+                            const V v = o < L ? ring[qout] : x[Cursor(lo + o, spn).at(p.c, ch, spn)];
 #pragma unroll
-                    for (int e = 0; e < N; e++) {
-                        A d = Num<T>::to(v[u].v[e]) - K;
-                        s1 += d;
-                        s2 += d * d;
+                            for (int e = 0; e < N; e++) {
+                                A d = Num<T>::to(v.v[e]) - K;
+                                s1 += d;
+                                s2 += d * d;
+                            }
+                        }
+                        next(qout);
                     }
                 }
             }
-        }
-        s1 = warp_reduce(s1, [](A a, A c) { return a + c; });
-        s2 = warp_reduce(s2, [](A a, A c) { return a + c; });
-        if (lane == 0) {
-            sums[warp][0] = s1;
-            sums[warp][1] = s2;
-        }
-        group_sync(1);
-        if (t == 0) {
-            A S1 = 0, S2 = 0;
-            for (int q = 0; q < W; q++) {
-                S1 += sums[q][0];
-                S2 += sums[q][1];
+            s1 = warp_reduce(s1, [](A a, A c) { return a + c; });
+            s2 = warp_reduce(s2, [](A a, A c) { return a + c; });
+            if (lane == 0) {
+                sums[warp][0] = s1;
+                sums[warp][1] = s2;
             }
-            const A nb = (A)((hi - lo) * N);
-            A* q = part + 3 * (ch * p.P + r);
-            q[0] = nb;
-            q[1] = nb > (A)0 ? K + S1 / nb : (A)0;
-            q[2] = nb > (A)0 ? S2 - S1 * (S1 / nb) : (A)0;
-            add_release(arrived + ch);  // orders the three stores before the count
+            group_sync(1);
+            if (t == 0) {
+                A S1 = 0, S2 = 0;
+                for (int q = 0; q < W; q++) {
+                    S1 += sums[q][0];
+                    S2 += sums[q][1];
+                }
+                const A nb = (A)(S * N);
+                A* q = part + 3 * (ch * p.P + r);
+                q[0] = nb;
+                q[1] = nb > (A)0 ? K + S1 / nb : (A)0;
+                q[2] = nb > (A)0 ? S2 - S1 * (S1 / nb) : (A)0;
+                add_release(arrived + ch);  // orders the stores (and the group's ring) before the count
+            }
+            group_sync(1);  // sums[] is free again
+            base += L;
+            first += (unsigned)L;
+            if (first >= R) first -= R;
         }
-    };
+        return;
+    }
 
-    // Writers: y for channel ch from `slot`, once the team's moments are all in.
-    auto normalise = [&](u64 ch, const V* slot) {
+    // Writers.
+    u64 base = 0;
+    unsigned first = 0;
+    for (u64 ch = team; ch < p.c; ch += p.T) {
         if (t == 0) {
             // Seconds of polling mean a block that never comes (a grid that was not all
             // resident): an error, not a hang.
@@ -211,27 +279,40 @@ __device__ void bn_fwd(BnFwd p, const T* x_, const typename Num<T>::acc* w, cons
         }
         group_sync(2);
         const A scale = coef[0], shift = coef[1];
-        // Values from shared memory need no loads in flight; the few from L2 get by without.
-        u64 k = lo + t;
-        if (k >= hi) return;
-        for (Cursor cur(k, spn); k < hi; k += BN_GROUP, cur.step(BN_GROUP, spn)) {
-            const u64 at = cur.at(p.c, ch, spn);
-            const V v = k - lo < p.cap ? slot[k - lo] : x[at];
-            V o;
+        Cursor cur(lo + t, spn);
+        unsigned qw = first + t;
+        if (qw >= R) qw -= R;
+        for (u64 off = 0; off < S; off += (u64)G * F) {
+            V v[F];
+            u64 at[F];
 #pragma unroll
-            for (int e = 0; e < N; e++) o.v[e] = Num<T>::from(Num<T>::to(v.v[e]) * scale + shift);
-            y[at] = o;
+            for (int f = 0; f < F; f++) {
+                const u64 o = off + f * G + t;
+                at[f] = cur.at(p.c, ch, spn);
+                if (o < S) v[f] = o < L ? ring[qw] : x[at[f]];
+                cur.step(G, spn);
+                next(qw);
+            }
+#pragma unroll
+            for (int f = 0; f < F; f++) {
+                if (off + f * G + t < S) {
+                    V o;
+#pragma unroll
+                    for (int e = 0; e < N; e++) o.v[e] = Num<T>::from(Num<T>::to(v[f].v[e]) * scale + shift);
+                    y[at[f]] = o;
+                }
+            }
+            // Every writer has read its units below `off + G·F`: the readers may reuse them.
+            group_sync(2);
+            if (t == 0) {
+                const u64 done = off + (u64)G * F < L ? off + (u64)G * F : L;
+                __threadfence_block();
+                *(volatile u64*)&freed = base + done;
+            }
         }
-    };
-
-    // Step s: the readers gather the team's s-th channel into buffer s mod 2 while the writers
-    // normalise the (s−1)-th from the other buffer; the barrier hands the buffers over.
-    auto slot = [&](u64 s) { return (V*)smem + (s & 1) * p.cap; };
-    for (u64 s = 0, ch = team;; s++, ch += p.T) {
-        if (reader && ch < p.c) gather(ch, slot(s));
-        if (!reader && s > 0) normalise(ch - p.T, slot(s - 1));
-        __syncthreads();
-        if (ch >= p.c) break;
+        base += L;
+        first += (unsigned)L;
+        if (first >= R) first -= R;
     }
 }
 
@@ -354,7 +435,7 @@ __device__ void bn_bwd_apply(u64 n, u64 c, u64 sp, const T* g, const T* x, const
 }
 
 #define BN(NAME, T)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(BN_THREADS)                                             \
+    extern "C" __global__ void __launch_bounds__(BN_THREADS, 1)                                           \
         bn_fwd_##NAME(BnFwd p, const T* x, const Num<T>::acc* w, const Num<T>::acc* b,                \
                    Num<T>::acc* rm, Num<T>::acc* rv, Num<T>::acc* mean, Num<T>::acc* invstd, T* y,  \
                    Num<T>::acc* part, unsigned long long* arrived) {                               \

@@ -613,8 +613,10 @@ fn batch_norm_train_and_backward() {
         // (Not 2 values per channel: there dx is eps-sized cancellation, no test of anything.)
         // bn_fwd's geometry (on a 132-SM H100/H200): one block per channel; 4 blocks per channel;
         // teams taking several channels one after the other, with 1 and 2 blocks each (a mean of
-        // 30 against a spread of 0.5 in the second); a channel larger than all shared memory, in
-        // 16-byte units and in single values (the excess re-read).
+        // 30 against a spread of 0.5 in the second); channels of 20 MB (f32) whose slices fill
+        // most of each block's ring, so that the next channel waits for ring space; a 32 MB f32
+        // channel, larger than all shared memory, in 16-byte units and in single values (the
+        // excess re-read from L2 by the writers).
         let shapes = [
             (8, 16, 49, 0.5),
             (6, 3, 1, 0.5),
@@ -623,6 +625,8 @@ fn batch_norm_train_and_backward() {
             (8, 80, 4096, 30.0),
             (2, 2, 2_500_000, 0.5),
             (2, 2, 2_500_001, 0.5),
+            (2, 1, 4_000_000, 0.5),
+            (2, 1, 4_000_001, 0.5),
         ];
         for (n, c, spatial, shift) in shapes {
             let p = BatchNormParams {

@@ -299,14 +299,16 @@ struct BnFwd {
     /// Blocks per channel (a team).
     blocks: u64,
     teams: u64,
-    /// Units of a block's slice that one of its two shared-memory buffers holds.
-    cap: u64,
+    /// Units of a block's ring buffer in shared memory (at least `BN_FWD_GROUP`).
+    ring: u64,
     eps: f64,
     momentum: f64,
 }
 
-/// Threads per block of `bn_fwd` (`BN_THREADS` in batch_norm.cu).
+/// Threads per block of `bn_fwd` (`BN_THREADS` in batch_norm.cu): a group of readers and a group
+/// of writers of `BN_FWD_GROUP` threads each.
 const BN_FWD_THREADS: u32 = 512;
+const BN_FWD_GROUP: usize = BN_FWD_THREADS as usize / 2;
 
 /// The fewest units (16 bytes, or single values) a block's slice of a channel gets when the
 /// channel is split at all: each extra block of a team costs a partial in every merge.
@@ -315,9 +317,11 @@ const BN_MIN_UNITS: usize = 2048;
 impl CudaStorage {
     /// The launch of `bn_fwd` (batch_norm.cu) for this input: (geometry, grid, dynamic shared
     /// memory bytes). A channel is split over as many blocks as it takes for each block's slice
-    /// to fit in one half of its shared memory (or over every resident block when even that is
-    /// not enough: the rest of each slice is read again from L2), over more when there are too
-    /// few channels to fill the device, but into slices of at least `BN_MIN_UNITS`.
+    /// to fit twice in its ring buffer (so that one channel can be read while the previous one is
+    /// written), or over every resident block when even that is not enough (the slice's units
+    /// past the ring are read again from L2), over more when there are too few channels to fill
+    /// the device, but into slices of at least `BN_MIN_UNITS`. The ring holds three slices where
+    /// shared memory allows, at least `BN_FWD_GROUP` units.
     fn bn_fwd_plan(&self, name: &str, p: &BatchNormParams) -> Result<(BnFwd, Grid, u32)> {
         use cudarc::driver::sys::CUfunction_attribute as Attr;
         let op = "batch_norm";
@@ -331,8 +335,15 @@ impl CudaStorage {
             .map_err(|e| cuda_err("batch_norm: reading bn_fwd's shared memory", e))?
             as usize;
         let max_shared = (self.dev.smem_per_block as usize).saturating_sub(static_smem);
-        let max_cap = (max_shared / 2 / unit).max(1);
-        let shared = |blocks: usize| 2 * units.div_ceil(blocks).clamp(1, max_cap) * unit;
+        let max_ring = max_shared / unit;
+        if max_ring < BN_FWD_GROUP {
+            return Err(Error::Cuda(format!(
+                "{op}: bn_fwd needs {} bytes of shared memory, the device has {max_shared}",
+                BN_FWD_GROUP * unit
+            )));
+        }
+        let ring = |blocks: usize| (3 * units.div_ceil(blocks)).clamp(BN_FWD_GROUP, max_ring);
+        let shared = |blocks: usize| ring(blocks) * unit;
         // The same limit on every call (calls on other threads may be planning the same kernel),
         // and all of the L1/shared split to shared memory.
         func.set_attribute(
@@ -357,7 +368,7 @@ impl CudaStorage {
             )));
         }
         let total = per_sm * self.dev.sm_count as usize;
-        let fit = units.div_ceil(max_cap).max(1);
+        let fit = units.div_ceil(max_ring / 2).max(1);
         let small = units.div_ceil(BN_MIN_UNITS).max(1);
         let mut blocks = fit.max(small.min(total.div_ceil(p.c))).min(total);
         let teams = p.c.min(total / blocks);
@@ -368,7 +379,7 @@ impl CudaStorage {
             sp: p.spatial as u64,
             blocks: blocks as u64,
             teams: teams as u64,
-            cap: units.div_ceil(blocks).clamp(1, max_cap) as u64,
+            ring: ring(blocks) as u64,
             eps: p.eps,
             momentum: p.momentum,
         };
