@@ -34,7 +34,7 @@ enum Dir {
     BackwardFilter,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Algo {
     Fwd(dsys::cudnnConvolutionFwdAlgo_t),
     BwdData(dsys::cudnnConvolutionBwdDataAlgo_t),
@@ -361,7 +361,7 @@ fn run(
     if !dnn_state.plans.contains_key(&key) {
         let mut plan = dnn_state.make_plan(p, dtype, dir)?;
         if find_enabled() {
-            if let Err(e) = find(dev, dnn_state.handle, &mut plan, dir, ap, bp, op) {
+            if let Err(e) = find(dev, dnn_state.handle, &mut plan, dir, p, (ap, bp, op)) {
                 log::debug!(
                     "cudnnFind for {dir:?} {dtype} {p:?} failed, keeping the heuristic choice: {e}"
                 );
@@ -457,7 +457,6 @@ fn run(
     Ok(out)
 }
 
-/// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits.
 /// Tensor cores for half types; for f32 plain FMA unless TF32 was allowed.
 fn math_type(dtype: DType) -> dsys::cudnnMathType_t {
     match dtype {
@@ -468,16 +467,20 @@ fn math_type(dtype: DType) -> dsys::cudnnMathType_t {
     }
 }
 
+/// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits.
+/// cudnnFind times each candidate once; on small convolutions (tens of microseconds) that single
+/// timing varies by more than the gap between the best candidates, so the choice is made on the
+/// median of `FIND_ROUNDS` runs of it.
 fn find(
     dev: &CudaDevice,
     h: dsys::cudnnHandle_t,
     plan: &mut Plan,
     dir: Dir,
-    ap: *const c_void,
-    bp: *const c_void,
-    op: *mut c_void,
+    p: &Conv2dParams,
+    (ap, bp, op): (*const c_void, *const c_void, *mut c_void),
 ) -> Result<()> {
     const N: usize = 16;
+    const FIND_ROUNDS: usize = 3;
     // SAFETY: cuDNN owns the scratch contents.
     let scratch = unsafe { dev.stream.alloc::<u8>(FIND_WORKSPACE) }
         .map_err(|e| cuda_err("allocating cudnnFind scratch", e))?;
@@ -486,7 +489,7 @@ fn find(
     let ok = |st: dsys::cudnnStatus_t, mem: usize| {
         st == dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS && mem <= FIND_WORKSPACE
     };
-    // Times the candidates on (d1, p1), (d2, p2) -> (d3, out) and keeps the fastest that fits.
+    // Times the candidates on (d1, p1), (d2, p2) -> (d3, out): those that fit, with their times.
     macro_rules! find_fastest {
         ($perf:ty, $find:path, $variant:path, $name:literal, $d1:expr, $p1:expr, $d2:expr, $p2:expr, $d3:expr) => {{
             // SAFETY: zeroed plain-data structs filled by cuDNN.
@@ -513,51 +516,80 @@ fn find(
             .map_err(|e| dnn_err($name, e))?;
             perf.iter()
                 .take(count.max(0) as usize)
-                .find(|pf| ok(pf.status, pf.memory) && pf.mathType == plan.math)
-                .map(|pf| ($variant(pf.algo), pf.memory))
+                .filter(|pf| ok(pf.status, pf.memory) && pf.mathType == plan.math)
+                .map(|pf| ($variant(pf.algo), pf.time, pf.memory))
+                .collect::<Vec<(Algo, f32, usize)>>()
         }};
     }
-    let choice = match dir {
-        Dir::Forward => find_fastest!(
-            dsys::cudnnConvolutionFwdAlgoPerf_t,
-            dsys::cudnnFindConvolutionForwardAlgorithmEx,
-            Algo::Fwd,
-            "cudnnFindConvolutionForwardAlgorithmEx",
-            plan.x.0,
-            ap,
-            plan.w.0,
-            bp,
-            plan.y.0
-        ),
-        // a = dy, b = w, out = dx.
-        Dir::BackwardData => find_fastest!(
-            dsys::cudnnConvolutionBwdDataAlgoPerf_t,
-            dsys::cudnnFindConvolutionBackwardDataAlgorithmEx,
-            Algo::BwdData,
-            "cudnnFindConvolutionBackwardDataAlgorithmEx",
-            plan.w.0,
-            bp,
-            plan.y.0,
-            ap,
-            plan.x.0
-        ),
-        // a = dy, b = x, out = dw.
-        Dir::BackwardFilter => find_fastest!(
-            dsys::cudnnConvolutionBwdFilterAlgoPerf_t,
-            dsys::cudnnFindConvolutionBackwardFilterAlgorithmEx,
-            Algo::BwdFilter,
-            "cudnnFindConvolutionBackwardFilterAlgorithmEx",
-            plan.x.0,
-            bp,
-            plan.y.0,
-            ap,
-            plan.w.0
-        ),
-    };
+    // (algorithm, its times over the rounds, workspace)
+    let mut seen: Vec<(Algo, Vec<f32>, usize)> = Vec::new();
+    for _ in 0..FIND_ROUNDS {
+        let round = match dir {
+            Dir::Forward => find_fastest!(
+                dsys::cudnnConvolutionFwdAlgoPerf_t,
+                dsys::cudnnFindConvolutionForwardAlgorithmEx,
+                Algo::Fwd,
+                "cudnnFindConvolutionForwardAlgorithmEx",
+                plan.x.0,
+                ap,
+                plan.w.0,
+                bp,
+                plan.y.0
+            ),
+            // a = dy, b = w, out = dx.
+            Dir::BackwardData => find_fastest!(
+                dsys::cudnnConvolutionBwdDataAlgoPerf_t,
+                dsys::cudnnFindConvolutionBackwardDataAlgorithmEx,
+                Algo::BwdData,
+                "cudnnFindConvolutionBackwardDataAlgorithmEx",
+                plan.w.0,
+                bp,
+                plan.y.0,
+                ap,
+                plan.x.0
+            ),
+            // a = dy, b = x, out = dw.
+            Dir::BackwardFilter => find_fastest!(
+                dsys::cudnnConvolutionBwdFilterAlgoPerf_t,
+                dsys::cudnnFindConvolutionBackwardFilterAlgorithmEx,
+                Algo::BwdFilter,
+                "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+                plan.x.0,
+                bp,
+                plan.y.0,
+                ap,
+                plan.w.0
+            ),
+        };
+        for (algo, time, memory) in round {
+            match seen.iter_mut().find(|(a, _, _)| *a == algo) {
+                Some((_, times, _)) => times.push(time),
+                None => seen.push((algo, vec![time], memory)),
+            }
+        }
+    }
     drop(scratch);
-    if let Some((algo, memory)) = choice {
-        plan.algo = algo;
-        plan.workspace = memory;
+    let median = |times: &[f32]| {
+        let mut t = times.to_vec();
+        t.sort_by(f32::total_cmp);
+        t[t.len() / 2]
+    };
+    // Only candidates timed in every round compete (one that failed once is not trusted).
+    let choice = seen
+        .iter()
+        .filter(|(_, times, _)| times.len() == FIND_ROUNDS)
+        .min_by(|a, b| median(&a.1).total_cmp(&median(&b.1)));
+    log::debug!(
+        "cudnnFind {dir:?} {p:?}: {} -> {:?}",
+        seen.iter()
+            .map(|(a, t, _)| format!("{a:?} {t:?} ms"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        choice.map(|c| c.0)
+    );
+    if let Some((algo, _, memory)) = choice {
+        plan.algo = *algo;
+        plan.workspace = *memory;
     }
     Ok(())
 }
