@@ -1,8 +1,9 @@
 //! 2-D convolution through cuDNN (NCHW, groups, dilation): forward, backward-data and
 //! backward-filter. Each (geometry, dtype, direction) gets its descriptors and algorithm chosen
 //! once and cached: cuDNN's heuristics (`cudnnGet*Algorithm_v7`) first, then, on the first call's
-//! real buffers, `cudnnFind*AlgorithmEx` times the candidates and the fastest that fits the
-//! workspace limit wins (`MIXPREC_CUDNN_FIND=0` keeps the heuristic choice). The workspace is one
+//! real buffers, `cudnnFind*AlgorithmEx` times the candidates (three times; the median decides)
+//! and the fastest that fits the workspace limit wins (`MIXPREC_CUDNN_FIND=0` keeps the heuristic
+//! choice; `RUST_LOG=mixprec=debug` logs the timings and the choice). The workspace is one
 //! grow-only buffer per device.
 
 use std::collections::HashMap;
