@@ -469,9 +469,9 @@ fn math_type(dtype: DType) -> dsys::cudnnMathType_t {
 }
 
 /// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits.
-/// cudnnFind times each candidate once; on small convolutions (tens of microseconds) that single
-/// timing varies by more than the gap between the best candidates, so the choice is made on the
-/// median of `FIND_ROUNDS` runs of it.
+/// cudnnFind times each candidate once, and its first run also pays a warm-up on whichever
+/// candidate it times first: on ResNet-50's 3x3 shapes (H200) that made a candidate twice as slow
+/// look fastest. So the choice is made on each candidate's median over `FIND_ROUNDS` runs.
 fn find(
     dev: &CudaDevice,
     h: dsys::cudnnHandle_t,
