@@ -27,10 +27,11 @@ fn tol(d: DType) -> f64 {
     }
 }
 
-/// Bound for matmul/conv: f32 may go through other summation orders / algorithms.
+/// Bound for matmul/conv: f32 may go through other summation orders / algorithms (Winograd,
+/// FFT), but not TF32 (~3e-4 here) or half inputs (~1e-3).
 fn tol_gemm(d: DType) -> f64 {
     match d {
-        DType::F32 => 1e-3,
+        DType::F32 => 1e-4,
         other => tol(other),
     }
 }
@@ -794,7 +795,23 @@ fn conv_cases() -> Vec<Conv2dParams> {
         mk(2, 8, 12, 12, 8, 3, 1, 2, 2, 4),
         mk(4, 64, 14, 14, 64, 3, 1, 1, 1, 1),
         mk(2, 3, 32, 32, 16, 7, 2, 3, 1, 1),
+        // ResNet-18 on 4 images of 128x128 (resnet18_forward_backward_matches_cpu): stem,
+        // layer1, layer2's strided 3x3 and its 1x1 shortcut, layer4.
+        mk(4, 3, 128, 128, 64, 7, 2, 3, 1, 1),
+        mk(4, 64, 32, 32, 64, 3, 1, 1, 1, 1),
+        mk(4, 64, 32, 32, 128, 3, 2, 1, 1, 1),
+        mk(4, 64, 32, 32, 128, 1, 2, 0, 1, 1),
+        mk(4, 512, 4, 4, 512, 3, 1, 1, 1, 1),
     ]
+}
+
+/// What device 0 runs for this convolution (for failure messages).
+fn conv_algorithm(p: &Conv2dParams, d: DType, direction: &str) -> String {
+    mixprec::backend::cuda::conv_plans(0)
+        .unwrap()
+        .into_iter()
+        .find(|i| i.params == *p && i.dtype == d && i.direction == direction)
+        .map_or_else(|| "no plan".into(), |i| i.algorithm)
 }
 
 #[test]
@@ -808,25 +825,85 @@ fn conv2d_fwd_bwd_data_bwd_filter() {
                 .affine(0.2, 0.0)
                 .unwrap();
             let y = x.conv2d(&w, &p).unwrap();
+            let y_gpu = up(&x).conv2d(&up(&w), &p).unwrap();
             check(
-                &format!("conv2d {d} {p:?}"),
-                &up(&x).conv2d(&up(&w), &p).unwrap(),
+                &format!("conv2d {d} {p:?} ({})", conv_algorithm(&p, d, "forward")),
+                &y_gpu,
                 &y,
                 tol_gemm(d),
             );
             let g = randn(y.len(), d);
+            let dx = up(&g).conv2d_backward_input(&up(&w), &p).unwrap();
             check(
-                &format!("conv2d_backward_input {d} {p:?}"),
-                &up(&g).conv2d_backward_input(&up(&w), &p).unwrap(),
+                &format!(
+                    "conv2d_backward_input {d} {p:?} ({})",
+                    conv_algorithm(&p, d, "backward-data")
+                ),
+                &dx,
                 &g.conv2d_backward_input(&w, &p).unwrap(),
                 tol_gemm(d),
             );
+            let dw = up(&g).conv2d_backward_weight(&up(&x), &p).unwrap();
             check(
-                &format!("conv2d_backward_weight {d} {p:?}"),
-                &up(&g).conv2d_backward_weight(&up(&x), &p).unwrap(),
+                &format!(
+                    "conv2d_backward_weight {d} {p:?} ({})",
+                    conv_algorithm(&p, d, "backward-filter")
+                ),
+                &dw,
                 &g.conv2d_backward_weight(&x, &p).unwrap(),
                 tol_gemm(d) * 2.0,
             );
+        }
+    }
+}
+
+/// Convolution plans come from cuDNN's graph API and its legacy API, the faster on the first
+/// call's buffers (`MIXPREC_CUDNN_API=graph` or `=legacy` forces one: run this binary's conv2d
+/// and resnet18 tests once each way too). This checks that the graph API really offers
+/// candidates for a ResNet-shaped convolution in every dtype and direction, and that forced, it
+/// is what runs: a broken graph path cannot hide behind the legacy one.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv2d_resnet_shape_has_graph_api_plans() {
+    gpu();
+    let api = std::env::var("MIXPREC_CUDNN_API").unwrap_or_default();
+    if api == "legacy" {
+        return;
+    }
+    // A geometry no other test uses, so that its plans are built here.
+    let p = Conv2dParams {
+        n: 3,
+        c_in: 32,
+        h: 10,
+        w: 10,
+        c_out: 48,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        padding: (1, 1),
+        dilation: (1, 1),
+        groups: 1,
+    };
+    for d in DTYPES {
+        let x = randn(p.n * p.c_in * p.h * p.w, d);
+        let w = randn(p.c_out * p.c_in * p.kh * p.kw, d);
+        let (xg, wg) = (up(&x), up(&w));
+        let y = xg.conv2d(&wg, &p).unwrap();
+        let g = up(&randn(y.len(), d));
+        g.conv2d_backward_input(&wg, &p).unwrap();
+        g.conv2d_backward_weight(&xg, &p).unwrap();
+        let plans: Vec<_> = mixprec::backend::cuda::conv_plans(0)
+            .unwrap()
+            .into_iter()
+            .filter(|i| i.params == p && i.dtype == d)
+            .collect();
+        assert_eq!(plans.len(), 3, "{d}: {plans:?}");
+        assert!(
+            plans.iter().all(|i| i.graph_candidates > 0),
+            "{d}: {plans:?}"
+        );
+        if api == "graph" {
+            assert!(plans.iter().all(|i| i.graph_api), "{d}: {plans:?}");
         }
     }
 }

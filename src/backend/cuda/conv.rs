@@ -1,10 +1,19 @@
 //! 2-D convolution through cuDNN (NCHW, groups, dilation): forward, backward-data and
-//! backward-filter. Each (geometry, dtype, direction) gets its descriptors and algorithm chosen
-//! once and cached: cuDNN's heuristics (`cudnnGet*Algorithm_v7`) first, then, on the first call's
-//! real buffers, `cudnnFind*AlgorithmEx` times the candidates (three times; the median decides)
-//! and the fastest that fits the workspace limit wins (`MIXPREC_CUDNN_FIND=0` keeps the heuristic
-//! choice; `RUST_LOG=mixprec=debug` logs the timings and the choice). The workspace is one
-//! grow-only buffer per device.
+//! backward-filter. Each (geometry, dtype, direction) gets its plan chosen once, on the first
+//! call's real buffers, and cached with its workspace size. Two APIs compete for it:
+//!
+//! - cuDNN's graph API (`cudnn_graph.rs`): the heuristics' engine configurations, each timed
+//!   (median of three runs);
+//! - the legacy API: cuDNN's heuristics (`cudnnGet*Algorithm_v7`), then `cudnnFind*AlgorithmEx`
+//!   (three rounds; each candidate's median decides).
+//!
+//! The faster of the two winners runs. Neither API wins everywhere (H200, f16, batch 64): the
+//! graph API's engines run ResNet-50's 14x14 layer3 convolution 1.2-1.4x faster, the legacy
+//! implicit-GEMM kernels its 7x7/2 stem forward 1.5x faster (the graph API's heuristics list no
+//! engine as fast there within the workspace limit). `MIXPREC_CUDNN_API=graph` or `=legacy` forces one (the legacy API still covers what no
+//! graph engine supports); `MIXPREC_CUDNN_FIND=0` turns the timing off (the graph heuristics' first
+//! choice, else the legacy one); `RUST_LOG=mixprec=debug` logs the timings and the choice. The
+//! workspace is one grow-only buffer per device.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -12,6 +21,7 @@ use std::ffi::{c_int, c_void};
 use cudarc::cudnn::{result as dnn, sys as dsys};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::cudnn_graph::ConvPlan;
 use super::device::{allow_tf32, cuda_err, CudaDevice};
 use super::ops::check_len;
 use super::storage::CudaStorage;
@@ -28,8 +38,28 @@ fn find_enabled() -> bool {
     std::env::var("MIXPREC_CUDNN_FIND").map_or(true, |v| v != "0")
 }
 
+/// Which cuDNN API may run convolutions (`MIXPREC_CUDNN_API`): both, the fastest of them chosen
+/// per plan (the default), or only one (`graph`: the legacy API still covers what no graph engine
+/// supports; `legacy`: never the graph API).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Api {
+    Fastest,
+    Graph,
+    Legacy,
+}
+
+fn api() -> Api {
+    match std::env::var("MIXPREC_CUDNN_API").as_deref() {
+        Ok("graph") => Api::Graph,
+        Ok("legacy") => Api::Legacy,
+        _ => Api::Fastest,
+    }
+}
+
+/// Which convolution runs, with its buffers in cuDNN's argument order: forward (x, w) -> y,
+/// backward-data (dy, w) -> dx, backward-filter (dy, x) -> dw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Dir {
+pub(super) enum Dir {
     Forward,
     BackwardData,
     BackwardFilter,
@@ -64,7 +94,39 @@ impl Drop for ConvDesc {
     }
 }
 
-struct Plan {
+/// How one (geometry, dtype, direction) runs.
+enum Plan {
+    Graph(ConvPlan),
+    Legacy(LegacyPlan),
+}
+
+impl Plan {
+    fn workspace(&self) -> usize {
+        match self {
+            Plan::Graph(g) => g.workspace,
+            Plan::Legacy(l) => l.workspace,
+        }
+    }
+
+    /// What runs: the graph engine with its notes, or the legacy algorithm.
+    fn describe(&self) -> String {
+        match self {
+            Plan::Graph(g) => format!("{g:?}"),
+            Plan::Legacy(l) => format!("legacy {:?} ({} bytes of workspace)", l.algo, l.workspace),
+        }
+    }
+
+    /// How many graph-API engine configurations were candidates for this plan.
+    fn graph_candidates(&self) -> usize {
+        match self {
+            Plan::Graph(g) => g.candidates,
+            Plan::Legacy(l) => l.graph_candidates,
+        }
+    }
+}
+
+/// A legacy-API plan: descriptors and a `cudnnConvolution*Algo_t`.
+struct LegacyPlan {
     /// The math the descriptor allows: cudnnFind's candidates must use exactly this one, or an
     /// f32 convolution could come back computed in TF32.
     math: dsys::cudnnMathType_t,
@@ -74,6 +136,9 @@ struct Plan {
     conv: ConvDesc,
     algo: Algo,
     workspace: usize,
+    /// How many graph-API candidates it was chosen over (0: the graph API was not tried or had
+    /// no engine).
+    graph_candidates: usize,
 }
 
 pub(crate) struct Dnn {
@@ -102,7 +167,7 @@ fn i(what: &'static str, v: usize) -> Result<c_int> {
         .map_err(|_| Error::invalid_arg("conv2d", what, v, "at most 2^31-1 for cuDNN"))
 }
 
-fn data_type(d: DType) -> Result<(dsys::cudnnDataType_t, dsys::cudnnDataType_t)> {
+pub(super) fn data_type(d: DType) -> Result<(dsys::cudnnDataType_t, dsys::cudnnDataType_t)> {
     use dsys::cudnnDataType_t::*;
     Ok(match d {
         DType::F16 => (CUDNN_DATA_HALF, CUDNN_DATA_FLOAT),
@@ -172,18 +237,83 @@ impl Dnn {
         Ok(d)
     }
 
-    fn plan(&mut self, p: &Conv2dParams, dtype: DType, dir: Dir) -> Result<&Plan> {
-        let key = (*p, dtype, dir, allow_tf32());
-        if !self.plans.contains_key(&key) {
-            let plan = self.make_plan(p, dtype, dir)?;
-            self.plans.insert(key, plan);
-        }
-        self.plans
-            .get(&key)
-            .ok_or_else(|| Error::Cuda("cuDNN plan cache".into()))
+    /// The plan for one direction, built on the first call's buffers (`ptrs`, argument order):
+    /// the graph API's, or where it has no engine for the graph, the legacy API's.
+    fn make_plan(
+        &self,
+        dev: &CudaDevice,
+        p: &Conv2dParams,
+        dtype: DType,
+        dir: Dir,
+        ptrs: [*mut c_void; 3],
+    ) -> Result<Plan> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))?;
+        let api = api();
+        let timed = find_enabled();
+        let graph = if api == Api::Legacy {
+            None
+        } else {
+            let g = super::probe::no_panic("cuDNN graph API", || {
+                ConvPlan::tuned(
+                    dev,
+                    self.handle,
+                    p,
+                    dtype,
+                    dir,
+                    allow_tf32(),
+                    ptrs,
+                    FIND_WORKSPACE,
+                    timed,
+                )
+            });
+            match g {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    log::debug!("{e}; using the legacy API");
+                    None
+                }
+            }
+        };
+        // Untimed, or asked for the graph API: its plan where it has one.
+        let graph = match graph {
+            Some(g) if api == Api::Graph || !timed => return Ok(Plan::Graph(g)),
+            g => g,
+        };
+        let mut legacy = self.make_legacy_plan(p, dtype, dir)?;
+        let legacy_ms = if timed {
+            let [ap, bp, op] = ptrs;
+            find(dev, self.handle, &mut legacy, dir, p, (ap, bp, op)).unwrap_or_else(|e| {
+                log::debug!(
+                    "cudnnFind for {dir:?} {dtype} {p:?} failed, keeping the heuristic choice: {e}"
+                );
+                None
+            })
+        } else {
+            None
+        };
+        // Both timed on the same buffers: the faster wins (an untimed side loses).
+        Ok(match graph {
+            Some(g) if g.time_ms.unwrap_or(f32::INFINITY) <= legacy_ms.unwrap_or(f32::INFINITY) => {
+                log::debug!(
+                    "{dir:?} {dtype} {p:?}: graph {:?} ms vs legacy {legacy_ms:?} ms -> graph",
+                    g.time_ms
+                );
+                Plan::Graph(g)
+            }
+            g => {
+                log::debug!(
+                    "{dir:?} {dtype} {p:?}: graph {:?} ms vs legacy {legacy_ms:?} ms -> legacy",
+                    g.as_ref().and_then(|g| g.time_ms)
+                );
+                legacy.graph_candidates = g.map_or(0, |g| g.candidates);
+                Plan::Legacy(legacy)
+            }
+        })
     }
 
-    fn make_plan(&self, p: &Conv2dParams, dtype: DType, dir: Dir) -> Result<Plan> {
+    fn make_legacy_plan(&self, p: &Conv2dParams, dtype: DType, dir: Dir) -> Result<LegacyPlan> {
         let (dt, compute) = data_type(dtype)?;
         let nchw = dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
         let x = TensorDesc(
@@ -313,7 +443,7 @@ impl Dnn {
                 "cuDNN has no {dir:?} convolution algorithm for {dtype} {p:?} within {WORKSPACE_LIMIT} bytes of workspace"
             ))
         })?;
-        Ok(Plan {
+        Ok(LegacyPlan {
             math,
             x,
             w,
@@ -321,6 +451,7 @@ impl Dnn {
             conv,
             algo,
             workspace,
+            graph_candidates: 0,
         })
     }
 }
@@ -353,24 +484,13 @@ fn run(
     let dnn_state = guard
         .as_mut()
         .ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
-    let (ap, bp, op) = (
-        a.ptr() as *const c_void,
-        b.ptr() as *const c_void,
-        out.ptr() as *mut c_void,
-    );
+    let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
     let key = (*p, dtype, dir, allow_tf32());
     if !dnn_state.plans.contains_key(&key) {
-        let mut plan = dnn_state.make_plan(p, dtype, dir)?;
-        if find_enabled() {
-            if let Err(e) = find(dev, dnn_state.handle, &mut plan, dir, p, (ap, bp, op)) {
-                log::debug!(
-                    "cudnnFind for {dir:?} {dtype} {p:?} failed, keeping the heuristic choice: {e}"
-                );
-            }
-        }
+        let plan = dnn_state.make_plan(dev, p, dtype, dir, ptrs)?;
         dnn_state.plans.insert(key, plan);
     }
-    let ws_needed = dnn_state.plan(p, dtype, dir)?.workspace;
+    let ws_needed = dnn_state.plans.get(&key).map_or(0, Plan::workspace);
     let have = dnn_state.workspace.as_ref().map_or(0, |w| w.len());
     if ws_needed > have {
         // SAFETY: cuDNN owns the workspace contents.
@@ -387,7 +507,19 @@ fn run(
         None => (std::ptr::null_mut(), 0),
     };
     let h = dnn_state.handle;
-    let plan = dnn_state.plan(p, dtype, dir)?;
+    let plan = match dnn_state.plans.get(&key) {
+        Some(Plan::Legacy(plan)) => plan,
+        Some(Plan::Graph(graph)) => {
+            dev.ctx
+                .bind_to_thread()
+                .map_err(|e| cuda_err("binding the context", e))?;
+            graph
+                .execute(h, ptrs, ws_ptr)
+                .map_err(|e| Error::Cuda(format!("{dir:?} convolution ({dtype}, {p:?}): {e}")))?;
+            return Ok(out);
+        }
+        None => return Err(Error::Cuda("cuDNN plan cache".into())),
+    };
     let (a1, b0) = (1.0f32, 0.0f32);
     let (a1d, b0d) = (1.0f64, 0.0f64);
     let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
@@ -468,18 +600,19 @@ fn math_type(dtype: DType) -> dsys::cudnnMathType_t {
     }
 }
 
-/// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits.
+/// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits;
+/// returns its median time in ms (`None`: no candidate, the heuristic choice stays).
 /// cudnnFind times each candidate once, and its first run also pays a warm-up on whichever
 /// candidate it times first: on ResNet-50's 3x3 shapes (H200) that made a candidate twice as slow
 /// look fastest. So the choice is made on each candidate's median over `FIND_ROUNDS` runs.
 fn find(
     dev: &CudaDevice,
     h: dsys::cudnnHandle_t,
-    plan: &mut Plan,
+    plan: &mut LegacyPlan,
     dir: Dir,
     p: &Conv2dParams,
     (ap, bp, op): (*const c_void, *const c_void, *mut c_void),
-) -> Result<()> {
+) -> Result<Option<f32>> {
     const N: usize = 16;
     const FIND_ROUNDS: usize = 3;
     // SAFETY: cuDNN owns the scratch contents.
@@ -588,11 +721,56 @@ fn find(
             .join(", "),
         choice.map(|c| c.0)
     );
-    if let Some((algo, _, memory)) = choice {
+    Ok(choice.map(|(algo, times, memory)| {
         plan.algo = *algo;
         plan.workspace = *memory;
-    }
-    Ok(())
+        median(times)
+    }))
+}
+
+/// One cached convolution plan, as [`conv_plans`] reports it.
+#[derive(Clone, Debug)]
+pub struct ConvPlanInfo {
+    pub params: Conv2dParams,
+    pub dtype: DType,
+    /// "forward", "backward-data" or "backward-filter".
+    pub direction: &'static str,
+    /// Whether it runs through cuDNN's graph API (else the legacy API).
+    pub graph_api: bool,
+    /// How many graph-API engine configurations were timed or considered for it (0 when the
+    /// graph API was not tried or had no engine for it).
+    pub graph_candidates: usize,
+    /// Bytes of workspace it needs.
+    pub workspace: usize,
+    /// What runs: "graph engine N [its numerical notes]" or "legacy <cuDNN algorithm>".
+    pub algorithm: String,
+}
+
+/// The convolution plans device `ordinal` has chosen so far (one per geometry, dtype, direction
+/// and TF32 setting): which API each runs through, for tests and for a look at a network.
+pub fn conv_plans(ordinal: usize) -> Result<Vec<ConvPlanInfo>> {
+    let dev = super::device::get(ordinal)?;
+    let guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dnn) = guard.as_ref() else {
+        return Ok(Vec::new());
+    };
+    Ok(dnn
+        .plans
+        .iter()
+        .map(|((params, dtype, dir, _), plan)| ConvPlanInfo {
+            params: *params,
+            dtype: *dtype,
+            direction: match dir {
+                Dir::Forward => "forward",
+                Dir::BackwardData => "backward-data",
+                Dir::BackwardFilter => "backward-filter",
+            },
+            graph_api: matches!(plan, Plan::Graph(_)),
+            graph_candidates: plan.graph_candidates(),
+            workspace: plan.workspace(),
+            algorithm: plan.describe(),
+        })
+        .collect())
 }
 
 fn sizes(p: &Conv2dParams) -> (usize, usize, usize) {

@@ -1,10 +1,12 @@
 //! The CUDA backend: context and stream per device with a stream-ordered memory pool
 //! (`device.rs`), library probing (`probe.rs`), the NVRTC kernel registry with its on-disk cache
 //! (`registry.rs`), kernel launches (`launch.rs`), the buffer type (`storage.rs`) and its ops
-//! (`ops.rs`), cuBLAS matmul (`matmul.rs`) and cuDNN convolution (`conv.rs`).
+//! (`ops.rs`), cuBLAS matmul (`matmul.rs`) and cuDNN convolution (`conv.rs`, with the graph API in
+//! `cudnn_graph.rs`).
 //! Kernels are in `kernels/*.cu` at the crate root.
 
 mod conv;
+mod cudnn_graph;
 mod device;
 mod launch;
 mod matmul;
@@ -14,6 +16,7 @@ mod probe;
 mod registry;
 mod storage;
 
+pub use conv::{conv_plans, ConvPlanInfo};
 pub use device::{
     get as device, host_sync_count, set_allow_tf32, set_poison_allocations, CudaDevice,
 };
