@@ -4,8 +4,9 @@
 //!
 //! Why this and not only `cudnnFind*`: the legacy API reaches a subset of cuDNN 9's engines. On
 //! ResNet-50's 14x14 layer3 convolution (H200, f16) it offered two tensor-core candidates, the
-//! faster at ~0.7 of what PyTorch (which uses this API) reaches. `conv.rs` keeps the legacy path
-//! as the fallback for graphs no engine supports.
+//! faster at ~0.7 of what PyTorch (which uses this API) reaches. `conv.rs` times the legacy API's
+//! choice beside this one and keeps the faster; the legacy API also covers graphs no engine here
+//! supports.
 
 use std::ffi::c_void;
 
@@ -568,7 +569,8 @@ impl ConvPlan {
 }
 
 /// Each candidate's median time in ms over `TIMED_RUNS` runs after a warm-up; `None` for one
-/// that failed to run.
+/// that failed to run. The events bracket the device's one stream: work other threads enqueue
+/// meanwhile counts too (a slower choice then, never a wrong one).
 fn time_candidates(
     dev: &CudaDevice,
     handle: dsys::cudnnHandle_t,
