@@ -10,10 +10,12 @@
 //! The faster of the two winners runs. Neither API wins everywhere (H200, f16, batch 64): the
 //! graph API's engines run ResNet-50's 14x14 layer3 convolution 1.2-1.4x faster, the legacy
 //! implicit-GEMM kernels its 7x7/2 stem forward 1.5x faster (the graph API's heuristics list no
-//! engine as fast there within the workspace limit). `MIXPREC_CUDNN_API=graph` or `=legacy` forces one (the legacy API still covers what no
-//! graph engine supports); `MIXPREC_CUDNN_FIND=0` turns the timing off (the graph heuristics' first
-//! choice, else the legacy one); `RUST_LOG=mixprec=debug` logs the timings and the choice. The
-//! workspace is one grow-only buffer per device.
+//! engine as fast there within the workspace limit).
+//!
+//! `MIXPREC_CUDNN_API=graph` or `=legacy` forces one API (the legacy API still covers what no
+//! graph engine supports); `MIXPREC_CUDNN_FIND=0` turns the timing off (the graph heuristics'
+//! first choice, else the legacy one); `RUST_LOG=mixprec=debug` logs the timings and the choice.
+//! The workspace is one grow-only buffer per device.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -237,8 +239,9 @@ impl Dnn {
         Ok(d)
     }
 
-    /// The plan for one direction, built on the first call's buffers (`ptrs`, argument order):
-    /// the graph API's, or where it has no engine for the graph, the legacy API's.
+    /// The plan for one direction, chosen on the first call's buffers (`ptrs`, argument order):
+    /// the faster of the graph API's and the legacy API's winners (see the module doc for the
+    /// environment that narrows this).
     fn make_plan(
         &self,
         dev: &CudaDevice,
