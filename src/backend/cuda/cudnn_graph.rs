@@ -133,10 +133,10 @@ fn tensor(uid: i64, dims: [usize; 4], dt: dsys::cudnnDataType_t) -> Result<Desc>
 }
 
 /// The engine's numerical and behaviour notes (for logs), and whether they refuse it for this
-/// convolution: it must compute what the dtype promises (no inputs converted down, no reduction in reduced precision: half inputs accumulate
-/// in f32; f32 on tensor cores, i.e. TF32, only when allowed; f64 tensor cores compute in f64).
-/// Engines that compile kernels at run time are left out too: each costs seconds at first use,
-/// for every shape of a network.
+/// convolution. It must compute what the dtype promises: no inputs converted down, no reduction
+/// in reduced precision (half inputs accumulate in f32), f32 on tensor cores (TF32) only when
+/// allowed (f64 tensor cores compute in f64). Engines that compile kernels at run time are left
+/// out too: each costs seconds at first use, for every shape of a network.
 fn engine_notes(engine: &Desc, dtype: DType, tf32: bool) -> Result<(bool, String)> {
     use dsys::cudnnBackendBehaviorNote_t as B;
     use dsys::cudnnBackendNumericalNote_t as N;
