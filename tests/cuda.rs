@@ -774,8 +774,21 @@ fn avg_and_adaptive_pool_fwd_bwd() {
     }
 }
 
-fn conv_cases() -> Vec<Conv2dParams> {
-    let mk = |n, c_in, h, w, c_out, k, stride, padding, dilation, groups| Conv2dParams {
+/// A square-kernel convolution with the same stride, padding and dilation on both axes.
+#[allow(clippy::too_many_arguments)]
+fn mk(
+    n: usize,
+    c_in: usize,
+    h: usize,
+    w: usize,
+    c_out: usize,
+    k: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+    groups: usize,
+) -> Conv2dParams {
+    Conv2dParams {
         n,
         c_in,
         h,
@@ -787,7 +800,10 @@ fn conv_cases() -> Vec<Conv2dParams> {
         padding: (padding, padding),
         dilation: (dilation, dilation),
         groups,
-    };
+    }
+}
+
+fn conv_cases() -> Vec<Conv2dParams> {
     vec![
         mk(2, 3, 16, 16, 8, 3, 1, 1, 1, 1),
         mk(2, 8, 15, 15, 16, 3, 2, 1, 1, 1),
@@ -871,19 +887,7 @@ fn conv2d_resnet_shape_has_graph_api_plans() {
         return;
     }
     // A geometry no other test uses, so that its plans are built here.
-    let p = Conv2dParams {
-        n: 3,
-        c_in: 32,
-        h: 10,
-        w: 10,
-        c_out: 48,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        padding: (1, 1),
-        dilation: (1, 1),
-        groups: 1,
-    };
+    let p = mk(3, 32, 10, 10, 48, 3, 1, 1, 1, 1);
     for d in DTYPES {
         let x = randn(p.n * p.c_in * p.h * p.w, d);
         let w = randn(p.c_out * p.c_in * p.kh * p.kw, d);
@@ -914,19 +918,8 @@ fn bad_geometry_is_an_error() {
     gpu();
     let x = up(&randn(16, DType::F32));
     let w = up(&randn(9, DType::F32));
-    let p = Conv2dParams {
-        n: 1,
-        c_in: 1,
-        h: 2,
-        w: 2,
-        c_out: 1,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        padding: (0, 0),
-        dilation: (1, 1),
-        groups: 1,
-    };
+    // A 3x3 kernel on a 2x2 input without padding.
+    let p = mk(1, 1, 2, 2, 1, 3, 1, 0, 1, 1);
     assert!(x.conv2d(&w, &p).is_err());
     let y = up(&randn(6, DType::F16));
     assert!(x
