@@ -178,6 +178,8 @@ fn engine_notes(engine: &Desc, dtype: DType, tf32: bool) -> Result<(bool, String
 /// An execution plan that built for the graph, with what the logs and the choice need.
 struct Candidate {
     plan: Desc,
+    /// The engine configuration it was built from (kept alive with it).
+    config: Desc,
     /// The engine's global index.
     engine: i64,
     /// Its notes, as `engine_notes` writes them.
@@ -187,9 +189,11 @@ struct Candidate {
 
 /// A built and chosen execution plan for one (geometry, dtype, direction).
 pub(super) struct ConvPlan {
-    // Declared first so it is dropped before the graph it was built from.
+    // Declared first so it is dropped before what it was built from.
     plan: Desc,
-    /// Tensors, convolution, operation and operation graph: kept alive with the plan.
+    /// Its engine configuration, and the tensors, convolution, operation and operation graph:
+    /// kept alive while the plan lives.
+    _config: Desc,
     _graph: Vec<Desc>,
     /// The unique ids of the buffers `execute` takes, in cuDNN's argument order.
     uids: [i64; 3],
@@ -341,12 +345,12 @@ fn engine_configs(graph: &Desc, mode: dsys::cudnnBackendHeurMode_t) -> Result<Ve
     Ok(configs)
 }
 
-/// An execution plan for `config` (its workspace not yet read), or why there is none (its
-/// engine is refused, or it does not build for this graph: not an error, the heuristics list
-/// engines that may not support the exact graph).
+/// An execution plan for `config`, which it keeps (its workspace not yet read), or why there is
+/// none: its engine is refused, or it does not build for this graph (not an error: the
+/// heuristics list engines that may not support the exact graph).
 fn execution_plan(
     handle: dsys::cudnnHandle_t,
-    config: &Desc,
+    config: Desc,
     dtype: DType,
     tf32: bool,
 ) -> Result<std::result::Result<Candidate, String>> {
@@ -374,10 +378,11 @@ fn execution_plan(
         T::CUDNN_TYPE_HANDLE,
         &[handle],
     )?;
-    plan.set_descs(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[config])?;
+    plan.set_descs(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&config])?;
     Ok(match plan.finalize("an execution plan") {
         Ok(plan) => Ok(Candidate {
             plan,
+            config,
             engine: index,
             notes,
             workspace: 0,
@@ -472,7 +477,7 @@ impl ConvPlan {
                     continue;
                 }
             };
-            for config in &configs {
+            for config in configs {
                 if candidates.len() == MAX_CANDIDATES || (!autotune && !candidates.is_empty()) {
                     break;
                 }
@@ -547,6 +552,7 @@ impl ConvPlan {
         );
         Ok(ConvPlan {
             plan: c.plan,
+            _config: c.config,
             _graph: graph,
             uids,
             workspace: c.workspace,
