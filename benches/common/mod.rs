@@ -9,7 +9,7 @@ use mixprec::Device;
 
 /// Runs `run` when there is a CUDA device (exits quietly without one; with status 1 on error).
 pub fn main_with(run: impl FnOnce() -> mixprec::Result<()>) {
-    // RUST_LOG=mixprec=debug shows, e.g., the convolution algorithms cudnnFind chose.
+    // RUST_LOG=mixprec=debug shows, e.g., each convolution's timed candidates and the choice.
     let _ = env_logger::try_init();
     if let Err(e) = Device::cuda(0) {
         println!("no CUDA device, skipping the benchmark: {e}");

@@ -31,9 +31,10 @@ use crate::backend::{BackendStorage, Conv2dParams};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
-/// The most workspace an algorithm may ask for.
+/// The most workspace the legacy heuristics' untimed choice may ask for.
 const WORKSPACE_LIMIT: usize = 1 << 30;
-/// Workspace offered to cudnnFind (algorithms needing more are not timed).
+/// The most workspace a timed candidate may ask for, in either API (cudnnFind's scratch; graph
+/// engines needing more are not candidates).
 const FIND_WORKSPACE: usize = 256 << 20;
 
 fn find_enabled() -> bool {
