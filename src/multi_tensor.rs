@@ -220,6 +220,10 @@ pub fn apply(
     match dev {
         Device::Cpu => CpuMultiTensor.multi_tensor(kernel, &entries, &scalars),
         Device::Cuda(i) => {
+            let _t =
+                crate::backend::cuda::OpTimer::start(&crate::backend::cuda::device(i)?, op, || {
+                    format!("{} tensors", entries.len())
+                });
             crate::backend::cuda::CudaMultiTensor::new(i)?.multi_tensor(kernel, &entries, &scalars)
         }
     }

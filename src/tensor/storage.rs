@@ -3,7 +3,7 @@
 //! operands, so the mismatch arms here are a second line of defence.
 
 use crate::backend::cpu::CpuStorage;
-use crate::backend::cuda::CudaStorage;
+use crate::backend::cuda::{CudaStorage, OpTimer};
 use crate::backend::{
     AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, DimSplit,
     MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
@@ -19,10 +19,13 @@ pub enum Storage {
 
 /// Dispatches a unary backend call: `dispatch!(self, |s| s.method(args))`.
 macro_rules! dispatch {
-    ($self:expr, |$s:ident| $call:expr) => {
+    ($op:expr, $self:expr, |$s:ident| $call:expr) => {
         match $self {
             Storage::Cpu($s) => Storage::Cpu($call?),
-            Storage::Cuda($s) => Storage::Cuda($call?),
+            Storage::Cuda($s) => {
+                let _t = timer($s, $op);
+                Storage::Cuda($call?)
+            }
         }
     };
 }
@@ -32,7 +35,10 @@ macro_rules! dispatch2 {
     ($op:expr, $a:expr, $b:expr, |$x:ident, $y:ident| $call:expr) => {
         match ($a, $b) {
             (Storage::Cpu($x), Storage::Cpu($y)) => Storage::Cpu($call?),
-            (Storage::Cuda($x), Storage::Cuda($y)) => Storage::Cuda($call?),
+            (Storage::Cuda($x), Storage::Cuda($y)) => {
+                let _t = timer($x, $op);
+                Storage::Cuda($call?)
+            }
             #[allow(unreachable_patterns)]
             (a, b) => {
                 return Err(Error::DeviceMismatch {
@@ -43,6 +49,21 @@ macro_rules! dispatch2 {
             }
         }
     };
+}
+
+/// Times a CUDA op when op profiling is on (`backend::cuda::set_op_profiling`).
+fn timer(s: &CudaStorage, op: &'static str) -> OpTimer {
+    OpTimer::start(s.device(), op, || format!("{} x{}", s.dtype(), s.len()))
+}
+
+/// As [`timer`], with the op's own description (a convolution's geometry, say).
+fn timer_with(s: &Storage, op: &'static str, detail: impl FnOnce() -> String) -> Option<OpTimer> {
+    match s {
+        Storage::Cuda(c) => Some(OpTimer::start(c.device(), op, || {
+            format!("{} {}", c.dtype(), detail())
+        })),
+        Storage::Cpu(_) => None,
+    }
 }
 
 impl Storage {
@@ -107,20 +128,21 @@ impl Storage {
     }
 
     pub fn try_clone(&self) -> Result<Self> {
+        let _t = timer_with(self, "copy", || format!("x{}", self.len()));
         self.to_device(self.device())
     }
 
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.to_dtype(dtype)))
+        Ok(dispatch!("to_dtype", self, |s| s.to_dtype(dtype)))
     }
     pub fn unary(&self, op: UnaryOp) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.unary(op)))
+        Ok(dispatch!("unary", self, |s| s.unary(op)))
     }
     pub fn affine(&self, mul: f64, add: f64) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.affine(mul, add)))
+        Ok(dispatch!("affine", self, |s| s.affine(mul, add)))
     }
     pub fn powf(&self, e: f64) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.powf(e)))
+        Ok(dispatch!("powf", self, |s| s.powf(e)))
     }
     pub fn binary(
         &self,
@@ -136,13 +158,13 @@ impl Storage {
         Ok(dispatch2!("relu_backward", self, x, |g, x| g.relu_backward(x)))
     }
     pub fn broadcast_to(&self, src: &Shape, dst: &Shape) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.broadcast_to(src, dst)))
+        Ok(dispatch!("broadcast_to", self, |s| s.broadcast_to(src, dst)))
     }
     pub fn reduce(&self, op: ReduceOp, split: DimSplit) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.reduce(op, split)))
+        Ok(dispatch!("reduce", self, |s| s.reduce(op, split)))
     }
     pub fn argmax(&self, split: DimSplit) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.argmax(split)))
+        Ok(dispatch!("argmax", self, |s| s.argmax(split)))
     }
     pub fn gather(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
         Ok(dispatch2!("gather", self, idx, |s, i| s.gather(i, split, idx_len)))
@@ -152,10 +174,10 @@ impl Storage {
             .scatter_add(i, split, idx_len)))
     }
     pub fn permute(&self, shape: &Shape, perm: &[usize]) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.permute(shape, perm)))
+        Ok(dispatch!("permute", self, |s| s.permute(shape, perm)))
     }
     pub fn narrow(&self, split: DimSplit, start: usize, count: usize) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.narrow(split, start, count)))
+        Ok(dispatch!("narrow", self, |s| s.narrow(split, start, count)))
     }
     pub fn cat(parts: &[&Self], outer: usize, lens: &[usize], inner: usize) -> Result<Self> {
         let first = parts
@@ -198,16 +220,20 @@ impl Storage {
         }
     }
     pub fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self> {
+        let _t = timer_with(self, "matmul", || format!("{dims:?}"));
         Ok(dispatch2!("matmul", self, rhs, |a, b| a.matmul(b, dims)))
     }
     pub fn conv2d(&self, w: &Self, p: &Conv2dParams) -> Result<Self> {
+        let _t = timer_with(self, "conv2d", || conv_detail(p));
         Ok(dispatch2!("conv2d", self, w, |x, w| x.conv2d(w, p)))
     }
     pub fn conv2d_backward_input(&self, w: &Self, p: &Conv2dParams) -> Result<Self> {
+        let _t = timer_with(self, "conv2d_backward_input", || conv_detail(p));
         Ok(dispatch2!("conv2d_backward_input", self, w, |g, w| g
             .conv2d_backward_input(w, p)))
     }
     pub fn conv2d_backward_weight(&self, x: &Self, p: &Conv2dParams) -> Result<Self> {
+        let _t = timer_with(self, "conv2d_backward_weight", || conv_detail(p));
         Ok(dispatch2!("conv2d_backward_weight", self, x, |g, x| g
             .conv2d_backward_weight(x, p)))
     }
@@ -219,6 +245,9 @@ impl Storage {
         running_var: &mut Self,
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)> {
+        let _t = timer_with(self, "batch_norm", || {
+            format!("{}x{}x{}", p.n, p.c, p.spatial)
+        });
         match (self, weight, bias, running_mean, running_var) {
             (
                 Storage::Cpu(x),
@@ -255,6 +284,9 @@ impl Storage {
         invstd: &Self,
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)> {
+        let _t = timer_with(self, "batch_norm_backward", || {
+            format!("{}x{}x{}", p.n, p.c, p.spatial)
+        });
         match (self, x, weight, mean, invstd) {
             (
                 Storage::Cpu(g),
@@ -284,6 +316,7 @@ impl Storage {
         }
     }
     pub fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
+        let _t = timer_with(self, "max_pool2d", || format!("{p:?}"));
         match self {
             Storage::Cpu(x) => {
                 let (o, i) = x.max_pool2d(p)?;
@@ -300,22 +333,31 @@ impl Storage {
             .max_pool2d_backward(i, p)))
     }
     pub fn avg_pool2d(&self, p: &Pool2dParams) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.avg_pool2d(p)))
+        Ok(dispatch!("avg_pool2d", self, |s| s.avg_pool2d(p)))
     }
     pub fn avg_pool2d_backward(&self, p: &Pool2dParams) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.avg_pool2d_backward(p)))
+        Ok(dispatch!("avg_pool2d_backward", self, |s| s.avg_pool2d_backward(p)))
     }
     pub fn adaptive_avg_pool2d(&self, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.adaptive_avg_pool2d(p)))
+        Ok(dispatch!("adaptive_avg_pool2d", self, |s| s.adaptive_avg_pool2d(p)))
     }
     pub fn adaptive_avg_pool2d_backward(&self, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.adaptive_avg_pool2d_backward(p)))
+        Ok(dispatch!("adaptive_avg_pool2d_backward", self, |s| s
+            .adaptive_avg_pool2d_backward(p)))
     }
     pub fn softmax(&self, split: DimSplit, log: bool) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.softmax(split, log)))
+        Ok(dispatch!("softmax", self, |s| s.softmax(split, log)))
     }
     pub fn softmax_backward(&self, y: &Self, split: DimSplit, log: bool) -> Result<Self> {
         Ok(dispatch2!("softmax_backward", self, y, |g, y| g
             .softmax_backward(y, split, log)))
     }
+}
+
+/// A convolution's geometry as the profiler shows it: `n×c×h×w -> c_out kh×kw /stride`.
+fn conv_detail(p: &Conv2dParams) -> String {
+    format!(
+        "{}x{}x{}x{} -> {} {}x{}/{}",
+        p.n, p.c_in, p.h, p.w, p.c_out, p.kh, p.kw, p.stride.0
+    )
 }

@@ -1,7 +1,7 @@
 //! The CUDA backend: context and stream per device with a stream-ordered memory pool
 //! (`device.rs`), library probing (`probe.rs`), the NVRTC kernel registry with its on-disk cache
 //! (`registry.rs`), kernel launches (`launch.rs`), the buffer type (`storage.rs`) and its ops
-//! (`ops.rs`), cuBLAS matmul (`matmul.rs`) and cuDNN convolution (`conv.rs`, with the graph API in
+//! (`ops.rs`), diagnostics (`profile.rs`: per-op device time, pool memory), cuBLAS matmul (`matmul.rs`) and cuDNN convolution (`conv.rs`, with the graph API in
 //! `cudnn_graph.rs`).
 //! Kernels are in `kernels/*.cu` at the crate root.
 
@@ -13,6 +13,7 @@ mod matmul;
 mod multi_tensor;
 mod ops;
 mod probe;
+mod profile;
 mod registry;
 mod storage;
 
@@ -24,6 +25,11 @@ pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };
 pub use probe::probe;
+pub(crate) use profile::OpTimer;
+pub use profile::{
+    mem_get_info, memory_stats, op_profile, reset_peak_memory, set_op_profiling, MemoryStats,
+    OpProfileRow,
+};
 pub use storage::CudaStorage;
 
 /// Whether f32 matmul/convolution may use TF32 (see [`set_allow_tf32`]).
