@@ -129,9 +129,8 @@ impl Tensor {
             self.shape().clone(),
             &[self, &w, &b],
             || Op::BatchNorm {
-                x: self.clone(),
-                w: w.clone(),
-                b: b.clone(),
+                x: self.detach(),
+                w: w.detach(),
                 mean,
                 invstd,
                 p,

@@ -12,7 +12,7 @@ impl Tensor {
         }
         let s = self.storage().to_dtype(dtype)?;
         Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
-            Op::ToDType(self.clone())
+            Op::ToDType { from: self.dtype() }
         }))
     }
 
@@ -22,7 +22,9 @@ impl Tensor {
         }
         let s = self.storage().to_device(device)?;
         Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
-            Op::ToDevice(self.clone())
+            Op::ToDevice {
+                from: self.device(),
+            }
         }))
     }
 }

@@ -100,8 +100,10 @@ impl Tensor {
         let s = self.storage().conv2d(&weight.storage(), &p)?;
         let shape = Shape::new(vec![p.n, p.c_out, p.out_h(), p.out_w()]);
         let y = Tensor::from_op(s, shape, &[self, weight], || Op::Conv2d {
-            x: self.clone(),
-            w: weight.clone(),
+            x: weight.requires_grad().then(|| self.detach()),
+            w: self.requires_grad().then(|| weight.detach()),
+            x_shape: self.shape().clone(),
+            w_shape: weight.shape().clone(),
             p,
         });
         match bias {

@@ -18,8 +18,11 @@ impl Tensor {
             self.shape().clone(),
             &[self],
             |y| Op::Unary {
-                x: self.clone(),
-                y,
+                saved: match op {
+                    UnaryOp::Neg => None,
+                    UnaryOp::Relu | UnaryOp::Exp | UnaryOp::Sqrt => Some(y),
+                    UnaryOp::Log | UnaryOp::Sqr | UnaryOp::Abs => Some(self.detach()),
+                },
                 op,
             },
         ))
@@ -52,10 +55,7 @@ impl Tensor {
         self.float_only("affine")?;
         let s = self.storage().affine(mul, add)?;
         Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
-            Op::Affine {
-                x: self.clone(),
-                mul,
-            }
+            Op::Affine { mul }
         }))
     }
 
@@ -74,7 +74,10 @@ impl Tensor {
         self.float_only("powf")?;
         let s = self.storage().powf(e)?;
         Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
-            Op::Powf { x: self.clone(), e }
+            Op::Powf {
+                x: self.detach(),
+                e,
+            }
         }))
     }
 
@@ -94,8 +97,12 @@ impl Tensor {
             .storage()
             .binary(&b.storage(), op, a.shape(), b.shape(), &out)?;
         Ok(Tensor::from_op(s, out, &[&a, &b], || Op::Binary {
-            lhs: a.clone(),
-            rhs: b.clone(),
+            operands: match op {
+                BinaryOp::Add | BinaryOp::Sub => None,
+                _ => Some((a.detach(), b.detach())),
+            },
+            lhs_shape: a.shape().clone(),
+            rhs_shape: b.shape().clone(),
             op,
         }))
     }
@@ -142,7 +149,9 @@ impl Tensor {
         }
         let s = self.storage().broadcast_to(self.shape(), shape)?;
         Ok(Tensor::from_op(s, shape.clone(), &[self], || {
-            Op::BroadcastTo(self.clone())
+            Op::BroadcastTo {
+                from: self.shape().clone(),
+            }
         }))
     }
 }

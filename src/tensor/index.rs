@@ -33,7 +33,7 @@ impl Tensor {
             .gather(&index.storage(), self.shape().split_at_dim(d), idx_len)?;
         Ok(Tensor::from_op(s, index.shape().clone(), &[self], || {
             Op::Gather {
-                x: self.clone(),
+                from: self.shape().clone(),
                 dim: d,
                 index: index.clone(),
             }

@@ -1,7 +1,7 @@
 //! Shape ops: reshape (shares the buffer), permute/transpose, narrow, cat (copies).
 
 use super::{Shape, Tensor};
-use crate::autograd::{self, Op};
+use crate::autograd::Op;
 use crate::error::{Error, Result};
 use crate::tensor::storage::Storage;
 
@@ -24,8 +24,9 @@ impl Tensor {
         if &shape == self.shape() {
             return Ok(self.clone());
         }
-        let op = autograd::records(&[self]).then(|| Op::Reshape(self.clone()));
-        Ok(Tensor::build(self.0.storage.clone(), shape, op, false))
+        Ok(self.view_with_op(shape, &[self], || Op::Reshape {
+            from: self.shape().clone(),
+        }))
     }
 
     /// Merges dims `start..=end` into one.
@@ -108,7 +109,6 @@ impl Tensor {
         let s = self.storage().permute(self.shape(), perm)?;
         let shape = Shape::new(perm.iter().map(|&p| self.dims()[p]).collect());
         Ok(Tensor::from_op(s, shape, &[self], || Op::Permute {
-            x: self.clone(),
             perm: perm.to_vec(),
         }))
     }
@@ -146,7 +146,7 @@ impl Tensor {
         shape[d] = len;
         Ok(Tensor::from_op(s, Shape::new(shape), &[self], || {
             Op::Narrow {
-                x: self.clone(),
+                from: self.shape().clone(),
                 dim: d,
                 start,
             }
@@ -199,7 +199,7 @@ impl Tensor {
         let shape = Shape::new(shape);
         super::check_size("cat", &shape, first.dtype())?;
         Ok(Tensor::from_op(s, shape, tensors, || Op::Cat {
-            parts: tensors.iter().map(|t| (*t).clone()).collect(),
+            lens: tensors.iter().map(|t| t.dims()[d]).collect(),
             dim: d,
         }))
     }

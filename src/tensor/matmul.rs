@@ -91,8 +91,8 @@ impl Tensor {
         super::check_size("matmul", &shape, self.dtype())?;
         let s = self.storage().matmul(&rhs.storage(), &dims)?;
         Ok(Tensor::from_op(s, shape, &[self, rhs], || Op::Matmul {
-            lhs: self.clone(),
-            rhs: rhs.clone(),
+            lhs: self.detach(),
+            rhs: rhs.detach(),
             dims,
         }))
     }

@@ -34,7 +34,7 @@ pub use dtype::{DType, WithDType};
 pub use shape::Shape;
 pub use storage::Storage;
 
-use crate::autograd::{self, Op};
+use crate::autograd::{self, Node, Op};
 use crate::backend::cpu::CpuStorage;
 use crate::error::{Error, Result};
 
@@ -54,31 +54,12 @@ pub(crate) struct TensorInner {
     shape: Shape,
     device: Device,
     storage: Arc<RwLock<Storage>>,
-    /// The op that computed this tensor, when it is part of an autograd graph.
-    op: Option<Op>,
+    /// The graph node of the op that computed this tensor, when one was recorded.
+    node: Option<Arc<Node>>,
     /// Leaves that collect gradients (parameters, inputs of gradient checks).
     is_variable: bool,
     requires_grad: AtomicBool,
     grad: Mutex<Option<Tensor>>,
-}
-
-impl Drop for TensorInner {
-    /// Each node's op owns its inputs, so the default (recursive) drop of a long graph — a loss
-    /// summed over many steps, an unrolled recurrence — overflows the stack. Nodes this one owns
-    /// alone are unlinked here with an explicit stack instead.
-    fn drop(&mut self) {
-        let Some(op) = self.op.take() else { return };
-        let mut pending: Vec<Tensor> = op.inputs().into_iter().cloned().collect();
-        drop(op);
-        while let Some(t) = pending.pop() {
-            // Err: someone else still holds the node; it lives on (or drops there, iteratively).
-            if let Ok(mut inner) = Arc::try_unwrap(t.0) {
-                if let Some(op) = inner.op.take() {
-                    pending.extend(op.inputs().into_iter().cloned());
-                }
-            }
-        }
-    }
 }
 
 #[derive(Clone)]
@@ -107,7 +88,7 @@ impl Tensor {
     fn build(
         storage: Arc<RwLock<Storage>>,
         shape: Shape,
-        op: Option<Op>,
+        node: Option<Arc<Node>>,
         is_variable: bool,
     ) -> Tensor {
         let device = storage.read().unwrap_or_else(|e| e.into_inner()).device();
@@ -116,7 +97,7 @@ impl Tensor {
             shape,
             device,
             storage,
-            op,
+            node,
             is_variable,
             requires_grad: AtomicBool::new(is_variable),
             grad: Mutex::new(None),
@@ -124,14 +105,15 @@ impl Tensor {
     }
 
     /// The result of an op: records `op` in the graph when gradients are enabled and any input
-    /// needs them.
+    /// needs them (`op` is only built then).
     pub(crate) fn from_op(
         storage: Storage,
         shape: Shape,
         inputs: &[&Tensor],
         op: impl FnOnce() -> Op,
     ) -> Tensor {
-        Self::from_op_with_output(storage, shape, inputs, |_| op())
+        let node = Node::record(inputs, storage.dtype(), op);
+        Self::build(Arc::new(RwLock::new(storage)), shape, node, false)
     }
 
     /// As [`Tensor::from_op`], for ops whose backward reads the output: `op` receives a detached
@@ -142,14 +124,24 @@ impl Tensor {
         inputs: &[&Tensor],
         op: impl FnOnce(Tensor) -> Op,
     ) -> Tensor {
+        let dtype = storage.dtype();
         let storage = Arc::new(RwLock::new(storage));
-        let track = autograd::records(inputs);
-        let op = if track {
-            Some(op(Self::build(storage.clone(), shape.clone(), None, false)))
-        } else {
-            None
-        };
-        Self::build(storage, shape, op, false)
+        let node = Node::record(inputs, dtype, || {
+            op(Self::build(storage.clone(), shape.clone(), None, false))
+        });
+        Self::build(storage, shape, node, false)
+    }
+
+    /// A handle sharing this tensor's buffer with `shape` (same element count), whose node is
+    /// `op` when an input records: what reshape and other views are made of.
+    pub(crate) fn view_with_op(
+        &self,
+        shape: Shape,
+        inputs: &[&Tensor],
+        op: impl FnOnce() -> Op,
+    ) -> Tensor {
+        let node = Node::record(inputs, self.dtype(), op);
+        Self::build(self.0.storage.clone(), shape, node, false)
     }
 
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
@@ -358,6 +350,13 @@ impl Tensor {
         self.0.storage.write().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// How many tensor handles share this tensor's buffer (this one included): a diagnostic for
+    /// tests of what the autograd graph keeps alive.
+    #[doc(hidden)]
+    pub fn storage_handle_count(&self) -> usize {
+        Arc::strong_count(&self.0.storage)
+    }
+
     /// Whether this tensor and `other` share one buffer (a reshape of the other, say).
     pub fn same_storage(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.0.storage, &other.0.storage)
@@ -369,8 +368,8 @@ impl Tensor {
         Arc::as_ptr(&self.0.storage) as usize
     }
 
-    pub(crate) fn op(&self) -> Option<&Op> {
-        self.0.op.as_ref()
+    pub(crate) fn node(&self) -> Option<&Arc<Node>> {
+        self.0.node.as_ref()
     }
 
     // ---- autograd -----------------------------------------------------------------------------
@@ -378,7 +377,8 @@ impl Tensor {
     /// Whether gradients flow to this tensor: a variable with `requires_grad`, or the result of
     /// an op recorded in the graph.
     pub fn requires_grad(&self) -> bool {
-        self.0.op.is_some() || (self.0.is_variable && self.0.requires_grad.load(Ordering::Relaxed))
+        self.0.node.is_some()
+            || (self.0.is_variable && self.0.requires_grad.load(Ordering::Relaxed))
     }
 
     pub fn is_variable(&self) -> bool {
@@ -435,9 +435,17 @@ impl Tensor {
     }
 
     /// Computes the gradients of this scalar with respect to every variable it depends on and
-    /// adds them to the variables' `grad`.
+    /// adds them to the variables' `grad`. The graph's saved tensors are released as the pass
+    /// goes (PyTorch's default), so the same graph cannot be walked again: see
+    /// [`Tensor::backward_retain_graph`].
     pub fn backward(&self) -> Result<()> {
-        autograd::backward(self)
+        autograd::backward(self, false)
+    }
+
+    /// As [`Tensor::backward`], keeping the graph's saved tensors for another backward through
+    /// it (PyTorch's `retain_graph=True`).
+    pub fn backward_retain_graph(&self) -> Result<()> {
+        autograd::backward(self, true)
     }
 
     // ---- in-place updates of variables --------------------------------------------------------

@@ -70,7 +70,7 @@ impl Tensor {
         let shape = Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]);
         let argmax = Tensor::from_storage(argmax, shape.clone());
         Ok(Tensor::from_op(s, shape, &[self], || Op::MaxPool2d {
-            x: self.clone(),
+            from: self.shape().clone(),
             argmax,
             p,
         }))
@@ -89,7 +89,7 @@ impl Tensor {
         let s = self.storage().avg_pool2d(&p)?;
         let shape = Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]);
         Ok(Tensor::from_op(s, shape, &[self], || Op::AvgPool2d {
-            x: self.clone(),
+            from: self.shape().clone(),
             p,
         }))
     }
@@ -125,7 +125,10 @@ impl Tensor {
         let s = self.storage().adaptive_avg_pool2d(&p)?;
         let shape = Shape::new(vec![p.n, p.c, out_h, out_w]);
         Ok(Tensor::from_op(s, shape, &[self], || {
-            Op::AdaptiveAvgPool2d { x: self.clone(), p }
+            Op::AdaptiveAvgPool2d {
+                from: self.shape().clone(),
+                p,
+            }
         }))
     }
 }

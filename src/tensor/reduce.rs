@@ -32,7 +32,7 @@ impl Tensor {
             self.reduced_shape(d, keepdim),
             &[self],
             || Op::Sum {
-                x: self.clone(),
+                from: self.shape().clone(),
                 dim: d,
             },
         ))
@@ -125,7 +125,7 @@ impl Tensor {
         kd[d] = 1;
         let index = Tensor::from_storage(index, Shape::new(kd));
         Ok(Tensor::from_op(s, shape, &[self], || Op::MaxMin {
-            x: self.clone(),
+            from: self.shape().clone(),
             dim: d,
             index,
         }))

@@ -18,12 +18,7 @@ impl Tensor {
             s,
             self.shape().clone(),
             &[self],
-            |y| Op::Softmax {
-                x: self.clone(),
-                y,
-                dim: d,
-                log,
-            },
+            |y| Op::Softmax { y, dim: d, log },
         ))
     }
 
