@@ -11,7 +11,7 @@ use crate::backend::{
     AdaptivePoolParams, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, Pool2dParams, UnaryOp,
 };
 use crate::error::Result;
-use crate::tensor::{DType, Device, Shape, Tensor};
+use crate::tensor::{DType, Device, Layout, Shape, Tensor};
 
 pub(crate) enum Op {
     ToDType {
@@ -56,6 +56,9 @@ pub(crate) enum Op {
     Reshape {
         from: Shape,
     },
+    /// A copy into another layout (contiguous(), a memory-format change): the gradient passes
+    /// through as it is.
+    Relayout,
     Permute {
         perm: Vec<usize>,
     },
@@ -127,6 +130,7 @@ impl Op {
             Op::Sum { .. } => "sum",
             Op::MaxMin { .. } => "max/min",
             Op::Reshape { .. } => "reshape",
+            Op::Relayout => "contiguous",
             Op::Permute { .. } => "permute",
             Op::Narrow { .. } => "narrow",
             Op::Cat { .. } => "cat",
@@ -241,6 +245,7 @@ impl Op {
             }),
             Op::MaxMin { from, dim, index } => one(&|| g.scatter_add_dim(index, *dim, from)),
             Op::Reshape { from } => one(&|| g.reshape(from.clone())),
+            Op::Relayout => one(&|| Ok(g.clone())),
             Op::Permute { perm } => one(&|| {
                 let mut inv = vec![0; perm.len()];
                 for (i, &p) in perm.iter().enumerate() {
@@ -310,17 +315,35 @@ impl Op {
                 let missing = |what: &str| {
                     crate::Error::Backward(format!("conv2d: the {what} was not saved"))
                 };
+                // The gradient in the format the forward ran in; both results come out in it.
+                let g = g.packed_as(p.format)?;
                 let dx = if need(0) {
                     let w = w.as_ref().ok_or_else(|| missing("weight"))?;
-                    let s = g.storage().conv2d_backward_input(&w.storage(), p)?;
-                    Some(Tensor::from_storage(s, x_shape.clone()))
+                    let s = g.storage().conv2d_backward_input(
+                        g.layout(),
+                        &w.storage(),
+                        w.layout(),
+                        p,
+                    )?;
+                    Some(Tensor::from_storage(
+                        s,
+                        Layout::with_format(x_shape.clone(), p.format),
+                    ))
                 } else {
                     None
                 };
                 let dw = if need(1) {
                     let x = x.as_ref().ok_or_else(|| missing("input"))?;
-                    let s = g.storage().conv2d_backward_weight(&x.storage(), p)?;
-                    Some(Tensor::from_storage(s, w_shape.clone()))
+                    let s = g.storage().conv2d_backward_weight(
+                        g.layout(),
+                        &x.storage(),
+                        x.layout(),
+                        p,
+                    )?;
+                    Some(Tensor::from_storage(
+                        s,
+                        Layout::with_format(w_shape.clone(), p.format),
+                    ))
                 } else {
                     None
                 };
@@ -334,8 +357,11 @@ impl Op {
                 p,
             } => {
                 // All three come from one kernel; keep those that are needed.
+                let g = g.packed_as(p.format)?;
                 let (dx, dw, db) = g.storage().batch_norm_backward(
+                    g.layout(),
                     &x.storage(),
+                    x.layout(),
                     &w.storage(),
                     &mean.storage(),
                     &invstd.storage(),
@@ -343,26 +369,49 @@ impl Op {
                 )?;
                 let c = Shape::new(vec![p.c]);
                 Ok(vec![
-                    need(0).then(|| Tensor::from_storage(dx, x.shape().clone())),
+                    need(0).then(|| Tensor::from_storage(dx, x.layout().dense_like())),
                     need(1).then(|| Tensor::from_storage(dw, c.clone())),
                     need(2).then(|| Tensor::from_storage(db, c)),
                 ])
             }
             Op::MaxPool2d { from, argmax, p } => one(&|| {
-                let s = g.storage().max_pool2d_backward(&argmax.storage(), p)?;
-                Ok(Tensor::from_storage(s, from.clone()))
+                let g = g.packed_as(p.format)?;
+                let s = g.storage().max_pool2d_backward(
+                    g.layout(),
+                    &argmax.storage(),
+                    argmax.layout(),
+                    p,
+                )?;
+                Ok(Tensor::from_storage(
+                    s,
+                    Layout::with_format(from.clone(), p.format),
+                ))
             }),
             Op::AvgPool2d { from, p } => one(&|| {
-                let s = g.storage().avg_pool2d_backward(p)?;
-                Ok(Tensor::from_storage(s, from.clone()))
+                let g = g.packed_as(p.format)?;
+                let s = g.storage().avg_pool2d_backward(g.layout(), p)?;
+                Ok(Tensor::from_storage(
+                    s,
+                    Layout::with_format(from.clone(), p.format),
+                ))
             }),
             Op::AdaptiveAvgPool2d { from, p } => one(&|| {
-                let s = g.storage().adaptive_avg_pool2d_backward(p)?;
-                Ok(Tensor::from_storage(s, from.clone()))
+                let g = g.packed_as(p.format)?;
+                let s = g.storage().adaptive_avg_pool2d_backward(g.layout(), p)?;
+                Ok(Tensor::from_storage(
+                    s,
+                    Layout::with_format(from.clone(), p.format),
+                ))
             }),
             Op::Softmax { y, dim, log } => one(&|| {
-                let split = y.shape().split_at_dim(*dim);
-                let s = g.storage().softmax_backward(&y.storage(), split, *log)?;
+                let g = g.contiguous()?;
+                let s = g.storage().softmax_backward(
+                    g.layout(),
+                    &y.storage(),
+                    y.layout(),
+                    *dim,
+                    *log,
+                )?;
                 Ok(Tensor::from_storage(s, y.shape().clone()))
             }),
         }
