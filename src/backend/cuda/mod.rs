@@ -37,6 +37,7 @@ pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };
 pub use probe::probe;
+pub use registry::compile_all_for;
 pub(crate) use profile::OpTimer;
 pub use profile::{
     mem_get_info, memory_stats, op_profile, reset_peak_memory, set_op_profiling, MemoryStats,
