@@ -37,12 +37,12 @@ pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };
 pub use probe::probe;
-pub use registry::compile_all_for;
 pub(crate) use profile::OpTimer;
 pub use profile::{
     mem_get_info, memory_stats, op_profile, reset_peak_memory, set_op_profiling, MemoryStats,
     OpProfileRow,
 };
+pub use registry::compile_all_for;
 pub use storage::CudaStorage;
 
 /// Whether f32 matmul/convolution may use TF32 (see [`set_allow_tf32`]).

@@ -161,8 +161,8 @@ pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
 /// NVRTC log, or says that libnvrtc is missing.
 pub fn compile_all_for(arch: (i32, i32)) -> Result<usize> {
     // SAFETY: loading libnvrtc runs its initialisers, as cudarc's own loading would.
-    let present = std::panic::catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() })
-        .unwrap_or(false);
+    let present =
+        std::panic::catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false);
     if !present {
         return Err(Error::Cuda(format!(
             "NVRTC not found (searched {})",
