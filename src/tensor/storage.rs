@@ -17,12 +17,16 @@ pub enum Storage {
     Cuda(CudaStorage),
 }
 
-/// Dispatches a unary backend call: `dispatch!(self, |s| s.method(args))`.
+/// Dispatches a unary backend call: `dispatch!(self, |s| s.method(args))`. An op on CPU
+/// storage is refused inside a CUDA-graph capture (a replay would not repeat it).
 macro_rules! dispatch {
-    ($self:expr, |$s:ident| $call:expr) => {
+    ($self:expr, |$s:ident| $recv:ident . $m:ident ( $($arg:tt)* )) => {
         match $self {
-            Storage::Cpu($s) => Storage::Cpu($call?),
-            Storage::Cuda($s) => Storage::Cuda($call?),
+            Storage::Cpu($s) => {
+                crate::graph::refuse_host_op(stringify!($m))?;
+                Storage::Cpu($recv.$m($($arg)*)?)
+            }
+            Storage::Cuda($s) => Storage::Cuda($recv.$m($($arg)*)?),
         }
     };
 }
@@ -31,7 +35,10 @@ macro_rules! dispatch {
 macro_rules! dispatch2 {
     ($op:expr, $a:expr, $b:expr, |$x:ident, $y:ident| $call:expr) => {
         match ($a, $b) {
-            (Storage::Cpu($x), Storage::Cpu($y)) => Storage::Cpu($call?),
+            (Storage::Cpu($x), Storage::Cpu($y)) => {
+                crate::graph::refuse_host_op($op)?;
+                Storage::Cpu($call?)
+            }
             (Storage::Cuda($x), Storage::Cuda($y)) => Storage::Cuda($call?),
             #[allow(unreachable_patterns)]
             (a, b) => {
@@ -163,6 +170,7 @@ impl Storage {
             .ok_or_else(|| Error::invalid_shape("cat", &Shape::scalar(), "no tensors"))?;
         match first {
             Storage::Cpu(_) => {
+                crate::graph::refuse_host_op("cat")?;
                 let mut cpu = Vec::with_capacity(parts.len());
                 for p in parts {
                     match p {
@@ -227,6 +235,7 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(v),
             ) => {
+                crate::graph::refuse_host_op("batch_norm")?;
                 let (y, mean, invstd) = x.batch_norm_train(w, b, m, v, p)?;
                 Ok((Storage::Cpu(y), Storage::Cpu(mean), Storage::Cpu(invstd)))
             }
@@ -263,6 +272,7 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(s),
             ) => {
+                crate::graph::refuse_host_op("batch_norm_backward")?;
                 let (dx, dw, db) = g.batch_norm_backward(x, w, m, s, p)?;
                 Ok((Storage::Cpu(dx), Storage::Cpu(dw), Storage::Cpu(db)))
             }
@@ -286,6 +296,7 @@ impl Storage {
     pub fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
         match self {
             Storage::Cpu(x) => {
+                crate::graph::refuse_host_op("max_pool2d")?;
                 let (o, i) = x.max_pool2d(p)?;
                 Ok((Storage::Cpu(o), Storage::Cpu(i)))
             }

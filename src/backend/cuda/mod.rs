@@ -2,15 +2,17 @@
 //! (`device.rs`), library probing (`probe.rs`), the NVRTC kernel registry with its on-disk cache
 //! (`registry.rs`), kernel launches (`launch.rs`), the buffer type (`storage.rs`) and its ops
 //! (`ops.rs`), cuBLAS matmul (`matmul.rs`) and cuDNN convolution (`conv.rs`, with the graph API in
-//! `cudnn_graph.rs`).
+//! `cudnn_graph.rs`); in-place updates (`in_place.rs`) and CUDA-graph capture (`graph.rs`).
 //! Kernels are in `kernels/*.cu` at the crate root.
 
 mod conv;
 mod cudnn_graph;
 mod device;
+pub(crate) mod graph;
+pub(crate) mod in_place;
 mod launch;
 mod matmul;
-mod multi_tensor;
+pub(crate) mod multi_tensor;
 mod ops;
 mod probe;
 mod registry;
@@ -18,8 +20,10 @@ mod storage;
 
 pub use conv::{conv_plans, ConvPlanInfo};
 pub use device::{
-    get as device, host_sync_count, set_allow_tf32, set_poison_allocations, CudaDevice,
+    allocation_count, get as device, host_sync_count, set_allow_tf32, set_poison_allocations,
+    CudaDevice,
 };
+pub use graph::Graph;
 pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };
