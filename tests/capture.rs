@@ -368,7 +368,7 @@ fn multi_tensor_errors_name_the_lists() {
     let sc = Scalars::default()
         .with(MtArray::Hyper, &hyper)
         .with(MtArray::Steps, &steps);
-    let e = multi_tensor::apply("test", &MtKernel::Adam, &[row.clone()], &sc)
+    let e = multi_tensor::apply("test", &MtKernel::Adam, std::slice::from_ref(&row), &sc)
         .unwrap_err()
         .to_string();
     assert!(e.contains("exp_avg_sq") && e.contains("tensor 0"), "{e}");
@@ -378,17 +378,27 @@ fn multi_tensor_errors_name_the_lists() {
     let sc_short = Scalars::default()
         .with(MtArray::Hyper, &short)
         .with(MtArray::Steps, &steps);
-    let e = multi_tensor::apply("test", &MtKernel::Adam, &[full_row.clone()], &sc_short)
-        .unwrap_err()
-        .to_string();
+    let e = multi_tensor::apply(
+        "test",
+        &MtKernel::Adam,
+        std::slice::from_ref(&full_row),
+        &sc_short,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(
         e.contains("hyperparameters") && e.contains("7 words"),
         "{e}"
     );
     let no_steps = Scalars::default().with(MtArray::Hyper, &hyper);
-    let e = multi_tensor::apply("test", &MtKernel::Adam, &[full_row.clone()], &no_steps)
-        .unwrap_err()
-        .to_string();
+    let e = multi_tensor::apply(
+        "test",
+        &MtKernel::Adam,
+        std::slice::from_ref(&full_row),
+        &no_steps,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("steps") && e.contains("missing"), "{e}");
     let f = Tensor::zeros([1], DType::F32, CPU).unwrap();
     let e = multi_tensor::apply(

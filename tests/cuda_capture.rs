@@ -184,7 +184,11 @@ fn what_cannot_be_captured_is_an_error_naming_the_op() {
     let _g = serial();
     let x = Tensor::from_vec(vec![0.5f32; 64], [8, 8], GPU).unwrap();
     let y = Tensor::zeros([8, 8], DType::F32, GPU).unwrap();
-    let _ = x.exp().unwrap().to_vec::<f32>().unwrap(); // kernels loaded, outside any capture
+    // Every kernel the captures below launch, run once outside any capture (a first use inside
+    // one is refused too).
+    let _ = x.exp().unwrap().to_vec::<f32>().unwrap();
+    let _ = x.sum_all().unwrap().item().unwrap();
+    let _ = Tensor::zeros([2, 3, 9, 9], DType::F32, GPU).unwrap();
     let mut seen = Vec::new();
     let mut check = |what: &str, (op, detail): (String, String), op_has: &str, detail_has: &str| {
         println!("refused: {what}: `{op}`: {detail}");
@@ -258,6 +262,16 @@ fn what_cannot_be_captured_is_an_error_naming_the_op() {
         "conv2d",
         "warm-up",
     );
+    // The f32 → f64 cast kernel: no test of this file runs it on the GPU before.
+    match graph::capture(GPU, || x.to_dtype(DType::F64).map(|_| ())) {
+        Ok(_) => println!("cast_f32_f64 was already loaded: first-use refusal not exercised"),
+        r => check(
+            "a kernel first used inside the capture",
+            capture_err(r),
+            "kernel launch",
+            "first used during capture",
+        ),
+    }
     let mut opt = FusedSgd::new(
         vec![Tensor::zeros([4], DType::F32, GPU).unwrap().to_variable()],
         SgdConfig::default(),

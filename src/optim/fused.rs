@@ -341,8 +341,7 @@ impl<C> Core<C> {
         let mut pos = 0;
         for (gi, g) in self.groups.iter().enumerate() {
             let mut ids = Vec::with_capacity(g.params.len());
-            for idx in 0..g.params.len() {
-                let step = steps[gi][idx];
+            for (idx, &step) in steps[gi].iter().enumerate() {
                 let mut m = BTreeMap::new();
                 if let (Some(st), true) = (&self.state[gi][idx], step > 0.0) {
                     for (k, t) in st.iter().enumerate() {

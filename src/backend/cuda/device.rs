@@ -152,6 +152,16 @@ impl CudaDevice {
         {
             return Ok(func.clone());
         }
+        // Fetching a kernel may load it (lazy loading), which a capture cannot record.
+        super::graph::refuse(
+            self.ordinal,
+            "kernel launch",
+            &format!(
+                "kernel {name} ({}.cu) first used during capture: run the same work once before \
+                 capturing (a warm-up step)",
+                f.name()
+            ),
+        )?;
         let module = self.module(f)?;
         let func = module
             .load_function(name)
