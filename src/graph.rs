@@ -53,7 +53,19 @@ pub fn capture(device: Device, f: impl FnOnce() -> Result<()>) -> Result<Graph> 
     // Casts cached before the capture would be baked into the graph with their old values.
     crate::amp::autocast::clear_cache();
     cuda::graph::begin(&dev)?;
-    match f() {
+    // Ends the capture if `f` panics, so that the device's stream is usable again.
+    struct Abort<'a>(&'a std::sync::Arc<cuda::CudaDevice>, bool);
+    impl Drop for Abort<'_> {
+        fn drop(&mut self) {
+            if self.1 {
+                cuda::graph::abort(self.0);
+            }
+        }
+    }
+    let mut guard = Abort(&dev, true);
+    let r = f();
+    guard.1 = false;
+    match r {
         Ok(()) => cuda::graph::end(&dev),
         Err(e) => {
             cuda::graph::abort(&dev);

@@ -3,7 +3,7 @@
 //! captured once into a CUDA graph and replayed with one launch per step.
 //!
 //! ```no_run
-//! # use mixprec::{amp, nn::{self, Module}, optim, Device, Tensor};
+//! # use mixprec::{amp, nn::{self, Module}, optim::{self, Optimizer}, Device, Tensor};
 //! # fn main() -> mixprec::Result<()> {
 //! # let dev = Device::cuda(0)?;
 //! # let batches: Vec<(Tensor, Tensor)> = Vec::new();

@@ -337,6 +337,10 @@ pub(crate) fn begin(dev: &Arc<CudaDevice>) -> Result<()> {
     }
     // Every kernel module loaded now: loading one inside a capture is not allowed.
     dev.compile_all()?;
+    // Memory the eager steps freed goes back from the stream-ordered pool, so the graph's own
+    // memory can use it (else the step's working set is held twice). Once per capture.
+    dev.synchronize()?;
+    trim_default_pool(dev)?;
     let me = my_token();
     if OWNER[ordinal]
         .compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire)
@@ -377,6 +381,20 @@ pub(crate) fn begin(dev: &Arc<CudaDevice>) -> Result<()> {
         return Err(e);
     }
     Ok(())
+}
+
+/// Releases the unused memory of the device's default pool (what `cuMemAllocAsync` outside a
+/// capture draws from) back to the driver.
+fn trim_default_pool(dev: &Arc<CudaDevice>) -> Result<()> {
+    let mut pool: cu::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid device handle and out-pointer.
+    unsafe { cu::cuDeviceGetDefaultMemPool(&mut pool, dev.ctx.cu_device()) }
+        .result()
+        .map_err(|e| cuda_err("cuDeviceGetDefaultMemPool", e))?;
+    // SAFETY: the pool handle was just returned by the driver.
+    unsafe { cu::cuMemPoolTrimTo(pool, 0) }
+        .result()
+        .map_err(|e| cuda_err("cuMemPoolTrimTo", e))
 }
 
 /// Ends the capture this thread began on `dev` and makes the graph: an error (and no graph)
