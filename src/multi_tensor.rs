@@ -147,11 +147,44 @@ pub fn apply(
         .next();
     let Some(first) = first else { return Ok(()) };
     let dev = first.device();
-    for t in rows
-        .iter()
-        .flat_map(|r| r.bufs.iter().flatten())
-        .chain(sc.arrays.iter().flatten())
-    {
+    for t in sc.arrays.iter().flatten() {
+        whole_buffer(op, "arrays", t)?;
+    }
+    for (i, r) in rows.iter().enumerate() {
+        let first = r.bufs.iter().flatten().next();
+        for (k, t) in r.bufs.iter().enumerate() {
+            let Some(t) = t else { continue };
+            check_device(op, dev, t)?;
+            // The kernels walk whole buffers element by element: each tensor must be all of its
+            // buffer, and a row's tensors in one order (a channels_last weight, its gradient and
+            // state all channels_last).
+            let name = kernel
+                .lists()
+                .iter()
+                .find(|(l, _)| l.role() == k)
+                .map_or("a list", |(l, _)| l.name());
+            whole_buffer(op, name, t)?;
+            if let Some(first) = first {
+                let l = t.layout();
+                if first.elem_count() == t.elem_count()
+                    && first.layout().strides() != l.strides()
+                    && t.elem_count() > 1
+                {
+                    return Err(Error::invalid_arg(
+                        op,
+                        "tensor lists",
+                        format!(
+                            "tensor {i}: `{name}` has strides {:?}, the row's first {:?}",
+                            l.strides(),
+                            first.layout().strides()
+                        ),
+                        "one memory layout per row (a parameter, its gradient and its state)",
+                    ));
+                }
+            }
+        }
+    }
+    for t in sc.arrays.iter().flatten() {
         check_device(op, dev, t)?;
     }
     // Single-value arrays checked with their shapes (the backend check sees lengths only).
@@ -198,9 +231,32 @@ pub fn apply(
     match dev {
         Device::Cpu => CpuMultiTensor.multi_tensor(kernel, &entries, &scalars),
         Device::Cuda(i) => {
+            let _t =
+                crate::backend::cuda::OpTimer::start(&crate::backend::cuda::device(i)?, op, || {
+                    format!("{} tensors", entries.len())
+                });
             crate::backend::cuda::CudaMultiTensor::new(i)?.multi_tensor(kernel, &entries, &scalars)
         }
     }
+}
+
+/// An error unless `t` is all of its buffer, densely (what the kernels walk).
+fn whole_buffer(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
+    let l = t.layout();
+    if l.offset() != 0 || !l.is_dense() || t.storage().len() != l.elem_count() {
+        return Err(Error::invalid_arg(
+            op,
+            "tensor lists",
+            format!(
+                "`{what}` is a view (shape {:?}, strides {:?}, offset {})",
+                t.dims(),
+                l.strides(),
+                l.offset()
+            ),
+            "tensors that are their whole buffer",
+        ));
+    }
+    Ok(())
 }
 
 /// Every [`MtArray`], by index.

@@ -52,8 +52,15 @@ impl Storage {
 }
 
 impl Tensor {
-    /// Checks `self` may be written in place from `src` (same shape, dtype and device).
-    fn check_in_place(&self, op: &'static str, src: Option<&Tensor>) -> Result<()> {
+    /// Whether this tensor is all of its buffer, densely (what a buffer-level update walks).
+    fn is_whole_buffer(&self) -> bool {
+        let l = self.layout();
+        l.offset() == 0 && l.is_dense() && self.storage().len() == l.elem_count()
+    }
+
+    /// Checks `self` may be written in place from `src` (same shape, dtype and device), and
+    /// returns `src` laid out as `self` over a buffer of its own elements.
+    fn check_in_place(&self, op: &'static str, src: Option<&Tensor>) -> Result<Option<Tensor>> {
         if crate::autograd::is_grad_enabled() && self.requires_grad() {
             return Err(Error::invalid_arg(
                 op,
@@ -62,7 +69,21 @@ impl Tensor {
                 "a tensor outside autograd, or the update under no_grad()",
             ));
         }
-        let Some(src) = src else { return Ok(()) };
+        if !self.is_whole_buffer() {
+            let l = self.layout();
+            return Err(Error::invalid_arg(
+                op,
+                "self",
+                format!(
+                    "a view (shape {:?}, strides {:?}, offset {})",
+                    self.dims(),
+                    l.strides(),
+                    l.offset()
+                ),
+                "a tensor that is all of its buffer",
+            ));
+        }
+        let Some(src) = src else { return Ok(None) };
         if src.shape() != self.shape() {
             return Err(Error::shape_mismatch(
                 op,
@@ -78,27 +99,38 @@ impl Tensor {
                 rhs: src.dtype(),
             });
         }
-        self.same_device(op, src)
+        self.same_device(op, src)?;
+        let _ng = crate::no_grad();
+        let s = src.detach().laid_out_like(self)?;
+        if s.is_whole_buffer() {
+            return Ok(Some(s));
+        }
+        src.detach().compact()?.laid_out_like(self).map(Some)
     }
 
-    /// Copies `src` (same shape, dtype and device) into this tensor's buffer, which keeps its
-    /// address.
+    /// Copies `src` (same shape, dtype and device; any layout) into this tensor's buffer, which
+    /// keeps its address and its layout.
     pub fn copy_in_place(&self, src: &Tensor) -> Result<()> {
-        self.check_in_place("copy_in_place", Some(src))?;
-        if self.same_storage(src) {
+        let Some(src) = self.check_in_place("copy_in_place", Some(src))? else {
+            return Ok(());
+        };
+        if self.same_storage(&src) {
             return Ok(());
         }
         let s = src.storage();
         self.storage_mut().copy_from(&s)
     }
 
-    /// Adds `src` (same shape, dtype and device) into this tensor's buffer: `self += src`, in
-    /// the dtype's arithmetic (half types computed in f32, rounded once, as `add`).
+    /// Adds `src` (same shape, dtype and device; any layout) into this tensor's buffer: `self
+    /// += src`, in the dtype's arithmetic (half types computed in f32, rounded once, as `add`).
     pub fn add_in_place(&self, src: &Tensor) -> Result<()> {
-        self.check_in_place("add_in_place", Some(src))?;
-        if self.same_storage(src) {
+        let Some(src) = self.check_in_place("add_in_place", Some(src))? else {
+            return Ok(());
+        };
+        if self.same_storage(&src) {
             // x += x without reading and writing one locked buffer at once.
-            let twice = src.detach().add(&src.detach())?;
+            let _ng = crate::no_grad();
+            let twice = src.add(&src)?;
             return self.copy_in_place(&twice);
         }
         let s = src.storage();

@@ -9,22 +9,23 @@ use super::device::cuda_err;
 use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
+use crate::backend::BackendStorage;
 use crate::error::{Error, Result};
 
 fn same_kind(op: &'static str, dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
-    if dst.dtype_() != src.dtype_() {
+    if dst.dtype() != src.dtype() {
         return Err(Error::DTypeMismatch {
             op,
-            lhs: dst.dtype_(),
-            rhs: src.dtype_(),
+            lhs: dst.dtype(),
+            rhs: src.dtype(),
         });
     }
-    if dst.len_() != src.len_() {
+    if dst.len() != src.len() {
         return Err(Error::invalid_arg(
             op,
             "src",
-            format!("{} elements", src.len_()),
-            format!("{} elements, as the destination", dst.len_()),
+            format!("{} elements", src.len()),
+            format!("{} elements, as the destination", dst.len()),
         ));
     }
     if dst.ordinal() != src.ordinal() {
@@ -41,7 +42,7 @@ fn same_kind(op: &'static str, dst: &CudaStorage, src: &CudaStorage) -> Result<(
 pub(crate) fn add_assign(dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
     let op = "add_in_place";
     same_kind(op, dst, src)?;
-    let d = dst.dtype_();
+    let d = dst.dtype();
     if !d.is_float() {
         return Err(Error::UnsupportedDType {
             op,
@@ -49,7 +50,7 @@ pub(crate) fn add_assign(dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
             expected: "a float dtype",
         });
     }
-    let n = dst.len_();
+    let n = dst.len();
     if n == 0 {
         return Ok(());
     }
@@ -62,7 +63,7 @@ pub(crate) fn add_assign(dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
 /// `dst = src` (same dtype and length): a device-to-device copy on the stream.
 pub(crate) fn copy_from(dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
     same_kind("copy_in_place", dst, src)?;
-    let bytes = dst.len_() * dst.dtype_().size_in_bytes();
+    let bytes = dst.len() * dst.dtype().size_in_bytes();
     if bytes == 0 {
         return Ok(());
     }
@@ -75,7 +76,7 @@ pub(crate) fn copy_from(dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
 
 /// `dst = 0` (all bytes zero: +0.0 in every float dtype, 0 as i64).
 pub(crate) fn fill_zero(dst: &CudaStorage) -> Result<()> {
-    let bytes = dst.len_() * dst.dtype_().size_in_bytes();
+    let bytes = dst.len() * dst.dtype().size_in_bytes();
     if bytes == 0 {
         return Ok(());
     }
