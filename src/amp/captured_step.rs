@@ -305,9 +305,15 @@ impl<'a, O: Optimizer> CapturedStep<'a, O> {
         if self.inputs.is_empty() {
             for (x, y) in batches {
                 let (x, y) = (on_dev(x)?, on_dev(y)?);
+                // A buffer of its own, all of it, in the batch's layout (a view is compacted).
                 let own = |t: &Tensor| -> Result<Tensor> {
+                    let t = if t.is_whole_buffer() {
+                        t.clone()
+                    } else {
+                        t.compact()?
+                    };
                     let s = t.storage().try_clone()?;
-                    Ok(Tensor::from_storage(s, t.shape().clone()))
+                    Ok(Tensor::from_storage(s, t.layout().clone()))
                 };
                 self.inputs.push((own(&x)?, own(&y)?));
             }
@@ -355,7 +361,8 @@ impl<'a, O: Optimizer> CapturedStep<'a, O> {
             let l = loss
                 .detach()
                 .reshape(Vec::<usize>::new())?
-                .to_dtype(DType::F32)?;
+                .to_dtype(DType::F32)?
+                .compact()?;
             drop(loss);
             match &self.loss {
                 Some(s) if i == 0 => s.copy_in_place(&l)?,
