@@ -13,7 +13,6 @@
 //! line per measurement follows the table. PyTorch's eager, `torch.compile(mode=
 //! "reduce-overhead")` and hand-captured steps on the same nets: `benches/torch_capture_speed.py`.
 
-#[allow(dead_code)]
 mod common;
 
 use std::time::Instant;
