@@ -305,17 +305,8 @@ impl<'a, O: Optimizer> CapturedStep<'a, O> {
         if self.inputs.is_empty() {
             for (x, y) in batches {
                 let (x, y) = (on_dev(x)?, on_dev(y)?);
-                // A buffer of its own, all of it, in the batch's layout (a view is compacted).
-                let own = |t: &Tensor| -> Result<Tensor> {
-                    let t = if t.is_whole_buffer() {
-                        t.clone()
-                    } else {
-                        t.compact()?
-                    };
-                    let s = t.storage().try_clone()?;
-                    Ok(Tensor::from_storage(s, t.layout().clone()))
-                };
-                self.inputs.push((own(&x)?, own(&y)?));
+                // Buffers of their own, in the batch's layout.
+                self.inputs.push((x.owned()?, y.owned()?));
             }
             return Ok(());
         }
@@ -361,16 +352,12 @@ impl<'a, O: Optimizer> CapturedStep<'a, O> {
             let l = loss
                 .detach()
                 .reshape(Vec::<usize>::new())?
-                .to_dtype(DType::F32)?
-                .compact()?;
+                .to_dtype(DType::F32)?;
             drop(loss);
             match &self.loss {
                 Some(s) if i == 0 => s.copy_in_place(&l)?,
                 Some(s) => s.add_in_place(&l)?,
-                None => {
-                    let s = l.storage().try_clone()?;
-                    self.loss = Some(Tensor::from_storage(s, l.shape().clone()));
-                }
+                None => self.loss = Some(l.owned()?),
             }
         }
         self.opt.step()
