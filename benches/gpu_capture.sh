@@ -10,8 +10,11 @@
 #   4. the main job itself (train_resnet, no options, full Fashion-MNIST, 10 epochs): captured
 #      (the default) vs --no-cuda-graph.
 # Stage here:  ../shared/tools/gpu-stage --data --example train_resnet --bench capture_speed
-# Run there:   bash benches/gpu_capture.sh      (logs and outputs go under $OUT)
+# Run there:   bash benches/gpu_capture.sh [tests] [bench] [torch] [main]   (default: all four;
+#              each part fits one 10-minute device call on its own; logs go under $OUT)
 set -u
+parts=${*:-tests bench torch main}
+want() { case " $parts " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/mixprec-capture}
 mkdir -p "$out"
@@ -20,16 +23,23 @@ bin=.gpu/bin
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__)'
 
+if want tests; then
 echo "== 1. GPU tests (tests/cuda_capture.rs)"
 $bin/test-cuda_capture --include-ignored --test-threads=1 --nocapture 2>&1 | tee "$out/cuda_capture.log" \
   | grep -E "^test |^test result|bitwise|DIFFERENT|NONDETERMINISTIC|refused|replayed steps|panicked|train_resnet|stale"
+fi
 
+if want bench; then
 echo "== 2. mixprec: eager vs captured step"
 $bin/bench-capture_speed 2>&1 | tee "$out/capture_speed.log"
+fi
 
+if want torch; then
 echo "== 3. PyTorch: eager, reduce-overhead, hand-captured"
 python3 benches/torch_capture_speed.py 2>&1 | tee "$out/torch_capture_speed.log"
+fi
 
+want main || exit 0
 echo "== 4. the main job: captured (default) vs --no-cuda-graph"
 for mode in captured eager; do
   flag=""; [ $mode = eager ] && flag="--no-cuda-graph"

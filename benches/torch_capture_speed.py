@@ -10,7 +10,8 @@ same three nets and batches, synthetic data on the device, three ways:
                    static inputs; the learning rate is a device tensor the replay reads. When
                    PyTorch refuses to capture the scaler's step, the line says why.
 
-  python3 benches/torch_capture_speed.py   -> one JSON line per measurement
+  python3 benches/torch_capture_speed.py [NET ...]   -> one JSON line per measurement
+  (NET: main-job-resnet-16-32-64, resnet18-cifar, resnet50; default all)
 Timing: the median of 5 rounds of back-to-back steps, one synchronisation per round (as the
 Rust side)."""
 import json, math, statistics, time
@@ -158,7 +159,11 @@ def hand_captured(make, batch, shape, classes, steps):
 
 
 def main():
+    import sys
+    only = set(sys.argv[1:])
     for name, make, batches, shape, classes, steps in NETS:
+        if only and name not in only:
+            continue
         for batch in batches:
             ok = False
             for mode in ["eager", "reduce-overhead", "hand-captured"]:
