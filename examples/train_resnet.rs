@@ -72,6 +72,10 @@ struct Cli {
     /// Random crop + horizontal flip of training images.
     #[arg(long)]
     augment: Option<bool>,
+    /// Run every training step eagerly instead of replaying it as a CUDA graph (GPU only; the
+    /// config key `cuda_graph = false` does the same).
+    #[arg(long)]
+    no_cuda_graph: bool,
     /// Stop after this many epochs (the schedule still spans --epochs): an interrupted run.
     #[arg(long, value_name = "N")]
     stop_after: Option<usize>,
@@ -112,6 +116,10 @@ impl Cli {
             c.amp.policy = None;
             c.amp.opt_level = l.clone();
             given.push("--opt-level");
+        }
+        if self.no_cuda_graph {
+            c.cuda_graph = false;
+            given.push("--no-cuda-graph");
         }
         given
     }

@@ -3,17 +3,21 @@
 // parameter (FP32 master or the model's own) rounded once on store, plus an optional copy (the
 // half model weights) written in the same pass. Every kernel returns at once when *found != 0:
 // a skipped step is an exact no-op. Step counters steps[slot] are read, never written, here
-// (step_increment runs after the update).
+// (step_increment runs after the update). Hyperparameters are a block of floats in device memory
+// (flags 0/1; the structs mirror SgdHyper & co. in src/backend/mod.rs), never launch arguments, so
+// a captured CUDA graph follows set_lr / set_config. Optional lists are known by their pointer:
+// SGD's momentum buffer (p[2]), Adam's amsgrad maximum (p[4]), the half copy (p[5]).
 
-struct SgdP { float lr; float momentum; float dampening; float wd; unsigned nesterov; unsigned wd_after; };
+struct SgdP { float lr; float momentum; float dampening; float wd; float nesterov; float wd_after; };
 
 template <typename G, typename P, typename C>
 __device__ void sgd(const TEnt* tens, const CEnt* chunks, const float* found, const float* mult,
-                    const float* steps, SgdP q) {
+                    const float* steps, const SgdP* qp) {
     if (found && *found != 0.0f) return;
     const float s = mult ? *mult : 1.0f;
-    const bool mom = q.momentum != 0.0f;
+    const SgdP q = *qp;
     MT_LOOP(tens, chunks) {
+        const bool mom = te.p[2] != 0;
         const bool first = steps[te.slot] == 0.0f;
         float g[4], w[4], m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         ld4<G>(te.p[0], i, end, vec, g);
@@ -22,12 +26,12 @@ __device__ void sgd(const TEnt* tens, const CEnt* chunks, const float* found, co
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             float gv = g[k] * s;
-            if (q.wd != 0.0f && !q.wd_after) gv += q.wd * w[k];
+            if (q.wd != 0.0f && q.wd_after == 0.0f) gv += q.wd * w[k];
             if (mom) {
                 m[k] = first ? gv : q.momentum * m[k] + (1.0f - q.dampening) * gv;
-                gv = q.nesterov ? gv + q.momentum * m[k] : m[k];
+                gv = q.nesterov != 0.0f ? gv + q.momentum * m[k] : m[k];
             }
-            if (q.wd != 0.0f && q.wd_after) gv += q.wd * w[k];
+            if (q.wd != 0.0f && q.wd_after != 0.0f) gv += q.wd * w[k];
             w[k] = w[k] - q.lr * gv;
         }
         if (mom) st4<float>(te.p[2], i, end, vec, m);
@@ -36,57 +40,60 @@ __device__ void sgd(const TEnt* tens, const CEnt* chunks, const float* found, co
     }
 }
 
-struct AdamP { float lr; float beta1; float beta2; float eps; float wd; unsigned adamw; unsigned bias_correction; unsigned amsgrad; };
+struct AdamP { float lr; float beta1; float beta2; float eps; float wd; float adamw; float bias_correction; };
 
 template <typename G, typename P, typename C>
 __device__ void adam(const TEnt* tens, const CEnt* chunks, const float* found, const float* mult,
-                     const float* steps, AdamP q) {
+                     const float* steps, const AdamP* qp) {
     if (found && *found != 0.0f) return;
     const float s = mult ? *mult : 1.0f;
+    const AdamP q = *qp;
     const TEnt& t0 = tens[chunks[blockIdx.x].t];
     const float step = steps[t0.slot] + 1.0f;
     const float bc1 = bias_corr(q.bias_correction, q.beta1, step);
     const float bc2_sqrt = sqrtf(bias_corr(q.bias_correction, q.beta2, step));
     const float step_size = q.lr / bc1;
     MT_LOOP(tens, chunks) {
+        const bool amsgrad = te.p[4] != 0;
         float g[4], w[4], m[4], v[4], vm[4];
         ld4<G>(te.p[0], i, end, vec, g);
         ld4<P>(te.p[1], i, end, vec, w);
         ld4<float>(te.p[2], i, end, vec, m);
         ld4<float>(te.p[3], i, end, vec, v);
-        if (q.amsgrad) ld4<float>(te.p[4], i, end, vec, vm);
+        if (amsgrad) ld4<float>(te.p[4], i, end, vec, vm);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             float gv = g[k] * s;
             float wv = w[k];
-            if (!q.adamw && q.wd != 0.0f) gv += q.wd * wv;
+            if (q.adamw == 0.0f && q.wd != 0.0f) gv += q.wd * wv;
             m[k] = q.beta1 * m[k] + (1.0f - q.beta1) * gv;
             v[k] = q.beta2 * v[k] + (1.0f - q.beta2) * gv * gv;
             float vd = v[k];
-            if (q.amsgrad) {
+            if (amsgrad) {
                 vm[k] = fmaxf(vm[k], v[k]);
                 vd = vm[k];
             }
-            if (q.adamw && q.wd != 0.0f) wv -= q.lr * q.wd * wv;
+            if (q.adamw != 0.0f && q.wd != 0.0f) wv -= q.lr * q.wd * wv;
             float denom = sqrtf(vd) / bc2_sqrt + q.eps;
             w[k] = wv - step_size * (m[k] / denom);
         }
         st4<float>(te.p[2], i, end, vec, m);
         st4<float>(te.p[3], i, end, vec, v);
-        if (q.amsgrad) st4<float>(te.p[4], i, end, vec, vm);
+        if (amsgrad) st4<float>(te.p[4], i, end, vec, vm);
         st4<P>(te.p[1], i, end, vec, w);
         if (te.p[5]) st4<C>(te.p[5], i, end, vec, w);
     }
 }
 
-struct LambP { float lr; float beta1; float beta2; float beta3; float eps; float wd; float max_grad_norm; unsigned bias_correction; unsigned use_nvlamb; unsigned pad; };
+struct LambP { float lr; float beta1; float beta2; float beta3; float eps; float wd; float max_grad_norm; float bias_correction; float use_ratio; };
 
 // Phase 1: moments and the raw update u = (m/bc1)/(sqrt(v/bc2)+eps) + wd·p into p[4] (FP32).
 template <typename G, typename P>
 __device__ void lamb_update(const TEnt* tens, const CEnt* chunks, const float* found, const float* mult,
-                            const float* steps, const float* gnorm, LambP q) {
+                            const float* steps, const float* gnorm, const LambP* qp) {
     if (found && *found != 0.0f) return;
     const float s = mult ? *mult : 1.0f;
+    const LambP q = *qp;
     const float gn = *gnorm;
     const float clip = (q.max_grad_norm > 0.0f && gn > q.max_grad_norm) ? gn / q.max_grad_norm : 1.0f;
     const TEnt& t0 = tens[chunks[blockIdx.x].t];
@@ -112,18 +119,18 @@ __device__ void lamb_update(const TEnt* tens, const CEnt* chunks, const float* f
     }
 }
 
-struct LambApplyP { float lr; unsigned use_ratio; };
-
-// Phase 2: p −= lr·ratio·u, ratio = ‖p‖/‖u‖ per tensor (1 when off or either is 0).
+// Phase 2: p −= lr·ratio·u, ratio = ‖p‖/‖u‖ per tensor (1 when off or either is 0). The rows
+// are phase 1's (one cached table): u is p[4].
 template <typename P, typename C>
 __device__ void lamb_apply(const TEnt* tens, const CEnt* chunks, const float* found, const float* pnorm,
-                           const float* unorm, LambApplyP q) {
+                           const float* unorm, const LambP* qp) {
     if (found && *found != 0.0f) return;
+    const LambP q = *qp;
     MT_LOOP(tens, chunks) {
         const float pn = pnorm[te.slot], un = unorm[te.slot];
-        const float ratio = (q.use_ratio && pn != 0.0f && un != 0.0f) ? pn / un : 1.0f;
+        const float ratio = (q.use_ratio != 0.0f && pn != 0.0f && un != 0.0f) ? pn / un : 1.0f;
         float u[4], w[4];
-        ld4<float>(te.p[0], i, end, vec, u);
+        ld4<float>(te.p[4], i, end, vec, u);
         ld4<P>(te.p[1], i, end, vec, w);
 #pragma unroll
         for (int k = 0; k < 4; k++) w[k] = w[k] - q.lr * ratio * u[k];
@@ -132,13 +139,14 @@ __device__ void lamb_apply(const TEnt* tens, const CEnt* chunks, const float* fo
     }
 }
 
-struct NovoP { float lr; float beta1; float beta2; float beta3; float eps; float wd; unsigned bias_correction; unsigned reg_inside_moment; unsigned norm_type; unsigned pad; };
+struct NovoP { float lr; float beta1; float beta2; float beta3; float eps; float wd; float bias_correction; float reg_inside_moment; };
 
 template <typename G, typename P, typename C>
 __device__ void novograd(const TEnt* tens, const CEnt* chunks, const float* found, const float* mult,
-                         const float* steps, const float* vs, NovoP q) {
+                         const float* steps, const float* vs, const NovoP* qp) {
     if (found && *found != 0.0f) return;
     const float s = mult ? *mult : 1.0f;
+    const NovoP q = *qp;
     MT_LOOP(tens, chunks) {
         const float step = steps[te.slot] + 1.0f;
         const float bc1 = bias_corr(q.bias_correction, q.beta1, step);
@@ -151,7 +159,7 @@ __device__ void novograd(const TEnt* tens, const CEnt* chunks, const float* foun
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             float gv = g[k] * s;
-            if (q.reg_inside_moment) {
+            if (q.reg_inside_moment != 0.0f) {
                 m[k] = q.beta1 * m[k] + q.beta3 * (gv / denom + q.wd * w[k]);
                 w[k] = w[k] - q.lr * (m[k] / bc1);
             } else {
@@ -167,8 +175,9 @@ __device__ void novograd(const TEnt* tens, const CEnt* chunks, const float* foun
 
 // v[slot] ← first ? n² : β2·v + (1−β2)·n², n = norms[slot]; one thread per table entry.
 extern "C" __global__ void novograd_moment(const TEnt* tens, u64 nt, const float* found, const float* steps,
-                                           float* vs, const float* norms, float beta2) {
+                                           float* vs, const float* norms, const NovoP* qp) {
     if (found && *found != 0.0f) return;
+    const float beta2 = qp->beta2;
     for (u64 t = threadIdx.x; t < nt; t += blockDim.x) {
         const u64 sl = tens[t].slot;
         const float n2 = norms[sl] * norms[sl];
@@ -187,24 +196,24 @@ extern "C" __global__ void step_increment(const TEnt* tens, u64 nt, const float*
 #define ALL3(M) GP(M, f32, float) GP(M, f16, f16) GP(M, bf16, bf16)
 
 #define SGD(GN, G, PN, P, CN, C) \
-    extern "C" __global__ void sgd_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, SgdP q) { sgd<G, P, C>(t, c, f, m, s, q); }
+    extern "C" __global__ void sgd_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const SgdP* q) { sgd<G, P, C>(t, c, f, m, s, q); }
 ALL3(SGD)
 #define ADAM(GN, G, PN, P, CN, C) \
-    extern "C" __global__ void adam_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, AdamP q) { adam<G, P, C>(t, c, f, m, s, q); }
+    extern "C" __global__ void adam_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const AdamP* q) { adam<G, P, C>(t, c, f, m, s, q); }
 ALL3(ADAM)
 #define NOVO(GN, G, PN, P, CN, C) \
-    extern "C" __global__ void novograd_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const float* v, NovoP q) { novograd<G, P, C>(t, c, f, m, s, v, q); }
+    extern "C" __global__ void novograd_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const float* v, const NovoP* q) { novograd<G, P, C>(t, c, f, m, s, v, q); }
 ALL3(NOVO)
 
 #define LAMB_U(GN, G, PN, P) \
-    extern "C" __global__ void lamb_update_##GN##_##PN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const float* gn, LambP q) { lamb_update<G, P>(t, c, f, m, s, gn, q); }
+    extern "C" __global__ void lamb_update_##GN##_##PN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const float* gn, const LambP* q) { lamb_update<G, P>(t, c, f, m, s, gn, q); }
 #define LAMB_U_P(GN, G) LAMB_U(GN, G, f32, float) LAMB_U(GN, G, f16, f16) LAMB_U(GN, G, bf16, bf16)
 LAMB_U_P(f32, float)
 LAMB_U_P(f16, f16)
 LAMB_U_P(bf16, bf16)
 
 #define LAMB_A(PN, P, CN, C) \
-    extern "C" __global__ void lamb_apply_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* pn, const float* un, LambApplyP q) { lamb_apply<P, C>(t, c, f, pn, un, q); }
+    extern "C" __global__ void lamb_apply_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* pn, const float* un, const LambP* q) { lamb_apply<P, C>(t, c, f, pn, un, q); }
 #define LAMB_A_P(PN, P) LAMB_A(PN, P, f32, float) LAMB_A(PN, P, f16, f16) LAMB_A(PN, P, bf16, bf16)
 LAMB_A_P(f32, float)
 LAMB_A_P(f16, f16)

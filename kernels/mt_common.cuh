@@ -66,6 +66,6 @@ __device__ __forceinline__ void st4(u64 base, u64 i, u64 end, bool vec, const fl
 struct AddF { __device__ __forceinline__ float operator()(float a, float b) const { return a + b; } };
 struct MaxF { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };
 
-__device__ __forceinline__ float bias_corr(unsigned on, float beta, float step) {
-    return on ? 1.0f - powf(beta, step) : 1.0f;
+__device__ __forceinline__ float bias_corr(float on, float beta, float step) {
+    return on != 0.0f ? 1.0f - powf(beta, step) : 1.0f;
 }

@@ -142,3 +142,30 @@ MT_ALL1(NORM)
 AXPBY_Y(f32, float)
 AXPBY_Y(f16, f16)
 AXPBY_Y(bf16, bf16)
+
+// Up to 16 floats by value: what write_words stores.
+struct Words16 { float w[16]; };
+
+// dst[0..n) = q.w[0..n): how the host writes an optimizer's hyperparameter block (a launch, so
+// no host staging and no synchronisation; stream-ordered before the kernels that read it).
+extern "C" __global__ void write_words(float* dst, Words16 q, unsigned n) {
+    const unsigned i = threadIdx.x;
+    if (i < n && i < 16) dst[i] = q.w[i];
+}
+
+// dst[i] += src[i], in the dtype's arithmetic (half types in f32, rounded once on store: the same
+// bits as the elementwise add). How a persistent gradient accumulates in place.
+template <typename T>
+__device__ void accumulate(u64 n, T* dst, const T* src) {
+    typedef typename Num<T>::acc A;
+    for (u64 i = global_tid(); i < n; i += global_stride()) {
+        const A a = Num<T>::to(dst[i]), b = Num<T>::to(src[i]);
+        dst[i] = Num<T>::from(a + b);
+    }
+}
+#define ACCUMULATE(N, T) \
+    extern "C" __global__ void accumulate_##N(u64 n, T* dst, const T* src) { accumulate<T>(n, dst, src); }
+ACCUMULATE(f32, float)
+ACCUMULATE(f16, f16)
+ACCUMULATE(bf16, bf16)
+ACCUMULATE(f64, double)

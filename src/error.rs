@@ -100,6 +100,12 @@ pub enum Error {
     Compile { kernel: String, log: String },
 
     /// Something that the crate cannot do yet on this device or dtype.
+    /// Work that cannot go into a CUDA graph met during capture (a host read, a CPU tensor op, an
+    /// allocation a cache would keep, a first use that searches or compiles), or a captured graph
+    /// that may no longer be replayed. The capture is abandoned; nothing was replayed wrong.
+    #[error("{op}: CUDA-graph capture: {detail}")]
+    Capture { op: &'static str, detail: String },
+
     #[error("{op}: not supported: {detail}")]
     Unsupported { op: &'static str, detail: String },
 

@@ -7,6 +7,7 @@ pub mod autograd;
 pub mod backend;
 pub mod data;
 pub mod error;
+pub mod graph;
 pub mod io;
 pub mod multi_tensor;
 pub mod nn;

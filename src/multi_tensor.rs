@@ -11,7 +11,8 @@ use std::sync::RwLockWriteGuard;
 
 use crate::backend::cpu::multi_tensor::CpuMultiTensor;
 use crate::backend::{
-    BufRef, MtEntry, MtKernel, MtScalars, MultiTensorOps, ScaleUpdateParams, MT_ROLES,
+    BufRef, Extent, MtArray, MtEntry, MtKernel, MtList, MtScalars, MultiTensorOps,
+    ScaleUpdateParams, MT_ARRAYS, MT_ROLES,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Shape, Storage, Tensor};
@@ -24,20 +25,57 @@ pub enum AxpbyCheck {
     Both,
 }
 
-/// One tensor of a multi-tensor call: its tensors by role (see [`MtKernel`]) and its slot.
+/// One tensor of a multi-tensor call: its tensors by list name (see [`MtList`]) and its slot (its
+/// index in per-tensor arrays).
 #[derive(Clone, Debug, Default)]
 pub struct Row<'a> {
-    pub bufs: [Option<&'a Tensor>; MT_ROLES],
+    bufs: [Option<&'a Tensor>; MT_ROLES],
     pub slot: usize,
 }
 
-/// The device scalars and per-tensor arrays of a call (F32 tensors).
+impl<'a> Row<'a> {
+    pub fn new(slot: usize) -> Self {
+        Row {
+            bufs: [None; MT_ROLES],
+            slot,
+        }
+    }
+
+    /// The row with `t` as its tensor of list `l`.
+    pub fn with(mut self, l: MtList, t: &'a Tensor) -> Self {
+        self.bufs[l.role()] = Some(t);
+        self
+    }
+
+    pub fn set(&mut self, l: MtList, t: Option<&'a Tensor>) {
+        self.bufs[l.role()] = t;
+    }
+
+    pub fn get(&self, l: MtList) -> Option<&'a Tensor> {
+        self.bufs[l.role()]
+    }
+}
+
+/// The device scalars and per-tensor arrays of a call (F32 tensors), by name (see [`MtArray`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Scalars<'a> {
-    pub found_inf: Option<&'a Tensor>,
-    pub mult: Option<&'a Tensor>,
-    pub steps: Option<&'a Tensor>,
-    pub aux: [Option<&'a Tensor>; 2],
+    arrays: [Option<&'a Tensor>; MT_ARRAYS],
+}
+
+impl<'a> Scalars<'a> {
+    /// The scalars with `t` as array `a`.
+    pub fn with(mut self, a: MtArray, t: &'a Tensor) -> Self {
+        self.arrays[a as usize] = Some(t);
+        self
+    }
+
+    pub fn set(&mut self, a: MtArray, t: Option<&'a Tensor>) {
+        self.arrays[a as usize] = t;
+    }
+
+    pub fn get(&self, a: MtArray) -> Option<&'a Tensor> {
+        self.arrays[a as usize]
+    }
 }
 
 /// Write locks on every distinct buffer of a call, held until it returns.
@@ -94,52 +132,40 @@ fn check_scalar(op: &'static str, what: &'static str, t: &Tensor) -> Result<()> 
     Ok(())
 }
 
-/// Runs `kernel` over `rows` on their device. Checks devices, dtypes (F32/F16/BF16 list
-/// tensors, F32 scalars) and equal element counts within a row; `op` names the caller.
+/// Runs `kernel` over `rows` on their device, after checking devices and the call against the
+/// kernel's named lists and arrays ([`MtKernel::check_call`]); `op` names the caller.
 pub fn apply(
     op: &'static str,
     kernel: &MtKernel,
     rows: &[Row<'_>],
     sc: &Scalars<'_>,
 ) -> Result<()> {
-    let extra = [sc.found_inf, sc.mult, sc.steps, sc.aux[0], sc.aux[1]];
     let first = rows
         .iter()
         .flat_map(|r| r.bufs.iter().flatten())
-        .chain(extra.iter().flatten())
+        .chain(sc.arrays.iter().flatten())
         .next();
     let Some(first) = first else { return Ok(()) };
     let dev = first.device();
+    for t in sc.arrays.iter().flatten() {
+        whole_buffer(op, "arrays", t)?;
+    }
     for (i, r) in rows.iter().enumerate() {
-        let mut n = None;
+        let first = r.bufs.iter().flatten().next();
         for (k, t) in r.bufs.iter().enumerate() {
             let Some(t) = t else { continue };
             check_device(op, dev, t)?;
-            if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-                return Err(Error::UnsupportedDType {
-                    op,
-                    got: t.dtype(),
-                    expected: "F32, F16 or BF16 tensors in the lists",
-                });
-            }
             // The kernels walk whole buffers element by element: each tensor must be all of its
             // buffer, and a row's tensors in one order (a channels_last weight, its gradient and
             // state all channels_last).
-            let l = t.layout();
-            if l.offset() != 0 || !l.is_dense() || t.storage().len() != l.elem_count() {
-                return Err(Error::invalid_arg(
-                    op,
-                    "tensor lists",
-                    format!(
-                        "tensor {i}: list {k} is a view (shape {:?}, strides {:?}, offset {})",
-                        t.dims(),
-                        l.strides(),
-                        l.offset()
-                    ),
-                    "tensors that are their whole buffer",
-                ));
-            }
-            if let Some(first) = r.bufs.iter().flatten().next() {
+            let name = kernel
+                .lists()
+                .iter()
+                .find(|(l, _)| l.role() == k)
+                .map_or("a list", |(l, _)| l.name());
+            whole_buffer(op, name, t)?;
+            if let Some(first) = first {
+                let l = t.layout();
                 if first.elem_count() == t.elem_count()
                     && first.layout().strides() != l.strides()
                     && t.elem_count() > 1
@@ -148,7 +174,7 @@ pub fn apply(
                         op,
                         "tensor lists",
                         format!(
-                            "tensor {i}: list {k} has strides {:?}, the row's first {:?}",
+                            "tensor {i}: `{name}` has strides {:?}, the row's first {:?}",
                             l.strides(),
                             first.layout().strides()
                         ),
@@ -156,49 +182,22 @@ pub fn apply(
                     ));
                 }
             }
-            match n {
-                None => n = Some(t.elem_count()),
-                Some(n) if n != t.elem_count() => {
-                    return Err(Error::invalid_arg(
-                        op,
-                        "tensor lists",
-                        format!(
-                        "tensor {i}: list {k} has shape {:?} ({} elements), list 0 {n} elements",
-                        t.dims(),
-                        t.elem_count()
-                    ),
-                        "the lists' i-th tensors of equal element count",
-                    ))
-                }
-                _ => {}
-            }
         }
     }
-    for (what, t) in [("found_inf", sc.found_inf), ("scale", sc.mult)] {
-        if let Some(t) = t {
-            check_device(op, dev, t)?;
-            check_scalar(op, what, t)?;
-        }
-    }
-    for t in [sc.steps, sc.aux[0], sc.aux[1]].into_iter().flatten() {
+    for t in sc.arrays.iter().flatten() {
         check_device(op, dev, t)?;
-        if t.dtype() != DType::F32 {
-            return Err(Error::UnsupportedDType {
-                op,
-                got: t.dtype(),
-                expected: "F32 per-tensor arrays",
-            });
+    }
+    // Single-value arrays checked with their shapes (the backend check sees lengths only).
+    for &(a, _, extent) in kernel.arrays() {
+        if let (Some(t), Extent::One) = (sc.get(a), extent) {
+            check_scalar(op, a.name(), t)?;
         }
     }
     let mut lk = Locked::new();
-    for r in rows {
-        for t in r.bufs.iter().flatten() {
-            lk.add(t);
-        }
-    }
-    for t in [sc.found_inf, sc.mult, sc.steps, sc.aux[0], sc.aux[1]]
-        .into_iter()
-        .flatten()
+    for t in rows
+        .iter()
+        .flat_map(|r| r.bufs.iter().flatten())
+        .chain(sc.arrays.iter().flatten())
     {
         lk.add(t);
     }
@@ -222,35 +221,13 @@ pub fn apply(
         })
         .filter(|e| e.len > 0 || e.bufs.iter().all(|b| b.is_none()))
         .collect();
-    let mut opt = |t: Option<&Tensor>| t.map(|t| lk.buf(t));
-    let scalars = MtScalars {
-        found_inf: opt(sc.found_inf),
-        mult: opt(sc.mult),
-        steps: opt(sc.steps),
-        aux: [opt(sc.aux[0]), opt(sc.aux[1])],
-    };
-    // Which arrays are indexed by slot (the others are single values).
-    let aux0_per_slot = !matches!(kernel, MtKernel::LambUpdate(_));
-    let aux1_per_slot = matches!(
-        kernel,
-        MtKernel::LambApply { .. } | MtKernel::NovoGradMoment { .. }
-    );
-    for (what, b) in [
-        ("steps", scalars.steps),
-        ("aux 0", scalars.aux[0].filter(|_| aux0_per_slot)),
-        ("aux 1", scalars.aux[1].filter(|_| aux1_per_slot)),
-    ] {
-        if let Some(b) = b {
-            if let Some(e) = entries.iter().find(|e| e.slot >= b.len) {
-                return Err(Error::invalid_arg(
-                    op,
-                    what,
-                    format!("{} elements for slot {}", b.len, e.slot),
-                    "one element per slot",
-                ));
-            }
+    let mut scalars = MtScalars::default();
+    for (k, t) in sc.arrays.iter().enumerate() {
+        if let Some(t) = t {
+            scalars.set(MT_ARRAY_NAMES[k], Some(lk.buf(t)));
         }
     }
+    kernel.check_call(op, &entries, &scalars)?;
     match dev {
         Device::Cpu => CpuMultiTensor.multi_tensor(kernel, &entries, &scalars),
         Device::Cuda(i) => {
@@ -259,6 +236,75 @@ pub fn apply(
                     format!("{} tensors", entries.len())
                 });
             crate::backend::cuda::CudaMultiTensor::new(i)?.multi_tensor(kernel, &entries, &scalars)
+        }
+    }
+}
+
+/// An error unless `t` is all of its buffer, densely (what the kernels walk).
+fn whole_buffer(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
+    let l = t.layout();
+    if l.offset() != 0 || !l.is_dense() || t.storage().len() != l.elem_count() {
+        return Err(Error::invalid_arg(
+            op,
+            "tensor lists",
+            format!(
+                "`{what}` is a view (shape {:?}, strides {:?}, offset {})",
+                t.dims(),
+                l.strides(),
+                l.offset()
+            ),
+            "tensors that are their whole buffer",
+        ));
+    }
+    Ok(())
+}
+
+/// Every [`MtArray`], by index.
+const MT_ARRAY_NAMES: [MtArray; MT_ARRAYS] = [
+    MtArray::FoundInf,
+    MtArray::GradScale,
+    MtArray::Steps,
+    MtArray::Hyper,
+    MtArray::Norms,
+    MtArray::TotalNorm,
+    MtArray::GradNorm,
+    MtArray::ParamNorms,
+    MtArray::UpdateNorms,
+    MtArray::GradNorms,
+    MtArray::SecondMoments,
+    MtArray::LossScale,
+    MtArray::Unskipped,
+    MtArray::SkippedTotal,
+];
+
+/// Writes `words` into the F32 tensor `dst` (of exactly that many elements) in place: on CUDA one
+/// small kernel (stream-ordered, no host staging, no synchronisation), on the CPU a store. How an
+/// optimizer sets the hyperparameter block its kernels read.
+pub(crate) fn write_words(op: &'static str, dst: &Tensor, words: &[f32]) -> Result<()> {
+    if dst.dtype() != DType::F32 || dst.elem_count() != words.len() {
+        return Err(Error::invalid_arg(
+            op,
+            "hyperparameters",
+            format!("a {} tensor of {} elements", dst.dtype(), dst.elem_count()),
+            format!("an F32 tensor of {} elements", words.len()),
+        ));
+    }
+    crate::graph::refuse_in_capture(
+        dst.device(),
+        op,
+        "writing hyperparameters (set_lr / set_config)",
+    )?;
+    let mut g = dst.storage_mut();
+    match &mut *g {
+        Storage::Cpu(c) => {
+            let a = c.addr_mut() as *mut f32;
+            // SAFETY: the buffer is an F32 buffer of words.len() elements, locked for writing.
+            unsafe { std::ptr::copy_nonoverlapping(words.as_ptr(), a, words.len()) };
+            Ok(())
+        }
+        Storage::Cuda(c) => {
+            let p = c.ptr();
+            crate::backend::cuda::multi_tensor::write_words(c.device(), p, words)
         }
     }
 }
@@ -278,15 +324,13 @@ fn check_lists(op: &'static str, names: &[&'static str], lists: &[&[Tensor]]) ->
     Ok(n)
 }
 
-fn rows<'a>(lists: &[&'a [Tensor]]) -> Vec<Row<'a>> {
+/// Rows `i` of `lists`, the k-th list under the k-th name.
+fn rows<'a>(names: &[MtList], lists: &[&'a [Tensor]]) -> Vec<Row<'a>> {
     (0..lists[0].len())
         .map(|i| {
-            let mut r = Row {
-                slot: i,
-                ..Default::default()
-            };
-            for (k, l) in lists.iter().enumerate() {
-                r.bufs[k] = Some(&l[i]);
+            let mut r = Row::new(i);
+            for (&name, l) in names.iter().zip(lists) {
+                r.set(name, Some(&l[i]));
             }
             r
         })
@@ -308,24 +352,20 @@ pub fn scale(
 ) -> Result<()> {
     let op = "multi_tensor::scale";
     check_lists(op, &["inputs", "outputs"], &[inputs, outputs])?;
-    let sc = Scalars {
-        found_inf: Some(found_inf),
-        mult: Some(scale),
-        ..Default::default()
-    };
-    apply(op, &MtKernel::Scale, &rows(&[inputs, outputs]), &sc)
+    let sc = Scalars::default()
+        .with(MtArray::FoundInf, found_inf)
+        .with(MtArray::GradScale, scale);
+    let rows = rows(&[MtList::Input, MtList::Output], &[inputs, outputs]);
+    apply(op, &MtKernel::Scale, &rows, &sc)
 }
 
 /// Sets `found_inf` to 1 when any input holds an Inf or NaN; reads nothing else, writes nothing else.
 pub fn non_finite_check(inputs: &[Tensor], found_inf: &Tensor) -> Result<()> {
-    let sc = Scalars {
-        found_inf: Some(found_inf),
-        ..Default::default()
-    };
+    let sc = Scalars::default().with(MtArray::FoundInf, found_inf);
     apply(
         "multi_tensor::non_finite_check",
         &MtKernel::Check,
-        &rows(&[inputs]),
+        &rows(&[MtList::Input], &[inputs]),
         &sc,
     )
 }
@@ -357,11 +397,13 @@ pub fn axpby(
         b: b as f32,
         check,
     };
-    let sc = Scalars {
-        found_inf: Some(found_inf),
-        ..Default::default()
-    };
-    apply(op, &k, &rows(&[x, y, out]), &sc)
+    let sc = Scalars::default().with(MtArray::FoundInf, found_inf);
+    apply(
+        op,
+        &k,
+        &rows(&[MtList::X, MtList::Y, MtList::Out], &[x, y, out]),
+        &sc,
+    )
 }
 
 fn norm_impl(
@@ -390,13 +432,16 @@ fn norm_impl(
     if inputs.is_empty() {
         return Ok((total, per));
     }
-    let sc = Scalars {
-        found_inf,
-        mult,
-        aux: [per.as_ref(), Some(&total)],
-        ..Default::default()
-    };
-    apply(op, &MtKernel::Norm { inf }, &rows(&[inputs]), &sc)?;
+    let mut sc = Scalars::default().with(MtArray::TotalNorm, &total);
+    sc.set(MtArray::FoundInf, found_inf);
+    sc.set(MtArray::GradScale, mult);
+    sc.set(MtArray::Norms, per.as_ref());
+    apply(
+        op,
+        &MtKernel::Norm { inf },
+        &rows(&[MtList::Input], &[inputs]),
+        &sc,
+    )?;
     Ok((total, per))
 }
 
@@ -455,20 +500,11 @@ pub(crate) fn norms_into(
     let rows: Vec<Row> = inputs
         .iter()
         .zip(slots)
-        .map(|(t, &s)| {
-            let mut r = Row {
-                slot: s,
-                ..Default::default()
-            };
-            r.bufs[0] = Some(*t);
-            r
-        })
+        .map(|(t, &s)| Row::new(s).with(MtList::Input, t))
         .collect();
-    let sc = Scalars {
-        mult,
-        aux: [per_tensor, Some(total)],
-        ..Default::default()
-    };
+    let mut sc = Scalars::default().with(MtArray::TotalNorm, total);
+    sc.set(MtArray::GradScale, mult);
+    sc.set(MtArray::Norms, per_tensor);
     apply("multi_tensor::norm", &MtKernel::Norm { inf }, &rows, &sc)
 }
 
@@ -545,20 +581,10 @@ pub fn amp_update_scale(
         max: max as f32,
         _pad: 0,
     });
-    let row = Row {
-        bufs: [
-            Some(scale),
-            Some(unskipped),
-            Some(skipped_total),
-            None,
-            None,
-            None,
-        ],
-        slot: 0,
-    };
-    let sc = Scalars {
-        found_inf: Some(found_inf),
-        ..Default::default()
-    };
-    apply(op, &k, &[row], &sc)
+    let sc = Scalars::default()
+        .with(MtArray::LossScale, scale)
+        .with(MtArray::Unskipped, unskipped)
+        .with(MtArray::SkippedTotal, skipped_total)
+        .with(MtArray::FoundInf, found_inf);
+    apply(op, &k, &[], &sc)
 }

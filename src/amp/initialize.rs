@@ -11,11 +11,11 @@
 //! restore continues bitwise); the wrapped optimizer's state adds the scalers'.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::nn::module::{Module, StateDict, TensorInfo, TensorKind, TrainingFlag};
-use crate::optim::{Optimizer, OptimizerState};
+use crate::optim::{MasterWeights, Optimizer, OptimizerState};
 use crate::tensor::{DType, Device, Tensor, TensorId};
 
 use super::autocast;
@@ -101,13 +101,10 @@ impl ScalerSet {
 
 type SharedScalers = Arc<Mutex<ScalerSet>>;
 
-/// O2: the FP32 master of each trained parameter, by parameter, shared by the models and
-/// optimizers of one `initialize` call. The optimizers keep it current (an optimizer may replace
-/// its master tensors, e.g. when it loads a state).
-type MasterMap = Arc<RwLock<HashMap<TensorId, Tensor>>>;
-
-fn masters_of(map: &MasterMap) -> std::sync::RwLockReadGuard<'_, HashMap<TensorId, Tensor>> {
-    map.read().unwrap_or_else(|e| e.into_inner())
+/// O2: the FP32 master of `param` in one of the optimizers' [`MasterWeights`] (each optimizer
+/// owns its masters; the models read them).
+fn master_of(masters: &[Arc<MasterWeights>], param: TensorId) -> Option<&Tensor> {
+    masters.iter().find_map(|m| m.get(param))
 }
 
 fn lock(s: &SharedScalers) -> MutexGuard<'_, ScalerSet> {
@@ -120,8 +117,8 @@ fn lock(s: &SharedScalers) -> MutexGuard<'_, ScalerSet> {
 pub struct AmpModel<M: Module> {
     inner: M,
     props: Properties,
-    /// O2: the FP32 master of each trained parameter (kept current by the optimizers).
-    masters: MasterMap,
+    /// O2: the optimizers' masters (read-only here: the optimizers own and update them).
+    masters: Vec<Arc<MasterWeights>>,
     ids: Vec<TensorId>,
 }
 
@@ -186,8 +183,7 @@ impl<M: Module> Module for AmpModel<M> {
     /// FP32 at every level; at O2 the parameters' entries are their FP32 masters.
     fn state_dict(&self) -> Result<StateDict> {
         let mut sd = self.inner.state_dict()?;
-        let masters = masters_of(&self.masters);
-        if masters.is_empty() {
+        if self.masters.is_empty() {
             return Ok(sd);
         }
         let mut ids = HashMap::new();
@@ -195,7 +191,7 @@ impl<M: Module> Module for AmpModel<M> {
             ids.insert(i.name.to_string(), i.tensor.id());
         });
         for (name, t) in sd.iter_mut() {
-            if let Some(m) = ids.get(name).and_then(|id| masters.get(id)) {
+            if let Some(m) = ids.get(name).and_then(|id| master_of(&self.masters, *id)) {
                 *t = crate::optim::owned_copy(m, DType::F32)?;
             }
         }
@@ -206,8 +202,7 @@ impl<M: Module> Module for AmpModel<M> {
     /// values into the masters too.
     fn load_state_dict(&self, entries: &[(String, Tensor)]) -> Result<()> {
         self.inner.load_state_dict(entries)?;
-        let masters = masters_of(&self.masters);
-        if masters.is_empty() {
+        if self.masters.is_empty() {
             return Ok(());
         }
         let mut params = Vec::new();
@@ -219,8 +214,10 @@ impl<M: Module> Module for AmpModel<M> {
         let given: HashMap<&str, &Tensor> = entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let _g = crate::no_grad();
         for (name, id) in params {
-            if let (Some(m), Some(src)) = (masters.get(&id), given.get(name.as_str())) {
-                m.set_data(&src.detach().to_dtype(DType::F32)?)?;
+            if let Some(src) = given.get(name.as_str()) {
+                for m in &self.masters {
+                    m.restore_param(id, src)?;
+                }
             }
         }
         Ok(())
@@ -236,9 +233,6 @@ pub struct AmpOptimizer<O: Optimizer> {
     index: usize,
     scalers: SharedScalers,
     master_weights: bool,
-    master_map: MasterMap,
-    /// The optimizer was lent out mutably: its masters may have been replaced.
-    masters_dirty: bool,
     /// The scaler whose scale the current gradients carry.
     pending: Option<usize>,
     /// Scalers that scaled gradients of this optimizer since its last step.
@@ -246,6 +240,13 @@ pub struct AmpOptimizer<O: Optimizer> {
     /// Gradients set aside during a backward, so that its overflow check sees only the new
     /// ones (an overflow belongs to the loss that caused it, as in apex).
     stash: Vec<(Tensor, Tensor)>,
+    /// Gradients in persistent buffers (see [`AmpOptimizer::set_persistent_grads`]).
+    persistent: bool,
+    /// Persistent mode: per parameter, the buffer that holds its gradient aside while a
+    /// backward of another loss runs (made at first need, kept).
+    stash_bufs: HashMap<TensorId, Tensor>,
+    /// Persistent mode: parameters whose gradients are in `stash_bufs` now.
+    stashed: Vec<Tensor>,
     clip: Option<f64>,
     device: Device,
     ids: Vec<TensorId>,
@@ -270,21 +271,56 @@ impl<O: Optimizer> AmpOptimizer<O> {
     }
     /// The optimizer (for learning-rate schedules and the like).
     pub fn inner_mut(&mut self) -> &mut O {
-        self.masters_dirty = self.master_weights;
         &mut self.inner
     }
 
-    /// Publishes the optimizer's current masters to the models (O2).
-    fn publish_masters(&mut self) {
-        self.masters_dirty = false;
-        if !self.master_weights {
-            return;
+    /// Keeps every gradient in a buffer of its own from now on (PyTorch's
+    /// `zero_grad(set_to_none=False)`): `zero_grad` zeroes it in place and each backward adds
+    /// into it, so a gradient's address never changes (what a captured CUDA graph needs; it also
+    /// saves the per-step gradient allocations). Every trained parameter then takes part in each
+    /// step, with a zero gradient if the loss did not reach it. A backward of the same loss
+    /// checks the accumulated gradients for overflow (which also catches a sum that overflows);
+    /// a backward of another loss sets the previous gradients aside in persistent buffers, as
+    /// the default mode does with new ones. Off by default; `amp::CapturedStep` turns it on.
+    pub fn set_persistent_grads(&mut self, on: bool) -> Result<()> {
+        if self.pending.is_some() || !self.stashed.is_empty() {
+            return Err(Error::invalid_arg(
+                "AmpOptimizer::set_persistent_grads",
+                "on",
+                on,
+                "a change between steps (after step(), before the next backward)",
+            ));
         }
-        let masters = fused::master_params(&self.inner);
-        let mut map = self.master_map.write().unwrap_or_else(|e| e.into_inner());
-        for (p, m) in self.inner.params().iter().zip(masters) {
-            map.insert(p.id(), m);
+        self.persistent = on;
+        Ok(())
+    }
+
+    pub fn persistent_grads(&self) -> bool {
+        self.persistent
+    }
+
+    /// The device of the model's parameters.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The gradient-clipping norm set by [`AmpOptimizer::clip_grad_norm`].
+    pub fn clip_max_norm(&self) -> Option<f64> {
+        self.clip
+    }
+
+    /// Forgets a step that was recorded but never ran (a failed capture): the host-side
+    /// bookkeeping of its backward passes goes back to the state between steps.
+    pub(crate) fn abandon_step(&mut self) {
+        let mut set = lock(&self.scalers);
+        for w in set.waiting.iter_mut() {
+            w.remove(&self.index);
         }
+        drop(set);
+        self.pending = None;
+        self.used.clear();
+        self.stash.clear();
+        self.stashed.clear();
     }
 
     /// Scaled backward of loss 0: gradients accumulate, still scaled, over several calls until
@@ -317,9 +353,6 @@ impl<O: Optimizer> AmpOptimizer<O> {
     /// One step: unscale (× the clip coefficient when set) into the update, skipped exactly on
     /// overflow, then the update of every scaler that this step closes.
     pub fn step(&mut self) -> Result<()> {
-        if self.masters_dirty {
-            self.publish_masters();
-        }
         let _s = autocast::suspend();
         let _g = crate::no_grad();
         let mut set = lock(&self.scalers);
@@ -362,9 +395,17 @@ impl<O: Optimizer> AmpOptimizer<O> {
         Ok(())
     }
 
-    /// Drops every gradient (the model's and the masters').
+    /// Drops every gradient (the model's and the masters'); with persistent gradients, zeroes
+    /// them in place instead.
     pub fn zero_grad(&mut self) -> Result<()> {
-        self.inner.zero_grad();
+        if self.persistent {
+            let _g = crate::no_grad();
+            for p in self.inner.params() {
+                p.zero_grad_in_place()?;
+            }
+        } else {
+            self.inner.zero_grad();
+        }
         for m in self.master_params() {
             m.zero_grad();
         }
@@ -430,7 +471,6 @@ impl<O: Optimizer> AmpOptimizer<O> {
         drop(set);
         self.pending = None;
         self.used.clear();
-        self.publish_masters();
         Ok(())
     }
 
@@ -473,6 +513,10 @@ impl<O: Optimizer> ScaledBackward for AmpOptimizer<O> {
             }
             _ => None,
         };
+        if self.persistent {
+            self.pending = Some(loss_id);
+            return self.stash_persistent(factor.as_ref());
+        }
         self.stash.clear();
         for p in self.inner.params() {
             if let Some(g) = p.grad() {
@@ -497,12 +541,48 @@ impl<O: Optimizer> ScaledBackward for AmpOptimizer<O> {
 
     fn abort_backward(&mut self) -> Result<()> {
         let _g = crate::no_grad();
+        if self.persistent {
+            // The gradients set aside are added back in place.
+            for p in std::mem::take(&mut self.stashed) {
+                if let (Some(g), Some(b)) = (p.grad(), self.stash_bufs.get(&p.id())) {
+                    g.add_in_place(b)?;
+                }
+            }
+            return Ok(());
+        }
         for (p, old) in std::mem::take(&mut self.stash) {
             let total = match p.grad() {
                 Some(new) => old.add(&new)?,
                 None => old,
             };
             p.set_grad(Some(total));
+        }
+        Ok(())
+    }
+}
+
+impl<O: Optimizer> AmpOptimizer<O> {
+    /// Persistent mode, before a backward: when the gradients carry another loss's scale
+    /// (`factor` = new scale / old scale), they move, rescaled, into their stash buffers and the
+    /// gradient buffers are zeroed, so the backward's overflow check sees only its own
+    /// gradients; `abort_backward` adds them back. Every buffer keeps its address.
+    fn stash_persistent(&mut self, factor: Option<&Tensor>) -> Result<()> {
+        self.stashed.clear();
+        let Some(f) = factor else { return Ok(()) };
+        for p in self.inner.params() {
+            let Some(g) = p.grad() else { continue };
+            let buf = match self.stash_bufs.get(&p.id()) {
+                Some(b) => b.clone(),
+                None => {
+                    let b = Tensor::zeros(g.shape().clone(), g.dtype(), g.device())?;
+                    self.stash_bufs.insert(p.id(), b.clone());
+                    b
+                }
+            };
+            let rescaled = g.to_dtype(DType::F32)?.mul(f)?.to_dtype(g.dtype())?;
+            buf.copy_in_place(&rescaled)?;
+            g.zero_in_place()?;
+            self.stashed.push(p);
         }
         Ok(())
     }
@@ -712,7 +792,10 @@ pub fn initialize_many<M: Module, O: Optimizer>(
             m.cast(t, props.keep_batchnorm_fp32)?;
         }
     }
-    let master_map: MasterMap = Arc::default();
+    let masters: Vec<Arc<MasterWeights>> = optimizers
+        .iter()
+        .filter_map(|o| o.master_weights())
+        .collect();
     let scalers = (0..policy.num_losses)
         .map(|i| LossScaler::new(i, &policy, &props, device))
         .collect::<Result<Vec<_>>>()?;
@@ -728,7 +811,7 @@ pub fn initialize_many<M: Module, O: Optimizer>(
             AmpModel {
                 inner,
                 props,
-                masters: master_map.clone(),
+                masters: masters.clone(),
                 ids,
             }
         })
@@ -739,22 +822,21 @@ pub fn initialize_many<M: Module, O: Optimizer>(
         .enumerate()
         .map(|(index, (inner, ids))| {
             register(&ids);
-            let mut o = AmpOptimizer {
+            AmpOptimizer {
                 inner,
                 index,
                 scalers: shared.clone(),
                 pending: None,
                 used: BTreeSet::new(),
                 stash: Vec::new(),
+                persistent: false,
+                stash_bufs: HashMap::new(),
+                stashed: Vec::new(),
                 clip: None,
                 device,
                 ids,
                 master_weights: props.master_weights,
-                master_map: master_map.clone(),
-                masters_dirty: false,
-            };
-            o.publish_masters();
-            o
+            }
         })
         .collect();
     Ok((models, opts))

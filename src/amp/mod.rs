@@ -20,12 +20,14 @@
 //! See the README's "Mixed precision (AMP)" section for the levels, the policy files and the loop.
 
 pub mod autocast;
+pub mod captured_step;
 mod fused;
 pub mod initialize;
 pub mod policy;
 pub mod scaler;
 
 pub use autocast::{autocast, AutocastGuard, OpClass};
+pub use captured_step::{CapturedStep, StepStats};
 pub use initialize::{
     initialize, initialize_many, scale_loss, scale_loss_id, scale_loss_many, AmpModel,
     AmpOptimizer, AmpOptimizerState, ScaledBackward, ScalerSet, Wrapped,

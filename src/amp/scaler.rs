@@ -5,7 +5,11 @@
 //! last change of scale) and `skipped_total`. A step reads none of them on the host: the
 //! overflow check writes `found_inf`, the optimizer step reads it and `1/scale` as tensors, and
 //! the update rewrites the state. [`LossScaler::stats`] reads them when asked, and the log line
-//! of every `report_interval` updates is the only read the scaler makes on its own.
+//! of every `report_interval` updates (when the log shows it) is the only read the scaler makes
+//! on its own. The host-side part of an update (the step count, the report) is a replay hook
+//! inside a CUDA-graph capture, so a replayed step counts as an eager one does.
+
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Tensor};
@@ -37,21 +41,86 @@ pub struct ScalerState {
 
 #[derive(Debug)]
 pub struct LossScaler {
-    loss_id: usize,
-    dynamic: bool,
     growth: f64,
     backoff: f64,
     window: u64,
     min: f64,
     max: f64,
+    found_inf: Tensor,
+    /// The device state's other three tensors and the host-side counters, shared with the
+    /// replay hooks of captured steps.
+    host: Arc<HostSide>,
+}
+
+/// What an update does on the host after its kernel, in eager steps and in replays alike.
+#[derive(Debug)]
+struct HostSide {
+    loss_id: usize,
+    dynamic: bool,
     report_interval: u64,
     verbosity: u8,
     scale: Tensor,
-    found_inf: Tensor,
     unskipped: Tensor,
     skipped_total: Tensor,
-    steps: u64,
-    skipped_at_last_report: u64,
+    /// Updates so far, and skipped_total at the last report.
+    counters: Mutex<(u64, u64)>,
+}
+
+impl HostSide {
+    fn counters(&self) -> std::sync::MutexGuard<'_, (u64, u64)> {
+        self.counters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stats(&self) -> Result<ScalerStats> {
+        Ok(ScalerStats {
+            loss_id: self.loss_id,
+            scale: self.scale.item()?,
+            unskipped: self.unskipped.item()? as u64,
+            skipped_total: self.skipped_total.item()? as u64,
+            steps: self.counters().0,
+        })
+    }
+
+    /// One update done: the count, and a report line every `report_interval` updates when the
+    /// log would show it (a static scale has nothing to report; the report costs a host read).
+    fn after_update(&self) -> Result<()> {
+        let steps = {
+            let mut c = self.counters();
+            c.0 += 1;
+            c.0
+        };
+        let due = self.dynamic
+            && self.verbosity > 0
+            && self.report_interval > 0
+            && steps % self.report_interval == 0;
+        if !due || !log::log_enabled!(log::Level::Info) {
+            return Ok(());
+        }
+        let s = self.stats()?;
+        let skipped = {
+            let mut c = self.counters();
+            let d = s.skipped_total.saturating_sub(c.1);
+            c.1 = s.skipped_total;
+            d
+        };
+        // Skipped steps are news (apex prints each one); a quiet interval is debug detail.
+        let level = if skipped > 0 {
+            log::Level::Info
+        } else {
+            log::Level::Debug
+        };
+        log::log!(
+            level,
+            "amp: loss scaler {}: step {}, scale {}, {} step(s) skipped in the last {} ({} in all)",
+            self.loss_id,
+            s.steps,
+            s.scale,
+            skipped,
+            self.report_interval,
+            s.skipped_total
+        );
+        Ok(())
+    }
 }
 
 impl LossScaler {
@@ -68,8 +137,6 @@ impl LossScaler {
         };
         let zero = || Tensor::scalar(0.0, DType::F32, device);
         Ok(LossScaler {
-            loss_id,
-            dynamic,
             growth: policy.growth_factor,
             backoff: policy.backoff_factor,
             window: policy.scale_window,
@@ -79,28 +146,31 @@ impl LossScaler {
                 .unwrap_or(f32::MIN_POSITIVE as f64)
                 .min(init),
             max: policy.max_loss_scale.max(init),
-            report_interval: policy.report_interval,
-            verbosity: policy.verbosity,
-            scale: Tensor::scalar(init, DType::F32, device)?,
             found_inf: zero()?,
-            unskipped: zero()?,
-            skipped_total: zero()?,
-            steps: 0,
-            skipped_at_last_report: 0,
+            host: Arc::new(HostSide {
+                loss_id,
+                dynamic,
+                report_interval: policy.report_interval,
+                verbosity: policy.verbosity,
+                scale: Tensor::scalar(init, DType::F32, device)?,
+                unskipped: zero()?,
+                skipped_total: zero()?,
+                counters: Mutex::new((0, 0)),
+            }),
         })
     }
 
     pub fn loss_id(&self) -> usize {
-        self.loss_id
+        self.host.loss_id
     }
 
     pub fn is_dynamic(&self) -> bool {
-        self.dynamic
+        self.host.dynamic
     }
 
     /// The device scale (F32 0-d); reading it is a host synchronisation.
     pub fn scale_tensor(&self) -> &Tensor {
-        &self.scale
+        &self.host.scale
     }
 
     /// The device overflow flag (F32 0-d, non-zero after an overflow since the last update).
@@ -125,13 +195,14 @@ impl LossScaler {
         } else {
             loss.clone()
         };
-        loss.mul(&self.scale)
+        loss.mul(&self.host.scale)
     }
 
     /// `1/scale` as an F32 0-d tensor (exact for the powers of two a dynamic scaler holds).
     pub fn inv_scale(&self) -> Result<Tensor> {
         let _g = crate::no_grad();
-        Tensor::scalar(1.0, DType::F32, self.scale.device())?.div(&self.scale)
+        let s = &self.host.scale;
+        Tensor::scalar(1.0, DType::F32, s.device())?.div(s)
     }
 
     /// Sets `found_inf` when any of `grads` holds an Inf or NaN (one multi-tensor launch, no host
@@ -140,60 +211,33 @@ impl LossScaler {
         fused::non_finite_check(grads, &self.found_inf)
     }
 
-    /// The end of a step: apex's rule on the device state (resets `found_inf`), and a report
-    /// line every `report_interval` updates.
+    /// The end of a step: apex's rule on the device state (resets `found_inf`), then the host
+    /// side (the step count, a report line every `report_interval` updates) now, or at every
+    /// replay when this runs inside a CUDA-graph capture.
     pub fn update(&mut self) -> Result<()> {
+        let h = &self.host;
         fused::update_scale(
-            &self.scale,
+            &h.scale,
             &self.found_inf,
-            &self.unskipped,
-            &self.skipped_total,
-            self.dynamic,
+            &h.unskipped,
+            &h.skipped_total,
+            h.dynamic,
             self.growth,
             self.backoff,
             self.window,
             self.min,
             self.max,
         )?;
-        self.steps += 1;
-        // A static scale has nothing to report (and the report costs a host read).
-        if self.dynamic
-            && self.verbosity > 0
-            && self.report_interval > 0
-            && self.steps % self.report_interval == 0
-        {
-            let s = self.stats()?;
-            let skipped = s.skipped_total.saturating_sub(self.skipped_at_last_report);
-            // Skipped steps are news (apex prints each one); a quiet interval is debug detail.
-            let level = if skipped > 0 {
-                log::Level::Info
-            } else {
-                log::Level::Debug
-            };
-            log::log!(
-                level,
-                "amp: loss scaler {}: step {}, scale {}, {} step(s) skipped in the last {} ({} in all)",
-                self.loss_id,
-                s.steps,
-                s.scale,
-                skipped,
-                self.report_interval,
-                s.skipped_total
-            );
-            self.skipped_at_last_report = s.skipped_total;
+        let host = self.host.clone();
+        if crate::graph::on_replay(move || host.after_update()) {
+            return Ok(());
         }
-        Ok(())
+        self.host.after_update()
     }
 
     /// Reads the state to the host (a synchronisation: call it when you log, not every step).
     pub fn stats(&self) -> Result<ScalerStats> {
-        Ok(ScalerStats {
-            loss_id: self.loss_id,
-            scale: self.scale.item()?,
-            unskipped: self.unskipped.item()? as u64,
-            skipped_total: self.skipped_total.item()? as u64,
-            steps: self.steps,
-        })
+        self.host.stats()
     }
 
     /// The state a checkpoint saves.
@@ -216,13 +260,15 @@ impl LossScaler {
                 "a finite scale > 0",
             ));
         }
-        let dev = self.scale.device();
-        let set = |t: &Tensor, v: f64| t.set_data(&Tensor::scalar(v, DType::F32, dev)?);
-        set(&self.scale, st.loss_scale)?;
-        set(&self.unskipped, st.unskipped as f64)?;
-        set(&self.skipped_total, st.skipped_total as f64)?;
+        let h = &self.host;
+        let dev = h.scale.device();
+        // In place: the tensors keep their addresses (captured steps read them).
+        let set = |t: &Tensor, v: f64| t.copy_in_place(&Tensor::scalar(v, DType::F32, dev)?);
+        set(&h.scale, st.loss_scale)?;
+        set(&h.unskipped, st.unskipped as f64)?;
+        set(&h.skipped_total, st.skipped_total as f64)?;
         set(&self.found_inf, 0.0)?;
-        self.skipped_at_last_report = st.skipped_total;
+        h.counters().1 = st.skipped_total;
         Ok(())
     }
 }

@@ -113,10 +113,11 @@ impl BatchNorm2d {
             },
         )?;
         if training {
-            let _g = crate::no_grad();
-            let n = self.num_batches_tracked.to_vec::<i64>()?[0];
-            let next = Tensor::from_vec(vec![n + 1], (), Device::Cpu)?;
-            self.num_batches_tracked.set_data(&next)?;
+            // A host counter: inside a CUDA-graph capture it counts at every replay instead.
+            let count = self.num_batches_tracked.clone();
+            if !crate::graph::on_replay(move || count_batch(&count)) {
+                count_batch(&self.num_batches_tracked)?;
+            }
         }
         Ok(y)
     }
@@ -150,4 +151,11 @@ impl Module for BatchNorm2d {
     fn training_flag(&self) -> Option<&TrainingFlag> {
         Some(&self.training)
     }
+}
+
+/// `num_batches_tracked += 1` (a CPU I64 scalar, as PyTorch saves it).
+fn count_batch(t: &Tensor) -> Result<()> {
+    let _g = crate::no_grad();
+    let n = t.to_vec::<i64>()?[0];
+    t.set_data(&Tensor::from_vec(vec![n + 1], (), Device::Cpu)?)
 }

@@ -1,14 +1,19 @@
 //! What the fused optimizers share: parameter groups, per-parameter FP32 state created at a
 //! parameter's first gradient, per-group device step counters (F32 `[n]`, one per parameter,
-//! advanced by a kernel after the update unless the step was skipped), optional FP32 master
-//! weights, the multi-tensor rows of a step, and a PyTorch-shaped `state_dict`.
+//! advanced by a kernel after the update unless the step was skipped), per-group hyperparameter
+//! blocks in device memory (what the kernels read: `set_lr` / `set_config` rewrite them with one
+//! small kernel, so a captured CUDA graph follows a schedule), the optional FP32 master weights
+//! ([`MasterWeights`], owned here), the multi-tensor rows of a step, and a PyTorch-shaped
+//! `state_dict`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
+use super::master::MasterWeights;
 use super::{
     check_groups, match_layout, owned_copy, GradScaling, GroupState, OptimizerState, ParamGroup,
 };
-use crate::backend::MtKernel;
+use crate::backend::{MtArray, MtKernel, MtList};
 use crate::error::{Error, Result};
 use crate::multi_tensor::{self, Row, Scalars};
 use crate::tensor::{DType, Device, Shape, Tensor};
@@ -31,12 +36,23 @@ pub(crate) struct Core<C> {
     pub steps: Vec<Option<Tensor>>,
     /// Per group, per parameter: the state buffers (FP32), in the optimizer's name order.
     pub state: Vec<Vec<Option<Vec<Tensor>>>>,
-    /// Per group, per parameter: FP32 masters (amp O2).
-    pub masters: Option<Vec<Vec<Tensor>>>,
+    /// The FP32 masters (amp O2), made by `use_master_weights`.
+    pub masters: Option<Arc<MasterWeights>>,
+    /// Per group: the kernels' hyperparameter block (F32, `hyper_of(config)`), and the words
+    /// last written to it (a write is skipped when nothing changed).
+    hyper: Vec<(Tensor, Vec<f32>)>,
+    hyper_of: fn(&C) -> Vec<f32>,
+    /// Bumped by every change a captured step cannot follow through device memory (a new
+    /// config, a restored state, masters): see `Optimizer::generation`.
+    pub generation: u64,
 }
 
 impl<C> Core<C> {
-    pub fn new(op: &'static str, groups: Vec<ParamGroup<C>>) -> Result<Self> {
+    pub fn new(
+        op: &'static str,
+        groups: Vec<ParamGroup<C>>,
+        hyper_of: fn(&C) -> Vec<f32>,
+    ) -> Result<Self> {
         check_groups(op, &groups)?;
         let device = groups
             .iter()
@@ -61,6 +77,13 @@ impl<C> Core<C> {
             .map(|v| v.map(|[t]| t))
             .collect();
         let state = groups.iter().map(|g| vec![None; g.params.len()]).collect();
+        let mut hyper = Vec::with_capacity(groups.len());
+        for g in &groups {
+            let words = hyper_of(&g.config);
+            let t = Tensor::zeros(Shape::new(vec![words.len()]), DType::F32, device)?;
+            multi_tensor::write_words(op, &t, &words)?;
+            hyper.push((t, words));
+        }
         Ok(Core {
             op,
             groups,
@@ -68,7 +91,46 @@ impl<C> Core<C> {
             steps,
             state,
             masters: None,
+            hyper,
+            hyper_of,
+            generation: 0,
         })
+    }
+
+    /// Writes group `gi`'s hyperparameter block from its config (one small kernel on CUDA, none
+    /// when the words are unchanged).
+    fn sync_hyper(&mut self, gi: usize) -> Result<()> {
+        let words = (self.hyper_of)(&self.groups[gi].config);
+        let (t, last) = &mut self.hyper[gi];
+        if *last != words {
+            multi_tensor::write_words(self.op, t, &words)?;
+            *last = words;
+        }
+        Ok(())
+    }
+
+    /// Replaces group `group`'s config (validated by the caller) and its device block.
+    pub fn set_config(&mut self, group: usize, config: C) -> Result<()> {
+        self.group_mut(group)?;
+        let old = std::mem::replace(&mut self.groups[group].config, config);
+        if let Err(e) = self.sync_hyper(group) {
+            self.groups[group].config = old;
+            return Err(e);
+        }
+        self.generation += 1;
+        Ok(())
+    }
+
+    /// Sets group `group`'s learning rate through `with_lr` (which validates): the device block
+    /// follows, so captured steps read it; no new generation.
+    pub fn set_lr(&mut self, group: usize, with_lr: impl FnOnce(&C) -> Result<C>) -> Result<()> {
+        let c = with_lr(&self.group_mut(group)?.config)?;
+        let old = std::mem::replace(&mut self.groups[group].config, c);
+        if let Err(e) = self.sync_hyper(group) {
+            self.groups[group].config = old;
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// [`Core::new`] after validating every group's config (in order) and, with `reject_f64`,
@@ -78,6 +140,7 @@ impl<C> Core<C> {
         groups: Vec<ParamGroup<C>>,
         validate: impl Fn(&C) -> Result<()>,
         reject_f64: bool,
+        hyper_of: fn(&C) -> Vec<f32>,
     ) -> Result<Self> {
         for g in &groups {
             validate(&g.config)?;
@@ -85,7 +148,12 @@ impl<C> Core<C> {
         if reject_f64 {
             no_f64(op, &groups)?;
         }
-        Self::new(op, groups)
+        Self::new(op, groups, hyper_of)
+    }
+
+    /// Group `gi`'s hyperparameter block.
+    pub fn hyper(&self, gi: usize) -> &Tensor {
+        &self.hyper[gi].0
     }
 
     /// Per group: `K` zeroed F32 `[n]` vectors (None for an empty group).
@@ -124,36 +192,33 @@ impl<C> Core<C> {
     pub fn target(&self, gi: usize, idx: usize) -> (&Tensor, Option<&Tensor>) {
         let p = &self.groups[gi].params[idx];
         match &self.masters {
-            Some(m) => (&m[gi][idx], Some(p)),
+            Some(m) => (m.at(gi, idx), Some(p)),
             None => (p, None),
         }
     }
 
-    /// Rows for group `gi`: g(0), p(1), the state buffers at `state_roles`, copy(5).
+    /// Rows for group `gi`: `grad`, `param` (the master or the parameter), the state buffers
+    /// under `state_lists` (in state order; a missing buffer is left out), `model_copy` with
+    /// masters.
     pub fn rows<'a>(
         &'a self,
         gi: usize,
         active: &'a [Active],
-        state_roles: &[usize],
+        state_lists: &[MtList],
     ) -> Vec<Row<'a>> {
         active
             .iter()
             .map(|a| {
                 let (p, copy) = self.target(gi, a.idx);
-                let mut r = Row {
-                    slot: a.idx,
-                    ..Default::default()
-                };
-                r.bufs[0] = Some(&a.grad);
-                r.bufs[1] = Some(p);
+                let mut r = Row::new(a.idx)
+                    .with(MtList::Grad, &a.grad)
+                    .with(MtList::Param, p);
                 if let Some(st) = &self.state[gi][a.idx] {
-                    for (k, &role) in state_roles.iter().enumerate() {
-                        if let Some(t) = st.get(k) {
-                            r.bufs[role] = Some(t);
-                        }
+                    for (&l, t) in state_lists.iter().zip(st) {
+                        r.set(l, Some(t));
                     }
                 }
-                r.bufs[5] = copy;
+                r.set(MtList::ModelCopy, copy);
                 r
             })
             .collect()
@@ -166,21 +231,22 @@ impl<C> Core<C> {
         gi: usize,
         active: &[Active],
         kernel: &MtKernel,
-        state_roles: &[usize],
+        state_lists: &[MtList],
         scaling: &Option<GradScaling<'_>>,
     ) -> Result<()> {
-        let rows = self.rows(gi, active, state_roles);
+        let rows = self.rows(gi, active, state_lists);
         multi_tensor::apply(self.op, kernel, &rows, &self.scalars(gi, scaling))?;
         self.increment(gi, active, scaling)
     }
 
+    /// The arrays of an update of group `gi`: its hyperparameters and step counters, and AMP's
+    /// found_inf and grad scale.
     pub fn scalars<'a>(&'a self, gi: usize, scaling: &Option<GradScaling<'a>>) -> Scalars<'a> {
-        Scalars {
-            found_inf: scaling.map(|s| s.found_inf),
-            mult: scaling.map(|s| s.grad_multiplier),
-            steps: self.steps[gi].as_ref(),
-            aux: [None, None],
-        }
+        let mut sc = Scalars::default().with(MtArray::Hyper, self.hyper(gi));
+        sc.set(MtArray::Steps, self.steps[gi].as_ref());
+        sc.set(MtArray::FoundInf, scaling.map(|s| s.found_inf));
+        sc.set(MtArray::GradScale, scaling.map(|s| s.grad_multiplier));
+        sc
     }
 
     /// Advances the step counters of the active parameters (unless found_inf).
@@ -190,12 +256,10 @@ impl<C> Core<C> {
         active: &[Active],
         scaling: &Option<GradScaling<'_>>,
     ) -> Result<()> {
-        multi_tensor::apply(
-            self.op,
-            &MtKernel::StepIncrement,
-            &grad_rows(active),
-            &self.scalars(gi, scaling),
-        )
+        let mut sc = Scalars::default();
+        sc.set(MtArray::Steps, self.steps[gi].as_ref());
+        sc.set(MtArray::FoundInf, scaling.map(|s| s.found_inf));
+        multi_tensor::apply(self.op, &MtKernel::StepIncrement, &grad_rows(active), &sc)
     }
 
     pub fn check_scaling(&self, scaling: &Option<GradScaling<'_>>) -> Result<()> {
@@ -226,29 +290,15 @@ impl<C> Core<C> {
         if self.masters.is_some() {
             return Ok(());
         }
-        let mut m = Vec::with_capacity(self.groups.len());
-        for g in &self.groups {
-            let mut v = Vec::with_capacity(g.params.len());
-            for p in &g.params {
-                if p.dtype() == DType::F64 {
-                    return Err(Error::invalid_arg(
-                        self.op,
-                        "use_master_weights",
-                        "an F64 parameter",
-                        "F32/F16/BF16 parameters (masters are FP32)",
-                    ));
-                }
-                v.push(owned_copy(p, DType::F32)?);
-            }
-            m.push(v);
-        }
-        self.masters = Some(m);
+        let params: Vec<&[Tensor]> = self.groups.iter().map(|g| g.params.as_slice()).collect();
+        self.masters = Some(Arc::new(MasterWeights::new(self.op, &params)?));
+        self.generation += 1;
         Ok(())
     }
 
     pub fn master_params(&self) -> Vec<Tensor> {
         match &self.masters {
-            Some(m) => m.iter().flatten().cloned().collect(),
+            Some(m) => m.tensors(),
             None => self
                 .groups
                 .iter()
@@ -291,8 +341,7 @@ impl<C> Core<C> {
         let mut pos = 0;
         for (gi, g) in self.groups.iter().enumerate() {
             let mut ids = Vec::with_capacity(g.params.len());
-            for idx in 0..g.params.len() {
-                let step = steps[gi][idx];
+            for (idx, &step) in steps[gi].iter().enumerate() {
                 let mut m = BTreeMap::new();
                 if let (Some(st), true) = (&self.state[gi][idx], step > 0.0) {
                     for (k, t) in st.iter().enumerate() {
@@ -309,7 +358,7 @@ impl<C> Core<C> {
                     }
                 }
                 if let Some(ms) = &self.masters {
-                    m.insert(MASTER.to_string(), owned_copy(&ms[gi][idx], DType::F32)?);
+                    m.insert(MASTER.to_string(), owned_copy(ms.at(gi, idx), DType::F32)?);
                 }
                 if !m.is_empty() {
                     state.insert(pos, m);
@@ -373,7 +422,8 @@ impl<C> Core<C> {
                     .collect()
             })
             .collect();
-        let mut masters = self.masters.clone();
+        // Masters are restored in place once everything is checked: (group, index, value).
+        let mut masters: Vec<(usize, usize, Tensor)> = Vec::new();
         for (pos, entries) in &saved.state {
             let p = map[pos];
             let (gi, idx) = where_[pos];
@@ -407,15 +457,15 @@ impl<C> Core<C> {
                     }
                     steps[gi][idx] = v as f32;
                 } else if name == MASTER {
-                    let Some(m) = masters.as_mut() else {
+                    if self.masters.is_none() {
                         return Err(Error::invalid_arg(
                             op,
                             "state",
                             format!("`{MASTER}` for parameter {pos}"),
                             "master weights only after use_master_weights()",
                         ));
-                    };
-                    m[gi][idx] = full(t)?;
+                    }
+                    masters.push((gi, idx, full(t)?));
                 } else if scalar_names.contains(&name.as_str()) {
                     scalars[gi].get_mut(name.as_str()).expect("listed")[idx] = t.item()? as f32;
                 } else {
@@ -457,28 +507,29 @@ impl<C> Core<C> {
                 }
             })
             .collect::<Result<Vec<_>>>()?;
+        if let Some(ms) = &self.masters {
+            for (gi, idx, v) in &masters {
+                ms.restore(*gi, *idx, v)?;
+            }
+        }
         for (g, c) in self.groups.iter_mut().zip(configs) {
             g.config = c;
         }
+        for gi in 0..self.groups.len() {
+            self.sync_hyper(gi)?;
+        }
         self.state = state;
         self.steps = new_steps;
-        self.masters = masters;
+        self.generation += 1;
         Ok(scalars)
     }
 }
 
-/// Rows holding only each active parameter's gradient (g, role 0), at its slot.
+/// Rows holding only each active parameter's gradient, at its slot.
 pub(crate) fn grad_rows(active: &[Active]) -> Vec<Row<'_>> {
     active
         .iter()
-        .map(|a| {
-            let mut r = Row {
-                slot: a.idx,
-                ..Default::default()
-            };
-            r.bufs[0] = Some(&a.grad);
-            r
-        })
+        .map(|a| Row::new(a.idx).with(MtList::Grad, &a.grad))
         .collect()
 }
 
@@ -534,11 +585,11 @@ macro_rules! config_methods {
             &self.core.groups
         }
 
-        /// Replaces the hyperparameters of `group` (validated).
+        /// Replaces the hyperparameters of `group` (validated); the kernels' device block
+        /// follows.
         pub fn set_config(&mut self, group: usize, config: $config) -> Result<()> {
             config.validate()?;
-            self.core.group_mut(group)?.config = config;
-            Ok(())
+            self.core.set_config(group, config)
         }
     };
 }
@@ -565,18 +616,24 @@ macro_rules! delegate_optimizer {
             self.core.groups.first().map_or(0.0, |g| g.config.lr)
         }
         fn set_lr(&mut self, group: usize, lr: f64) -> crate::error::Result<()> {
-            let g = self.core.group_mut(group)?;
-            let mut c = g.config.clone();
-            c.lr = lr;
-            c.validate()?;
-            g.config = c;
-            Ok(())
+            self.core.set_lr(group, |c| {
+                let mut c = c.clone();
+                c.lr = lr;
+                c.validate()?;
+                Ok(c)
+            })
         }
         fn use_master_weights(&mut self) -> crate::error::Result<()> {
             self.core.use_master_weights()
         }
+        fn master_weights(&self) -> Option<std::sync::Arc<super::MasterWeights>> {
+            self.core.masters.clone()
+        }
         fn master_params(&self) -> Vec<crate::tensor::Tensor> {
             self.core.master_params()
+        }
+        fn generation(&self) -> u64 {
+            self.core.generation
         }
     };
 }

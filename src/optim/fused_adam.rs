@@ -8,7 +8,7 @@ use super::fused::{
     validate_adam_like, Core,
 };
 use super::{GradScaling, Hyperparams, Optimizer, OptimizerState, ParamGroup};
-use crate::backend::{AdamKernelParams, MtKernel};
+use crate::backend::{AdamHyper, MtKernel, MtList};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -97,9 +97,23 @@ impl FusedAdam {
 
     pub fn with_groups(groups: Vec<ParamGroup<AdamConfig>>) -> Result<FusedAdam> {
         Ok(FusedAdam {
-            core: Core::validated(OP, groups, AdamConfig::validate, true)?,
+            core: Core::validated(OP, groups, AdamConfig::validate, true, hyper)?,
         })
     }
+}
+
+/// The block the Adam kernel reads (see [`AdamHyper`]).
+fn hyper(c: &AdamConfig) -> Vec<f32> {
+    AdamHyper {
+        lr: c.lr as f32,
+        beta1: c.betas.0 as f32,
+        beta2: c.betas.1 as f32,
+        eps: c.eps as f32,
+        weight_decay: c.weight_decay as f32,
+        adamw: f32::from(u8::from(c.adam_w_mode)),
+        bias_correction: f32::from(u8::from(c.bias_correction)),
+    }
+    .words()
 }
 
 impl Optimizer for FusedAdam {
@@ -112,19 +126,14 @@ impl Optimizer for FusedAdam {
             if active.is_empty() {
                 continue;
             }
-            let k = MtKernel::Adam(AdamKernelParams {
-                lr: c.lr as f32,
-                beta1: c.betas.0 as f32,
-                beta2: c.betas.1 as f32,
-                eps: c.eps as f32,
-                weight_decay: c.weight_decay as f32,
-                adamw: c.adam_w_mode as u32,
-                bias_correction: c.bias_correction as u32,
-                amsgrad: c.amsgrad as u32,
-            });
-            let roles: &[usize] = if c.amsgrad { &[2, 3, 4] } else { &[2, 3] };
+            // amsgrad is the presence of the running maximum in the rows.
+            let lists: &[MtList] = if c.amsgrad {
+                &[MtList::ExpAvg, MtList::ExpAvgSq, MtList::MaxExpAvgSq]
+            } else {
+                &[MtList::ExpAvg, MtList::ExpAvgSq]
+            };
             self.core
-                .apply_and_increment(gi, &active, &k, roles, &scaling)?;
+                .apply_and_increment(gi, &active, &MtKernel::Adam, lists, &scaling)?;
         }
         Ok(())
     }

@@ -9,7 +9,7 @@ use super::fused::{
     hp_bool, in_range, validate_adam_like, Core,
 };
 use super::{GradScaling, Hyperparams, Optimizer, OptimizerState, ParamGroup};
-use crate::backend::{LambKernelParams, MtKernel};
+use crate::backend::{LambHyper, MtArray, MtKernel, MtList};
 use crate::error::Result;
 use crate::multi_tensor::{self, Scalars};
 use crate::tensor::Tensor;
@@ -117,7 +117,7 @@ impl FusedLamb {
     config_methods!(LambConfig);
 
     pub fn with_groups(groups: Vec<ParamGroup<LambConfig>>) -> Result<FusedLamb> {
-        let core = Core::validated(OP, groups, LambConfig::validate, true)?;
+        let core = Core::validated(OP, groups, LambConfig::validate, true, hyper)?;
         let dev = core.device;
         let norms = core.group_vectors()?;
         let gnorm = [
@@ -126,6 +126,25 @@ impl FusedLamb {
         ];
         Ok(FusedLamb { core, norms, gnorm })
     }
+}
+
+/// The state buffers under their list names (the update is scratch, not saved).
+const STATE_LISTS: [MtList; 3] = [MtList::ExpAvg, MtList::ExpAvgSq, MtList::Update];
+
+/// The block both LAMB kernels read (see [`LambHyper`]).
+fn hyper(c: &LambConfig) -> Vec<f32> {
+    LambHyper {
+        lr: c.lr as f32,
+        beta1: c.betas.0 as f32,
+        beta2: c.betas.1 as f32,
+        beta3: beta3(c.grad_averaging, c.betas.0),
+        eps: c.eps as f32,
+        weight_decay: c.weight_decay as f32,
+        max_grad_norm: c.max_grad_norm as f32,
+        bias_correction: f32::from(u8::from(c.bias_correction)),
+        use_ratio: f32::from(u8::from(c.use_nvlamb || c.weight_decay != 0.0)),
+    }
+    .words()
 }
 
 impl Optimizer for FusedLamb {
@@ -145,23 +164,13 @@ impl Optimizer for FusedLamb {
             if active.is_empty() {
                 continue;
             }
-            let c = self.core.groups[gi].config;
-            let k = MtKernel::LambUpdate(LambKernelParams {
-                lr: c.lr as f32,
-                beta1: c.betas.0 as f32,
-                beta2: c.betas.1 as f32,
-                beta3: beta3(c.grad_averaging, c.betas.0),
-                eps: c.eps as f32,
-                weight_decay: c.weight_decay as f32,
-                max_grad_norm: c.max_grad_norm as f32,
-                bias_correction: c.bias_correction as u32,
-                use_nvlamb: c.use_nvlamb as u32,
-                _pad: 0,
-            });
-            let rows = self.core.rows(gi, active, &[2, 3, 4]);
-            let mut sc = self.core.scalars(gi, &scaling);
-            sc.aux = [Some(&self.gnorm[0]), None];
-            multi_tensor::apply(OP, &k, &rows, &sc)?;
+            // One set of rows for both phases (phase 2 reads `update` and writes `param`).
+            let rows = self.core.rows(gi, active, &STATE_LISTS);
+            let sc = self
+                .core
+                .scalars(gi, &scaling)
+                .with(MtArray::GradNorm, &self.gnorm[0]);
+            multi_tensor::apply(OP, &MtKernel::LambUpdate, &rows, &sc)?;
             let [pn, un] = self.norms[gi]
                 .as_ref()
                 .expect("a non-empty group has norms");
@@ -176,26 +185,12 @@ impl Optimizer for FusedLamb {
             let slots: Vec<usize> = active.iter().map(|a| a.idx).collect();
             multi_tensor::norms_into(&ps, &slots, None, false, Some(pn), &self.gnorm[1])?;
             multi_tensor::norms_into(&us, &slots, None, false, Some(un), &self.gnorm[1])?;
-            let k = MtKernel::LambApply {
-                lr: c.lr as f32,
-                use_ratio: (c.use_nvlamb || c.weight_decay != 0.0) as u32,
-            };
-            let rows: Vec<_> = rows
-                .into_iter()
-                .map(|mut r| {
-                    r.bufs[0] = r.bufs[4];
-                    r.bufs[2] = None;
-                    r.bufs[3] = None;
-                    r.bufs[4] = None;
-                    r
-                })
-                .collect();
-            let sc = Scalars {
-                found_inf: scaling.map(|s| s.found_inf),
-                aux: [Some(pn), Some(un)],
-                ..Default::default()
-            };
-            multi_tensor::apply(OP, &k, &rows, &sc)?;
+            let mut sc = Scalars::default()
+                .with(MtArray::Hyper, self.core.hyper(gi))
+                .with(MtArray::ParamNorms, pn)
+                .with(MtArray::UpdateNorms, un);
+            sc.set(MtArray::FoundInf, scaling.map(|s| s.found_inf));
+            multi_tensor::apply(OP, &MtKernel::LambApply, &rows, &sc)?;
             self.core.increment(gi, active, &scaling)?;
         }
         Ok(())

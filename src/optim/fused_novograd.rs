@@ -9,7 +9,7 @@ use super::fused::{
     grad_rows, hp, hp_bool, validate_adam_like, Core,
 };
 use super::{GradScaling, Hyperparams, Optimizer, OptimizerState, ParamGroup};
-use crate::backend::{MtKernel, NovoGradKernelParams};
+use crate::backend::{MtArray, MtKernel, MtList, NovoGradHyper};
 use crate::error::{Error, Result};
 use crate::multi_tensor;
 use crate::tensor::{DType, Device, Tensor};
@@ -133,7 +133,7 @@ impl FusedNovoGrad {
     config_methods!(NovoGradConfig);
 
     pub fn with_groups(groups: Vec<ParamGroup<NovoGradConfig>>) -> Result<FusedNovoGrad> {
-        let core = Core::validated(OP, groups, NovoGradConfig::validate, true)?;
+        let core = Core::validated(OP, groups, NovoGradConfig::validate, true, hyper)?;
         let moments = core.group_vectors()?;
         let total = multi_tensor::scalar_on(core.device, 0.0)?;
         Ok(FusedNovoGrad {
@@ -142,6 +142,22 @@ impl FusedNovoGrad {
             total,
         })
     }
+}
+
+/// The block both NovoGrad kernels read (see [`NovoGradHyper`]); the norm type is a launch
+/// choice of the host.
+fn hyper(c: &NovoGradConfig) -> Vec<f32> {
+    NovoGradHyper {
+        lr: c.lr as f32,
+        beta1: c.betas.0 as f32,
+        beta2: c.betas.1 as f32,
+        beta3: beta3(c.grad_averaging, c.betas.0),
+        eps: c.eps as f32,
+        weight_decay: c.weight_decay as f32,
+        bias_correction: f32::from(u8::from(c.bias_correction)),
+        reg_inside_moment: f32::from(u8::from(c.reg_inside_moment)),
+    }
+    .words()
 }
 
 impl Optimizer for FusedNovoGrad {
@@ -169,29 +185,19 @@ impl Optimizer for FusedNovoGrad {
                 &self.total,
             )?;
             let table = grad_rows(&active);
-            let mut sc = self.core.scalars(gi, &scaling);
-            sc.mult = None;
-            sc.aux = [Some(v), Some(gn)];
-            let k = MtKernel::NovoGradMoment {
-                beta2: c.betas.1 as f32,
-            };
-            multi_tensor::apply(OP, &k, &table, &sc)?;
-            let k = MtKernel::NovoGrad(NovoGradKernelParams {
-                lr: c.lr as f32,
-                beta1: c.betas.0 as f32,
-                beta2: c.betas.1 as f32,
-                beta3: beta3(c.grad_averaging, c.betas.0),
-                eps: c.eps as f32,
-                weight_decay: c.weight_decay as f32,
-                bias_correction: c.bias_correction as u32,
-                reg_inside_moment: c.reg_inside_moment as u32,
-                norm_type: inf as u32,
-                _pad: 0,
-            });
-            let rows = self.core.rows(gi, &active, &[2]);
-            let mut sc = self.core.scalars(gi, &scaling);
-            sc.aux = [Some(v), None];
-            multi_tensor::apply(OP, &k, &rows, &sc)?;
+            let mut sc = self
+                .core
+                .scalars(gi, &scaling)
+                .with(MtArray::SecondMoments, v)
+                .with(MtArray::GradNorms, gn);
+            sc.set(MtArray::GradScale, None);
+            multi_tensor::apply(OP, &MtKernel::NovoGradMoment, &table, &sc)?;
+            let rows = self.core.rows(gi, &active, &[MtList::ExpAvg]);
+            let sc = self
+                .core
+                .scalars(gi, &scaling)
+                .with(MtArray::SecondMoments, v);
+            multi_tensor::apply(OP, &MtKernel::NovoGrad, &rows, &sc)?;
             self.core.increment(gi, &active, &scaling)?;
         }
         Ok(())
@@ -227,7 +233,7 @@ impl Optimizer for FusedNovoGrad {
         for (gi, s) in scalars.iter().enumerate() {
             if let Some([v, _]) = &self.moments[gi] {
                 let t = Tensor::from_vec(s[V].clone(), v.shape().clone(), self.core.device)?;
-                v.set_data(&t)?;
+                v.copy_in_place(&t)?;
             }
         }
         Ok(())

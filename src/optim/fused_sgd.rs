@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use super::fused::{config_methods, delegate_optimizer, Core};
 use super::sgd::{sgd_update, SgdConfig};
 use super::{owned_copy, GradScaling, Optimizer, OptimizerState, ParamGroup};
-use crate::backend::{MtKernel, SgdKernelParams};
+use crate::backend::{MtKernel, MtList, SgdHyper};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor, TensorId};
 
@@ -27,7 +27,7 @@ impl FusedSgd {
     /// Several groups, each with its own hyperparameters.
     pub fn with_groups(groups: Vec<ParamGroup<SgdConfig>>) -> Result<FusedSgd> {
         Ok(FusedSgd {
-            core: Core::validated(OP, groups, SgdConfig::validate, false)?,
+            core: Core::validated(OP, groups, SgdConfig::validate, false, hyper)?,
             f64_buffers: HashMap::new(),
         })
     }
@@ -74,6 +74,19 @@ impl FusedSgd {
     }
 }
 
+/// The block the SGD kernel reads (see [`SgdHyper`]).
+fn hyper(c: &SgdConfig) -> Vec<f32> {
+    SgdHyper {
+        lr: c.lr as f32,
+        momentum: c.momentum as f32,
+        dampening: c.dampening as f32,
+        weight_decay: c.weight_decay as f32,
+        nesterov: f32::from(u8::from(c.nesterov)),
+        wd_after_momentum: f32::from(u8::from(c.wd_after_momentum)),
+    }
+    .words()
+}
+
 impl Optimizer for FusedSgd {
     fn step_scaled(&mut self, scaling: Option<GradScaling<'_>>) -> Result<()> {
         self.core.check_scaling(&scaling)?;
@@ -91,17 +104,14 @@ impl Optimizer for FusedSgd {
             if active.is_empty() {
                 continue;
             }
-            let k = MtKernel::Sgd(SgdKernelParams {
-                lr: cfg.lr as f32,
-                momentum: cfg.momentum as f32,
-                dampening: cfg.dampening as f32,
-                weight_decay: cfg.weight_decay as f32,
-                nesterov: cfg.nesterov as u32,
-                wd_after_momentum: cfg.wd_after_momentum as u32,
-            });
-            let roles: &[usize] = if cfg.momentum != 0.0 { &[2] } else { &[] };
+            // The momentum buffer is in the rows exactly when momentum is on.
+            let lists: &[MtList] = if cfg.momentum != 0.0 {
+                &[MtList::MomentumBuffer]
+            } else {
+                &[]
+            };
             self.core
-                .apply_and_increment(gi, &active, &k, roles, &scaling)?;
+                .apply_and_increment(gi, &active, &MtKernel::Sgd, lists, &scaling)?;
         }
         Ok(())
     }

@@ -12,10 +12,12 @@ pub mod fused_adam;
 pub mod fused_lamb;
 pub mod fused_novograd;
 pub mod fused_sgd;
+mod master;
 pub mod schedule;
 pub mod sgd;
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -25,6 +27,7 @@ pub use fused_adam::{AdamConfig, FusedAdam};
 pub use fused_lamb::{FusedLamb, LambConfig};
 pub use fused_novograd::{FusedNovoGrad, NovoGradConfig, NovoGradNorm};
 pub use fused_sgd::FusedSgd;
+pub use master::MasterWeights;
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 
@@ -95,8 +98,17 @@ pub trait Optimizer {
     /// values into the model's parameters in the same pass.
     fn use_master_weights(&mut self) -> Result<()>;
 
+    /// The FP32 masters, the one object that holds them (shared read-only with AMP's model),
+    /// once `use_master_weights` made them.
+    fn master_weights(&self) -> Option<Arc<MasterWeights>>;
+
     /// The FP32 masters, or the parameters themselves when there are none.
     fn master_params(&self) -> Vec<Tensor>;
+
+    /// A counter that changes whenever the optimizer changes in a way a captured CUDA graph
+    /// cannot follow through device memory (a new config, a restored state, new masters); a
+    /// learning-rate change is not one (the kernels read it on the device).
+    fn generation(&self) -> u64;
 
     /// Drops every parameter's gradient.
     fn zero_grad(&mut self);
@@ -144,8 +156,14 @@ impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
     fn use_master_weights(&mut self) -> Result<()> {
         (**self).use_master_weights()
     }
+    fn master_weights(&self) -> Option<Arc<MasterWeights>> {
+        (**self).master_weights()
+    }
     fn master_params(&self) -> Vec<Tensor> {
         (**self).master_params()
+    }
+    fn generation(&self) -> u64 {
+        (**self).generation()
     }
     fn zero_grad(&mut self) {
         (**self).zero_grad()

@@ -16,6 +16,7 @@ mod conv;
 mod device;
 mod dtype;
 mod elementwise;
+mod in_place;
 mod index;
 mod layout;
 mod matmul;
@@ -66,7 +67,16 @@ pub(crate) struct TensorInner {
     /// Leaves that collect gradients (parameters, inputs of gradient checks).
     is_variable: bool,
     requires_grad: AtomicBool,
-    grad: Mutex<Option<Tensor>>,
+    grad: Mutex<GradSlot>,
+}
+
+/// A variable's gradient, and whether its buffer is this slot's own (made by
+/// `zero_grad_in_place` or by an accumulation): then a backward adds into it in place, so its
+/// address stays valid for cached chunk tables and captured CUDA graphs.
+#[derive(Default)]
+struct GradSlot {
+    grad: Option<Tensor>,
+    owned: bool,
 }
 
 #[derive(Clone)]
@@ -110,7 +120,7 @@ impl Tensor {
             node,
             is_variable,
             requires_grad: AtomicBool::new(is_variable),
-            grad: Mutex::new(None),
+            grad: Mutex::new(GradSlot::default()),
         }))
     }
 
@@ -436,15 +446,15 @@ impl Tensor {
 
     /// The accumulated gradient of a variable, in the variable's dtype.
     pub fn grad(&self) -> Option<Tensor> {
-        self.0
-            .grad
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.grad_slot().grad.clone()
+    }
+
+    fn grad_slot(&self) -> std::sync::MutexGuard<'_, GradSlot> {
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn set_grad(&self, grad: Option<Tensor>) {
-        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = grad;
+        *self.grad_slot() = GradSlot { grad, owned: false };
     }
 
     /// Drops the gradient (PyTorch's `zero_grad(set_to_none=True)`).
@@ -452,8 +462,35 @@ impl Tensor {
         self.set_grad(None);
     }
 
+    /// Zeroes the gradient in its own buffer, making that buffer (zeros in the variable's dtype)
+    /// when there is none: from then on each backward adds into it in place (PyTorch's
+    /// `zero_grad(set_to_none=False)`), so the gradient keeps its address across steps, as
+    /// cached chunk tables and captured CUDA graphs need. No effect on tensors that collect no
+    /// gradient.
+    pub fn zero_grad_in_place(&self) -> Result<()> {
+        if !self.is_variable() || !self.requires_grad() {
+            return Ok(());
+        }
+        let mut slot = self.grad_slot();
+        if let (Some(g), true) = (&slot.grad, slot.owned) {
+            let g = g.clone();
+            drop(slot);
+            return g.zero_in_place();
+        }
+        let _ng = crate::no_grad();
+        // Laid out as the variable, as every gradient is.
+        let zeros = self.zeros_like()?;
+        *slot = GradSlot {
+            grad: Some(zeros),
+            owned: true,
+        };
+        Ok(())
+    }
+
     /// Adds `g` to the gradient (casting to this tensor's dtype): gradients accumulate across
-    /// backward calls until `zero_grad`.
+    /// backward calls until `zero_grad`. Into the gradient's own buffer in place when it has one
+    /// (see [`Tensor::zero_grad_in_place`]), else into a new tensor (a gradient handed out keeps
+    /// its values); a failed accumulation leaves the gradient as it was.
     pub(crate) fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
         let g = if g.dtype() != self.dtype() {
             g.to_dtype(self.dtype())?
@@ -463,11 +500,16 @@ impl Tensor {
         // A gradient is laid out as its variable (a channels_last weight gets a channels_last
         // gradient), so the fused optimizers can walk both buffers in one order.
         let g = g.laid_out_like(self)?;
-        let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
-        *slot = Some(match slot.take() {
-            None => g.detach(),
-            Some(old) => old.add(&g)?.detach(),
-        });
+        let mut slot = self.grad_slot();
+        match (&slot.grad, slot.owned) {
+            (None, _) => slot.grad = Some(g.detach()),
+            (Some(old), true) => {
+                let old = old.clone();
+                drop(slot);
+                old.add_in_place(&g.detach())?;
+            }
+            (Some(old), false) => slot.grad = Some(old.add(&g)?.detach()),
+        }
         Ok(())
     }
 

@@ -17,11 +17,15 @@ pub enum Storage {
     Cuda(CudaStorage),
 }
 
-/// Dispatches a unary backend call: `dispatch!(self, |s| s.method(args))`.
+/// Dispatches a unary backend call: `dispatch!(self, |s| s.method(args))`. An op on CPU
+/// storage is refused inside a CUDA-graph capture (a replay would not repeat it).
 macro_rules! dispatch {
     ($op:expr, $self:expr, |$s:ident| $call:expr) => {
         match $self {
-            Storage::Cpu($s) => Storage::Cpu($call?),
+            Storage::Cpu($s) => {
+                crate::graph::refuse_host_op($op)?;
+                Storage::Cpu($call?)
+            }
             Storage::Cuda($s) => {
                 let _t = timer($s, $op);
                 Storage::Cuda($call?)
@@ -34,7 +38,10 @@ macro_rules! dispatch {
 macro_rules! dispatch2 {
     ($op:expr, $a:expr, $b:expr, |$x:ident, $y:ident| $call:expr) => {
         match ($a, $b) {
-            (Storage::Cpu($x), Storage::Cpu($y)) => Storage::Cpu($call?),
+            (Storage::Cpu($x), Storage::Cpu($y)) => {
+                crate::graph::refuse_host_op($op)?;
+                Storage::Cpu($call?)
+            }
             (Storage::Cuda($x), Storage::Cuda($y)) => {
                 let _t = timer($x, $op);
                 Storage::Cuda($call?)
@@ -197,6 +204,7 @@ impl Storage {
         };
         match first {
             Storage::Cpu(_) => {
+                crate::graph::refuse_host_op("cat")?;
                 let mut cpu = Vec::with_capacity(parts.len());
                 for (p, l) in parts {
                     match p {
@@ -274,6 +282,7 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(v),
             ) => {
+                crate::graph::refuse_host_op("batch_norm")?;
                 let r = match residual {
                     None => None,
                     Some((Storage::Cpu(r), rl)) => Some((r, rl)),
@@ -327,6 +336,7 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(s),
             ) => {
+                crate::graph::refuse_host_op("batch_norm_backward")?;
                 let y = match y {
                     None => None,
                     Some((Storage::Cpu(y), yl)) => Some((y, yl)),
@@ -368,6 +378,7 @@ impl Storage {
         let _t = timer_with(self, "max_pool2d", || format!("{p:?}"));
         match self {
             Storage::Cpu(x) => {
+                crate::graph::refuse_host_op("max_pool2d")?;
                 let (o, i) = x.max_pool2d(l, p)?;
                 Ok((Storage::Cpu(o), Storage::Cpu(i)))
             }

@@ -82,6 +82,10 @@ pub struct RunConfig {
     /// kept as `checkpoints/last.safetensors`); 0 = only `last`.
     pub checkpoint_every: usize,
     pub label_smoothing: f64,
+    /// On a GPU, capture the training step into a CUDA graph and replay it (the default);
+    /// false runs every step eagerly. No effect on the CPU.
+    #[serde(default = "yes")]
+    pub cuda_graph: bool,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub optimizer: OptimizerConfig,
@@ -99,6 +103,7 @@ impl Default for RunConfig {
             out: PathBuf::from("runs/train_resnet"),
             checkpoint_every: 1,
             label_smoothing: 0.0,
+            cuda_graph: true,
             model: ModelConfig {
                 blocks: vec![1, 1, 1],
                 widths: vec![16, 32, 64],
@@ -133,6 +138,11 @@ impl Default for RunConfig {
             },
         }
     }
+}
+
+/// Serde's default for keys added after checkpoints were written (`cuda_graph`).
+fn yes() -> bool {
+    true
 }
 
 pub const OPTIMIZERS: [&str; 4] = ["sgd", "adam", "adamw", "lamb"];
@@ -289,6 +299,7 @@ impl RunConfig {
                 "out",
                 "checkpoint_every",
                 "label_smoothing",
+                "cuda_graph",
             ],
             &["model", "data", "optimizer", "schedule", "amp"],
         )?;
@@ -300,6 +311,7 @@ impl RunConfig {
         c.out = out.into();
         top.usize("checkpoint_every", 0, &mut c.checkpoint_every)?;
         top.f64("label_smoothing", 0.0, 1.0, &mut c.label_smoothing)?;
+        top.bool("cuda_graph", &mut c.cuda_graph)?;
 
         if let Some(r) = top.sub("model")? {
             r.only(&["blocks", "widths", "block"], &[])?;

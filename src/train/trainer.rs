@@ -7,11 +7,16 @@
 //! (optim::schedule), and a checkpoint restores every bit of model, FP32 masters, optimizer
 //! state and loss scaler (io::checkpoint). The CPU backend sums in a fixed order, so a CPU run
 //! resumed at an epoch boundary reproduces the uninterrupted run's losses bit for bit.
+//!
+//! The step is an [`amp::CapturedStep`]: on a GPU it is captured into a CUDA graph after two
+//! warm-up steps and replayed (`cuda_graph = false` / `--no-cuda-graph` runs it eagerly); on the
+//! CPU it always runs eagerly. Eager and replayed steps compute the same bits, and a resumed run
+//! warms up and captures again, so checkpoints and `--resume` stay exact either way.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::amp::{self, AmpModel, LossScale, Properties};
+use crate::amp::{self, AmpModel, CapturedStep, LossScale, Properties};
 use crate::data::{Augment, DataLoader, DataSource, Dataset, FashionMnist, First, Split};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
@@ -342,38 +347,49 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     };
 
     let end_epoch = opts.stop_after.unwrap_or(cfg.epochs).min(cfg.epochs);
+    let body = |x: &Tensor, y: &Tensor| cross_entropy_with(&model.forward(x)?, y, loss_cfg);
+    let mut train_step = if cfg.cuda_graph && device.is_cuda() {
+        println!("step: captured into a CUDA graph after 2 warm-up steps (--no-cuda-graph: eager)");
+        CapturedStep::new(&model, &mut opt, body)?
+    } else {
+        CapturedStep::eager(&model, &mut opt, body)?
+    };
     for epoch in start_epoch..end_epoch {
         let start = Instant::now();
         let mut progress = EpochProgress::new(epoch + 1, cfg.epochs, steps_per_epoch, mode);
         // The running loss stays on the device until the epoch ends: no per-step read-back.
-        let mut epoch_loss: Option<Tensor> = None;
+        let epoch_loss = Tensor::zeros((), crate::tensor::DType::F32, device)?;
         let mut images = 0usize;
         let mut lr = 0.0;
         for batch in train_loader.epoch(epoch) {
             let (x, y) = batch?;
             let (x, y) = (x.to_device(device)?, y.to_device(device)?);
-            lr = lr_schedule.apply(opt.inner_mut().as_mut(), step)?;
-            let loss = cross_entropy_with(&model.forward(&x)?, &y, loss_cfg)?;
-            opt.zero_grad()?;
-            opt.backward(&loss)?;
-            opt.step()?;
-            let l = loss.detach();
-            epoch_loss = Some(match epoch_loss {
-                None => l,
-                Some(acc) => acc.add(&l)?,
-            });
+            lr = lr_schedule.apply(train_step.optimizer().inner_mut().as_mut(), step)?;
+            let loss = train_step.run(&x, &y)?;
+            epoch_loss.add_in_place(&loss)?;
             let n = x.dims()[0];
             images += n;
             step += 1;
             progress.tick(n);
         }
-        let train_loss = match epoch_loss {
-            Some(l) => l.item()? / steps_per_epoch as f64,
-            None => f64::NAN,
+        let train_loss = if images > 0 {
+            epoch_loss.item()? / steps_per_epoch as f64
+        } else {
+            f64::NAN
         };
         let train_seconds = start.elapsed().as_secs_f64();
         progress.finish();
+        if train_step.captures() {
+            let st = train_step.stats();
+            log::info!(
+                "CUDA graph: {} eager step(s), {} capture(s), {} replayed step(s) so far",
+                st.eager,
+                st.captures,
+                st.replays
+            );
+        }
         let (test_loss, test_accuracy) = evaluate(&model, &test_loader, device)?;
+        let opt = train_step.optimizer();
         let scaler = opt.stats()?[0];
         let record = EpochRecord {
             epoch: epoch + 1,
@@ -414,7 +430,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         });
         let ckpt = Checkpoint::capture(
             &model,
-            &opt,
+            opt,
             TrainProgress {
                 epoch: epoch + 1,
                 step,
@@ -430,6 +446,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             ))?;
         }
     }
+    drop(train_step);
 
     let weights = cfg.out.join("model.safetensors");
     save_weights(&model, &weights)?;

@@ -7,6 +7,7 @@ mod batch_norm;
 mod cast;
 mod conv;
 mod elementwise;
+mod in_place;
 mod index;
 mod layout;
 mod matmul;

@@ -6,7 +6,10 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::backend::{BufRef, MtEntry, MtKernel, MtScalars, MultiTensorOps, MT_ROLES};
+use crate::backend::{
+    AdamHyper, BufRef, LambHyper, MtArray, MtEntry, MtKernel, MtList, MtScalars, MultiTensorOps,
+    NovoGradHyper, SgdHyper,
+};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
@@ -60,26 +63,31 @@ impl Buf {
     }
 }
 
-fn role(op: &'static str, e: &MtEntry, r: usize) -> Result<Buf> {
-    e.bufs[r].map(Buf::new).ok_or_else(|| {
+/// The buffer of list `l` of `e` (present: the call was checked against the kernel's lists).
+fn list(e: &MtEntry, l: MtList) -> Buf {
+    Buf::new(e.get(l).expect("checked by MtKernel::check_call"))
+}
+
+fn opt_list(e: &MtEntry, l: MtList) -> Option<Buf> {
+    e.get(l).map(Buf::new)
+}
+
+/// The array `a` (present: required by the kernel, and the call was checked).
+fn array(sc: &MtScalars, a: MtArray) -> Result<Buf> {
+    sc.get(a).map(Buf::new).ok_or_else(|| {
         Error::invalid_arg(
-            op,
-            "tensor list",
-            format!("tensor {} without its buffer of role {r}", e.slot),
-            "every list the kernel reads or writes",
+            "multi_tensor (cpu)",
+            a.name(),
+            "missing",
+            format!("an F32 array `{}`", a.name()),
         )
     })
 }
 
-fn scalar(op: &'static str, b: Option<BufRef>, what: &'static str) -> Result<Buf> {
-    b.map(Buf::new).ok_or_else(|| {
-        Error::invalid_arg(
-            op,
-            what,
-            "missing",
-            format!("an F32 device scalar `{what}`"),
-        )
-    })
+/// The kernel's hyperparameter words.
+fn hyper(sc: &MtScalars, words: usize) -> Result<Vec<f32>> {
+    let h = array(sc, MtArray::Hyper)?;
+    Ok((0..words).map(|i| h.get(i)).collect())
 }
 
 /// Runs `f(entry, start, end)` over every chunk of every entry, in parallel.
@@ -122,8 +130,8 @@ fn flag(found: &std::sync::atomic::AtomicBool, v: f32) {
     }
 }
 
-fn bias_corr(on: u32, beta: f32, step: f32) -> f32 {
-    if on != 0 {
+fn bias_corr(on: f32, beta: f32, step: f32) -> f32 {
+    if on != 0.0 {
         1.0 - beta.powf(step)
     } else {
         1.0
@@ -133,40 +141,21 @@ fn bias_corr(on: u32, beta: f32, step: f32) -> f32 {
 impl MultiTensorOps for CpuMultiTensor {
     fn multi_tensor(&self, kernel: &MtKernel, entries: &[MtEntry], sc: &MtScalars) -> Result<()> {
         use std::sync::atomic::{AtomicBool, Ordering};
-        let op = "multi_tensor (cpu)";
-        for e in entries {
-            for b in e.bufs.iter().take(MT_ROLES).flatten() {
-                if b.len != e.len {
-                    return Err(Error::invalid_arg(
-                        op,
-                        "tensor list",
-                        format!(
-                            "tensor {} has a buffer of {} elements, not {}",
-                            e.slot, b.len, e.len
-                        ),
-                        "equal lengths across the lists",
-                    ));
-                }
-            }
-        }
-        let skip = match sc.found_inf {
-            Some(f) if kernel_skips(kernel) => Buf::new(f).get(0) != 0.0,
+        use MtList as L;
+        let skip = match sc.get(MtArray::FoundInf) {
+            Some(f) if kernel.skips() => Buf::new(f).get(0) != 0.0,
             _ => false,
         };
         if skip {
             return Ok(());
         }
         let found = AtomicBool::new(false);
-        let mult = sc.mult.map(|m| Buf::new(m).get(0));
+        let mult = sc.get(MtArray::GradScale).map(|m| Buf::new(m).get(0));
+        let s = mult.unwrap_or(1.0);
         match *kernel {
             MtKernel::Scale => {
-                let s = mult.unwrap_or(1.0);
-                for e in entries {
-                    role(op, e, 0)?;
-                    role(op, e, 1)?;
-                }
                 for_chunks(entries, |e, a, b| {
-                    let (x, y) = (Buf::new(e.bufs[0].unwrap()), Buf::new(e.bufs[1].unwrap()));
+                    let (x, y) = (list(e, L::Input), list(e, L::Output));
                     let mut bad = false;
                     for i in a..b {
                         let v = x.get(i);
@@ -179,11 +168,8 @@ impl MultiTensorOps for CpuMultiTensor {
                 });
             }
             MtKernel::Check => {
-                for e in entries {
-                    role(op, e, 0)?;
-                }
                 for_chunks(entries, |e, a, b| {
-                    let x = Buf::new(e.bufs[0].unwrap());
+                    let x = list(e, L::Input);
                     if (a..b).any(|i| !x.get(i).is_finite()) {
                         found.store(true, Ordering::Relaxed);
                     }
@@ -194,15 +180,8 @@ impl MultiTensorOps for CpuMultiTensor {
                 b: cb,
                 check,
             } => {
-                for e in entries {
-                    for r in 0..3 {
-                        role(op, e, r)?;
-                    }
-                }
                 for_chunks(entries, |e, a, b| {
-                    let x = Buf::new(e.bufs[0].unwrap());
-                    let y = Buf::new(e.bufs[1].unwrap());
-                    let o = Buf::new(e.bufs[2].unwrap());
+                    let (x, y, o) = (list(e, L::X), list(e, L::Y), list(e, L::Out));
                     let mut bad = false;
                     for i in a..b {
                         let (xv, yv) = (x.get(i), y.get(i));
@@ -220,12 +199,8 @@ impl MultiTensorOps for CpuMultiTensor {
                 });
             }
             MtKernel::Norm { inf } => {
-                for e in entries {
-                    role(op, e, 0)?;
-                }
-                let s = mult.unwrap_or(1.0);
                 let parts = chunk_partials(entries, |e, a, b| {
-                    let x = Buf::new(e.bufs[0].unwrap());
+                    let x = list(e, L::Input);
                     // Squares of FP32 values; the chunk's sum kept in f64 so that a sequential
                     // loop is as accurate as the GPU's tree reduction.
                     let mut acc = 0.0f64;
@@ -250,7 +225,7 @@ impl MultiTensorOps for CpuMultiTensor {
                         }
                     })
                     .collect();
-                if let Some(pt) = sc.aux[0] {
+                if let Some(pt) = sc.get(MtArray::Norms) {
                     let pt = Buf::new(pt);
                     for (e, v) in entries.iter().zip(&per) {
                         pt.set(e.slot, if inf { *v } else { v.sqrt() });
@@ -261,50 +236,38 @@ impl MultiTensorOps for CpuMultiTensor {
                 } else {
                     per.iter().sum::<f32>().sqrt()
                 };
-                if let Some(t) = sc.aux[1] {
+                if let Some(t) = sc.get(MtArray::TotalNorm) {
                     Buf::new(t).set(0, total);
                 }
-                if sc.found_inf.is_none() {
-                    found.store(false, Ordering::Relaxed);
-                }
             }
-            MtKernel::Sgd(p) => {
-                let steps = scalar(op, sc.steps, "steps")?;
-                let s = mult.unwrap_or(1.0);
-                for e in entries {
-                    role(op, e, 0)?;
-                    role(op, e, 1)?;
-                    if p.momentum != 0.0 {
-                        role(op, e, 2)?;
-                    }
-                }
+            MtKernel::Sgd => {
+                let steps = array(sc, MtArray::Steps)?;
+                let p = SgdHyper::from_words(&hyper(sc, SgdHyper::WORDS)?);
                 for_chunks(entries, |e, a, b| {
-                    let g = Buf::new(e.bufs[0].unwrap());
-                    let w = Buf::new(e.bufs[1].unwrap());
-                    let m = e.bufs[2].map(Buf::new);
-                    let cp = e.bufs[5].map(Buf::new);
+                    let (g, w) = (list(e, L::Grad), list(e, L::Param));
+                    let m = opt_list(e, L::MomentumBuffer);
+                    let cp = opt_list(e, L::ModelCopy);
                     let first = steps.get(e.slot) == 0.0;
                     for i in a..b {
                         let mut gv = g.get(i) * s;
                         let wv = w.get(i);
-                        if p.weight_decay != 0.0 && p.wd_after_momentum == 0 {
+                        if p.weight_decay != 0.0 && p.wd_after_momentum == 0.0 {
                             gv += p.weight_decay * wv;
                         }
-                        if p.momentum != 0.0 {
-                            let m = m.unwrap();
+                        if let Some(m) = m {
                             let mv = if first {
                                 gv
                             } else {
                                 p.momentum * m.get(i) + (1.0 - p.dampening) * gv
                             };
                             m.set(i, mv);
-                            gv = if p.nesterov != 0 {
+                            gv = if p.nesterov != 0.0 {
                                 gv + p.momentum * mv
                             } else {
                                 mv
                             };
                         }
-                        if p.weight_decay != 0.0 && p.wd_after_momentum != 0 {
+                        if p.weight_decay != 0.0 && p.wd_after_momentum != 0.0 {
                             gv += p.weight_decay * wv;
                         }
                         let nw = wv - p.lr * gv;
@@ -315,21 +278,14 @@ impl MultiTensorOps for CpuMultiTensor {
                     }
                 });
             }
-            MtKernel::Adam(p) => {
-                let steps = scalar(op, sc.steps, "steps")?;
-                let s = mult.unwrap_or(1.0);
-                for e in entries {
-                    for r in 0..4 {
-                        role(op, e, r)?;
-                    }
-                    if p.amsgrad != 0 {
-                        role(op, e, 4)?;
-                    }
-                }
+            MtKernel::Adam => {
+                let steps = array(sc, MtArray::Steps)?;
+                let p = AdamHyper::from_words(&hyper(sc, AdamHyper::WORDS)?);
                 for_chunks(entries, |e, a, b| {
-                    let [g, w, m, v] = [0, 1, 2, 3].map(|r| Buf::new(e.bufs[r].unwrap()));
-                    let vmax = e.bufs[4].map(Buf::new);
-                    let cp = e.bufs[5].map(Buf::new);
+                    let (g, w) = (list(e, L::Grad), list(e, L::Param));
+                    let (m, v) = (list(e, L::ExpAvg), list(e, L::ExpAvgSq));
+                    let vmax = opt_list(e, L::MaxExpAvgSq);
+                    let cp = opt_list(e, L::ModelCopy);
                     let step = steps.get(e.slot) + 1.0;
                     let bc1 = bias_corr(p.bias_correction, p.beta1, step);
                     let bc2 = bias_corr(p.bias_correction, p.beta2, step);
@@ -338,7 +294,7 @@ impl MultiTensorOps for CpuMultiTensor {
                     for i in a..b {
                         let mut gv = g.get(i) * s;
                         let mut wv = w.get(i);
-                        if p.adamw == 0 && p.weight_decay != 0.0 {
+                        if p.adamw == 0.0 && p.weight_decay != 0.0 {
                             gv += p.weight_decay * wv;
                         }
                         let mv = p.beta1 * m.get(i) + (1.0 - p.beta1) * gv;
@@ -346,14 +302,14 @@ impl MultiTensorOps for CpuMultiTensor {
                         m.set(i, mv);
                         v.set(i, vv);
                         let vd = match vmax {
-                            Some(vm) if p.amsgrad != 0 => {
+                            Some(vm) => {
                                 let x = vm.get(i).max(vv);
                                 vm.set(i, x);
                                 x
                             }
-                            _ => vv,
+                            None => vv,
                         };
-                        if p.adamw != 0 && p.weight_decay != 0.0 {
+                        if p.adamw != 0.0 && p.weight_decay != 0.0 {
                             wv -= p.lr * p.weight_decay * wv;
                         }
                         let denom = vd.sqrt() / bc2_sqrt + p.eps;
@@ -365,22 +321,18 @@ impl MultiTensorOps for CpuMultiTensor {
                     }
                 });
             }
-            MtKernel::LambUpdate(p) => {
-                let steps = scalar(op, sc.steps, "steps")?;
-                let gnorm = scalar(op, sc.aux[0], "global gradient norm")?.get(0);
-                let s = mult.unwrap_or(1.0);
+            MtKernel::LambUpdate => {
+                let steps = array(sc, MtArray::Steps)?;
+                let p = LambHyper::from_words(&hyper(sc, LambHyper::WORDS)?);
+                let gnorm = array(sc, MtArray::GradNorm)?.get(0);
                 let clip = if p.max_grad_norm > 0.0 && gnorm > p.max_grad_norm {
                     gnorm / p.max_grad_norm
                 } else {
                     1.0
                 };
-                for e in entries {
-                    for r in 0..5 {
-                        role(op, e, r)?;
-                    }
-                }
                 for_chunks(entries, |e, a, b| {
-                    let [g, w, m, v, u] = [0, 1, 2, 3, 4].map(|r| Buf::new(e.bufs[r].unwrap()));
+                    let (g, w) = (list(e, L::Grad), list(e, L::Param));
+                    let (m, v, u) = (list(e, L::ExpAvg), list(e, L::ExpAvgSq), list(e, L::Update));
                     let step = steps.get(e.slot) + 1.0;
                     let bc1 = bias_corr(p.bias_correction, p.beta1, step);
                     let bc2 = bias_corr(p.bias_correction, p.beta2, step);
@@ -396,25 +348,21 @@ impl MultiTensorOps for CpuMultiTensor {
                     }
                 });
             }
-            MtKernel::LambApply { lr, use_ratio } => {
-                let pn = scalar(op, sc.aux[0], "parameter norms")?;
-                let un = scalar(op, sc.aux[1], "update norms")?;
-                for e in entries {
-                    role(op, e, 0)?;
-                    role(op, e, 1)?;
-                }
+            MtKernel::LambApply => {
+                let p = LambHyper::from_words(&hyper(sc, LambHyper::WORDS)?);
+                let pn = array(sc, MtArray::ParamNorms)?;
+                let un = array(sc, MtArray::UpdateNorms)?;
                 for_chunks(entries, |e, a, b| {
-                    let u = Buf::new(e.bufs[0].unwrap());
-                    let w = Buf::new(e.bufs[1].unwrap());
-                    let cp = e.bufs[5].map(Buf::new);
+                    let (u, w) = (list(e, L::Update), list(e, L::Param));
+                    let cp = opt_list(e, L::ModelCopy);
                     let (pv, uv) = (pn.get(e.slot), un.get(e.slot));
-                    let ratio = if use_ratio != 0 && pv != 0.0 && uv != 0.0 {
+                    let ratio = if p.use_ratio != 0.0 && pv != 0.0 && uv != 0.0 {
                         pv / uv
                     } else {
                         1.0
                     };
                     for i in a..b {
-                        let nw = w.get(i) - lr * ratio * u.get(i);
+                        let nw = w.get(i) - p.lr * ratio * u.get(i);
                         w.set(i, nw);
                         if let Some(c) = cp {
                             c.set(i, nw);
@@ -422,10 +370,11 @@ impl MultiTensorOps for CpuMultiTensor {
                     }
                 });
             }
-            MtKernel::NovoGradMoment { beta2 } => {
-                let steps = scalar(op, sc.steps, "steps")?;
-                let v = scalar(op, sc.aux[0], "per-tensor second moments")?;
-                let n = scalar(op, sc.aux[1], "per-tensor gradient norms")?;
+            MtKernel::NovoGradMoment => {
+                let steps = array(sc, MtArray::Steps)?;
+                let p = NovoGradHyper::from_words(&hyper(sc, NovoGradHyper::WORDS)?);
+                let v = array(sc, MtArray::SecondMoments)?;
+                let n = array(sc, MtArray::GradNorms)?;
                 for e in entries {
                     let nv = n.get(e.slot);
                     let nv = nv * nv;
@@ -435,23 +384,18 @@ impl MultiTensorOps for CpuMultiTensor {
                         if first {
                             nv
                         } else {
-                            beta2 * v.get(e.slot) + (1.0 - beta2) * nv
+                            p.beta2 * v.get(e.slot) + (1.0 - p.beta2) * nv
                         },
                     );
                 }
             }
-            MtKernel::NovoGrad(p) => {
-                let steps = scalar(op, sc.steps, "steps")?;
-                let vs = scalar(op, sc.aux[0], "per-tensor second moments")?;
-                let s = mult.unwrap_or(1.0);
-                for e in entries {
-                    for r in 0..3 {
-                        role(op, e, r)?;
-                    }
-                }
+            MtKernel::NovoGrad => {
+                let steps = array(sc, MtArray::Steps)?;
+                let p = NovoGradHyper::from_words(&hyper(sc, NovoGradHyper::WORDS)?);
+                let vs = array(sc, MtArray::SecondMoments)?;
                 for_chunks(entries, |e, a, b| {
-                    let [g, w, m] = [0, 1, 2].map(|r| Buf::new(e.bufs[r].unwrap()));
-                    let cp = e.bufs[5].map(Buf::new);
+                    let (g, w, m) = (list(e, L::Grad), list(e, L::Param), list(e, L::ExpAvg));
+                    let cp = opt_list(e, L::ModelCopy);
                     let step = steps.get(e.slot) + 1.0;
                     let bc1 = bias_corr(p.bias_correction, p.beta1, step);
                     let bc2 = bias_corr(p.bias_correction, p.beta2, step);
@@ -459,7 +403,7 @@ impl MultiTensorOps for CpuMultiTensor {
                     for i in a..b {
                         let gv = g.get(i) * s;
                         let wv = w.get(i);
-                        let nw = if p.reg_inside_moment != 0 {
+                        let nw = if p.reg_inside_moment != 0.0 {
                             let mv =
                                 p.beta1 * m.get(i) + p.beta3 * (gv / denom + p.weight_decay * wv);
                             m.set(i, mv);
@@ -477,28 +421,27 @@ impl MultiTensorOps for CpuMultiTensor {
                 });
             }
             MtKernel::StepIncrement => {
-                let steps = scalar(op, sc.steps, "steps")?;
+                let steps = array(sc, MtArray::Steps)?;
                 for e in entries {
                     steps.set(e.slot, steps.get(e.slot) + 1.0);
                 }
             }
             MtKernel::UpdateScale(p) => {
-                let f = scalar(op, sc.found_inf, "found_inf")?;
-                for e in entries {
-                    let [scale, unskipped, skipped] = [0, 1, 2].map(|r| role(op, e, r));
-                    let (scale, unskipped, skipped) = (scale?, unskipped?, skipped?);
-                    if f.get(0) != 0.0 {
-                        scale.set(0, (scale.get(0) * p.backoff).max(p.min));
+                let f = array(sc, MtArray::FoundInf)?;
+                let scale = array(sc, MtArray::LossScale)?;
+                let unskipped = array(sc, MtArray::Unskipped)?;
+                let skipped = array(sc, MtArray::SkippedTotal)?;
+                if f.get(0) != 0.0 {
+                    scale.set(0, (scale.get(0) * p.backoff).max(p.min));
+                    unskipped.set(0, 0.0);
+                    skipped.set(0, skipped.get(0) + 1.0);
+                } else {
+                    let u = unskipped.get(0) + 1.0;
+                    if u >= p.window {
+                        scale.set(0, (scale.get(0) * p.growth).min(p.max));
                         unskipped.set(0, 0.0);
-                        skipped.set(0, skipped.get(0) + 1.0);
                     } else {
-                        let u = unskipped.get(0) + 1.0;
-                        if u >= p.window {
-                            scale.set(0, (scale.get(0) * p.growth).min(p.max));
-                            unskipped.set(0, 0.0);
-                        } else {
-                            unskipped.set(0, u);
-                        }
+                        unskipped.set(0, u);
                     }
                 }
                 f.set(0, 0.0);
@@ -506,24 +449,10 @@ impl MultiTensorOps for CpuMultiTensor {
             }
         }
         if found.load(Ordering::Relaxed) {
-            if let Some(f) = sc.found_inf {
+            if let Some(f) = sc.get(MtArray::FoundInf) {
                 Buf::new(f).set(0, 1.0);
             }
         }
         Ok(())
     }
-}
-
-/// Whether `kernel` is an update that a set `found_inf` turns into a no-op.
-pub fn kernel_skips(kernel: &MtKernel) -> bool {
-    matches!(
-        kernel,
-        MtKernel::Sgd(_)
-            | MtKernel::Adam(_)
-            | MtKernel::LambUpdate(_)
-            | MtKernel::LambApply { .. }
-            | MtKernel::NovoGradMoment { .. }
-            | MtKernel::NovoGrad(_)
-            | MtKernel::StepIncrement
-    )
 }

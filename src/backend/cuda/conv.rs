@@ -478,7 +478,17 @@ fn run(
         return Ok(out);
     }
     let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    // What a capture cannot record (handle creation, the timed plan search, workspace growth)
+    // must have happened in a warm-up step.
+    let first_use = |what: String| {
+        super::graph::refuse(
+            dev.ordinal,
+            "conv2d",
+            &format!("{what} during capture: run a warm-up step of the same shapes first"),
+        )
+    };
     if guard.is_none() {
+        first_use("creating the cuDNN handle".into())?;
         // A cuDNN missing a symbol would panic inside cudarc: an error instead.
         *guard = Some(super::probe::no_panic("creating the cuDNN handle", || {
             Dnn::new(dev)
@@ -490,12 +500,14 @@ fn run(
     let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
     let key = (*p, dtype, dir, allow_tf32());
     if !dnn_state.plans.contains_key(&key) {
+        first_use(format!("choosing the {dir:?} {dtype} plan for {p:?}"))?;
         let plan = dnn_state.make_plan(dev, p, dtype, dir, ptrs)?;
         dnn_state.plans.insert(key, plan);
     }
     let ws_needed = dnn_state.plans.get(&key).map_or(0, Plan::workspace);
     let have = dnn_state.workspace.as_ref().map_or(0, |w| w.len());
     if ws_needed > have {
+        first_use(format!("growing the workspace to {ws_needed} bytes"))?;
         // SAFETY: cuDNN owns the workspace contents.
         let ws = unsafe { dev.stream.alloc::<u8>(ws_needed) }.map_err(|e| {
             cuda_err(
@@ -503,7 +515,10 @@ fn run(
                 e,
             )
         })?;
-        dnn_state.workspace = Some(ws);
+        // A captured graph may use the old workspace: it keeps it while it lives.
+        if let Some(old) = dnn_state.workspace.replace(ws) {
+            drop(super::graph::retire(dev.ordinal, old));
+        }
     }
     let (ws_ptr, ws_len) = match &dnn_state.workspace {
         Some(w) => (w.device_ptr(&dev.stream).0 as *mut c_void, w.len()),

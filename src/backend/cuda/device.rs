@@ -152,6 +152,16 @@ impl CudaDevice {
         {
             return Ok(func.clone());
         }
+        // Fetching a kernel may load it (lazy loading), which a capture cannot record.
+        super::graph::refuse(
+            self.ordinal,
+            "kernel launch",
+            &format!(
+                "kernel {name} ({}.cu) first used during capture: run the same work once before \
+                 capturing (a warm-up step)",
+                f.name()
+            ),
+        )?;
         let module = self.module(f)?;
         let func = module
             .load_function(name)
@@ -187,6 +197,11 @@ impl CudaDevice {
 
     /// Waits for all work queued on the device's stream.
     pub fn synchronize(&self) -> Result<()> {
+        super::graph::refuse(
+            self.ordinal,
+            "synchronize",
+            "waiting for the device inside a capture (nothing runs until the graph is launched)",
+        )?;
         HOST_SYNCS.with(|c| c.set(c.get() + 1));
         self.stream
             .synchronize()
@@ -207,6 +222,20 @@ thread_local! {
     /// [`CudaDevice::synchronize`]). Per thread, so that a test measuring its own training step
     /// is not charged for other threads' reads.
     static HOST_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// CUDA buffers allocated by this thread (every `CudaStorage`), per thread for the same
+    /// reason.
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts one buffer allocation on this thread.
+pub(crate) fn count_allocation() {
+    ALLOCATIONS.with(|c| c.set(c.get() + 1));
+}
+
+/// The number of CUDA buffers this thread has allocated, all devices: a debug counter for
+/// proving that a replayed training step allocates nothing (a replay's memory is the graph's).
+pub fn allocation_count() -> u64 {
+    ALLOCATIONS.with(|c| c.get())
 }
 
 /// The number of host synchronisations this thread has made, all devices: a debug counter for

@@ -32,11 +32,32 @@ fn index_flag(dev: &Arc<CudaDevice>, op: &'static str) -> Result<u64> {
         let (flag, ops) = match flags.entry(dev.ordinal) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
+                // Kept for the thread's life: it may not be graph memory.
+                super::graph::refuse(
+                    dev.ordinal,
+                    op,
+                    "the index-range flag is made at this thread's first gather / scatter_add: \
+                     run a warm-up step before capture",
+                )?;
                 v.insert((CudaStorage::zeroed(dev, DType::F32, 1)?, Vec::new()))
             }
         };
         if !ops.contains(&op) {
             ops.push(op);
+        }
+        if super::graph::capturing_device() == Some(dev.ordinal) {
+            // Each replay of the captured op may raise the flag again: note it as this does.
+            let ordinal = dev.ordinal;
+            super::graph::on_replay(Box::new(move || {
+                INDEX_FLAGS.with(|f| {
+                    if let Some((_, ops)) = f.borrow_mut().get_mut(&ordinal) {
+                        if !ops.contains(&op) {
+                            ops.push(op);
+                        }
+                    }
+                });
+                Ok(())
+            }));
         }
         Ok(flag.ptr())
     })

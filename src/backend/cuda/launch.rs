@@ -68,6 +68,7 @@ fn with_kernel(
         &mut Vec<*mut std::ffi::c_void>,
     ) -> std::result::Result<(), cudarc::driver::DriverError>,
 ) -> Result<std::result::Result<(), cudarc::driver::DriverError>> {
+    super::graph::check_stream(dev.ordinal, "kernel launch")?;
     let func = dev.function(f, name)?;
     let mut ptrs: Vec<*mut std::ffi::c_void> = args
         .cells

@@ -45,6 +45,11 @@ impl Drop for Blas {
 
 impl Blas {
     fn new(dev: &CudaDevice) -> Result<Blas> {
+        super::graph::refuse(
+            dev.ordinal,
+            "matmul",
+            "creating the cuBLAS handle and workspace during capture: run a warm-up step first",
+        )?;
         dev.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("binding the context", e))?;

@@ -5,7 +5,9 @@
 //! file per op family, named as its kernels in `kernels/*.cu` at the crate root: `cast.rs`,
 //! `elementwise.rs`, `layout.rs`, `reduce.rs`, `index.rs`, `softmax.rs`, `batch_norm.rs`,
 //! `pool.rs`, cuBLAS `matmul.rs`, cuDNN `conv.rs` (with the graph API in `cudnn_graph.rs`),
-//! `multi_tensor.rs`; `common.rs` holds what they share.
+//! `multi_tensor.rs`; `common.rs` holds what they share. In-place updates of a buffer that keeps
+//! its address are `in_place.rs`; CUDA-graph capture (refusals, graph memory, pinned buffers,
+//! replay hooks) is `graph.rs`.
 //!
 //! [`BackendStorage`]: crate::backend::BackendStorage
 
@@ -16,11 +18,13 @@ mod conv;
 mod cudnn_graph;
 mod device;
 mod elementwise;
+pub(crate) mod graph;
+pub(crate) mod in_place;
 mod index;
 mod launch;
 mod layout;
 mod matmul;
-mod multi_tensor;
+pub(crate) mod multi_tensor;
 mod pool;
 mod probe;
 mod profile;
@@ -31,8 +35,10 @@ mod storage;
 
 pub use conv::{conv_plans, ConvPlanInfo};
 pub use device::{
-    get as device, host_sync_count, set_allow_tf32, set_poison_allocations, CudaDevice,
+    allocation_count, get as device, host_sync_count, set_allow_tf32, set_poison_allocations,
+    CudaDevice,
 };
+pub use graph::Graph;
 pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };

@@ -13,7 +13,9 @@ use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::cpu::CpuStorage;
-use crate::backend::{BufRef, MtEntry, MtKernel, MtScalars, MultiTensorOps, MT_ROLES};
+use crate::backend::{
+    BufRef, MtArray, MtEntry, MtKernel, MtList, MtScalars, MultiTensorOps, MT_ROLES,
+};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
@@ -171,8 +173,16 @@ fn cached(dev: &Arc<CudaDevice>, entries: &[MtEntry]) -> Result<Arc<Cached>> {
     let k = (dev.ordinal, key(entries));
     let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(v) = c.get(&k) {
+        // A captured graph reads this table: it lives as long as the graph.
+        super::graph::keep_alive(dev.ordinal, v.clone());
         return Ok(v.clone());
     }
+    super::graph::refuse(
+        dev.ordinal,
+        "multi_tensor",
+        "a tensor list first seen during capture (its chunk table is uploaded from the host): \
+         run a warm-up step over the same tensors first",
+    )?;
     if c.len() >= CACHE_LIMIT {
         c.clear();
         CLEARS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -187,7 +197,7 @@ pub fn cached_lists() -> usize {
     cache().lock().unwrap_or_else(|e| e.into_inner()).len()
 }
 
-fn sfx(op: &'static str, d: Option<DType>, role: usize) -> Result<&'static str> {
+fn sfx(op: &'static str, d: Option<DType>, l: MtList) -> Result<&'static str> {
     match d {
         Some(DType::F32) => Ok("f32"),
         Some(DType::F16) => Ok("f16"),
@@ -195,7 +205,7 @@ fn sfx(op: &'static str, d: Option<DType>, role: usize) -> Result<&'static str> 
         None => Err(Error::invalid_arg(
             op,
             "tensor list",
-            format!("no buffer of role {role}"),
+            format!("no `{}` list", l.name()),
             "every list the kernel reads or writes",
         )),
         Some(d) => Err(Error::UnsupportedDType {
@@ -206,11 +216,12 @@ fn sfx(op: &'static str, d: Option<DType>, role: usize) -> Result<&'static str> 
     }
 }
 
-/// The copy-out suffix: the copy's dtype, or f32 when absent (the kernel checks the address).
-fn copy_sfx(op: &'static str, d: Option<DType>) -> Result<&'static str> {
-    match d {
+/// The copy-out suffix: the model copy's dtype, or f32 when absent (the kernel checks the
+/// address).
+fn copy_sfx(op: &'static str, sig: &[Option<DType>; MT_ROLES]) -> Result<&'static str> {
+    match sig[MtList::ModelCopy.role()] {
         None => Ok("f32"),
-        d => sfx(op, d, 5),
+        d => sfx(op, d, MtList::ModelCopy),
     }
 }
 
@@ -233,48 +244,38 @@ impl CudaMultiTensor {
 
 impl MultiTensorOps for CudaMultiTensor {
     fn multi_tensor(&self, kernel: &MtKernel, entries: &[MtEntry], sc: &MtScalars) -> Result<()> {
+        use MtList as L;
         let op = "multi_tensor (cuda)";
         let dev = &self.dev;
+        let arr = |a: MtArray| addr(sc.get(a));
         if let MtKernel::UpdateScale(p) = *kernel {
-            let e = entries.first().ok_or_else(|| {
-                Error::invalid_arg(op, "entries", "none", "scale, unskipped, skipped_total")
-            })?;
             let g = Grid {
                 blocks: 1,
                 threads: 32,
             };
             launch!(dev, Family::MultiTensor, "update_scale", g;
-                addr(e.bufs[0]), addr(e.bufs[1]), addr(e.bufs[2]), addr(sc.found_inf), p);
+                arr(MtArray::LossScale), arr(MtArray::Unskipped), arr(MtArray::SkippedTotal),
+                arr(MtArray::FoundInf), p);
             return Ok(());
         }
         if entries.is_empty() {
             if let MtKernel::Norm { .. } = kernel {
-                if let Some(t) = sc.aux[1] {
+                if let Some(t) = sc.get(MtArray::TotalNorm) {
                     // The norm of nothing is 0.
-                    let s = CudaStorage::zeroed(dev, DType::F32, 1)?;
-                    // SAFETY: both hold at least 4 bytes.
-                    unsafe {
-                        cudarc::driver::result::memcpy_dtod_async(
-                            t.addr,
-                            s.ptr(),
-                            4,
-                            dev.stream.cu_stream(),
-                        )
-                    }
-                    .map_err(|e| super::device::cuda_err("copying a zero norm", e))?;
+                    write_words(dev, t.addr, &[0.0])?;
                 }
             }
             return Ok(());
         }
         let c = cached(dev, entries)?;
-        let (found, mult, steps) = (addr(sc.found_inf), addr(sc.mult), addr(sc.steps));
+        let (found, mult, steps) = (
+            arr(MtArray::FoundInf),
+            arr(MtArray::GradScale),
+            arr(MtArray::Steps),
+        );
+        let hyper = arr(MtArray::Hyper);
         for g in &c.groups {
-            if g.nc == 0
-                && !matches!(
-                    kernel,
-                    MtKernel::StepIncrement | MtKernel::NovoGradMoment { .. }
-                )
-            {
+            if g.nc == 0 && !matches!(kernel, MtKernel::StepIncrement | MtKernel::NovoGradMoment) {
                 continue;
             }
             let tens = g.table.ptr();
@@ -288,13 +289,18 @@ impl MultiTensorOps for CudaMultiTensor {
                 threads: 256,
             };
             let s = &g.sig;
+            let d = |l: MtList| s[l.role()];
             match *kernel {
                 MtKernel::Scale => {
-                    let name = format!("mt_scale_{}_{}", sfx(op, s[0], 0)?, sfx(op, s[1], 1)?);
+                    let name = format!(
+                        "mt_scale_{}_{}",
+                        sfx(op, d(L::Input), L::Input)?,
+                        sfx(op, d(L::Output), L::Output)?
+                    );
                     launch!(dev, Family::MultiTensor, name, grid; tens, chunks, mult, found);
                 }
                 MtKernel::Check => {
-                    let name = format!("mt_check_{}", sfx(op, s[0], 0)?);
+                    let name = format!("mt_check_{}", sfx(op, d(L::Input), L::Input)?);
                     launch!(dev, Family::MultiTensor, name, grid; tens, chunks, found);
                 }
                 MtKernel::Axpby { a, b, check } => {
@@ -308,9 +314,9 @@ impl MultiTensorOps for CudaMultiTensor {
                     }
                     let name = format!(
                         "mt_axpby_{}_{}_{}",
-                        sfx(op, s[0], 0)?,
-                        sfx(op, s[1], 1)?,
-                        sfx(op, s[2], 2)?
+                        sfx(op, d(L::X), L::X)?,
+                        sfx(op, d(L::Y), L::Y)?,
+                        sfx(op, d(L::Out), L::Out)?
                     );
                     let q = AxpbyP {
                         a,
@@ -321,58 +327,53 @@ impl MultiTensorOps for CudaMultiTensor {
                     launch!(dev, Family::MultiTensor, name, grid; tens, chunks, found, q);
                 }
                 MtKernel::Norm { inf } => {
-                    let name = format!("mt_norm_{}", sfx(op, s[0], 0)?);
+                    let name = format!("mt_norm_{}", sfx(op, d(L::Input), L::Input)?);
                     launch!(dev, Family::MultiTensor, name, grid;
                         tens, chunks, mult, found, c.partials.ptr(), inf as u32);
                 }
-                MtKernel::Sgd(q) => {
+                MtKernel::Sgd | MtKernel::Adam | MtKernel::NovoGrad => {
+                    let base = match kernel {
+                        MtKernel::Sgd => "sgd",
+                        MtKernel::Adam => "adam",
+                        _ => "novograd",
+                    };
                     let name = format!(
-                        "sgd_{}_{}_{}",
-                        sfx(op, s[0], 0)?,
-                        sfx(op, s[1], 1)?,
-                        copy_sfx(op, s[5])?
+                        "{base}_{}_{}_{}",
+                        sfx(op, d(L::Grad), L::Grad)?,
+                        sfx(op, d(L::Param), L::Param)?,
+                        copy_sfx(op, s)?
                     );
-                    launch!(dev, Family::FusedOptim, name, grid; tens, chunks, found, mult, steps, q);
-                }
-                MtKernel::Adam(q) => {
-                    let name = format!(
-                        "adam_{}_{}_{}",
-                        sfx(op, s[0], 0)?,
-                        sfx(op, s[1], 1)?,
-                        copy_sfx(op, s[5])?
-                    );
-                    launch!(dev, Family::FusedOptim, name, grid; tens, chunks, found, mult, steps, q);
-                }
-                MtKernel::LambUpdate(q) => {
-                    let name = format!("lamb_update_{}_{}", sfx(op, s[0], 0)?, sfx(op, s[1], 1)?);
-                    launch!(dev, Family::FusedOptim, name, grid;
-                        tens, chunks, found, mult, steps, addr(sc.aux[0]), q);
-                }
-                MtKernel::LambApply { lr, use_ratio } => {
-                    #[repr(C)]
-                    #[derive(Clone, Copy)]
-                    struct LambApplyP {
-                        lr: f32,
-                        use_ratio: u32,
+                    if let MtKernel::NovoGrad = kernel {
+                        launch!(dev, Family::FusedOptim, name, grid;
+                            tens, chunks, found, mult, steps, arr(MtArray::SecondMoments), hyper);
+                    } else {
+                        launch!(dev, Family::FusedOptim, name, grid;
+                            tens, chunks, found, mult, steps, hyper);
                     }
-                    let name = format!("lamb_apply_{}_{}", sfx(op, s[1], 1)?, copy_sfx(op, s[5])?);
-                    let q = LambApplyP { lr, use_ratio };
-                    launch!(dev, Family::FusedOptim, name, grid;
-                        tens, chunks, found, addr(sc.aux[0]), addr(sc.aux[1]), q);
                 }
-                MtKernel::NovoGradMoment { beta2 } => {
-                    launch!(dev, Family::FusedOptim, "novograd_moment", one;
-                        tens, g.nt as u64, found, steps, addr(sc.aux[0]), addr(sc.aux[1]), beta2);
-                }
-                MtKernel::NovoGrad(q) => {
+                MtKernel::LambUpdate => {
                     let name = format!(
-                        "novograd_{}_{}_{}",
-                        sfx(op, s[0], 0)?,
-                        sfx(op, s[1], 1)?,
-                        copy_sfx(op, s[5])?
+                        "lamb_update_{}_{}",
+                        sfx(op, d(L::Grad), L::Grad)?,
+                        sfx(op, d(L::Param), L::Param)?
                     );
                     launch!(dev, Family::FusedOptim, name, grid;
-                        tens, chunks, found, mult, steps, addr(sc.aux[0]), q);
+                        tens, chunks, found, mult, steps, arr(MtArray::GradNorm), hyper);
+                }
+                MtKernel::LambApply => {
+                    let name = format!(
+                        "lamb_apply_{}_{}",
+                        sfx(op, d(L::Param), L::Param)?,
+                        copy_sfx(op, s)?
+                    );
+                    launch!(dev, Family::FusedOptim, name, grid;
+                        tens, chunks, found, arr(MtArray::ParamNorms), arr(MtArray::UpdateNorms),
+                        hyper);
+                }
+                MtKernel::NovoGradMoment => {
+                    launch!(dev, Family::FusedOptim, "novograd_moment", one;
+                        tens, g.nt as u64, found, steps, arr(MtArray::SecondMoments),
+                        arr(MtArray::GradNorms), hyper);
                 }
                 MtKernel::StepIncrement => {
                     launch!(dev, Family::FusedOptim, "step_increment", one; tens, g.nt as u64, found, steps);
@@ -386,17 +387,43 @@ impl MultiTensorOps for CudaMultiTensor {
                 threads: 256,
             };
             launch!(dev, Family::MultiTensor, "mt_norm_tensor", per;
-                c.spans.ptr(), c.partials.ptr(), c.tensor_acc.ptr(), addr(sc.aux[0]), inf as u32);
-            let one = Grid {
-                blocks: 1,
-                threads: 256,
-            };
-            let total = sc.aux[1].map_or(c.tensor_acc.ptr(), |b| b.addr);
-            if sc.aux[1].is_some() {
+                c.spans.ptr(), c.partials.ptr(), c.tensor_acc.ptr(), arr(MtArray::Norms),
+                inf as u32);
+            if let Some(total) = sc.get(MtArray::TotalNorm) {
+                let one = Grid {
+                    blocks: 1,
+                    threads: 256,
+                };
                 launch!(dev, Family::MultiTensor, "mt_norm_total", one;
-                    c.tensor_acc.ptr(), c.nt as u64, total, inf as u32);
+                    c.tensor_acc.ptr(), c.nt as u64, total.addr, inf as u32);
             }
         }
         Ok(())
     }
+}
+
+/// Writes `words` (at most 16) into the F32 device buffer at `dst` with one small kernel: the
+/// stream-ordered, sync-free way the host sets an optimizer's hyperparameter block.
+pub(crate) fn write_words(dev: &Arc<CudaDevice>, dst: u64, words: &[f32]) -> Result<()> {
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Words16 {
+        w: [f32; 16],
+    }
+    if words.len() > 16 {
+        return Err(Error::invalid_arg(
+            "write_words",
+            "words",
+            words.len(),
+            "at most 16",
+        ));
+    }
+    let mut q = Words16 { w: [0.0; 16] };
+    q.w[..words.len()].copy_from_slice(words);
+    let g = Grid {
+        blocks: 1,
+        threads: 32,
+    };
+    launch!(dev, Family::MultiTensor, "write_words", g; dst, q, words.len() as u32);
+    Ok(())
 }

@@ -43,7 +43,8 @@ impl OpTimer {
         op: &'static str,
         detail: impl FnOnce() -> String,
     ) -> OpTimer {
-        if !PROFILING.load(Ordering::Relaxed) {
+        // Inside a CUDA-graph capture an event record would be a node of the graph, not a time.
+        if !PROFILING.load(Ordering::Relaxed) || super::graph::is_capturing() {
             return OpTimer(None);
         }
         let Ok(start) = dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)) else {

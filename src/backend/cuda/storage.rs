@@ -3,6 +3,7 @@
 //! into the op family's file (`cast.rs`, `elementwise.rs`, `layout.rs`, `reduce.rs`,
 //! `index.rs`, `softmax.rs`, `matmul.rs`, `conv.rs`, `batch_norm.rs`, `pool.rs`).
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::driver::result as cur;
@@ -10,6 +11,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::{bf16, f16};
 
 use super::device::{self, cuda_err, poison_allocations, CudaDevice};
+use super::graph::{self, CaptureMark};
 use crate::backend::cpu::CpuStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{
@@ -20,10 +22,22 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout, Shape};
 
 pub struct CudaStorage {
-    buf: CudaSlice<u8>,
+    /// Freed through `graph::release` (a capture or a live CUDA graph may need the memory).
+    buf: ManuallyDrop<CudaSlice<u8>>,
     dtype: DType,
     len: usize,
     pub(crate) dev: Arc<CudaDevice>,
+    /// Set when the buffer was allocated during a CUDA-graph capture (graph memory).
+    mark: Option<Arc<CaptureMark>>,
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        let ptr = self.raw_ptr();
+        // SAFETY: `buf` is taken once, here, and never used again.
+        let buf = unsafe { ManuallyDrop::take(&mut self.buf) };
+        graph::release(self.dev.ordinal, ptr, buf, self.mark.as_deref());
+    }
 }
 
 impl std::fmt::Debug for CudaStorage {
@@ -57,6 +71,8 @@ impl CudaStorage {
             .ok_or_else(|| Error::Cuda(format!("allocating {len} × {dtype}: size overflows")))?
             .max(1)
             .next_multiple_of(16);
+        graph::check_stream(dev.ordinal, "allocating a CUDA buffer")?;
+        device::count_allocation();
         dev.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("binding the context", e))?;
@@ -68,10 +84,11 @@ impl CudaStorage {
             )
         })?;
         let s = CudaStorage {
-            buf,
+            buf: ManuallyDrop::new(buf),
             dtype,
             len,
             dev: dev.clone(),
+            mark: graph::on_alloc(dev.ordinal, bytes),
         };
         if poison_allocations() {
             // SAFETY: the range is the buffer just allocated.
@@ -90,8 +107,15 @@ impl CudaStorage {
         Ok(s)
     }
 
-    /// The device address of the buffer.
+    /// The device address of the buffer, for a launch: during a capture this pins a buffer
+    /// made before it for the graph's life (see `graph.rs`).
     pub(crate) fn ptr(&self) -> u64 {
+        let p = self.raw_ptr();
+        graph::on_ptr(self.dev.ordinal, p, self.mark.is_some());
+        p
+    }
+
+    fn raw_ptr(&self) -> u64 {
         let (p, _sync) = self.buf.device_ptr(&self.dev.stream);
         p
     }
@@ -148,6 +172,12 @@ impl CudaStorage {
     /// Uploads a host buffer.
     pub fn from_cpu(cpu: &CpuStorage, ordinal: usize) -> Result<Self> {
         let dev = device::get(ordinal)?;
+        graph::refuse(
+            ordinal,
+            "host → device copy",
+            "a copy from host memory would be replayed from a host buffer that is gone by then \
+             (make the tensor before the capture, or copy into a static input buffer)",
+        )?;
         let out = Self::alloc(&dev, cpu.dtype(), cpu.len())?;
         let bytes: &[u8] = match cpu {
             CpuStorage::F16(v) => as_bytes(v),
@@ -167,6 +197,12 @@ impl CudaStorage {
 
     /// Downloads the buffer (waits for the device's queued work).
     pub fn to_cpu(&self) -> Result<CpuStorage> {
+        graph::refuse(
+            self.dev.ordinal,
+            "device → host read (item, to_vec, to_device(cpu))",
+            "a host read waits for results that a capture does not compute (read the step's \
+             outputs after it runs)",
+        )?;
         fn read<T: Copy + Default>(s: &CudaStorage) -> Result<Vec<T>> {
             let mut v = vec![T::default(); s.len];
             if s.len > 0 {

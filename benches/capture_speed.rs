@@ -1,0 +1,226 @@
+//! GPU benchmark (exits quietly without a GPU): one whole AMP training step — O2 (f16 model,
+//! FP32 masters, dynamic loss scale), fused SGD with Nesterov momentum, a learning rate set
+//! every step — run eagerly and replayed as a captured CUDA graph (`amp::CapturedStep`), on
+//! synthetic data already on the device:
+//!
+//! - the main job's default net (ResNet 16-32-64, one block per stage, 1x28x28, batch 128),
+//! - the CIFAR-style ResNet-18 (3x32x32, batch 128),
+//! - torchvision's ResNet-50 (3x224x224, batch 256; 128 if 256 does not fit).
+//!
+//! Per net: images/s of each mode (the median of 5 rounds of back-to-back steps, one
+//! synchronisation per round), the ratio against the target, and the host
+//! synchronisations and allocations the timed replayed steps made (both must be 0). One JSON
+//! line per measurement follows the table. PyTorch's eager, `torch.compile(mode=
+//! "reduce-overhead")` and hand-captured steps on the same nets: `benches/torch_capture_speed.py`.
+
+mod common;
+
+use std::time::Instant;
+
+use mixprec::amp::{self, CapturedStep, OptLevel, Policy};
+use mixprec::backend::cuda::{allocation_count, device, host_sync_count};
+use mixprec::nn::{self, BlockKind, Module, ResNet, ResNetConfig, Stem};
+use mixprec::optim::{FusedSgd, LrSchedule, Optimizer, SgdConfig};
+use mixprec::{DType, Device, Tensor};
+
+fn main() {
+    common::main_with(run)
+}
+
+struct Net {
+    name: &'static str,
+    build: fn(&Device) -> mixprec::Result<ResNet>,
+    batches: &'static [usize],
+    image: [usize; 3],
+    /// The target: captured / eager images/s at least this.
+    target: f64,
+    /// Timed steps per round.
+    steps: usize,
+}
+
+fn main_job(dev: &Device) -> mixprec::Result<ResNet> {
+    ResNet::new(
+        &ResNetConfig {
+            block: BlockKind::Basic,
+            blocks: vec![1, 1, 1],
+            widths: vec![16, 32, 64],
+            in_channels: 1,
+            num_classes: 10,
+            stem: Stem::Small,
+            zero_init_residual: false,
+            seed: 0,
+        },
+        dev,
+    )
+}
+
+fn resnet18(dev: &Device) -> mixprec::Result<ResNet> {
+    ResNet::cifar_style(&[2, 2, 2, 2], 3, 10, dev)
+}
+
+fn resnet50(dev: &Device) -> mixprec::Result<ResNet> {
+    ResNet::resnet50(1000, dev, 0)
+}
+
+struct Measured {
+    images_per_s: f64,
+    step_ms: f64,
+    syncs: u64,
+    allocs: u64,
+    loss: f64,
+    stats: amp::StepStats,
+}
+
+fn measure(net: &Net, batch: usize, captured: bool) -> mixprec::Result<Measured> {
+    let dev = Device::Cuda(0);
+    let model = (net.build)(&dev)?;
+    let classes = if net.name == "resnet50" { 1000 } else { 10 };
+    let opt = FusedSgd::new(
+        model.parameters(),
+        SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 5e-4,
+            ..Default::default()
+        },
+    )?;
+    let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
+    let (model, mut opt) = amp::initialize(model, opt, policy)?;
+    let mut dims = vec![batch];
+    dims.extend(net.image);
+    let x = Tensor::randn(dims, 0.0, 1.0, 7, DType::F32, dev)?;
+    let labels: Vec<i64> = (0..batch).map(|i| (i * 7 % classes) as i64).collect();
+    let y = Tensor::from_vec(labels, [batch], dev)?;
+    let body = |x: &Tensor, y: &Tensor| nn::cross_entropy(&model.forward(x)?, y);
+    let mut step = if captured {
+        CapturedStep::new(&model, &mut opt, body)?
+    } else {
+        CapturedStep::eager(&model, &mut opt, body)?
+    };
+    let rounds = 5;
+    let total = (5 + rounds * net.steps) as u64;
+    let schedule = LrSchedule::one_cycle(0.1, total);
+    let mut i = 0u64;
+    let mut one = |step: &mut CapturedStep<'_, FusedSgd>| -> mixprec::Result<()> {
+        schedule.apply(step.optimizer().inner_mut() as &mut dyn Optimizer, i)?;
+        i += 1;
+        step.run(&x, &y).map(|_| ())
+    };
+    // Warm-up: plans, tables, state; the captured mode also captures here (2 eager + capture).
+    for _ in 0..5 {
+        one(&mut step)?;
+    }
+    let dev0 = device(0)?;
+    dev0.synchronize()?;
+    let (s0, a0) = (host_sync_count(), allocation_count());
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = Instant::now();
+        for _ in 0..net.steps {
+            one(&mut step)?;
+        }
+        dev0.synchronize()?;
+        times.push(t.elapsed().as_secs_f64() / net.steps as f64);
+    }
+    // Each round's closing synchronisation is the benchmark's, not the steps'.
+    let syncs = host_sync_count() - s0 - rounds as u64;
+    let allocs = allocation_count() - a0;
+    times.sort_by(|a, b| a.total_cmp(b));
+    let t = times[rounds / 2];
+    let loss = step.loss().map_or(Ok(f64::NAN), |l| l.item())?;
+    Ok(Measured {
+        images_per_s: batch as f64 / t,
+        step_ms: t * 1e3,
+        syncs,
+        allocs,
+        loss,
+        stats: step.stats(),
+    })
+}
+
+fn run() -> mixprec::Result<()> {
+    let dev = device(0)?;
+    let (ma, mi) = dev.compute_capability();
+    println!("device cuda:0 sm_{ma}{mi}; O2 f16, fused SGD (Nesterov), lr set every step, synthetic data on the device");
+    let nets = [
+        Net {
+            name: "main-job-resnet-16-32-64",
+            build: main_job,
+            batches: &[128],
+            image: [1, 28, 28],
+            target: 2.0,
+            steps: 100,
+        },
+        Net {
+            name: "resnet18-cifar",
+            build: resnet18,
+            batches: &[128],
+            image: [3, 32, 32],
+            target: 1.3,
+            steps: 50,
+        },
+        Net {
+            name: "resnet50",
+            build: resnet50,
+            batches: &[256, 128],
+            image: [3, 224, 224],
+            target: 1.0,
+            steps: 10,
+        },
+    ];
+    println!(
+        "{:<26} {:>5} {:>12} {:>12} {:>9} {:>10} {:>9} {:>7}",
+        "net", "batch", "eager img/s", "graph img/s", "ratio", "target", "syncs", "allocs"
+    );
+    let mut json = Vec::new();
+    for net in &nets {
+        let mut done = false;
+        for &batch in net.batches {
+            let eager = measure(net, batch, false);
+            let graph = eager.as_ref().ok().map(|_| measure(net, batch, true));
+            match (eager, graph) {
+                (Ok(e), Some(Ok(g))) => {
+                    let ratio = g.images_per_s / e.images_per_s;
+                    let verdict = if ratio >= net.target && g.syncs == 0 && g.allocs == 0 {
+                        "PASS"
+                    } else {
+                        "FAIL"
+                    };
+                    println!(
+                        "{:<26} {:>5} {:>12.0} {:>12.0} {:>8.2}x {:>9}x {:>9} {:>7}  {verdict}",
+                        net.name,
+                        batch,
+                        e.images_per_s,
+                        g.images_per_s,
+                        ratio,
+                        net.target,
+                        g.syncs,
+                        g.allocs
+                    );
+                    for (mode, m) in [("eager", &e), ("cuda-graph", &g)] {
+                        json.push(format!(
+                            "{{\"check\": \"mixprec-capture\", \"net\": \"{}\", \"batch\": {batch}, \"mode\": \"{mode}\", \"img_per_s\": {:.1}, \"step_ms\": {:.4}, \"host_syncs\": {}, \"allocations\": {}, \"loss\": {}, \"eager_steps\": {}, \"captures\": {}, \"replays\": {}}}",
+                            net.name, m.images_per_s, m.step_ms, m.syncs, m.allocs,
+                            if m.loss.is_finite() { format!("{:.6}", m.loss) } else { "null".into() },
+                            m.stats.eager, m.stats.captures, m.stats.replays
+                        ));
+                    }
+                    done = true;
+                    break;
+                }
+                (Err(e), _) | (Ok(_), Some(Err(e))) => {
+                    println!("{:<26} {:>5} failed: {e}", net.name, batch);
+                }
+                (Ok(_), None) => unreachable!("measured after eager"),
+            }
+        }
+        if !done {
+            println!("{:<26} no batch size ran", net.name);
+        }
+    }
+    for j in json {
+        println!("{j}");
+    }
+    Ok(())
+}

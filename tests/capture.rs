@@ -1,0 +1,513 @@
+//! CUDA-graph capture, the parts that need no GPU: capture on the CPU is an error; the step
+//! object run eagerly is the plain AMP loop bit for bit (every optimizer and level, a learning
+//! rate that changes every step, planted overflows, clipping, micro-batches); the capturable
+//! optimizer math (hyperparameters read from the device block, set by `set_lr`); persistent
+//! in-place gradients; the in-place ops and the named multi-tensor lists in errors; the FP32
+//! masters' single owner. The captured side is tests/cuda_capture.rs.
+
+mod capture_support;
+
+use capture_support::{run, Case, Kind, Mode, Net, KINDS, LEVELS, OVERFLOW_AT};
+use mixprec::amp::{self, CapturedStep, OptLevel, Policy};
+use mixprec::backend::{MtArray, MtKernel, MtList};
+use mixprec::multi_tensor::{self, Row, Scalars};
+use mixprec::nn::{self, Linear, Module, Sequential};
+use mixprec::optim::{AdamConfig, FusedAdam, FusedSgd, GradScaling, Optimizer, SgdConfig};
+use mixprec::{graph, DType, Device, Error, Tensor};
+
+const CPU: Device = Device::Cpu;
+
+#[test]
+fn capture_needs_a_cuda_device() {
+    match graph::capture(CPU, || Ok(())) {
+        Err(Error::Capture { op, detail }) => {
+            assert_eq!(op, "graph::capture");
+            assert!(detail.contains("cpu"), "{detail}");
+        }
+        other => panic!("expected a capture error, got {other:?}"),
+    }
+    assert!(!graph::is_capturing());
+    let m = capture_support::model(Net::Mlp, CPU);
+    let o = capture_support::optimizer(Kind::Sgd, m.parameters());
+    let (model, mut opt) = amp::initialize(m, o, Policy::opt_level(OptLevel::O2)).unwrap();
+    let r = CapturedStep::new(&model, &mut opt, |x, y| {
+        nn::cross_entropy(&model.forward(x)?, y)
+    });
+    match &r {
+        Err(Error::Capture { op, detail }) => {
+            assert_eq!(*op, "CapturedStep::new");
+            assert!(detail.contains("CapturedStep::eager"), "{detail}");
+        }
+        Err(e) => panic!("expected a capture error, got {e}"),
+        Ok(_) => panic!("a CPU model was captured"),
+    }
+    drop(r);
+    // Nothing changed: the optimizer still works eagerly.
+    assert!(!opt.persistent_grads());
+}
+
+/// The step object, run eagerly, is the hand-written AMP loop bit for bit: parameters, FP32
+/// masters, optimizer state, loss scale, skip counts, batch-norm buffers and losses.
+#[test]
+fn eager_step_object_is_the_hand_written_loop() {
+    for kind in KINDS {
+        for level in LEVELS {
+            let case = Case::new(Net::Mlp, kind, level);
+            let (hand, _) = run(&case, CPU, Mode::Hand, 0);
+            let (eager, stats) = run(&case, CPU, Mode::Eager, 0);
+            assert_eq!(stats.eager, case.steps as u64);
+            assert_eq!((stats.captures, stats.replays), (0, 0));
+            if let Some(d) = eager.diff(&hand) {
+                panic!("{kind:?} {level}: eager step vs hand loop: {d}");
+            }
+            assert_eq!(
+                hand.skipped(),
+                vec![OVERFLOW_AT.len() as u64],
+                "{kind:?} {level}: the planted overflows are skipped"
+            );
+        }
+    }
+}
+
+#[test]
+fn eager_step_object_with_batch_norm_clipping_and_micro_batches() {
+    let mut case = Case::new(Net::Conv, Kind::Sgd, "O2");
+    case.steps = 5;
+    case.clip = Some(0.5);
+    case.micro_batches = 2;
+    let (hand, _) = run(&case, CPU, Mode::Hand, 2);
+    let (eager, _) = run(&case, CPU, Mode::Eager, 2);
+    if let Some(d) = eager.diff(&hand) {
+        panic!("conv net, clip, 2 micro-batches: {d}");
+    }
+    // num_batches_tracked counted 2 forwards per step.
+    let nbt = hand
+        .tensors
+        .iter()
+        .find(|(n, _)| n.ends_with("num_batches_tracked"))
+        .map(|(_, v)| f64::from_bits(v[0]))
+        .unwrap();
+    assert_eq!(nbt, 10.0);
+}
+
+/// The kernels read the learning rate (and the rest) from the device block that `set_lr`
+/// writes, and the bias corrections from the device step counter: a schedule that changes
+/// every step gives exactly the f32 formulas computed on the host.
+#[test]
+fn capturable_optimizer_math_follows_set_lr_every_step() {
+    let w0 = 0.75f32;
+    let g = 0.25f32;
+    let lrs = [0.1, 0.03, 0.2, 0.07, 0.011];
+    // SGD without momentum: w ← w − lr·g.
+    let w = Tensor::from_vec(vec![w0], [1], CPU).unwrap().to_variable();
+    let mut sgd = FusedSgd::new(vec![w.clone()], SgdConfig::default()).unwrap();
+    let gen = sgd.generation();
+    let mut want = w0;
+    for &lr in &lrs {
+        sgd.set_lr(0, lr).unwrap();
+        w.set_grad(Some(Tensor::from_vec(vec![g], [1], CPU).unwrap()));
+        sgd.step().unwrap();
+        want -= lr as f32 * g;
+        assert_eq!(w.to_vec::<f32>().unwrap()[0].to_bits(), want.to_bits());
+    }
+    assert_eq!(sgd.generation(), gen, "set_lr is not a structural change");
+    sgd.set_config(
+        0,
+        SgdConfig {
+            lr: 0.1,
+            momentum: 0.5,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(sgd.generation() > gen, "set_config is one");
+
+    // Adam: bias corrections from the device step count (1, 2, ...), lr from the block.
+    let w = Tensor::from_vec(vec![w0], [1], CPU).unwrap().to_variable();
+    let cfg = AdamConfig::default();
+    let mut adam = FusedAdam::new(vec![w.clone()], cfg).unwrap();
+    let (b1, b2, eps) = (cfg.betas.0 as f32, cfg.betas.1 as f32, cfg.eps as f32);
+    let (mut m, mut v, mut want) = (0.0f32, 0.0f32, w0);
+    for (t, &lr) in lrs.iter().enumerate() {
+        adam.set_lr(0, lr).unwrap();
+        w.set_grad(Some(Tensor::from_vec(vec![g], [1], CPU).unwrap()));
+        adam.step().unwrap();
+        let step = (t + 1) as f32;
+        m = b1 * m + (1.0 - b1) * g;
+        v = b2 * v + (1.0 - b2) * g * g;
+        let bc1 = 1.0 - b1.powf(step);
+        let bc2 = 1.0 - b2.powf(step);
+        let denom = v.sqrt() / bc2.sqrt() + eps;
+        want -= (lr as f32 / bc1) * (m / denom);
+        assert_eq!(
+            w.to_vec::<f32>().unwrap()[0].to_bits(),
+            want.to_bits(),
+            "step {t}"
+        );
+    }
+    // A skipped step (found_inf set) changes nothing, step count included.
+    let before = adam.state_dict().unwrap();
+    let found = Tensor::scalar(1.0, DType::F32, CPU).unwrap();
+    let one = Tensor::scalar(1.0, DType::F32, CPU).unwrap();
+    adam.set_lr(0, 0.5).unwrap();
+    adam.step_scaled(Some(GradScaling {
+        grad_multiplier: &one,
+        found_inf: &found,
+    }))
+    .unwrap();
+    assert_eq!(w.to_vec::<f32>().unwrap()[0].to_bits(), want.to_bits());
+    let after = adam.state_dict().unwrap();
+    assert_eq!(
+        before.state[&0]["step"].item().unwrap(),
+        after.state[&0]["step"].item().unwrap()
+    );
+}
+
+#[test]
+fn persistent_gradients_accumulate_in_their_own_buffer() {
+    let w = Tensor::from_vec(vec![1.0f32, -2.0, 3.0], [3], CPU)
+        .unwrap()
+        .to_variable();
+    let x = Tensor::from_vec(vec![0.5f32, 0.25, -1.0], [3], CPU).unwrap();
+    w.zero_grad_in_place().unwrap();
+    let g0 = w.grad().expect("zero_grad_in_place makes the buffer");
+    assert_eq!(g0.to_vec::<f32>().unwrap(), vec![0.0; 3]);
+    for k in 1..=3 {
+        w.mul(&x).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = w.grad().unwrap();
+        assert!(g.same_storage(&g0), "backward {k} added in place");
+        let want: Vec<f32> = [0.5f32, 0.25, -1.0].iter().map(|v| v * k as f32).collect();
+        assert_eq!(g.to_vec::<f32>().unwrap(), want);
+    }
+    w.zero_grad_in_place().unwrap();
+    assert!(w.grad().unwrap().same_storage(&g0));
+    assert_eq!(g0.to_vec::<f32>().unwrap(), vec![0.0; 3]);
+
+    // A gradient the user set is never written in place; the default mode replaces tensors.
+    let mine = Tensor::from_vec(vec![1.0f32; 3], [3], CPU).unwrap();
+    w.set_grad(Some(mine.clone()));
+    w.mul(&x).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(mine.to_vec::<f32>().unwrap(), vec![1.0; 3]);
+    assert_eq!(
+        w.grad().unwrap().to_vec::<f32>().unwrap(),
+        vec![1.5, 1.25, 0.0]
+    );
+    w.zero_grad();
+    assert!(w.grad().is_none());
+
+    // Half gradients round as the add op does.
+    let h = Tensor::from_vec(vec![1.0f32, 3.0], [2], CPU)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap()
+        .to_variable();
+    let xh = Tensor::from_vec(vec![1e-3f32, 2049.0], [2], CPU)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    h.zero_grad_in_place().unwrap();
+    for _ in 0..2 {
+        h.mul(&xh).unwrap().sum_all().unwrap().backward().unwrap();
+    }
+    let twice = xh.add(&xh).unwrap();
+    assert_eq!(
+        h.grad().unwrap().to_vec_f64().unwrap(),
+        twice.to_vec_f64().unwrap()
+    );
+}
+
+#[test]
+fn amp_persistent_mode_keeps_gradient_buffers_across_steps() {
+    let m = capture_support::model(Net::Mlp, CPU);
+    let o = capture_support::optimizer(Kind::AdamW, m.parameters());
+    let (model, mut opt) = amp::initialize(m, o, Policy::opt_level(OptLevel::O2)).unwrap();
+    opt.set_persistent_grads(true).unwrap();
+    let mut first: Vec<Tensor> = Vec::new();
+    for i in 0..3 {
+        let (x, y) = capture_support::batch(Net::Mlp, i, 0, CPU);
+        opt.zero_grad().unwrap();
+        opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
+            .unwrap();
+        opt.step().unwrap();
+        let grads: Vec<Tensor> = model
+            .parameters()
+            .iter()
+            .map(|p| p.grad().unwrap())
+            .collect();
+        if first.is_empty() {
+            first = grads;
+        } else {
+            for (a, b) in first.iter().zip(&grads) {
+                assert!(a.same_storage(b), "step {i}: a gradient moved");
+            }
+        }
+    }
+    // Switching modes mid-step is refused.
+    let (x, y) = capture_support::batch(Net::Mlp, 0, 0, CPU);
+    opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
+        .unwrap();
+    let e = opt.set_persistent_grads(false).unwrap_err().to_string();
+    assert!(e.contains("between steps"), "{e}");
+    opt.step().unwrap();
+    opt.set_persistent_grads(false).unwrap();
+}
+
+/// Two losses with two scalers: an overflow in loss 0's backward belongs to scaler 0 only, in
+/// the persistent mode (gradients set aside in buffers of their own) as in the default one.
+#[test]
+fn persistent_mode_keeps_an_overflow_with_its_loss() {
+    let run = |persistent: bool| {
+        let m = capture_support::model(Net::Mlp, CPU);
+        let o = capture_support::optimizer(Kind::Sgd, m.parameters());
+        let policy = capture_support::policy("O2").with_num_losses(2);
+        let (model, mut opt) = amp::initialize(m, o, policy).unwrap();
+        opt.set_persistent_grads(persistent).unwrap();
+        for i in 0..4 {
+            opt.zero_grad().unwrap();
+            for loss_id in 0..2 {
+                // Step 1's first loss overflows.
+                let (x, y) = capture_support::batch(
+                    Net::Mlp,
+                    if i == 1 && loss_id == 0 { 3 } else { i + 10 },
+                    loss_id,
+                    CPU,
+                );
+                let loss = nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+                opt.backward_with(loss_id, &loss).unwrap();
+            }
+            opt.step().unwrap();
+        }
+        let stats: Vec<(f64, u64)> = opt
+            .stats()
+            .unwrap()
+            .iter()
+            .map(|s| (s.scale, s.skipped_total))
+            .collect();
+        let params: Vec<Vec<f64>> = model
+            .state_dict()
+            .unwrap()
+            .iter()
+            .map(|(_, t)| t.to_vec_f64().unwrap())
+            .collect();
+        (stats, params)
+    };
+    let (s_default, p_default) = run(false);
+    let (s_persistent, p_persistent) = run(true);
+    assert_eq!(s_default[0].1, 1, "scaler 0 saw the overflow");
+    assert_eq!(s_default[1].1, 0, "scaler 1 did not");
+    assert_eq!(s_persistent, s_default);
+    assert_eq!(p_persistent, p_default);
+}
+
+#[test]
+fn in_place_ops_check_their_operands() {
+    let a = Tensor::zeros([2, 3], DType::F32, CPU).unwrap();
+    let e = a
+        .copy_in_place(&Tensor::zeros([3, 2], DType::F32, CPU).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ShapeMismatch {
+                op: "copy_in_place",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = a
+        .add_in_place(&Tensor::zeros([2, 3], DType::F16, CPU).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::DTypeMismatch {
+                op: "add_in_place",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let v = Tensor::ones([2], DType::F32, CPU).unwrap().to_variable();
+    let e = v.zero_in_place().unwrap_err().to_string();
+    assert!(e.contains("requires grad") && e.contains("no_grad"), "{e}");
+    {
+        let _ng = mixprec::no_grad();
+        v.zero_in_place().unwrap();
+    }
+    assert_eq!(v.to_vec::<f32>().unwrap(), vec![0.0, 0.0]);
+    let x = Tensor::from_vec(vec![1.5f32, -2.0], [2], CPU).unwrap();
+    x.add_in_place(&x).unwrap();
+    assert_eq!(x.to_vec::<f32>().unwrap(), vec![3.0, -4.0]);
+    // bf16 rounding is the add op's.
+    let p = Tensor::from_vec(vec![1.0f32, 255.0], [2], CPU)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let q = Tensor::from_vec(vec![0.00390625f32, 1.0], [2], CPU)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let want = p.add(&q).unwrap().to_vec_f64().unwrap();
+    p.add_in_place(&q).unwrap();
+    assert_eq!(p.to_vec_f64().unwrap(), want);
+}
+
+/// Each kernel's lists and arrays have names, and a call that misses one is told which.
+#[test]
+fn multi_tensor_errors_name_the_lists() {
+    let t = || Tensor::zeros([4], DType::F32, CPU).unwrap();
+    let (g, p, m) = (t(), t(), t());
+    let steps = Tensor::zeros([1], DType::F32, CPU).unwrap();
+    // AdamHyper: lr 0 (so the parameter stays), betas, eps, no decay, AdamW, bias correction.
+    let hyper = Tensor::from_vec(vec![0.0f32, 0.9, 0.999, 1e-8, 0.0, 1.0, 1.0], [7], CPU).unwrap();
+    let row = Row::new(0)
+        .with(MtList::Grad, &g)
+        .with(MtList::Param, &p)
+        .with(MtList::ExpAvg, &m);
+    let sc = Scalars::default()
+        .with(MtArray::Hyper, &hyper)
+        .with(MtArray::Steps, &steps);
+    let e = multi_tensor::apply("test", &MtKernel::Adam, std::slice::from_ref(&row), &sc)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("exp_avg_sq") && e.contains("tensor 0"), "{e}");
+    let short = Tensor::zeros([6], DType::F32, CPU).unwrap();
+    let v = t();
+    let full_row = row.with(MtList::ExpAvgSq, &v);
+    let sc_short = Scalars::default()
+        .with(MtArray::Hyper, &short)
+        .with(MtArray::Steps, &steps);
+    let e = multi_tensor::apply(
+        "test",
+        &MtKernel::Adam,
+        std::slice::from_ref(&full_row),
+        &sc_short,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("hyperparameters") && e.contains("7 words"),
+        "{e}"
+    );
+    let no_steps = Scalars::default().with(MtArray::Hyper, &hyper);
+    let e = multi_tensor::apply(
+        "test",
+        &MtKernel::Adam,
+        std::slice::from_ref(&full_row),
+        &no_steps,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("steps") && e.contains("missing"), "{e}");
+    let f = Tensor::zeros([1], DType::F32, CPU).unwrap();
+    let e = multi_tensor::apply(
+        "test",
+        &MtKernel::Check,
+        &[Row::new(0).with(MtList::Input, &g).with(MtList::Out, &p)],
+        &Scalars::default().with(MtArray::FoundInf, &f),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("only the lists check takes: input"), "{e}");
+    // The complete call runs: the kernel reads its block (lr 0 leaves p as it was) and the
+    // moments move.
+    g.copy_in_place(&Tensor::ones([4], DType::F32, CPU).unwrap())
+        .unwrap();
+    multi_tensor::apply("test", &MtKernel::Adam, &[full_row], &sc).unwrap();
+    assert_eq!(p.to_vec::<f32>().unwrap(), vec![0.0; 4]);
+    let m1 = m.to_vec::<f32>().unwrap()[0];
+    assert_eq!(
+        m1.to_bits(),
+        (1.0f32 - 0.9f32).to_bits(),
+        "exp_avg = (1 - beta1)·g"
+    );
+}
+
+/// The FP32 masters are one object: the model's FP32 state dict reads them, a restored
+/// optimizer state writes into the same tensors (nothing to republish).
+#[test]
+fn masters_have_one_owner() {
+    let m = capture_support::model(Net::Mlp, CPU);
+    let o = capture_support::optimizer(Kind::Sgd, m.parameters());
+    let (model, mut opt) = amp::initialize(m, o, Policy::opt_level(OptLevel::O2)).unwrap();
+    let masters = opt.inner().master_weights().expect("O2 keeps masters");
+    let before = masters.tensors();
+    let saved = opt.state_dict().unwrap();
+    let model_saved = model.state_dict().unwrap();
+    for i in 0..2 {
+        let (x, y) = capture_support::batch(Net::Mlp, i, 0, CPU);
+        opt.zero_grad().unwrap();
+        opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
+            .unwrap();
+        opt.step().unwrap();
+    }
+    // The model's state dict is the masters' current values (set_lr on the way changes nothing).
+    opt.inner_mut().set_lr_all(0.01).unwrap();
+    let sd = model.state_dict().unwrap();
+    let w = model.parameters()[0].id();
+    let mw = masters.get(w).unwrap();
+    assert_eq!(sd[0].1.to_vec_f64().unwrap(), mw.to_vec_f64().unwrap());
+    assert_ne!(
+        sd[0].1.to_vec_f64().unwrap(),
+        model_saved[0].1.to_vec_f64().unwrap()
+    );
+    // Restoring writes into the same master tensors.
+    opt.load_state_dict(&saved).unwrap();
+    model.load_state_dict(&model_saved).unwrap();
+    for (a, b) in before.iter().zip(masters.tensors()) {
+        assert!(a.same_storage(&b), "a master was replaced");
+    }
+    assert_eq!(
+        model.state_dict().unwrap()[0].1.to_vec_f64().unwrap(),
+        model_saved[0].1.to_vec_f64().unwrap()
+    );
+}
+
+#[test]
+fn step_checks_its_batches() {
+    let m = Sequential::new().with(Linear::new(16, 10, true, &CPU, 1).unwrap());
+    let o = FusedSgd::new(m.parameters(), SgdConfig::default()).unwrap();
+    let (model, mut opt) = amp::initialize(m, o, Policy::opt_level(OptLevel::O0)).unwrap();
+    let mut step = CapturedStep::eager(&model, &mut opt, |x, y| {
+        nn::cross_entropy(&model.forward(x)?, y)
+    })
+    .unwrap();
+    let (x, y) = capture_support::batch(Net::Mlp, 0, 0, CPU);
+    step.run(&x, &y).unwrap();
+    let x4 = x.narrow(0, 0, 4).unwrap();
+    let y4 = y.narrow(0, 0, 4).unwrap();
+    let e = step.run(&x4, &y4).unwrap_err().to_string();
+    assert!(e.contains("static input") && e.contains("[4, 16]"), "{e}");
+    let e = step
+        .run_accumulated(&[(x.clone(), y.clone()), (x.clone(), y.clone())])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("micro_batches"), "{e}");
+    let mut bad = CapturedStep::eager(&model, step.optimizer(), |x, _| Ok(x.clone())).unwrap();
+    let e = bad.run(&x, &y).unwrap_err().to_string();
+    assert!(e.contains("loss") && e.contains("single"), "{e}");
+    assert!(
+        CapturedStep::eager(&model, bad.optimizer(), |x, _| Ok(x.clone()))
+            .unwrap()
+            .warmup_steps(0)
+            .is_err()
+    );
+}
+
+#[test]
+fn run_config_has_the_cuda_graph_switch() {
+    use mixprec::train::RunConfig;
+    assert!(RunConfig::default().cuda_graph);
+    let c = RunConfig::from_toml_str("cuda_graph = false", "t.toml").unwrap();
+    assert!(!c.cuda_graph);
+    match RunConfig::from_toml_str("cuda_graph = 1", "t.toml") {
+        Err(Error::Config { key, .. }) => assert_eq!(key, "cuda_graph"),
+        other => panic!("expected a config error, got {other:?}"),
+    }
+    // Checkpoints written before the key existed still load their config.
+    let mut j = serde_json::to_value(RunConfig::default()).unwrap();
+    j.as_object_mut().unwrap().remove("cuda_graph");
+    let back: RunConfig = serde_json::from_value(j).unwrap();
+    assert!(back.cuda_graph);
+}
