@@ -15,7 +15,7 @@ use common::{copy_bandwidth, time};
 use mixprec::backend::cpu::CpuStorage;
 use mixprec::backend::cuda::{device, CudaStorage};
 use mixprec::backend::{
-    BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, UnaryOp,
+    BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, MemoryFormat, UnaryOp,
 };
 use mixprec::{DType, Shape};
 
@@ -204,6 +204,7 @@ fn conv() -> mixprec::Result<()> {
         padding: (pad, pad),
         dilation: (1, 1),
         groups: 1,
+        format: MemoryFormat::Contiguous,
     };
     let convs = [
         (
@@ -219,17 +220,29 @@ fn conv() -> mixprec::Result<()> {
             conv(3, 224, 64, 7, 2, 3),
         ),
     ];
-    for (name, p) in convs {
+    // Each in both memory formats (the buffers hold random values either way).
+    let formats = [
+        ("", MemoryFormat::Contiguous),
+        (" nhwc", MemoryFormat::ChannelsLast),
+    ];
+    for ((name, p), (suffix, format)) in convs
+        .iter()
+        .flat_map(|c| formats.iter().map(move |f| (c, f)))
+    {
+        let p = Conv2dParams {
+            format: *format,
+            ..*p
+        };
         let flops = 2.0 * (p.n * p.c_out * p.out_h() * p.out_w() * p.c_in * p.kh * p.kw) as f64;
         let x = rand(p.n * p.c_in * p.h * p.w, DType::F16, 5)?;
         let w = rand(p.c_out * p.c_in * p.kh * p.kw, DType::F16, 6)?;
         let g = rand(p.n * p.c_out * p.out_h() * p.out_w(), DType::F16, 7)?;
         let t = time(3, 20, || x.conv2d(&w, &p).map(|_| ()))?;
-        tflops_row(format!("{name} fwd f16"), t, flops);
+        tflops_row(format!("{name}{suffix} fwd f16"), t, flops);
         let t = time(3, 20, || g.conv2d_backward_input(&w, &p).map(|_| ()))?;
-        tflops_row(format!("{name} bwd-data f16"), t, flops);
+        tflops_row(format!("{name}{suffix} bwd-data f16"), t, flops);
         let t = time(3, 20, || g.conv2d_backward_weight(&x, &p).map(|_| ()))?;
-        tflops_row(format!("{name} bwd-filter f16"), t, flops);
+        tflops_row(format!("{name}{suffix} bwd-filter f16"), t, flops);
     }
     Ok(())
 }

@@ -311,3 +311,148 @@ fn conv_handles_empty_dimensions() -> Result<()> {
     }
     Ok(())
 }
+
+// ---- channels_last at the backend level ----------------------------------------------------
+
+use mixprec::backend::cpu::CpuStorage;
+use mixprec::backend::{BackendStorage, Conv2dParams, MemoryFormat};
+
+/// Logical `[a, b, c, d]` (row-major) to channels-last storage `[a, c, d, b]`, by hand.
+fn to_nhwc(v: &[f64], [a, b, c, d]: [usize; 4]) -> Vec<f64> {
+    let mut out = vec![0.0; v.len()];
+    for i in 0..a {
+        for j in 0..b {
+            for k in 0..c {
+                for l in 0..d {
+                    out[((i * c + k) * d + l) * b + j] = v[((i * b + j) * c + k) * d + l];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Channels-last storage back to the logical order.
+fn from_nhwc(v: &[f64], [a, b, c, d]: [usize; 4]) -> Vec<f64> {
+    let mut out = vec![0.0; v.len()];
+    for i in 0..a {
+        for j in 0..b {
+            for k in 0..c {
+                for l in 0..d {
+                    out[((i * b + j) * c + k) * d + l] = v[((i * c + k) * d + l) * b + j];
+                }
+            }
+        }
+    }
+    out
+}
+
+fn storage(v: &[f64], d: DType) -> CpuStorage {
+    // Values are first rounded to `d`, so permuting them is exact in every dtype.
+    CpuStorage::F64(v.to_vec()).to_dtype(d).unwrap()
+}
+
+/// A channels_last convolution (NHWC activations, KRSC weights) computes what the NCHW one does,
+/// bit for bit, in every direction and dtype: the CPU reference for the GPU's NHWC kernels.
+#[test]
+fn channels_last_backend_conv_equals_nchw() {
+    let geometries = [
+        // (n, c_in, h, w, c_out, kh, kw, stride, padding, dilation, groups)
+        (2, 3, 9, 7, 5, 3, 3, 1, 1, 1, 1),
+        (2, 8, 10, 10, 6, 1, 1, 2, 0, 1, 1),
+        (1, 6, 11, 9, 4, 7, 5, 2, 3, 1, 2),
+        (3, 4, 8, 8, 8, 3, 3, 1, 2, 2, 4),
+    ];
+    let mut seed = 11;
+    for (n, c_in, h, w, c_out, kh, kw, s, pad, dil, groups) in geometries {
+        let p = Conv2dParams {
+            n,
+            c_in,
+            h,
+            w,
+            c_out,
+            kh,
+            kw,
+            stride: (s, s),
+            padding: (pad, pad),
+            dilation: (dil, dil),
+            groups,
+            format: MemoryFormat::Contiguous,
+        };
+        let cl = Conv2dParams {
+            format: MemoryFormat::ChannelsLast,
+            ..p
+        };
+        let xd = [n, c_in, h, w];
+        let wd = [c_out, c_in / groups, kh, kw];
+        let yd = [n, c_out, p.out_h(), p.out_w()];
+        let mut rand = |dims: [usize; 4]| {
+            seed += 1;
+            mixprec::tensor::random::normal(seed, dims.iter().product(), 0.0, 1.0)
+        };
+        let (x, wt, g) = (rand(xd), rand(wd), rand(yd));
+        for d in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let (xs, ws, gs) = (storage(&x, d), storage(&wt, d), storage(&g, d));
+            let (xs_l, ws_l, gs_l) = (
+                storage(&to_nhwc(&xs.to_f64_vec(), xd), d),
+                storage(&to_nhwc(&ws.to_f64_vec(), wd), d),
+                storage(&to_nhwc(&gs.to_f64_vec(), yd), d),
+            );
+            let what = format!("{d} {cl:?}");
+            assert_eq!(
+                from_nhwc(&xs_l.conv2d(&ws_l, &cl).unwrap().to_f64_vec(), yd),
+                xs.conv2d(&ws, &p).unwrap().to_f64_vec(),
+                "forward {what}"
+            );
+            assert_eq!(
+                from_nhwc(
+                    &gs_l.conv2d_backward_input(&ws_l, &cl).unwrap().to_f64_vec(),
+                    xd
+                ),
+                gs.conv2d_backward_input(&ws, &p).unwrap().to_f64_vec(),
+                "backward-data {what}"
+            );
+            assert_eq!(
+                from_nhwc(
+                    &gs_l
+                        .conv2d_backward_weight(&xs_l, &cl)
+                        .unwrap()
+                        .to_f64_vec(),
+                    wd
+                ),
+                gs.conv2d_backward_weight(&xs, &p).unwrap().to_f64_vec(),
+                "backward-filter {what}"
+            );
+        }
+    }
+}
+
+/// A channels_last operand of the wrong length is an error naming it, not a panic.
+#[test]
+fn channels_last_backend_conv_checks_lengths() {
+    let p = Conv2dParams {
+        n: 2,
+        c_in: 3,
+        h: 5,
+        w: 5,
+        c_out: 4,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        padding: (1, 1),
+        dilation: (1, 1),
+        groups: 1,
+        format: MemoryFormat::ChannelsLast,
+    };
+    let x = CpuStorage::F32(vec![0.0; 2 * 3 * 5 * 5]);
+    let w = CpuStorage::F32(vec![0.0; 4 * 3 * 3 * 3]);
+    assert!(x.conv2d(&w, &p).is_ok());
+    let short = CpuStorage::F32(vec![0.0; 2 * 3 * 5 * 5 - 1]);
+    let e = short.conv2d(&w, &p).unwrap_err().to_string();
+    assert!(e.contains("conv2d") && e.contains("input"), "{e}");
+    let e = x
+        .conv2d(&CpuStorage::F32(vec![0.0; 7]), &p)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("weight"), "{e}");
+}

@@ -10,7 +10,7 @@ use mixprec::backend::cpu::CpuStorage;
 use mixprec::backend::cuda::{set_poison_allocations, CudaStorage};
 use mixprec::backend::{
     AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
-    Pool2dParams, ReduceOp, UnaryOp,
+    MemoryFormat, Pool2dParams, ReduceOp, UnaryOp,
 };
 use mixprec::tensor::random;
 use mixprec::{DType, Device, Shape, Tensor};
@@ -800,6 +800,7 @@ fn mk(
         padding: (padding, padding),
         dilation: (dilation, dilation),
         groups,
+        format: MemoryFormat::Contiguous,
     }
 }
 

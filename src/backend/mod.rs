@@ -3,7 +3,8 @@
 //! backend must agree with it (tests/cuda.rs).
 //!
 //! Invariants every implementation relies on:
-//! - storage is contiguous, row-major; shapes travel as arguments;
+//! - storage is contiguous, row-major; shapes travel as arguments (convolutions also take
+//!   channels_last operands, [`Conv2dParams::format`]);
 //! - per-dimension ops describe their operand as `(outer, len, inner)` (see [`crate::Shape::split_at_dim`]);
 //! - half types (F16, BF16) compute in f32 and round once on store; F64 computes in f64;
 //! - binary ops receive operands of one dtype (the tensor layer promotes first).
@@ -87,8 +88,29 @@ pub struct MatmulDims {
     pub b_batch_stride: usize,
 }
 
-/// 2-D convolution geometry, NCHW input `[n, c_in, h, w]`, weight `[c_out, c_in/groups, kh, kw]`,
-/// output `[n, c_out, out_h, out_w]`.
+/// How a 4-D activation `[n, c, h, w]` (or a convolution weight `[k, c, r, s]`) lies in memory;
+/// shapes stay logical either way, as in PyTorch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum MemoryFormat {
+    /// Row-major in the logical order: NCHW (weights KCRS).
+    #[default]
+    Contiguous,
+    /// Channels innermost: NHWC (weights KRSC), PyTorch's `torch.channels_last`.
+    ChannelsLast,
+}
+
+impl MemoryFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryFormat::Contiguous => "contiguous",
+            MemoryFormat::ChannelsLast => "channels_last",
+        }
+    }
+}
+
+/// 2-D convolution geometry: input `[n, c_in, h, w]`, weight `[c_out, c_in/groups, kh, kw]`,
+/// output `[n, c_out, out_h, out_w]` (logical shapes), every operand stored in `format`: the
+/// input, output and their gradients NCHW or NHWC, the weight and its gradient KCRS or KRSC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Conv2dParams {
     pub n: usize,
@@ -102,6 +124,7 @@ pub struct Conv2dParams {
     pub padding: (usize, usize),
     pub dilation: (usize, usize),
     pub groups: usize,
+    pub format: MemoryFormat,
 }
 
 impl Conv2dParams {

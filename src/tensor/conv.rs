@@ -3,7 +3,7 @@
 use super::{Shape, Tensor};
 use crate::amp::autocast;
 use crate::autograd::Op;
-use crate::backend::Conv2dParams;
+use crate::backend::{Conv2dParams, MemoryFormat};
 use crate::error::{Error, Result};
 
 /// Stride, padding, dilation and groups of a convolution (PyTorch's defaults: 1, 0, 1, 1).
@@ -83,6 +83,7 @@ impl Tensor {
             padding: cfg.padding,
             dilation: cfg.dilation,
             groups: g,
+            format: MemoryFormat::Contiguous,
         };
         let eff = |k: usize, d: usize| d * (k.max(1) - 1) + 1;
         if x[2] + 2 * cfg.padding.0 < eff(w[2], cfg.dilation.0)

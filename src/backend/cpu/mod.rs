@@ -6,6 +6,7 @@
 mod batch_norm;
 mod cast;
 mod conv;
+mod conv_format;
 mod elementwise;
 mod index;
 mod layout;
@@ -429,21 +430,34 @@ impl BackendStorage for CpuStorage {
     }
 
     fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_conv!(self, weight, "conv2d", |x, w| conv::conv2d(
-            x, w, p
-        )))
+        use conv_format::Operand::*;
+        conv_format::in_format(
+            "conv2d",
+            p,
+            (self, weight),
+            [Input, Weight, Output],
+            |x, w, p| Ok(map_conv!(x, w, "conv2d", |x, w| conv::conv2d(x, w, p))),
+        )
     }
 
     fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_conv!(self, weight, "conv2d_backward_input", |g, w| {
-            conv::conv2d_backward_input(g, w, p)
-        }))
+        use conv_format::Operand::*;
+        let op = "conv2d_backward_input";
+        conv_format::in_format(op, p, (self, weight), [Output, Weight, Input], |g, w, p| {
+            Ok(map_conv!(g, w, op, |g, w| {
+                conv::conv2d_backward_input(g, w, p)
+            }))
+        })
     }
 
     fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_conv!(self, input, "conv2d_backward_weight", |g, x| {
-            conv::conv2d_backward_weight(g, x, p)
-        }))
+        use conv_format::Operand::*;
+        let op = "conv2d_backward_weight";
+        conv_format::in_format(op, p, (self, input), [Output, Input, Weight], |g, x, p| {
+            Ok(map_conv!(g, x, op, |g, x| {
+                conv::conv2d_backward_weight(g, x, p)
+            }))
+        })
     }
 
     fn batch_norm_train(
