@@ -176,6 +176,9 @@ pub enum PlanSource {
 struct Record {
     source: PlanSource,
     time_ms: Option<f32>,
+    /// Wall time spent choosing it (building candidates, timing them, or rebuilding it from the
+    /// plan cache), ms.
+    choice_ms: f64,
     graph_candidates: usize,
     legacy_candidates: usize,
     graph_timed: usize,
@@ -308,13 +311,7 @@ impl Dnn {
         if let CacheUse::ReadWrite(cache) = &s.cache {
             if let Some(entry) = conv_cache::load(cache, &key) {
                 match self.restore(&entry, p, dir, &s) {
-                    Ok(plan) => {
-                        log::debug!(
-                            "{dir:?} {dtype} {p:?}: {} from the plan cache",
-                            plan.describe()
-                        );
-                        return Ok(plan);
-                    }
+                    Ok(plan) => return Ok(plan),
                     Err(e) => log::warn!(
                         "cuDNN plan cache: {} no longer builds ({e}); choosing the plan again",
                         conv_cache::path(cache, &key).display()
@@ -414,6 +411,7 @@ impl Dnn {
         let mut record = Record {
             source: PlanSource::Heuristic,
             time_ms: None,
+            choice_ms: 0.0,
             graph_candidates: n_graph,
             legacy_candidates: n_legacy,
             graph_timed: 0,
@@ -552,6 +550,7 @@ impl Dnn {
         let record = Record {
             source: PlanSource::Cache,
             time_ms: Some(e.time_ms),
+            choice_ms: 0.0,
             graph_candidates: e.graph_candidates,
             legacy_candidates: e.legacy_candidates,
             graph_timed: e.graph_timed,
@@ -637,7 +636,15 @@ fn run(
     let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
     let key = (*p, dtype, dir, allow_tf32());
     if !dnn_state.plans.contains_key(&key) {
-        let plan = dnn_state.make_plan(dev, p, dtype, dir, ptrs)?;
+        let started = std::time::Instant::now();
+        let mut plan = dnn_state.make_plan(dev, p, dtype, dir, ptrs)?;
+        plan.record.choice_ms = started.elapsed().as_secs_f64() * 1e3;
+        log::debug!(
+            "{dir:?} {dtype} {p:?}: {} ({:?}, {:.1} ms to choose)",
+            plan.describe(),
+            plan.record.source,
+            plan.record.choice_ms
+        );
         dnn_state.plans.insert(key, plan);
     }
     let ws_needed = dnn_state.plans.get(&key).map_or(0, Plan::workspace);
@@ -693,6 +700,9 @@ pub struct ConvPlanInfo {
     /// How many of them were timed (abandoned as too slow counts; failing to run does not).
     pub graph_timed: usize,
     pub legacy_timed: usize,
+    /// Wall time spent choosing it in this process (ms): building and timing candidates, or
+    /// rebuilding it from the plan cache.
+    pub choice_ms: f64,
     /// Bytes of workspace it needs.
     pub workspace: usize,
     /// What runs: "graph engine N [its notes] (...)" or "legacy <cuDNN algorithm> <math> (...)".
@@ -722,6 +732,7 @@ pub fn conv_plans(ordinal: usize) -> Result<Vec<ConvPlanInfo>> {
             legacy_candidates: plan.record.legacy_candidates,
             graph_timed: plan.record.graph_timed,
             legacy_timed: plan.record.legacy_timed,
+            choice_ms: plan.record.choice_ms,
             workspace: plan.workspace(),
             algorithm: plan.describe(),
         })

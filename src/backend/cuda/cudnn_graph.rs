@@ -416,7 +416,15 @@ impl GraphConv {
                 break;
             }
             // A mode with no answer for this graph leaves the others.
-            let configs = match engine_configs(op_graph, mode) {
+            let asked = std::time::Instant::now();
+            let listed = engine_configs(op_graph, mode);
+            // Mode B is documented to cost more host time than A: the log shows how much.
+            log::trace!(
+                "cuDNN heuristics {mode:?}: {} configurations in {:.2} ms",
+                listed.as_ref().map_or(0, |c| c.len()),
+                asked.elapsed().as_secs_f64() * 1e3
+            );
+            let configs = match listed {
                 Ok(c) if c.is_empty() => {
                     skipped.push(format!("{mode:?}: no configurations"));
                     continue;
