@@ -215,6 +215,34 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
                 r.total_ms / 2.0
             );
         }
+        // Each convolution plan's time when it was chosen (alone, on its first call's buffers),
+        // under the op and detail names above: set beside the in-network rows, a plan that is
+        // fast alone and slow in the step shows up.
+        let mut plans = cuda::conv_plans(0)?;
+        plans.sort_by(|a, b| {
+            b.time_ms
+                .unwrap_or(0.0)
+                .total_cmp(&a.time_ms.unwrap_or(0.0))
+        });
+        for c in &plans {
+            let p = &c.params;
+            let op = match c.direction {
+                "forward" => "conv2d",
+                "backward-data" => "conv2d_backward_input",
+                _ => "conv2d_backward_weight",
+            };
+            eprintln!(
+                "  plan {op:<24} {:<48} {:>8.3} ms alone ({:?}) {} {}",
+                format!(
+                    "{}x{}x{}x{} -> {} {}x{}/{}",
+                    p.n, p.c_in, p.h, p.w, p.c_out, p.kh, p.kw, p.stride.0
+                ),
+                c.time_ms.unwrap_or(f32::NAN),
+                c.source,
+                c.dtype,
+                c.algorithm
+            );
+        }
     }
 
     let syncs_before = cuda::host_sync_count();
