@@ -213,16 +213,17 @@ impl Plan {
         }
     }
 
-    fn choice(&self) -> Choice {
+    /// What the plan cache records of it (None: it cannot be rebuilt from a record).
+    fn choice(&self) -> Option<Choice> {
         match &self.runner {
-            Runner::Graph(g) => Choice::Graph {
+            Runner::Graph(g) => Some(Choice::Graph {
                 engine: g.candidate.engine,
-                knobs: g.candidate.knobs.clone(),
-            },
-            Runner::Legacy { algo, .. } => Choice::Legacy {
+                knobs: g.candidate.knobs.clone()?,
+            }),
+            Runner::Legacy { algo, .. } => Some(Choice::Legacy {
                 algo: algo.algo.code(),
                 math: algo.math_code(),
-            },
+            }),
         }
     }
 }
@@ -329,16 +330,19 @@ impl Dnn {
                 )))
             }
         };
-        if let (Some(cache), PlanSource::Timed, Some(time_ms)) =
-            (s.cache.dir(), plan.record.source, plan.record.time_ms)
-        {
+        if let (Some(cache), PlanSource::Timed, Some(time_ms), Some(choice)) = (
+            s.cache.dir(),
+            plan.record.source,
+            plan.record.time_ms,
+            plan.choice(),
+        ) {
             let r = plan.record;
             conv_cache::store(
                 cache,
                 &Entry {
                     format: conv_cache::FORMAT,
                     key,
-                    choice: plan.choice(),
+                    choice,
                     workspace: plan.workspace(),
                     time_ms,
                     graph_candidates: r.graph_candidates,
@@ -394,15 +398,25 @@ impl Dnn {
         };
         let graph_empty = graph.as_ref().is_none_or(|(_, c)| c.is_empty());
         let legacy = if use_legacy && (s.api != Api::Graph || graph_empty) {
-            let conv = LegacyConv::new(p, dtype, dir, tf32)?;
-            let (algos, skipped) = conv.candidates(h, tf32, s.limit)?;
-            if !skipped.is_empty() {
-                log::debug!(
-                    "{dir:?} {dtype} {p:?}, legacy algorithms not candidates: {}",
-                    skipped.join("; ")
-                );
+            let l = LegacyConv::new(p, dtype, dir, tf32).and_then(|conv| {
+                let (algos, skipped) = conv.candidates(h, tf32, s.limit)?;
+                Ok((conv, algos, skipped))
+            });
+            match l {
+                Ok((conv, algos, skipped)) => {
+                    if !skipped.is_empty() {
+                        log::debug!(
+                            "{dir:?} {dtype} {p:?}, legacy algorithms not candidates: {}",
+                            skipped.join("; ")
+                        );
+                    }
+                    Some((conv, algos))
+                }
+                Err(e) => {
+                    log::debug!("{dir:?} {dtype} {p:?}: no legacy-API candidates: {e}");
+                    None
+                }
             }
-            Some((conv, algos))
         } else {
             None
         };
@@ -516,7 +530,7 @@ impl Dnn {
         let Some(chosen) = tuning.chosen else {
             // Every candidate failed to run. Forced onto the graph API, the legacy API may
             // still cover this convolution.
-            if s.api == Api::Graph && legacy.is_none() && use_legacy {
+            if s.api == Api::Graph && use_graph && use_legacy && legacy.is_none() {
                 return self.choose(dev, p, dtype, dir, ptrs, s, false, true);
             }
             return Ok(None);

@@ -2,17 +2,19 @@
 //! and the choice among them.
 //!
 //! Each candidate runs on the first call's own buffers, its runs bracketed by CUDA events on the
-//! device's stream. A measurement enqueues one untimed run first, so that the timed runs start
-//! on a busy GPU: the host's time to launch (building a variant pack, cuDNN's own host work),
-//! which a real step hides behind the previous kernel, is not counted; neither is a first
+//! device's stream. A precise measurement enqueues one untimed run first, so that the timed runs
+//! start on a busy GPU: the host's time to launch (building a variant pack, cuDNN's own host
+//! work), which a real step hides behind the previous kernel, is not counted; neither is a first
 //! launch's kernel loading.
-//! 1. Every candidate is measured once (two runs: one untimed, one timed).
-//! 2. In order of that time, each gets `TIMED_RUNS` timed runs, the median its time. One whose
-//!    first time was more than `SLOW` times the best median so far gets one more run instead,
-//!    and is abandoned if that is slow too: an engine at 140 ms where the best takes 0.3 ms
-//!    costs three runs, not five.
-//! 3. The finalists (within `FINALIST` of the best) are measured `FINAL_ROUNDS` more times,
-//!    interleaved, so that a drift of the clocks during the timing cannot decide between
+//! 1. Every candidate runs once, timed coarsely (from an idle GPU: launch and first-launch costs
+//!    included).
+//! 2. In order of that time, each is measured precisely: `TIMED_RUNS` timed runs after an untimed
+//!    one, the median its time. One whose coarse time was more than `SLOW` times (plus
+//!    `SLACK_MS`) the best coarse time so far runs once more, coarsely, and is abandoned if that
+//!    is slow too: an engine at 140 ms where the best takes 0.3 ms costs two runs. (The slack
+//!    keeps launch costs from abandoning a candidate of a tiny convolution.)
+//! 3. The finalists (within `FINALIST` of the best median) are measured `FINAL_ROUNDS` more
+//!    times, interleaved, so that a drift of the clocks during the timing cannot decide between
 //!    near-equals.
 //! 4. Among the candidates within `WORKSPACE_TIE` of the fastest median, the one with the
 //!    smallest workspace wins: the workspace is device memory for the whole run.
@@ -31,8 +33,10 @@ use crate::error::Result;
 
 /// Timed runs per candidate after its warm-up; the median decides.
 pub(super) const TIMED_RUNS: usize = 3;
-/// A run slower than this many times the best median so far marks a candidate as too slow.
+/// A coarse time above `SLOW` times the best coarse time so far, plus `SLACK_MS`, marks a
+/// candidate as too slow.
 const SLOW: f32 = 2.0;
+const SLACK_MS: f32 = 0.2;
 /// Candidates whose median is within this factor of the best are re-timed.
 const FINALIST: f32 = 1.10;
 /// Extra runs per finalist, interleaved across finalists.
@@ -87,71 +91,72 @@ pub(super) fn tune(
     mut measure: impl FnMut(usize, usize, bool) -> Result<Option<Vec<f32>>>,
 ) -> Result<Tuning> {
     let n = workspaces.len();
-    // Timed runs per candidate, and how many runs it made; a candidate is out once failed or
-    // abandoned.
+    let slow = |t: f32, reference: f32| t > SLOW * reference + SLACK_MS;
+    // Precise times per candidate, and how many runs it made.
     let mut times: Vec<Vec<f32>> = vec![Vec::new(); n];
     let mut runs = vec![0usize; n];
-    let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
-    let mut run = |i: usize, k: usize, pre: bool, times: &mut Vec<Vec<f32>>| -> Result<bool> {
+    let mut measure = |i: usize, k: usize, pre: bool| -> Result<Option<Vec<f32>>> {
         runs[i] += k + pre as usize;
-        Ok(match measure(i, k, pre)? {
-            Some(t) => {
-                times[i].extend(t);
-                true
-            }
-            None => false,
-        })
+        measure(i, k, pre)
     };
-    for (i, outcome) in outcomes.iter_mut().enumerate() {
-        if !run(i, 1, true, &mut times)? {
-            *outcome = Some(Outcome::Failed { runs: 0 });
+    // A candidate is out once failed or abandoned.
+    let mut out: Vec<Option<Outcome>> = vec![None; n];
+    let mut coarse = vec![f32::INFINITY; n];
+    for (i, o) in out.iter_mut().enumerate() {
+        match measure(i, 1, false)? {
+            Some(t) => coarse[i] = t[0],
+            None => *o = Some(Outcome::Failed { runs: 0 }),
         }
     }
-    let first: Vec<f32> = times
-        .iter()
-        .map(|t| t.first().copied().unwrap_or(f32::INFINITY))
-        .collect();
-    let mut order: Vec<usize> = (0..n).filter(|&i| outcomes[i].is_none()).collect();
-    order.sort_by(|&a, &b| first[a].total_cmp(&first[b]));
-    let mut best = f32::INFINITY;
+    let mut order: Vec<usize> = (0..n).filter(|&i| out[i].is_none()).collect();
+    order.sort_by(|&a, &b| coarse[a].total_cmp(&coarse[b]));
+    let (mut best, mut best_coarse) = (f32::INFINITY, f32::INFINITY);
     for &i in &order {
-        if first[i] > SLOW * best {
-            // Slow, or slowed once (the clocks, another process): one more run decides.
-            if !run(i, 1, false, &mut times)? {
-                outcomes[i] = Some(Outcome::Failed { runs: 0 });
+        let mut c = coarse[i];
+        if slow(c, best_coarse) {
+            // Slow, or slowed once (a first launch, the clocks): one more run decides.
+            let Some(again) = measure(i, 1, false)? else {
+                out[i] = Some(Outcome::Failed { runs: 0 });
                 continue;
-            }
-            let again = times[i][times[i].len() - 1];
-            if again > SLOW * best {
-                outcomes[i] = Some(Outcome::Abandoned {
-                    best_ms: first[i].min(again),
+            };
+            c = c.min(again[0]);
+            if slow(again[0], best_coarse) {
+                out[i] = Some(Outcome::Abandoned {
+                    best_ms: c,
                     runs: 0,
                 });
                 continue;
             }
         }
-        let more = TIMED_RUNS.saturating_sub(times[i].len());
-        if more > 0 && !run(i, more, true, &mut times)? {
-            outcomes[i] = Some(Outcome::Failed { runs: 0 });
-            continue;
+        match measure(i, TIMED_RUNS, true)? {
+            Some(t) => times[i] = t,
+            None => {
+                out[i] = Some(Outcome::Failed { runs: 0 });
+                continue;
+            }
         }
         best = best.min(median(&times[i]));
+        best_coarse = best_coarse.min(c);
     }
     let finalists: Vec<usize> = order
         .iter()
         .copied()
-        .filter(|&i| outcomes[i].is_none() && median(&times[i]) <= FINALIST * best)
+        .filter(|&i| out[i].is_none() && median(&times[i]) <= FINALIST * best)
         .collect();
     if finalists.len() > 1 {
         for _ in 0..FINAL_ROUNDS {
             for &i in &finalists {
-                if outcomes[i].is_none() && !run(i, 1, true, &mut times)? {
-                    outcomes[i] = Some(Outcome::Failed { runs: 0 });
+                if out[i].is_some() {
+                    continue;
+                }
+                match measure(i, 1, true)? {
+                    Some(t) => times[i].extend(t),
+                    None => out[i] = Some(Outcome::Failed { runs: 0 }),
                 }
             }
         }
     }
-    let outcomes: Vec<Outcome> = outcomes
+    let outcomes: Vec<Outcome> = out
         .into_iter()
         .enumerate()
         .map(|(i, o)| match o {
@@ -159,12 +164,11 @@ pub(super) fn tune(
                 median_ms: median(&times[i]),
                 runs: runs[i],
             },
-            Some(Outcome::Failed { .. }) => Outcome::Failed { runs: runs[i] },
             Some(Outcome::Abandoned { best_ms, .. }) => Outcome::Abandoned {
                 best_ms,
                 runs: runs[i],
             },
-            Some(t) => t,
+            Some(_) => Outcome::Failed { runs: runs[i] },
         })
         .collect();
     let chosen = choose(&outcomes, workspaces);
@@ -375,36 +379,50 @@ mod tests {
         (t, calls)
     }
 
+    /// The runs of a candidate measured in full: one coarse, one untimed, `TIMED_RUNS` timed.
+    const FULL: usize = 2 + TIMED_RUNS;
+
     #[test]
-    fn the_median_decides_not_the_first_run() {
-        // Candidate 1's first timed run was slowed (within SLOW of the best): its median wins.
-        let (t, _) = run(&[vec![0.5, 1.0, 1.0], vec![1.8, 0.6, 0.6]], &[0, 0]);
+    fn the_median_decides_not_the_coarse_time() {
+        // Candidate 1's coarse run was slowed (a first launch): its precise median wins.
+        let (t, calls) = run(&[vec![0.5, 1.0], vec![1.8, 0.6]], &[0, 0]);
         assert_eq!(t.chosen, Some(1));
         assert_eq!(t.outcomes[1].median_ms(), Some(0.6));
+        // It was re-checked (1.8 > 2 x 0.5 + slack) before its precise runs.
+        assert_eq!(calls, [FULL, FULL + 1]);
     }
 
     #[test]
-    fn a_slow_candidate_costs_three_runs() {
+    fn a_slow_candidate_costs_two_runs() {
         // Like the 140 ms engine 0 of the strided 1x1 backward-data in bf16.
         let (t, calls) = run(&[vec![0.3], vec![140.0], vec![0.31]], &[0, 0, 0]);
         assert_eq!(t.chosen, Some(0));
-        assert_eq!(calls[1], 3, "{:?}", t.outcomes);
-        assert!(matches!(t.outcomes[1], Outcome::Abandoned { .. }));
-        // The two close ones were finalists: two first runs, TIMED_RUNS - 1 more after one
-        // untimed, then each final round's untimed + timed pair.
-        let full = 2 + 1 + (TIMED_RUNS - 1) + 2 * FINAL_ROUNDS;
-        assert_eq!(calls[0], full);
-        assert_eq!(calls[2], full);
+        assert_eq!(calls[1], 2, "{:?}", t.outcomes);
+        assert!(matches!(t.outcomes[1], Outcome::Abandoned { best_ms, .. } if best_ms == 140.0));
+        // The two close ones were finalists: each final round is an untimed and a timed run.
+        assert_eq!(calls[0], FULL + 2 * FINAL_ROUNDS);
+        assert_eq!(calls[2], FULL + 2 * FINAL_ROUNDS);
     }
 
     #[test]
-    fn a_slow_first_time_alone_does_not_abandon() {
-        // Its first timed run was slowed (8 ms), then it is the fastest.
-        let (t, calls) = run(&[vec![0.5], vec![8.0, 0.2, 0.2, 0.2]], &[0, 0]);
+    fn a_slow_first_launch_alone_does_not_abandon() {
+        // Its coarse run loaded a kernel (8 ms), then it is the fastest.
+        let (t, calls) = run(&[vec![0.5], vec![8.0, 0.2]], &[0, 0]);
         assert_eq!(t.chosen, Some(1));
         assert_eq!(t.outcomes[1].median_ms(), Some(0.2));
-        // The re-check was its second timed run: one more untimed + timed run completes it.
-        assert_eq!(calls[1], 2 + 1 + 1 + (TIMED_RUNS - 2));
+        assert_eq!(calls[1], FULL + 1);
+    }
+
+    #[test]
+    fn launch_costs_do_not_abandon_small_candidates() {
+        // A 15 us convolution: launch costs triple one candidate's coarse time.
+        let (t, calls) = run(&[vec![0.015, 0.012], vec![0.045, 0.011]], &[0, 0]);
+        assert!(t
+            .outcomes
+            .iter()
+            .all(|o| matches!(o, Outcome::Timed { .. })));
+        assert_eq!(t.chosen, Some(1));
+        assert_eq!(calls[1], FULL + 2 * FINAL_ROUNDS);
     }
 
     #[test]
@@ -423,7 +441,7 @@ mod tests {
         let nan = f32::NAN;
         let (t, _) = run(&[vec![nan], vec![0.1, nan], vec![0.9]], &[0, 0, 0]);
         assert_eq!(t.chosen, Some(2));
-        assert!(matches!(t.outcomes[0], Outcome::Failed { runs: 2 }));
+        assert!(matches!(t.outcomes[0], Outcome::Failed { runs: 1 }));
         assert!(matches!(t.outcomes[1], Outcome::Failed { .. }));
         let (t, _) = run(&[vec![nan], vec![nan]], &[0, 0]);
         assert_eq!(t.chosen, None);

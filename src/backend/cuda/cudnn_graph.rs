@@ -241,9 +241,10 @@ pub(super) struct GraphCandidate {
     /// Its engine configuration and what that was made of: kept alive with the plan.
     _keep: Vec<Desc>,
     /// The engine's global index and the configuration's knob choices (knob type, value):
-    /// together they rebuild this configuration.
+    /// together they rebuild this configuration (None: cuDNN did not report the knobs; the
+    /// candidate runs, but the plan cache cannot record it).
     pub(super) engine: i64,
-    pub(super) knobs: Vec<(u32, i64)>,
+    pub(super) knobs: Option<Vec<(u32, i64)>>,
     /// Its notes, as `engine_notes` writes them.
     pub(super) notes: String,
     pub(super) workspace: usize,
@@ -441,11 +442,24 @@ impl GraphConv {
                     break;
                 }
                 let engine = config_engine(&config)?;
-                let knobs = knob_choices(&config)?;
-                if out.iter().any(|c| c.engine == engine.1 && c.knobs == knobs) {
+                let knobs = match knob_choices(&config) {
+                    Ok(k) => Some(k),
+                    Err(e) => {
+                        log::debug!("engine {}: its knob choices are unknown: {e}", engine.1);
+                        None
+                    }
+                };
+                if knobs.is_some() && out.iter().any(|c| c.engine == engine.1 && c.knobs == knobs) {
                     continue;
                 }
                 match build(handle, config, engine, knobs, rules, limit)? {
+                    // Unknown knobs: a configuration already there with the same engine and
+                    // workspace is taken for the same one.
+                    Ok(c)
+                        if c.knobs.is_none()
+                            && out
+                                .iter()
+                                .any(|o| o.engine == c.engine && o.workspace == c.workspace) => {}
                     Ok(mut c) => {
                         c.mode = Some(mode);
                         out.push(c);
@@ -494,8 +508,15 @@ impl GraphConv {
             &choices.iter().collect::<Vec<_>>(),
         )?;
         let config = config.finalize("an engine configuration")?;
-        let mut c = build(handle, config, (e, engine), knobs.to_vec(), rules, limit)?
-            .map_err(|why| Error::Cuda(format!("cuDNN graph API: {why}")))?;
+        let mut c = build(
+            handle,
+            config,
+            (e, engine),
+            Some(knobs.to_vec()),
+            rules,
+            limit,
+        )?
+        .map_err(|why| Error::Cuda(format!("cuDNN graph API: {why}")))?;
         c._keep.extend(choices);
         Ok(c)
     }
@@ -624,7 +645,7 @@ fn build(
     handle: dsys::cudnnHandle_t,
     config: Desc,
     (engine, index): (Desc, i64),
-    knobs: Vec<(u32, i64)>,
+    knobs: Option<Vec<(u32, i64)>>,
     rules: EngineRules,
     limit: usize,
 ) -> Result<std::result::Result<GraphCandidate, String>> {
