@@ -12,11 +12,16 @@
 //!
 //! Why: inside a real ResNet-50 step (H200, batch 256) the former choice lost up to 4.4x to the
 //! legacy API's untimed heuristic choice. The graph API's candidates were capped at 256 MiB of
-//! workspace, and so was `cudnnFind*AlgorithmEx`'s scratch; for the strided 1x1 convolutions'
-//! backward-data and the 7x7/2 stem in bf16 every fast engine and algorithm needs 0.3-1 GB
-//! (616 MB for the 56x56 downsample's backward-data), so the graph API was left with its generic
-//! engine 0 (127-140 ms against 0.3 ms), cudnnFind returned no candidate at all, and an
-//! untimed side lost by default. Now the limit is what PyTorch allows in spirit (a generous cap:
+//! workspace, and so was `cudnnFind*AlgorithmEx`'s scratch. cuDNN's fast tensor-core kernels
+//! for NCHW operands run NHWC internally and transpose both operands in the workspace: the
+//! sizes it asked for are x + y exactly (layer1's 1x1 64->256 forward: 102.8 + 411.0 MB =
+//! 513.8 MB; the 56x56 downsample's backward-data: dx 411.0 + dy 205.5 MB = 616.6 MB; the stem,
+//! its 3 channels padded to 8: 205.5 + 411.0 MB). At batch 256 that is over 256 MiB for every
+//! early-layer convolution, so the graph API was left with its generic engine 0 on the strided
+//! 1x1 backward-data (127-140 ms against 0.3 ms), cudnnFind returned no candidate at all there
+//! (its one surviving algorithm elsewhere was the one tensor-core entry whose math type equalled
+//! the descriptor's exactly), and an untimed side lost by default. channels_last operands need no
+//! such transposes. Now the limit is what PyTorch allows in spirit (a generous cap:
 //! a quarter of the free device memory, at most 2 GiB; `MIXPREC_CUDNN_WORKSPACE_MB` overrides),
 //! the legacy algorithms are timed by our own timer rather than by cudnnFind (whose single run
 //! per candidate includes a first-launch warm-up, whose scratch it cannot share with the graph
