@@ -19,9 +19,9 @@
 //! its 3 channels padded to 8: 205.5 + 411.0 MB). At batch 256 that is over 256 MiB for every
 //! early-layer convolution, so the graph API was left with its generic engine 0 on the strided
 //! 1x1 backward-data (127-140 ms against 0.3 ms), cudnnFind returned no candidate at all there
-//! (its one surviving algorithm elsewhere was the one tensor-core entry whose math type equalled
-//! the descriptor's exactly), and an untimed side lost by default. channels_last operands need no
-//! such transposes. Now the limit is what PyTorch allows in spirit (a generous cap:
+//! (elsewhere one algorithm at most passed its filter: success, the scratch size, and a math type
+//! equal to the descriptor's), and an untimed side lost by default. channels_last operands need
+//! no such transposes. Now the limit is what PyTorch allows in spirit (a generous cap:
 //! a quarter of the free device memory, at most 2 GiB; `MIXPREC_CUDNN_WORKSPACE_MB` overrides),
 //! the legacy algorithms are timed by our own timer rather than by cudnnFind (whose single run
 //! per candidate includes a first-launch warm-up, whose scratch it cannot share with the graph
