@@ -6,6 +6,8 @@
 //! - every plan is timed, and with both APIs' candidates timed (nothing wins untimed);
 //! - a second build reads the plan cache: the same choices, no timing runs;
 //! - corrupt or stale cache files are ignored (re-timed and rewritten), never an error.
+//!
+//! Results are checked against the CPU's NCHW convolution (channels_last operands permuted).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -15,9 +17,9 @@ use mixprec::backend::cuda::{
     clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, set_poison_allocations,
     ConvPlanInfo, CudaStorage, PlanSource,
 };
-use mixprec::backend::{BackendStorage, Conv2dParams, MemoryFormat};
-use mixprec::tensor::random;
-use mixprec::{DType, Device};
+use mixprec::backend::{BackendStorage, Conv2dParams};
+use mixprec::tensor::{random, Layout, MemoryFormat};
+use mixprec::{DType, Device, Shape};
 
 /// The plan cache directory of this process (fresh), set before any convolution runs.
 fn setup() -> (MutexGuard<'static, ()>, PathBuf) {
@@ -47,15 +49,25 @@ fn setup() -> (MutexGuard<'static, ()>, PathBuf) {
     (guard, dir)
 }
 
-fn randn(n: usize, d: DType, seed: u64) -> CpuStorage {
-    CpuStorage::F32(
+/// The row-major layout of `dims`.
+fn lay(dims: &[usize]) -> Layout {
+    Layout::contiguous(Shape::new(dims.to_vec()))
+}
+
+/// The layout of `dims` stored in `format`.
+fn lay_as(dims: [usize; 4], format: MemoryFormat) -> Layout {
+    Layout::with_format(Shape::new(dims.to_vec()), format)
+}
+
+fn randn(dims: [usize; 4], d: DType, seed: u64) -> CpuStorage {
+    let n = dims.iter().product();
+    let v = CpuStorage::F32(
         random::normal(seed, n, 0.0, 1.0)
             .into_iter()
             .map(|x| x as f32)
             .collect(),
-    )
-    .to_dtype(d)
-    .unwrap()
+    );
+    v.to_dtype(&lay(&[n]), d).unwrap()
 }
 
 fn up(c: &CpuStorage) -> CudaStorage {
@@ -98,38 +110,58 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-/// Runs the three directions of `p` in `d` on the GPU and checks them against the CPU (whose
-/// channels_last convolution is the NCHW one on permuted operands, tests/conv.rs).
+/// Runs the three directions of `p` in `d` on the GPU (operands stored in `p.format`) and checks
+/// them against the CPU's NCHW result.
 fn run_and_check(p: &Conv2dParams, d: DType, seed: u64) {
-    let x = randn(p.n * p.c_in * p.h * p.w, d, seed);
-    let w = randn(p.c_out * p.c_in * p.kh * p.kw, d, seed + 1)
-        .affine(0.2, 0.0)
-        .unwrap();
-    let g = randn(p.n * p.c_out * p.out_h() * p.out_w(), d, seed + 2);
+    let xd = [p.n, p.c_in, p.h, p.w];
+    let wd = [p.c_out, p.c_in, p.kh, p.kw];
+    let yd = [p.n, p.c_out, p.out_h(), p.out_w()];
+    let x = randn(xd, d, seed);
+    let w = randn(wd, d, seed + 1);
+    let w = w.affine(&lay(&wd), 0.2, 0.0).unwrap();
+    let g = randn(yd, d, seed + 2);
+    let nchw = Conv2dParams {
+        format: MemoryFormat::Contiguous,
+        ..*p
+    };
+    // The GPU's operands: the same values stored in p.format.
+    let stored = |v: &CpuStorage, dims: [usize; 4]| {
+        let l = lay_as(dims, p.format);
+        (up(&v.copy_strided(&lay(&dims), &l).unwrap()), l)
+    };
+    let ((xg, lxg), (wg, lwg), (gg, lgg)) = (stored(&x, xd), stored(&w, wd), stored(&g, yd));
     let bound = match d {
         DType::F32 => 2e-4,
         DType::F16 => 4e-3,
         _ => 3.2e-2,
     };
-    let (xg, wg, gg) = (up(&x), up(&w), up(&g));
-    for (what, got, want) in [
+    let (lx, lw, lg) = (lay(&xd), lay(&wd), lay(&yd));
+    for (what, got, dims, want) in [
         (
             "forward",
-            xg.conv2d(&wg, p).unwrap(),
-            x.conv2d(&w, p).unwrap(),
+            xg.conv2d(&lxg, &wg, &lwg, p).unwrap(),
+            yd,
+            x.conv2d(&lx, &w, &lw, &nchw).unwrap(),
         ),
         (
             "backward-data",
-            gg.conv2d_backward_input(&wg, p).unwrap(),
-            g.conv2d_backward_input(&w, p).unwrap(),
+            gg.conv2d_backward_input(&lgg, &wg, &lwg, p).unwrap(),
+            xd,
+            g.conv2d_backward_input(&lg, &w, &lw, &nchw).unwrap(),
         ),
         (
             "backward-filter",
-            gg.conv2d_backward_weight(&xg, p).unwrap(),
-            g.conv2d_backward_weight(&x, p).unwrap(),
+            gg.conv2d_backward_weight(&lgg, &xg, &lxg, p).unwrap(),
+            wd,
+            g.conv2d_backward_weight(&lg, &x, &lx, &nchw).unwrap(),
         ),
     ] {
-        let e = rel_err(&got.to_cpu().unwrap().to_f64_vec(), &want.to_f64_vec());
+        let got = got
+            .to_cpu()
+            .unwrap()
+            .copy_strided(&lay_as(dims, p.format), &lay(&dims))
+            .unwrap();
+        let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
         assert!(
             e <= bound,
             "{what} {d} {p:?}: relative error {e:e} > {bound:e}"

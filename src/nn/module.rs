@@ -318,8 +318,7 @@ fn state_copy(t: &Tensor) -> Result<Tensor> {
     if t.dtype().is_half() {
         return t.to_dtype(DType::F32);
     }
-    let storage = t.storage().try_clone()?;
-    Ok(Tensor::from_storage(storage, t.shape().clone()))
+    t.owned()
 }
 
 fn cast_with_grad(t: &Tensor, dtype: DType) -> Result<()> {

@@ -88,35 +88,54 @@ impl Tensor {
                 "training needs more than one value per channel",
             ));
         }
+        let (run, keep) = self.op_formats();
         let p = BatchNormParams {
             n,
             c,
             spatial,
             eps: cfg.eps,
             momentum: cfg.momentum,
+            format: run,
         };
+        let x = self.packed_as(run)?;
         // The kernel takes parameters in the accumulation type; a cast is recorded so that the
         // gradient returns in the parameters' own dtype (O3 keeps BatchNorm in half).
-        let (w, b) = (weight.to_dtype(acc)?, bias.to_dtype(acc)?);
-        let stats_in_acc = running_mean.dtype() == acc && running_var.dtype() == acc;
-        let (y, mean, invstd) = if stats_in_acc {
+        let (w, b) = (
+            weight.to_dtype(acc)?.compact()?,
+            bias.to_dtype(acc)?.compact()?,
+        );
+        let in_place = |t: &Tensor| {
+            let l = t.layout();
+            t.dtype() == acc && l.offset() == 0 && t.storage().len() == c
+        };
+        let (y, mean, invstd) = if in_place(running_mean) && in_place(running_var) {
             let mut rm = running_mean.storage_mut();
             let mut rv = running_var.storage_mut();
-            self.storage()
-                .batch_norm_train(&w.storage(), &b.storage(), &mut rm, &mut rv, &p)?
-        } else {
-            // Statistics kept in half (O3): update a wide copy, then store it back rounded.
-            let mut rm = running_mean.storage().to_dtype(acc)?;
-            let mut rv = running_var.storage().to_dtype(acc)?;
-            let out = self.storage().batch_norm_train(
+            x.storage().batch_norm_train(
+                x.layout(),
                 &w.storage(),
                 &b.storage(),
                 &mut rm,
                 &mut rv,
                 &p,
+            )?
+        } else {
+            // Statistics kept in half (O3), or views: update a wide copy, then store it back.
+            let (rm_acc, rv_acc) = (
+                running_mean.detach().to_dtype(acc)?.compact()?,
+                running_var.detach().to_dtype(acc)?.compact()?,
+            );
+            let (rm_acc, rv_acc) = (rm_acc.owned()?, rv_acc.owned()?);
+            let out = x.storage().batch_norm_train(
+                x.layout(),
+                &w.storage(),
+                &b.storage(),
+                &mut rm_acc.storage_mut(),
+                &mut rv_acc.storage_mut(),
+                &p,
             )?;
-            *running_mean.storage_mut() = rm.to_dtype(running_mean.dtype())?;
-            *running_var.storage_mut() = rv.to_dtype(running_var.dtype())?;
+            running_mean.set_data(&rm_acc.to_dtype(running_mean.dtype())?)?;
+            running_var.set_data(&rv_acc.to_dtype(running_var.dtype())?)?;
             out
         };
         let cs = Shape::new(vec![c]);
@@ -124,19 +143,16 @@ impl Tensor {
             Tensor::from_storage(mean, cs.clone()),
             Tensor::from_storage(invstd, cs),
         );
-        Ok(Tensor::from_op(
-            y,
-            self.shape().clone(),
-            &[self, &w, &b],
-            || Op::BatchNorm {
-                x: self.clone(),
-                w: w.clone(),
-                b: b.clone(),
+        let y = Tensor::from_op(y, x.layout().dense_like(), &[self, &w, &b], || {
+            Op::BatchNorm {
+                x: x.detach(),
+                w: w.detach(),
                 mean,
                 invstd,
                 p,
-            },
-        ))
+            }
+        });
+        y.to_memory_format(keep)
     }
 
     fn batch_norm_eval(

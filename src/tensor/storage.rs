@@ -5,11 +5,11 @@
 use crate::backend::cpu::CpuStorage;
 use crate::backend::cuda::{CudaStorage, OpTimer};
 use crate::backend::{
-    AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, DimSplit,
-    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
+    AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
+    Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Device, Shape};
+use crate::tensor::{DType, Device, Layout, Shape};
 
 #[derive(Debug)]
 pub enum Storage {
@@ -132,122 +132,133 @@ impl Storage {
         self.to_device(self.device())
     }
 
-    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        Ok(dispatch!("to_dtype", self, |s| s.to_dtype(dtype)))
+    pub fn channels_last_native(&self) -> bool {
+        match self {
+            Storage::Cpu(s) => s.channels_last_native(),
+            Storage::Cuda(s) => s.channels_last_native(),
+        }
     }
-    pub fn unary(&self, op: UnaryOp) -> Result<Self> {
-        Ok(dispatch!("unary", self, |s| s.unary(op)))
+    pub fn copy_strided(&self, src: &Layout, dst: &Layout) -> Result<Self> {
+        Ok(dispatch!("copy_strided", self, |s| s.copy_strided(src, dst)))
     }
-    pub fn affine(&self, mul: f64, add: f64) -> Result<Self> {
-        Ok(dispatch!("affine", self, |s| s.affine(mul, add)))
+    pub fn to_dtype(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        Ok(dispatch!("to_dtype", self, |s| s.to_dtype(l, dtype)))
     }
-    pub fn powf(&self, e: f64) -> Result<Self> {
-        Ok(dispatch!("powf", self, |s| s.powf(e)))
+    pub fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        Ok(dispatch!("unary", self, |s| s.unary(l, op)))
+    }
+    pub fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
+        Ok(dispatch!("affine", self, |s| s.affine(l, mul, add)))
+    }
+    pub fn powf(&self, l: &Layout, e: f64) -> Result<Self> {
+        Ok(dispatch!("powf", self, |s| s.powf(l, e)))
     }
     pub fn binary(
         &self,
+        l: &Layout,
         rhs: &Self,
+        rl: &Layout,
         op: BinaryOp,
-        ls: &Shape,
-        rs: &Shape,
+        out: &Layout,
+    ) -> Result<Self> {
+        Ok(dispatch2!(op.name(), self, rhs, |a, b| a.binary(l, b, rl, op, out)))
+    }
+    pub fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self> {
+        Ok(dispatch2!("relu_backward", self, x, |g, x| g.relu_backward(l, x, xl)))
+    }
+    pub fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self> {
+        Ok(dispatch!("reduce", self, |s| s.reduce(l, op, dim)))
+    }
+    pub fn argmax(&self, l: &Layout, dim: usize) -> Result<Self> {
+        Ok(dispatch!("argmax", self, |s| s.argmax(l, dim)))
+    }
+    pub fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        Ok(dispatch2!("gather", self, idx, |s, i| s.gather(l, i, il, dim)))
+    }
+    pub fn scatter_add(
+        &self,
+        l: &Layout,
+        idx: &Self,
+        il: &Layout,
+        dim: usize,
         out: &Shape,
     ) -> Result<Self> {
-        Ok(dispatch2!(op.name(), self, rhs, |a, b| a.binary(b, op, ls, rs, out)))
-    }
-    pub fn relu_backward(&self, x: &Self) -> Result<Self> {
-        Ok(dispatch2!("relu_backward", self, x, |g, x| g.relu_backward(x)))
-    }
-    pub fn broadcast_to(&self, src: &Shape, dst: &Shape) -> Result<Self> {
-        Ok(dispatch!("broadcast_to", self, |s| s.broadcast_to(src, dst)))
-    }
-    pub fn reduce(&self, op: ReduceOp, split: DimSplit) -> Result<Self> {
-        Ok(dispatch!("reduce", self, |s| s.reduce(op, split)))
-    }
-    pub fn argmax(&self, split: DimSplit) -> Result<Self> {
-        Ok(dispatch!("argmax", self, |s| s.argmax(split)))
-    }
-    pub fn gather(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
-        Ok(dispatch2!("gather", self, idx, |s, i| s.gather(i, split, idx_len)))
-    }
-    pub fn scatter_add(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
         Ok(dispatch2!("scatter_add", self, idx, |s, i| s
-            .scatter_add(i, split, idx_len)))
+            .scatter_add(l, i, il, dim, out)))
     }
-    pub fn permute(&self, shape: &Shape, perm: &[usize]) -> Result<Self> {
-        Ok(dispatch!("permute", self, |s| s.permute(shape, perm)))
-    }
-    pub fn narrow(&self, split: DimSplit, start: usize, count: usize) -> Result<Self> {
-        Ok(dispatch!("narrow", self, |s| s.narrow(split, start, count)))
-    }
-    pub fn cat(parts: &[&Self], outer: usize, lens: &[usize], inner: usize) -> Result<Self> {
-        let first = parts
+    pub fn cat(parts: &[(&Self, &Layout)], dim: usize) -> Result<Self> {
+        let (first, _) = parts
             .first()
             .ok_or_else(|| Error::invalid_shape("cat", &Shape::scalar(), "no tensors"))?;
+        let mismatch = |other: &Storage| Error::DeviceMismatch {
+            op: "cat",
+            lhs: first.device(),
+            rhs: other.device(),
+        };
         match first {
             Storage::Cpu(_) => {
                 let mut cpu = Vec::with_capacity(parts.len());
-                for p in parts {
+                for (p, l) in parts {
                     match p {
-                        Storage::Cpu(s) => cpu.push(s),
+                        Storage::Cpu(s) => cpu.push((s, *l)),
                         #[allow(unreachable_patterns)]
-                        other => {
-                            return Err(Error::DeviceMismatch {
-                                op: "cat",
-                                lhs: first.device(),
-                                rhs: other.device(),
-                            })
-                        }
+                        other => return Err(mismatch(other)),
                     }
                 }
-                Ok(Storage::Cpu(CpuStorage::cat(&cpu, outer, lens, inner)?))
+                Ok(Storage::Cpu(CpuStorage::cat(&cpu, dim)?))
             }
             Storage::Cuda(_) => {
                 let mut gpu = Vec::with_capacity(parts.len());
-                for p in parts {
+                for (p, l) in parts {
                     match p {
-                        Storage::Cuda(s) => gpu.push(s),
-                        other => {
-                            return Err(Error::DeviceMismatch {
-                                op: "cat",
-                                lhs: first.device(),
-                                rhs: other.device(),
-                            })
-                        }
+                        Storage::Cuda(s) => gpu.push((s, *l)),
+                        other => return Err(mismatch(other)),
                     }
                 }
-                Ok(Storage::Cuda(CudaStorage::cat(&gpu, outer, lens, inner)?))
+                Ok(Storage::Cuda(CudaStorage::cat(&gpu, dim)?))
             }
         }
     }
-    pub fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self> {
+    pub fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
         let _t = timer_with(self, "matmul", || format!("{dims:?}"));
-        Ok(dispatch2!("matmul", self, rhs, |a, b| a.matmul(b, dims)))
+        Ok(dispatch2!("matmul", self, rhs, |a, b| a.matmul(l, b, rl, dims)))
     }
-    pub fn conv2d(&self, w: &Self, p: &Conv2dParams) -> Result<Self> {
+    pub fn conv2d(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
         let _t = timer_with(self, "conv2d", || conv_detail(p));
-        Ok(dispatch2!("conv2d", self, w, |x, w| x.conv2d(w, p)))
+        Ok(dispatch2!("conv2d", self, w, |x, w| x.conv2d(l, w, wl, p)))
     }
-    pub fn conv2d_backward_input(&self, w: &Self, p: &Conv2dParams) -> Result<Self> {
+    pub fn conv2d_backward_input(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
         let _t = timer_with(self, "conv2d_backward_input", || conv_detail(p));
         Ok(dispatch2!("conv2d_backward_input", self, w, |g, w| g
-            .conv2d_backward_input(w, p)))
+            .conv2d_backward_input(l, w, wl, p)))
     }
-    pub fn conv2d_backward_weight(&self, x: &Self, p: &Conv2dParams) -> Result<Self> {
+    pub fn conv2d_backward_weight(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
         let _t = timer_with(self, "conv2d_backward_weight", || conv_detail(p));
         Ok(dispatch2!("conv2d_backward_weight", self, x, |g, x| g
-            .conv2d_backward_weight(x, p)))
+            .conv2d_backward_weight(l, x, xl, p)))
     }
     pub fn batch_norm_train(
         &self,
+        l: &Layout,
         weight: &Self,
         bias: &Self,
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)> {
-        let _t = timer_with(self, "batch_norm", || {
-            format!("{}x{}x{}", p.n, p.c, p.spatial)
-        });
+        let _t = timer_with(self, "batch_norm", || bn_detail(p));
         match (self, weight, bias, running_mean, running_var) {
             (
                 Storage::Cpu(x),
@@ -256,7 +267,7 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(v),
             ) => {
-                let (y, mean, invstd) = x.batch_norm_train(w, b, m, v, p)?;
+                let (y, mean, invstd) = x.batch_norm_train(l, w, b, m, v, p)?;
                 Ok((Storage::Cpu(y), Storage::Cpu(mean), Storage::Cpu(invstd)))
             }
             (
@@ -266,7 +277,7 @@ impl Storage {
                 Storage::Cuda(m),
                 Storage::Cuda(v),
             ) => {
-                let (y, mean, invstd) = x.batch_norm_train(w, b, m, v, p)?;
+                let (y, mean, invstd) = x.batch_norm_train(l, w, b, m, v, p)?;
                 Ok((Storage::Cuda(y), Storage::Cuda(mean), Storage::Cuda(invstd)))
             }
             (x, w, _, _, _) => Err(Error::DeviceMismatch {
@@ -276,17 +287,18 @@ impl Storage {
             }),
         }
     }
+    #[allow(clippy::too_many_arguments)]
     pub fn batch_norm_backward(
         &self,
+        l: &Layout,
         x: &Self,
+        xl: &Layout,
         weight: &Self,
         mean: &Self,
         invstd: &Self,
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)> {
-        let _t = timer_with(self, "batch_norm_backward", || {
-            format!("{}x{}x{}", p.n, p.c, p.spatial)
-        });
+        let _t = timer_with(self, "batch_norm_backward", || bn_detail(p));
         match (self, x, weight, mean, invstd) {
             (
                 Storage::Cpu(g),
@@ -295,7 +307,7 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(s),
             ) => {
-                let (dx, dw, db) = g.batch_norm_backward(x, w, m, s, p)?;
+                let (dx, dw, db) = g.batch_norm_backward(l, x, xl, w, m, s, p)?;
                 Ok((Storage::Cpu(dx), Storage::Cpu(dw), Storage::Cpu(db)))
             }
             (
@@ -305,7 +317,7 @@ impl Storage {
                 Storage::Cuda(m),
                 Storage::Cuda(s),
             ) => {
-                let (dx, dw, db) = g.batch_norm_backward(x, w, m, s, p)?;
+                let (dx, dw, db) = g.batch_norm_backward(l, x, xl, w, m, s, p)?;
                 Ok((Storage::Cuda(dx), Storage::Cuda(dw), Storage::Cuda(db)))
             }
             (g, x, _, _, _) => Err(Error::DeviceMismatch {
@@ -315,49 +327,74 @@ impl Storage {
             }),
         }
     }
-    pub fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
+    pub fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
         let _t = timer_with(self, "max_pool2d", || format!("{p:?}"));
         match self {
             Storage::Cpu(x) => {
-                let (o, i) = x.max_pool2d(p)?;
+                let (o, i) = x.max_pool2d(l, p)?;
                 Ok((Storage::Cpu(o), Storage::Cpu(i)))
             }
             Storage::Cuda(x) => {
-                let (o, i) = x.max_pool2d(p)?;
+                let (o, i) = x.max_pool2d(l, p)?;
                 Ok((Storage::Cuda(o), Storage::Cuda(i)))
             }
         }
     }
-    pub fn max_pool2d_backward(&self, argmax: &Self, p: &Pool2dParams) -> Result<Self> {
+    pub fn max_pool2d_backward(
+        &self,
+        l: &Layout,
+        argmax: &Self,
+        al: &Layout,
+        p: &Pool2dParams,
+    ) -> Result<Self> {
         Ok(dispatch2!("max_pool2d_backward", self, argmax, |g, i| g
-            .max_pool2d_backward(i, p)))
+            .max_pool2d_backward(l, i, al, p)))
     }
-    pub fn avg_pool2d(&self, p: &Pool2dParams) -> Result<Self> {
-        Ok(dispatch!("avg_pool2d", self, |s| s.avg_pool2d(p)))
+    pub fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        Ok(dispatch!("avg_pool2d", self, |s| s.avg_pool2d(l, p)))
     }
-    pub fn avg_pool2d_backward(&self, p: &Pool2dParams) -> Result<Self> {
-        Ok(dispatch!("avg_pool2d_backward", self, |s| s.avg_pool2d_backward(p)))
+    pub fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        Ok(dispatch!("avg_pool2d_backward", self, |s| s.avg_pool2d_backward(l, p)))
     }
-    pub fn adaptive_avg_pool2d(&self, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(dispatch!("adaptive_avg_pool2d", self, |s| s.adaptive_avg_pool2d(p)))
+    pub fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        Ok(dispatch!("adaptive_avg_pool2d", self, |s| s.adaptive_avg_pool2d(l, p)))
     }
-    pub fn adaptive_avg_pool2d_backward(&self, p: &AdaptivePoolParams) -> Result<Self> {
+    pub fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
         Ok(dispatch!("adaptive_avg_pool2d_backward", self, |s| s
-            .adaptive_avg_pool2d_backward(p)))
+            .adaptive_avg_pool2d_backward(l, p)))
     }
-    pub fn softmax(&self, split: DimSplit, log: bool) -> Result<Self> {
-        Ok(dispatch!("softmax", self, |s| s.softmax(split, log)))
+    pub fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self> {
+        Ok(dispatch!("softmax", self, |s| s.softmax(l, dim, log)))
     }
-    pub fn softmax_backward(&self, y: &Self, split: DimSplit, log: bool) -> Result<Self> {
+    pub fn softmax_backward(
+        &self,
+        l: &Layout,
+        y: &Self,
+        yl: &Layout,
+        dim: usize,
+        log: bool,
+    ) -> Result<Self> {
         Ok(dispatch2!("softmax_backward", self, y, |g, y| g
-            .softmax_backward(y, split, log)))
+            .softmax_backward(l, y, yl, dim, log)))
     }
+}
+
+fn bn_detail(p: &BatchNormParams) -> String {
+    format!("{}x{}x{} {}", p.n, p.c, p.spatial, p.format.name())
 }
 
 /// A convolution's geometry as the profiler shows it: `n×c×h×w -> c_out kh×kw /stride`.
 fn conv_detail(p: &Conv2dParams) -> String {
     format!(
-        "{}x{}x{}x{} -> {} {}x{}/{}",
-        p.n, p.c_in, p.h, p.w, p.c_out, p.kh, p.kw, p.stride.0
+        "{}x{}x{}x{} -> {} {}x{}/{} {}",
+        p.n,
+        p.c_in,
+        p.h,
+        p.w,
+        p.c_out,
+        p.kh,
+        p.kw,
+        p.stride.0,
+        p.format.name()
     )
 }

@@ -192,7 +192,7 @@ pub(super) fn store(dir: &Path, entry: &Entry) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::MemoryFormat;
+    use crate::tensor::MemoryFormat;
 
     fn params(format: MemoryFormat) -> Conv2dParams {
         Conv2dParams {

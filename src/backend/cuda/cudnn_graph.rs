@@ -18,9 +18,9 @@ use cudarc::cudnn::sys::cudnnBackendDescriptorType_t as D;
 use dsys::cudnnBackendHeurMode_t as Heur;
 
 use super::conv::{data_type, Dir};
-use crate::backend::{Conv2dParams, MemoryFormat};
+use crate::backend::Conv2dParams;
 use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::tensor::{DType, MemoryFormat};
 
 /// Unique ids of the three tensors in the graph (and in every variant pack).
 const UID_X: i64 = 1;

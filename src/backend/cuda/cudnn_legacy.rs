@@ -16,9 +16,9 @@ use cudarc::cudnn::{result as dnn, sys as dsys};
 use dsys::cudnnMathType_t as M;
 
 use super::conv::{data_type, Dir};
-use crate::backend::{Conv2dParams, MemoryFormat};
+use crate::backend::Conv2dParams;
 use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::tensor::{DType, MemoryFormat};
 
 fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("cuDNN {what}: {e:?}"))

@@ -1,25 +1,36 @@
 //! The CUDA backend: context and stream per device with a stream-ordered memory pool
 //! (`device.rs`), library probing (`probe.rs`), the NVRTC kernel registry with its on-disk cache
-//! (`registry.rs`), kernel launches (`launch.rs`), the buffer type (`storage.rs`) and its ops
-//! (`ops.rs`), diagnostics (`profile.rs`: per-op device time, pool memory), cuBLAS matmul
-//! (`matmul.rs`) and cuDNN convolution (`conv.rs`: the plan choice; the two cuDNN APIs in
+//! (`registry.rs`), kernel launches (`launch.rs`), the buffer type and its [`BackendStorage`]
+//! dispatch (`storage.rs`), diagnostics (`profile.rs`: per-op device time, pool memory), and one
+//! file per op family, named as its kernels in `kernels/*.cu` at the crate root: `cast.rs`,
+//! `elementwise.rs`, `layout.rs`, `reduce.rs`, `index.rs`, `softmax.rs`, `batch_norm.rs`,
+//! `pool.rs`, cuBLAS `matmul.rs`, cuDNN `conv.rs` (the plan choice; the two cuDNN APIs in
 //! `cudnn_graph.rs` and `cudnn_legacy.rs`, the timer in `conv_tune.rs`, the on-disk plan cache in
-//! `conv_cache.rs`).
-//! Kernels are in `kernels/*.cu` at the crate root.
+//! `conv_cache.rs`), `multi_tensor.rs`; `common.rs` holds what they share.
+//!
+//! [`BackendStorage`]: crate::backend::BackendStorage
 
+mod batch_norm;
+mod cast;
+mod common;
 mod conv;
 mod conv_cache;
 mod conv_tune;
 mod cudnn_graph;
 mod cudnn_legacy;
 mod device;
+mod elementwise;
+mod index;
 mod launch;
+mod layout;
 mod matmul;
 mod multi_tensor;
-mod ops;
+mod pool;
 mod probe;
 mod profile;
+mod reduce;
 mod registry;
+mod softmax;
 mod storage;
 
 pub use conv::{
@@ -37,6 +48,7 @@ pub use profile::{
     mem_get_info, memory_stats, op_profile, reset_peak_memory, set_op_profiling, MemoryStats,
     OpProfileRow,
 };
+pub use registry::compile_all_for;
 pub use storage::CudaStorage;
 
 /// Whether f32 matmul/convolution may use TF32 (see [`set_allow_tf32`]).
