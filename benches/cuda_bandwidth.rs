@@ -149,6 +149,8 @@ fn bandwidth() -> mixprec::Result<()> {
         eps: 1e-5,
         momentum: 0.1,
         format: MemoryFormat::Contiguous,
+        residual: false,
+        relu: false,
     };
     let w = CudaStorage::full(0, DType::F32, bc, 1.0)?;
     let b = CudaStorage::full(0, DType::F32, bc, 0.0)?;
@@ -157,7 +159,7 @@ fn bandwidth() -> mixprec::Result<()> {
     row(
         "batch_norm fwd f32 [256,64,128,128]",
         time(2, 10, || {
-            x32.batch_norm_train(&l, &w, &b, &mut rm, &mut rv, &p)
+            x32.batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
                 .map(|_| ())
         })?,
         8 * n,
@@ -165,7 +167,7 @@ fn bandwidth() -> mixprec::Result<()> {
     row(
         "batch_norm fwd f16 [256,64,128,128]",
         time(2, 10, || {
-            x16.batch_norm_train(&l, &w, &b, &mut rm, &mut rv, &p)
+            x16.batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
                 .map(|_| ())
         })?,
         4 * n,

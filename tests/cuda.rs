@@ -702,6 +702,8 @@ fn batch_norm_train_and_backward() {
                 eps: 1e-5,
                 momentum: 0.1,
                 format: MemoryFormat::Contiguous,
+                residual: false,
+                relu: false,
             };
             let spread = if shift > 1.0 { 0.5 } else { 2.0 };
             let x = scale(&randn(n * c * spatial, d), spread, shift);
@@ -711,16 +713,16 @@ fn batch_norm_train_and_backward() {
             let (mut rm, mut rv) = (rm_in.clone(), rv_in.clone());
             let (mut grm, mut grv) = (up(&rm), up(&rv));
             let (y, mean, invstd) = x
-                .batch_norm_train(&l, &w, &b, &mut rm, &mut rv, &p)
+                .batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
                 .unwrap();
             let (gy, gmean, ginvstd) = up(&x)
-                .batch_norm_train(&l, &up(&w), &up(&b), &mut grm, &mut grv, &p)
+                .batch_norm_train(&l, None, &up(&w), &up(&b), &mut grm, &mut grv, &p)
                 .unwrap();
             let what = format!("batch_norm {d} {n}x{c}x{spatial}");
             // The blocks of a channel wait for each other: a race would move the result.
             let (mut grm2, mut grv2) = (up(&rm_in), up(&rv_in));
             let (gy2, gmean2, _) = up(&x)
-                .batch_norm_train(&l, &up(&w), &up(&b), &mut grm2, &mut grv2, &p)
+                .batch_norm_train(&l, None, &up(&w), &up(&b), &mut grm2, &mut grv2, &p)
                 .unwrap();
             check_exact(&format!("{what} y, run twice"), &gy2, &gy.to_cpu().unwrap());
             check_exact(
@@ -734,15 +736,130 @@ fn batch_norm_train_and_backward() {
             check(&format!("{what} running_mean"), &grm, &rm, 1e-4);
             check(&format!("{what} running_var"), &grv, &rv, 1e-4);
             let g = randn(n * c * spatial, d);
-            let (dx, dw, db) = g
-                .batch_norm_backward(&l, &x, &l, &w, &mean, &invstd, &p)
+            let r = g
+                .batch_norm_backward(&l, &x, &l, None, &w, &mean, &invstd, &p)
                 .unwrap();
-            let (gdx, gdw, gdb) = up(&g)
-                .batch_norm_backward(&l, &up(&x), &l, &up(&w), &up(&mean), &up(&invstd), &p)
+            let gr = up(&g)
+                .batch_norm_backward(&l, &up(&x), &l, None, &up(&w), &up(&mean), &up(&invstd), &p)
                 .unwrap();
-            check(&format!("{what} dx"), &gdx, &dx, tol(d) * 4.0);
-            check(&format!("{what} dw"), &gdw, &dw, 1e-4);
-            check(&format!("{what} db"), &gdb, &db, 1e-4);
+            check(&format!("{what} dx"), &gr.input, &r.input, tol(d) * 4.0);
+            check(&format!("{what} dw"), &gr.weight, &r.weight, 1e-4);
+            check(&format!("{what} db"), &gr.bias, &r.bias, 1e-4);
+        }
+    }
+}
+
+/// `[n, c, sp]` stored NHWC (`[n, sp, c]` in memory): the layout the channels_last kernels take.
+fn nhwc(n: usize, c: usize, sp: usize) -> Layout {
+    Layout::new(Shape::new(vec![n, c, sp]), vec![sp * c, 1, c], 0)
+}
+
+/// The fused batch norm (residual add, ReLU) and the channels_last one, forward and backward,
+/// against the CPU's NCHW reference: the GPU gets the same logical values in its format, and its
+/// results are brought back to NCHW before the comparison.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_norm_fused_and_channels_last() {
+    gpu();
+    for d in DTYPES {
+        // Channel counts that take 16-byte packs (64, 256) and that do not (3, 20, 1000 in f32).
+        let shapes = [
+            (8, 64, 49),
+            (4, 3, 100),
+            (32, 256, 196),
+            (2, 20, 7),
+            (3, 1000, 9),
+            (64, 64, 3136),
+        ];
+        for (n, c, sp) in shapes {
+            for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+                for (residual, relu) in [(false, false), (false, true), (true, true)] {
+                    if format == MemoryFormat::Contiguous && !residual && !relu {
+                        continue; // the single-pass kernel, tested above
+                    }
+                    let p = BatchNormParams {
+                        n,
+                        c,
+                        spatial: sp,
+                        eps: 1e-5,
+                        momentum: 0.1,
+                        format: MemoryFormat::Contiguous,
+                        residual,
+                        relu,
+                    };
+                    let gp = BatchNormParams { format, ..p };
+                    let what = format!(
+                        "batch_norm {d} {n}x{c}x{sp} {} res={residual} relu={relu}",
+                        format.name()
+                    );
+                    let cl = lay(&[n, c, sp]);
+                    let gl = match format {
+                        MemoryFormat::ChannelsLast => nhwc(n, c, sp),
+                        MemoryFormat::Contiguous => cl.clone(),
+                    };
+                    // CPU values (NCHW) and their GPU copies in the GPU's format.
+                    let to_gpu = |v: &CpuStorage| up(&v.copy_strided(&cl, &gl).unwrap());
+                    let to_nchw = |v: &CudaStorage| {
+                        let h = v.to_cpu().unwrap();
+                        let back =
+                            Layout::new(Shape::new(vec![n, c, sp]), gl.strides().to_vec(), 0);
+                        h.copy_strided(&back, &cl).unwrap()
+                    };
+                    let x = scale(&randn(n * c * sp, d), 1.5, 0.3);
+                    let res = randn(n * c * sp, d);
+                    let (w, b) = (f32s(&randn(c, DType::F32)), f32s(&randn(c, DType::F32)));
+                    let (mut rm, mut rv) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+                    let (mut grm, mut grv) = (up(&rm), up(&rv));
+                    let rarg = residual.then_some((&res, &cl));
+                    let (y, mean, invstd) = x
+                        .batch_norm_train(&cl, rarg, &w, &b, &mut rm, &mut rv, &p)
+                        .unwrap();
+                    let (gx, gres) = (to_gpu(&x), to_gpu(&res));
+                    let grarg = residual.then_some((&gres, &gl));
+                    let (gy, gmean, ginvstd) = gx
+                        .batch_norm_train(&gl, grarg, &up(&w), &up(&b), &mut grm, &mut grv, &gp)
+                        .unwrap();
+                    let gy_nchw = to_nchw(&gy);
+                    let e = rel_err(&gy_nchw.to_f64_vec(), &y.to_f64_vec());
+                    assert!(e <= tol(d) * 2.0, "{what} y: relative error {e:e}");
+                    check(&format!("{what} mean"), &gmean, &mean, 1e-4);
+                    check(&format!("{what} invstd"), &ginvstd, &invstd, 1e-4);
+                    check(&format!("{what} running_mean"), &grm, &rm, 1e-4);
+                    check(&format!("{what} running_var"), &grv, &rv, 1e-4);
+                    // Backward: both sides read the same y (the GPU's, brought to NCHW), so a
+                    // ReLU tie at zero cannot move the comparison.
+                    let g = randn(n * c * sp, d);
+                    let yarg = relu.then_some((&gy_nchw, &cl));
+                    let r = g
+                        .batch_norm_backward(&cl, &x, &cl, yarg, &w, &mean, &invstd, &p)
+                        .unwrap();
+                    let gyarg = relu.then_some((&gy, &gl));
+                    let gr = to_gpu(&g)
+                        .batch_norm_backward(
+                            &gl,
+                            &gx,
+                            &gl,
+                            gyarg,
+                            &up(&w),
+                            &up(&mean),
+                            &up(&invstd),
+                            &gp,
+                        )
+                        .unwrap();
+                    let e = rel_err(&to_nchw(&gr.input).to_f64_vec(), &r.input.to_f64_vec());
+                    assert!(e <= tol(d) * 4.0, "{what} dx: relative error {e:e}");
+                    check(&format!("{what} dw"), &gr.weight, &r.weight, 1e-4);
+                    check(&format!("{what} db"), &gr.bias, &r.bias, 1e-4);
+                    match (gr.residual, r.residual) {
+                        (Some(gd), Some(cd)) => {
+                            let e = rel_err(&to_nchw(&gd).to_f64_vec(), &cd.to_f64_vec());
+                            assert!(e == 0.0, "{what} d_residual: relative error {e:e}");
+                        }
+                        (None, None) => assert!(!residual, "{what}: no residual gradient"),
+                        _ => panic!("{what}: residual gradients on one side only"),
+                    }
+                }
+            }
         }
     }
 }
@@ -847,6 +964,106 @@ fn avg_and_adaptive_pool_fwd_bwd() {
                 &g.adaptive_avg_pool2d_backward(&whole(&g), &p).unwrap(),
                 tol(d),
             );
+        }
+    }
+}
+
+/// NCHW and NHWC layouts of one logical `[n, c, h, w]`.
+fn nchw_nhwc(n: usize, c: usize, h: usize, w: usize) -> (Layout, Layout) {
+    let s = Shape::new(vec![n, c, h, w]);
+    (
+        Layout::contiguous(s.clone()),
+        Layout::with_format(s, MemoryFormat::ChannelsLast),
+    )
+}
+
+/// Pooling in NHWC on the GPU against the CPU's NCHW reference (values moved between the
+/// layouts on the host; argmax, the flat h·w index, is the same in both).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pooling_channels_last() {
+    gpu();
+    for d in DTYPES {
+        for p in pool_cases().into_iter().chain([Pool2dParams {
+            n: 4,
+            c: 64,
+            h: 112,
+            w: 112,
+            kh: 3,
+            kw: 3,
+            stride: (2, 2),
+            padding: (1, 1),
+            count_include_pad: true,
+            format: MemoryFormat::Contiguous,
+        }]) {
+            let gp = Pool2dParams {
+                format: MemoryFormat::ChannelsLast,
+                ..p
+            };
+            let (ci, li) = nchw_nhwc(p.n, p.c, p.h, p.w);
+            let (co, lo) = nchw_nhwc(p.n, p.c, p.out_h(), p.out_w());
+            let to_gpu =
+                |v: &CpuStorage, from: &Layout, to: &Layout| up(&v.copy_strided(from, to).unwrap());
+            let back = |v: &CudaStorage, from: &Layout, to: &Layout| {
+                v.to_cpu().unwrap().copy_strided(from, to).unwrap()
+            };
+            let what = format!("{d} {p:?} NHWC");
+            let x = randn(p.n * p.c * p.h * p.w, d);
+            let gx = to_gpu(&x, &ci, &li);
+            let (y, idx) = x.max_pool2d(&ci, &p).unwrap();
+            let (gy, gidx) = gx.max_pool2d(&li, &gp).unwrap();
+            assert_eq!(back(&gy, &lo, &co), y, "max_pool2d {what}");
+            if d == DType::F32 {
+                assert_eq!(back(&gidx, &lo, &co), idx, "max_pool2d argmax {what}");
+            }
+            let g = randn(y.len(), d);
+            let want = g.max_pool2d_backward(&co, &idx, &co, &p).unwrap();
+            let got = to_gpu(&g, &co, &lo)
+                .max_pool2d_backward(&lo, &to_gpu(&idx, &co, &lo), &lo, &gp)
+                .unwrap();
+            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "max_pool2d_backward {what}: {e:e}");
+            let want = x.avg_pool2d(&ci, &p).unwrap();
+            let got = gx.avg_pool2d(&li, &gp).unwrap();
+            let e = rel_err(&back(&got, &lo, &co).to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "avg_pool2d {what}: {e:e}");
+            let want = g.avg_pool2d_backward(&co, &p).unwrap();
+            let got = to_gpu(&g, &co, &lo).avg_pool2d_backward(&lo, &gp).unwrap();
+            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "avg_pool2d_backward {what}: {e:e}");
+        }
+        for (c, h, w, oh, ow) in [(64, 7, 7, 1, 1), (3, 10, 9, 3, 4), (2048, 7, 7, 1, 1)] {
+            let p = AdaptivePoolParams {
+                n: 2,
+                c,
+                h,
+                w,
+                out_h: oh,
+                out_w: ow,
+                format: MemoryFormat::Contiguous,
+            };
+            let gp = AdaptivePoolParams {
+                format: MemoryFormat::ChannelsLast,
+                ..p
+            };
+            let (ci, li) = nchw_nhwc(2, c, h, w);
+            let (co, lo) = nchw_nhwc(2, c, oh, ow);
+            let what = format!("adaptive {d} {p:?} NHWC");
+            let x = randn(2 * c * h * w, d);
+            let gx = up(&x.copy_strided(&ci, &li).unwrap());
+            let want = x.adaptive_avg_pool2d(&ci, &p).unwrap();
+            let got = gx.adaptive_avg_pool2d(&li, &gp).unwrap();
+            let got = got.to_cpu().unwrap().copy_strided(&lo, &co).unwrap();
+            let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "{what}: {e:e}");
+            let g = randn(2 * c * oh * ow, d);
+            let want = g.adaptive_avg_pool2d_backward(&co, &p).unwrap();
+            let got = up(&g.copy_strided(&co, &lo).unwrap())
+                .adaptive_avg_pool2d_backward(&lo, &gp)
+                .unwrap();
+            let got = got.to_cpu().unwrap().copy_strided(&li, &ci).unwrap();
+            let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "{what} backward: {e:e}");
         }
     }
 }

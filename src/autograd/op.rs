@@ -89,9 +89,12 @@ pub(crate) enum Op {
         w_shape: Shape,
         p: Conv2dParams,
     },
+    /// Inputs x, w, b (and the residual when `p.residual`); `y`, the output, is kept for the
+    /// fused ReLU's mask.
     BatchNorm {
         x: Tensor,
         w: Tensor,
+        y: Option<Tensor>,
         mean: Tensor,
         invstd: Tensor,
         p: BatchNormParams,
@@ -137,6 +140,8 @@ impl Op {
             Op::Gather { .. } => "gather",
             Op::Matmul { .. } => "matmul",
             Op::Conv2d { .. } => "conv2d",
+            Op::BatchNorm { p, .. } if p.residual => "batch_norm_add_relu",
+            Op::BatchNorm { p, .. } if p.relu => "batch_norm_relu",
             Op::BatchNorm { .. } => "batch_norm",
             Op::MaxPool2d { .. } => "max_pool2d",
             Op::AvgPool2d { .. } => "avg_pool2d",
@@ -320,9 +325,9 @@ impl Op {
                 let dx = if need(0) {
                     let w = w.as_ref().ok_or_else(|| missing("weight"))?;
                     let s = g.storage().conv2d_backward_input(
-                        g.layout(),
+                        &g.layout(),
                         &w.storage(),
-                        w.layout(),
+                        &w.layout(),
                         p,
                     )?;
                     Some(Tensor::from_storage(
@@ -335,9 +340,9 @@ impl Op {
                 let dw = if need(1) {
                     let x = x.as_ref().ok_or_else(|| missing("input"))?;
                     let s = g.storage().conv2d_backward_weight(
-                        g.layout(),
+                        &g.layout(),
                         &x.storage(),
-                        x.layout(),
+                        &x.layout(),
                         p,
                     )?;
                     Some(Tensor::from_storage(
@@ -352,34 +357,44 @@ impl Op {
             Op::BatchNorm {
                 x,
                 w,
+                y,
                 mean,
                 invstd,
                 p,
             } => {
-                // All three come from one kernel; keep those that are needed.
+                // Every gradient comes from one kernel; keep those that are needed.
                 let g = g.packed_as(p.format)?;
-                let (dx, dw, db) = g.storage().batch_norm_backward(
-                    g.layout(),
+                let y_storage = y.as_ref().map(|y| y.storage());
+                let y_layout = y.as_ref().map(|y| y.layout());
+                let y_arg = y_storage.as_deref().zip(y_layout.as_deref());
+                let r = g.storage().batch_norm_backward(
+                    &g.layout(),
                     &x.storage(),
-                    x.layout(),
+                    &x.layout(),
+                    y_arg,
                     &w.storage(),
                     &mean.storage(),
                     &invstd.storage(),
                     p,
                 )?;
+                drop(y_storage);
                 let c = Shape::new(vec![p.c]);
+                let dense = x.layout().dense_like();
                 Ok(vec![
-                    need(0).then(|| Tensor::from_storage(dx, x.layout().dense_like())),
-                    need(1).then(|| Tensor::from_storage(dw, c.clone())),
-                    need(2).then(|| Tensor::from_storage(db, c)),
+                    need(0).then(|| Tensor::from_storage(r.input, dense.clone())),
+                    need(1).then(|| Tensor::from_storage(r.weight, c.clone())),
+                    need(2).then(|| Tensor::from_storage(r.bias, c)),
+                    r.residual
+                        .filter(|_| need(3))
+                        .map(|s| Tensor::from_storage(s, dense)),
                 ])
             }
             Op::MaxPool2d { from, argmax, p } => one(&|| {
                 let g = g.packed_as(p.format)?;
                 let s = g.storage().max_pool2d_backward(
-                    g.layout(),
+                    &g.layout(),
                     &argmax.storage(),
-                    argmax.layout(),
+                    &argmax.layout(),
                     p,
                 )?;
                 Ok(Tensor::from_storage(
@@ -389,7 +404,7 @@ impl Op {
             }),
             Op::AvgPool2d { from, p } => one(&|| {
                 let g = g.packed_as(p.format)?;
-                let s = g.storage().avg_pool2d_backward(g.layout(), p)?;
+                let s = g.storage().avg_pool2d_backward(&g.layout(), p)?;
                 Ok(Tensor::from_storage(
                     s,
                     Layout::with_format(from.clone(), p.format),
@@ -397,7 +412,7 @@ impl Op {
             }),
             Op::AdaptiveAvgPool2d { from, p } => one(&|| {
                 let g = g.packed_as(p.format)?;
-                let s = g.storage().adaptive_avg_pool2d_backward(g.layout(), p)?;
+                let s = g.storage().adaptive_avg_pool2d_backward(&g.layout(), p)?;
                 Ok(Tensor::from_storage(
                     s,
                     Layout::with_format(from.clone(), p.format),
@@ -406,9 +421,9 @@ impl Op {
             Op::Softmax { y, dim, log } => one(&|| {
                 let g = g.contiguous()?;
                 let s = g.storage().softmax_backward(
-                    g.layout(),
+                    &g.layout(),
                     &y.storage(),
-                    y.layout(),
+                    &y.layout(),
                     *dim,
                     *log,
                 )?;

@@ -167,6 +167,20 @@ pub struct BatchNormParams {
     pub eps: f64,
     /// Running-statistics momentum (PyTorch's convention: new = (1-m)·old + m·batch).
     pub momentum: f64,
+    /// Fused epilogue: a residual is added after the normalisation (`y = bn(x) + r`) ...
+    pub residual: bool,
+    /// ... then ReLU (`y = relu(bn(x) [+ r])`).
+    pub relu: bool,
+}
+
+/// What the batch-norm backward returns: the gradients of the input, weight and bias, and of the
+/// residual when the forward added one (the gradient through the ReLU).
+#[derive(Debug)]
+pub struct BatchNormGrads<S> {
+    pub input: S,
+    pub weight: S,
+    pub bias: S,
+    pub residual: Option<S>,
 }
 
 /// What a device computes. Storage types are owned buffers of one dtype on one device; every
@@ -260,30 +274,35 @@ pub trait BackendStorage: Sized {
         p: &Conv2dParams,
     ) -> Result<Self>;
 
-    /// Training-mode batch norm. `weight`, `bias`, running statistics are F32 of length `c`
-    /// (contiguous, offset 0); the running statistics are updated in place (unbiased variance,
-    /// as PyTorch). Returns `(y, saved_mean, saved_invstd)`, y in `l`'s format.
+    /// Training-mode batch norm, with the fused epilogue `p.residual` / `p.relu` asks for
+    /// (`residual` laid out as the input). `weight`, `bias`, running statistics are F32 of length
+    /// `c` (contiguous, offset 0); the running statistics are updated in place (unbiased
+    /// variance, as PyTorch). Returns `(y, saved_mean, saved_invstd)`, y in `l`'s format.
+    #[allow(clippy::too_many_arguments)]
     fn batch_norm_train(
         &self,
         l: &Layout,
+        residual: Option<(&Self, &Layout)>,
         weight: &Self,
         bias: &Self,
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)>;
-    /// Called on the output gradient; returns `(grad_input, grad_weight, grad_bias)`.
+    /// Called on the output gradient; `y` is the forward output, which the fused ReLU's
+    /// backward reads (`p.relu`).
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_backward(
         &self,
         l: &Layout,
         x: &Self,
         xl: &Layout,
+        y: Option<(&Self, &Layout)>,
         weight: &Self,
         saved_mean: &Self,
         saved_invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)>;
+    ) -> Result<BatchNormGrads<Self>>;
 
     /// Returns `(out, argmax)` where argmax (I64) is the flat `h·w` index of each maximum.
     fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)>;

@@ -70,10 +70,28 @@ impl BatchNorm2d {
     }
 }
 
-impl Module for BatchNorm2d {
-    /// Training mode normalises with the batch statistics, updates the running statistics and
-    /// counts the batch; eval mode uses the running statistics.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl BatchNorm2d {
+    /// `relu(bn(x))` in one fused op (what a ResNet block's `bn → relu` runs).
+    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        self.run(x, |x, w, b, rm, rv, cfg| {
+            x.batch_norm_relu(w, b, rm, rv, cfg)
+        })
+    }
+
+    /// `relu(bn(x) + residual)` in one fused op (the end of a ResNet block).
+    pub fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.run(x, |x, w, b, rm, rv, cfg| {
+            x.batch_norm_add_relu(residual, w, b, rm, rv, cfg)
+        })
+    }
+
+    /// Checks the input, runs `op` with this module's tensors and settings, and counts a
+    /// training batch.
+    fn run(
+        &self,
+        x: &Tensor,
+        op: impl FnOnce(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, BatchNormConfig) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         if x.rank() != 4 {
             return Err(Error::invalid_shape(
                 "BatchNorm2d",
@@ -82,7 +100,8 @@ impl Module for BatchNorm2d {
             ));
         }
         let training = self.training.get();
-        let y = x.batch_norm(
+        let y = op(
+            x,
             &self.weight,
             &self.bias,
             &self.running_mean,
@@ -100,6 +119,14 @@ impl Module for BatchNorm2d {
             self.num_batches_tracked.set_data(&next)?;
         }
         Ok(y)
+    }
+}
+
+impl Module for BatchNorm2d {
+    /// Training mode normalises with the batch statistics, updates the running statistics and
+    /// counts the batch; eval mode uses the running statistics.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.run(x, |x, w, b, rm, rv, cfg| x.batch_norm(w, b, rm, rv, cfg))
     }
 
     fn visit_own(&self, f: &mut dyn FnMut(&TensorInfo)) {

@@ -11,7 +11,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         let x = self.dense()?;
-        let s = x.storage().to_dtype(x.layout(), dtype)?;
+        let s = x.storage().to_dtype(&x.layout(), dtype)?;
         Ok(Tensor::from_op(s, x.layout().dense_like(), &[self], || {
             Op::ToDType { from: self.dtype() }
         }))
@@ -29,7 +29,7 @@ impl Tensor {
             self.compact()?
         };
         let s = x.storage().to_device(device)?;
-        Ok(Tensor::from_op(s, x.layout().clone(), &[self], || {
+        Ok(Tensor::from_op(s, (*x.layout()).clone(), &[self], || {
             Op::ToDevice {
                 from: self.device(),
             }

@@ -104,7 +104,7 @@ impl Tensor {
         let (xr, wr) = (self.packed_as(run)?, weight.packed_as(run)?);
         let s = xr
             .storage()
-            .conv2d(xr.layout(), &wr.storage(), wr.layout(), &p)?;
+            .conv2d(&xr.layout(), &wr.storage(), &wr.layout(), &p)?;
         let shape = Shape::new(vec![p.n, p.c_out, p.out_h(), p.out_w()]);
         let y = Tensor::from_op(s, Layout::with_format(shape, run), &[self, weight], || {
             Op::Conv2d {

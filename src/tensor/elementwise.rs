@@ -15,7 +15,7 @@ impl Tensor {
         }
         self.float_only(op.name())?;
         let x = self.dense()?;
-        let s = x.storage().unary(x.layout(), op)?;
+        let s = x.storage().unary(&x.layout(), op)?;
         Ok(Tensor::from_op_with_output(
             s,
             x.layout().dense_like(),
@@ -57,7 +57,7 @@ impl Tensor {
     pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
         self.float_only("affine")?;
         let x = self.dense()?;
-        let s = x.storage().affine(x.layout(), mul, add)?;
+        let s = x.storage().affine(&x.layout(), mul, add)?;
         Ok(Tensor::from_op(s, x.layout().dense_like(), &[self], || {
             Op::Affine { mul }
         }))
@@ -77,7 +77,7 @@ impl Tensor {
         }
         self.float_only("powf")?;
         let x = self.dense()?;
-        let s = x.storage().powf(x.layout(), e)?;
+        let s = x.storage().powf(&x.layout(), e)?;
         Ok(Tensor::from_op(s, x.layout().dense_like(), &[self], || {
             Op::Powf {
                 x: self.detach(),
@@ -149,7 +149,7 @@ impl Tensor {
         let g = self.laid_out_like(&x)?;
         let s = g
             .storage()
-            .relu_backward(g.layout(), &x.storage(), x.layout())?;
+            .relu_backward(&g.layout(), &x.storage(), &x.layout())?;
         Ok(Tensor::from_storage(s, x.layout().dense_like()))
     }
 

@@ -30,7 +30,7 @@ impl Tensor {
         let (x, index) = (self.contiguous()?, index.contiguous()?);
         let s = x
             .storage()
-            .gather(x.layout(), &index.storage(), index.layout(), d)?;
+            .gather(&x.layout(), &index.storage(), &index.layout(), d)?;
         Ok(Tensor::from_op(s, index.shape().clone(), &[self], || {
             Op::Gather {
                 from: self.shape().clone(),
@@ -52,7 +52,7 @@ impl Tensor {
         let index = index.contiguous()?;
         let s =
             g.storage()
-                .scatter_add(g.layout(), &index.storage(), index.layout(), dim, shape)?;
+                .scatter_add(&g.layout(), &index.storage(), &index.layout(), dim, shape)?;
         Ok(Tensor::from_storage(s, shape.clone()))
     }
 }

@@ -92,7 +92,7 @@ impl Tensor {
         let (a, b) = (self.contiguous()?, rhs.contiguous()?);
         let s = a
             .storage()
-            .matmul(a.layout(), &b.storage(), b.layout(), &dims)?;
+            .matmul(&a.layout(), &b.storage(), &b.layout(), &dims)?;
         Ok(Tensor::from_op(s, shape, &[self, rhs], || Op::Matmul {
             lhs: a.detach(),
             rhs: b.detach(),

@@ -5,7 +5,7 @@
 //! Invariants:
 //! - the layout addresses elements inside the storage (`layout.storage_end() <= storage.len()`);
 //!   views (reshape, permute, narrow, expand) share the storage with another layout;
-//! - layout and device never change; the dtype and contents of a *variable* (a parameter or a
+//! - shape and device never change; the dtype, layout and contents of a *variable* (a parameter or a
 //!   buffer) may be replaced in place by optimizers and AMP (`set_data`, `cast_in_place`), which is
 //!   how a parameter keeps its identity while an optimizer or `amp::initialize` holds it;
 //! - every op checks its operands and returns an `Error` naming them; none panics on user input.
@@ -55,7 +55,10 @@ impl TensorId {
 
 pub(crate) struct TensorInner {
     id: TensorId,
-    layout: Layout,
+    /// The logical shape (also in `layout`; kept apart so that `shape()` borrows).
+    shape: Shape,
+    /// Replaced only by `to_memory_format_` on a variable that owns its buffer.
+    layout: RwLock<Arc<Layout>>,
     device: Device,
     storage: Arc<RwLock<Storage>>,
     /// The graph node of the op that computed this tensor, when one was recorded.
@@ -100,7 +103,8 @@ impl Tensor {
         let device = storage.read().unwrap_or_else(|e| e.into_inner()).device();
         Tensor(Arc::new(TensorInner {
             id: TensorId::new(),
-            layout,
+            shape: layout.shape().clone(),
+            layout: RwLock::new(Arc::new(layout)),
             device,
             storage,
             node,
@@ -334,24 +338,28 @@ impl Tensor {
     }
 
     pub fn shape(&self) -> &Shape {
-        self.0.layout.shape()
+        &self.0.shape
     }
 
     /// Shape, strides and offset of the elements in the buffer.
-    pub fn layout(&self) -> &Layout {
-        &self.0.layout
+    pub fn layout(&self) -> Arc<Layout> {
+        self.0
+            .layout
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub fn dims(&self) -> &[usize] {
-        self.0.layout.dims()
+        self.0.shape.dims()
     }
 
     pub fn rank(&self) -> usize {
-        self.0.layout.rank()
+        self.0.shape.rank()
     }
 
     pub fn elem_count(&self) -> usize {
-        self.0.layout.elem_count()
+        self.0.shape.elem_count()
     }
 
     pub fn dtype(&self) -> DType {
@@ -408,7 +416,7 @@ impl Tensor {
 
     /// A variable (a leaf that collects gradients) sharing this tensor's buffer.
     pub fn to_variable(&self) -> Tensor {
-        Self::build(self.0.storage.clone(), self.layout().clone(), None, true)
+        Self::build(self.0.storage.clone(), (*self.layout()).clone(), None, true)
     }
 
     /// Freezes (false) or unfreezes a variable; no effect on other tensors.
@@ -418,7 +426,12 @@ impl Tensor {
 
     /// The same values, cut from the graph: no gradient flows through the result.
     pub fn detach(&self) -> Tensor {
-        Self::build(self.0.storage.clone(), self.layout().clone(), None, false)
+        Self::build(
+            self.0.storage.clone(),
+            (*self.layout()).clone(),
+            None,
+            false,
+        )
     }
 
     /// The accumulated gradient of a variable, in the variable's dtype.
@@ -492,14 +505,14 @@ impl Tensor {
                 rhs: src.device(),
             });
         }
-        if self.same_storage(src) && self.layout() == src.layout() {
+        if self.same_storage(src) && *self.layout() == *src.layout() {
             return Ok(());
         }
         self.owns_whole_storage("set_data")?;
         // The new values in this tensor's layout, so every view of the buffer stays valid.
         let new = {
             let src_storage = src.storage();
-            src_storage.copy_strided(src.layout(), &self.layout().dense_like())?
+            src_storage.copy_strided(&src.layout(), &self.layout().dense_like())?
         };
         *self.storage_mut() = new;
         Ok(())
@@ -527,8 +540,30 @@ impl Tensor {
         let x = self.detach().dense()?;
         let s = x
             .storage()
-            .copy_strided(x.layout(), &x.layout().dense_like())?;
+            .copy_strided(&x.layout(), &x.layout().dense_like())?;
         Ok(Tensor::from_storage(s, x.layout().dense_like()))
+    }
+
+    /// Re-lays this variable's values out in `format`, in place (PyTorch's
+    /// `param.data = param.data.to(memory_format=...)`): every handle to it (an optimizer's, the
+    /// model's) sees the new strides. Its gradient, if any, follows. A view is refused, as in
+    /// [`Tensor::set_data`]. Convert a model before creating its optimizer or AMP state, whose
+    /// buffers take the parameters' layout when they are made.
+    pub fn to_memory_format_(&self, format: MemoryFormat) -> Result<()> {
+        let target = Layout::with_format(self.shape().clone(), format);
+        if self.layout().strides() == target.strides() {
+            return Ok(());
+        }
+        self.owns_whole_storage("to_memory_format_")?;
+        let mut storage = self.storage_mut();
+        let mut layout = self.0.layout.write().unwrap_or_else(|e| e.into_inner());
+        *storage = storage.copy_strided(&layout, &target)?;
+        *layout = Arc::new(target);
+        drop((storage, layout));
+        if let Some(g) = self.grad() {
+            self.set_grad(Some(g.to_memory_format(format)?.detach()));
+        }
+        Ok(())
     }
 
     /// In-place replacement of a buffer is only defined for a tensor that is all of it: a

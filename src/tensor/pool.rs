@@ -70,7 +70,7 @@ impl Tensor {
         let (run, keep) = self.op_formats();
         p.format = run;
         let x = self.packed_as(run)?;
-        let (s, argmax) = x.storage().max_pool2d(x.layout(), &p)?;
+        let (s, argmax) = x.storage().max_pool2d(&x.layout(), &p)?;
         let out = Layout::with_format(Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]), run);
         let argmax = Tensor::from_storage(argmax, out.clone());
         Tensor::from_op(s, out, &[self], || Op::MaxPool2d {
@@ -94,7 +94,7 @@ impl Tensor {
         let (run, keep) = self.op_formats();
         p.format = run;
         let x = self.packed_as(run)?;
-        let s = x.storage().avg_pool2d(x.layout(), &p)?;
+        let s = x.storage().avg_pool2d(&x.layout(), &p)?;
         let out = Layout::with_format(Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]), run);
         Tensor::from_op(s, out, &[self], || Op::AvgPool2d {
             from: self.shape().clone(),
@@ -135,7 +135,7 @@ impl Tensor {
         let (run, keep) = self.op_formats();
         let p = AdaptivePoolParams { format: run, ..p };
         let x = self.packed_as(run)?;
-        let s = x.storage().adaptive_avg_pool2d(x.layout(), &p)?;
+        let s = x.storage().adaptive_avg_pool2d(&x.layout(), &p)?;
         let out = Layout::with_format(Shape::new(vec![p.n, p.c, out_h, out_w]), run);
         Tensor::from_op(s, out, &[self], || Op::AdaptiveAvgPool2d {
             from: self.shape().clone(),

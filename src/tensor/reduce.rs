@@ -25,7 +25,7 @@ impl Tensor {
         self.float_only("sum")?;
         let d = self.shape().dim("sum", dim)?;
         let x = self.contiguous()?;
-        let s = x.storage().reduce(x.layout(), ReduceOp::Sum, d)?;
+        let s = x.storage().reduce(&x.layout(), ReduceOp::Sum, d)?;
         Ok(Tensor::from_op(
             s,
             self.reduced_shape(d, keepdim),
@@ -107,7 +107,7 @@ impl Tensor {
             ));
         }
         let x = self.contiguous()?;
-        let (xs, xl) = (x.storage(), x.layout());
+        let (xs, xl) = (x.storage(), &x.layout());
         let s = xs.reduce(xl, op, d)?;
         let shape = self.reduced_shape(d, keepdim);
         if !crate::autograd::records(&[self]) {
@@ -151,7 +151,7 @@ impl Tensor {
             ));
         }
         let x = self.contiguous()?;
-        let s = x.storage().argmax(x.layout(), d)?;
+        let s = x.storage().argmax(&x.layout(), d)?;
         Ok(Tensor::from_storage(s, self.reduced_shape(d, keepdim)))
     }
 

@@ -14,7 +14,7 @@ impl Tensor {
         self.float_only(name)?;
         let d = self.shape().dim(name, dim)?;
         let x = self.contiguous()?;
-        let s = x.storage().softmax(x.layout(), d, log)?;
+        let s = x.storage().softmax(&x.layout(), d, log)?;
         Ok(Tensor::from_op_with_output(
             s,
             self.shape().clone(),

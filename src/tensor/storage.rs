@@ -5,8 +5,8 @@
 use crate::backend::cpu::CpuStorage;
 use crate::backend::cuda::{CudaStorage, OpTimer};
 use crate::backend::{
-    AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
-    Pool2dParams, ReduceOp, UnaryOp,
+    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams,
+    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Layout, Shape};
@@ -249,9 +249,11 @@ impl Storage {
         Ok(dispatch2!("conv2d_backward_weight", self, x, |g, x| g
             .conv2d_backward_weight(l, x, xl, p)))
     }
+    #[allow(clippy::too_many_arguments)]
     pub fn batch_norm_train(
         &self,
         l: &Layout,
+        residual: Option<(&Self, &Layout)>,
         weight: &Self,
         bias: &Self,
         running_mean: &mut Self,
@@ -259,6 +261,11 @@ impl Storage {
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)> {
         let _t = timer_with(self, "batch_norm", || bn_detail(p));
+        let mismatch = |other: &Storage| Error::DeviceMismatch {
+            op: "batch_norm",
+            lhs: self.device(),
+            rhs: other.device(),
+        };
         match (self, weight, bias, running_mean, running_var) {
             (
                 Storage::Cpu(x),
@@ -267,7 +274,13 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(v),
             ) => {
-                let (y, mean, invstd) = x.batch_norm_train(l, w, b, m, v, p)?;
+                let r = match residual {
+                    None => None,
+                    Some((Storage::Cpu(r), rl)) => Some((r, rl)),
+                    #[allow(unreachable_patterns)]
+                    Some((other, _)) => return Err(mismatch(other)),
+                };
+                let (y, mean, invstd) = x.batch_norm_train(l, r, w, b, m, v, p)?;
                 Ok((Storage::Cpu(y), Storage::Cpu(mean), Storage::Cpu(invstd)))
             }
             (
@@ -277,14 +290,15 @@ impl Storage {
                 Storage::Cuda(m),
                 Storage::Cuda(v),
             ) => {
-                let (y, mean, invstd) = x.batch_norm_train(l, w, b, m, v, p)?;
+                let r = match residual {
+                    None => None,
+                    Some((Storage::Cuda(r), rl)) => Some((r, rl)),
+                    Some((other, _)) => return Err(mismatch(other)),
+                };
+                let (y, mean, invstd) = x.batch_norm_train(l, r, w, b, m, v, p)?;
                 Ok((Storage::Cuda(y), Storage::Cuda(mean), Storage::Cuda(invstd)))
             }
-            (x, w, _, _, _) => Err(Error::DeviceMismatch {
-                op: "batch_norm",
-                lhs: x.device(),
-                rhs: w.device(),
-            }),
+            (_, w, _, _, _) => Err(mismatch(w)),
         }
     }
     #[allow(clippy::too_many_arguments)]
@@ -293,12 +307,18 @@ impl Storage {
         l: &Layout,
         x: &Self,
         xl: &Layout,
+        y: Option<(&Self, &Layout)>,
         weight: &Self,
         mean: &Self,
         invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
+    ) -> Result<BatchNormGrads<Self>> {
         let _t = timer_with(self, "batch_norm_backward", || bn_detail(p));
+        let mismatch = |other: &Storage| Error::DeviceMismatch {
+            op: "batch_norm_backward",
+            lhs: self.device(),
+            rhs: other.device(),
+        };
         match (self, x, weight, mean, invstd) {
             (
                 Storage::Cpu(g),
@@ -307,8 +327,19 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(s),
             ) => {
-                let (dx, dw, db) = g.batch_norm_backward(l, x, xl, w, m, s, p)?;
-                Ok((Storage::Cpu(dx), Storage::Cpu(dw), Storage::Cpu(db)))
+                let y = match y {
+                    None => None,
+                    Some((Storage::Cpu(y), yl)) => Some((y, yl)),
+                    #[allow(unreachable_patterns)]
+                    Some((other, _)) => return Err(mismatch(other)),
+                };
+                let r = g.batch_norm_backward(l, x, xl, y, w, m, s, p)?;
+                Ok(BatchNormGrads {
+                    input: Storage::Cpu(r.input),
+                    weight: Storage::Cpu(r.weight),
+                    bias: Storage::Cpu(r.bias),
+                    residual: r.residual.map(Storage::Cpu),
+                })
             }
             (
                 Storage::Cuda(g),
@@ -317,14 +348,20 @@ impl Storage {
                 Storage::Cuda(m),
                 Storage::Cuda(s),
             ) => {
-                let (dx, dw, db) = g.batch_norm_backward(l, x, xl, w, m, s, p)?;
-                Ok((Storage::Cuda(dx), Storage::Cuda(dw), Storage::Cuda(db)))
+                let y = match y {
+                    None => None,
+                    Some((Storage::Cuda(y), yl)) => Some((y, yl)),
+                    Some((other, _)) => return Err(mismatch(other)),
+                };
+                let r = g.batch_norm_backward(l, x, xl, y, w, m, s, p)?;
+                Ok(BatchNormGrads {
+                    input: Storage::Cuda(r.input),
+                    weight: Storage::Cuda(r.weight),
+                    bias: Storage::Cuda(r.bias),
+                    residual: r.residual.map(Storage::Cuda),
+                })
             }
-            (g, x, _, _, _) => Err(Error::DeviceMismatch {
-                op: "batch_norm_backward",
-                lhs: g.device(),
-                rhs: x.device(),
-            }),
+            (_, x, _, _, _) => Err(mismatch(x)),
         }
     }
     pub fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
@@ -380,7 +417,15 @@ impl Storage {
 }
 
 fn bn_detail(p: &BatchNormParams) -> String {
-    format!("{}x{}x{} {}", p.n, p.c, p.spatial, p.format.name())
+    format!(
+        "{}x{}x{} {}{}{}",
+        p.n,
+        p.c,
+        p.spatial,
+        p.format.name(),
+        if p.residual { " +add" } else { "" },
+        if p.relu { " +relu" } else { "" }
+    )
 }
 
 /// A convolution's geometry as the profiler shows it: `n×c×h×w -> c_out kh×kw /stride`.

@@ -197,10 +197,11 @@ impl Tensor {
             .map(|t| t.contiguous())
             .collect::<Result<_>>()?;
         let guards: Vec<_> = parts.iter().map(|t| t.storage()).collect();
+        let layouts: Vec<_> = parts.iter().map(|t| t.layout()).collect();
         let operands: Vec<(&Storage, &Layout)> = guards
             .iter()
-            .zip(&parts)
-            .map(|(g, t)| (&**g, t.layout()))
+            .zip(&layouts)
+            .map(|(g, l)| (&**g, &**l))
             .collect();
         let s = Storage::cat(&operands, d)?;
         drop(guards);
@@ -300,7 +301,7 @@ impl Tensor {
 
     /// A copy laid out as `target` (dense, offset 0).
     fn relayout(&self, target: Layout) -> Result<Tensor> {
-        let s = self.storage().copy_strided(self.layout(), &target)?;
+        let s = self.storage().copy_strided(&self.layout(), &target)?;
         Ok(Tensor::from_op(s, target, &[self], || Op::Relayout))
     }
 

@@ -20,8 +20,8 @@ use std::borrow::Cow;
 use half::{bf16, f16};
 
 use super::{
-    AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
-    Pool2dParams, ReduceOp, UnaryOp,
+    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams,
+    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout, MemoryFormat, Shape, WithDType};
@@ -517,6 +517,7 @@ impl BackendStorage for CpuStorage {
     fn batch_norm_train(
         &self,
         l: &Layout,
+        residual: Option<(&Self, &Layout)>,
         weight: &Self,
         bias: &Self,
         running_mean: &mut Self,
@@ -527,15 +528,16 @@ impl BackendStorage for CpuStorage {
         // (the gradient checks run in f64).
         // Half inputs run the f32 kernel on a bulk-widened copy (same arithmetic, see
         // `cast::via_f32`) and are rounded back once.
+        // The fused epilogue (residual add, ReLU) runs on the wide value before the one rounding.
         macro_rules! arm {
-            ($x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
+            ($x:expr, $r:expr, $in:ident, $acc:ident, $narrow:expr) => {{
                 let (w, b) = (
                     acc_slice!(weight, $acc, "batch_norm"),
                     acc_slice!(bias, $acc, "batch_norm"),
                 );
                 let rm = acc_slice_mut!(running_mean, $acc, "batch_norm");
                 let rv = acc_slice_mut!(running_var, $acc, "batch_norm");
-                let (y, mean, invstd) = batch_norm::forward_train($x, w, b, rm, rv, p);
+                let (y, mean, invstd) = batch_norm::forward_train($x, $r, p.relu, w, b, rm, rv, p);
                 (
                     CpuStorage::$in($narrow(y)),
                     CpuStorage::$acc(mean),
@@ -544,11 +546,38 @@ impl BackendStorage for CpuStorage {
             }};
         }
         contiguous_only("batch_norm", p.format)?;
+        let res = residual.map(|(r, rl)| r.span(rl));
+        let res = res.as_deref();
+        // The residual as the arm computes: widened for half inputs.
+        let wide = match res {
+            Some(CpuStorage::F16(r)) => Some(cast::widen(r)),
+            Some(CpuStorage::BF16(r)) => Some(cast::widen(r)),
+            _ => None,
+        };
+        let mismatch = |got: DType| Error::DTypeMismatch {
+            op: "batch_norm",
+            lhs: self.dtype(),
+            rhs: got,
+        };
         Ok(match &*self.span(l) {
-            CpuStorage::F16(x) => arm!(&cast::widen(x), F16, F32, narrow_vec),
-            CpuStorage::BF16(x) => arm!(&cast::widen(x), BF16, F32, narrow_vec),
-            CpuStorage::F32(x) => arm!(x, F32, F32, std::convert::identity),
-            CpuStorage::F64(x) => arm!(x, F64, F64, std::convert::identity),
+            CpuStorage::F16(x) => arm!(&cast::widen(x), wide.as_deref(), F16, F32, narrow_vec),
+            CpuStorage::BF16(x) => arm!(&cast::widen(x), wide.as_deref(), BF16, F32, narrow_vec),
+            CpuStorage::F32(x) => {
+                let r = match res {
+                    None => None,
+                    Some(CpuStorage::F32(r)) => Some(r.as_slice()),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                arm!(x, r, F32, F32, std::convert::identity)
+            }
+            CpuStorage::F64(x) => {
+                let r = match res {
+                    None => None,
+                    Some(CpuStorage::F64(r)) => Some(r.as_slice()),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                arm!(x, r, F64, F64, std::convert::identity)
+            }
             CpuStorage::I64(_) => {
                 return Err(Error::UnsupportedDType {
                     op: "batch_norm",
@@ -564,11 +593,12 @@ impl BackendStorage for CpuStorage {
         l: &Layout,
         x: &Self,
         xl: &Layout,
+        y: Option<(&Self, &Layout)>,
         weight: &Self,
         saved_mean: &Self,
         saved_invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
+    ) -> Result<BatchNormGrads<Self>> {
         let op = "batch_norm_backward";
         macro_rules! arm {
             ($g:expr, $x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
@@ -587,7 +617,31 @@ impl BackendStorage for CpuStorage {
         }
         contiguous_only(op, p.format)?;
         let (g, x) = (self.span(l), x.span(xl));
-        Ok(match (&*g, &*x) {
+        // Through the fused ReLU: g' = g·(y > 0); g' is also the residual's gradient.
+        let masked = match (p.relu, y) {
+            (true, Some((ys, yl))) => Some(map_float2!(&*g, &*ys.span(yl), op, |g, y| {
+                batch_norm::relu_mask(g, y)
+            })),
+            (true, None) => {
+                return Err(Error::invalid_arg(
+                    op,
+                    "y",
+                    "none",
+                    "the forward output, for the fused ReLU",
+                ))
+            }
+            _ => None,
+        };
+        let g = match &masked {
+            Some(m) => std::borrow::Cow::Borrowed(m),
+            None => g,
+        };
+        let residual = if p.residual {
+            Some(g.clone().into_owned())
+        } else {
+            None
+        };
+        let (input, weight, bias) = match (&*g, &*x) {
             (CpuStorage::F16(g), CpuStorage::F16(x)) => {
                 let (g, x) = (cast::widen(g), cast::widen(x));
                 arm!(&g, &x, F16, F32, narrow_vec)
@@ -609,6 +663,12 @@ impl BackendStorage for CpuStorage {
                     rhs: x.dtype(),
                 })
             }
+        };
+        Ok(BatchNormGrads {
+            input,
+            weight,
+            bias,
+            residual,
         })
     }
 

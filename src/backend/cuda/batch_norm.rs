@@ -1,5 +1,7 @@
 //! Training-mode batch normalisation forward and backward with FP32 statistics
-//! (`kernels/batch_norm.cu`).
+//! (`kernels/batch_norm.cu`): the single-pass NCHW kernel (`bn_fwd`) for plain batch norm, and
+//! the three-launch kernels for channels_last and for the fused epilogues (residual add, ReLU) in
+//! either format.
 
 use super::common::{acc_dtype, float_sfx, sfx};
 use super::device::cuda_err;
@@ -7,7 +9,7 @@ use super::launch::{launch, launch_cooperative, Args, Grid, BLOCK};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
-use crate::backend::BatchNormParams;
+use crate::backend::{BatchNormGrads, BatchNormParams};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout, MemoryFormat};
 
@@ -133,31 +135,219 @@ fn per_channel_grid(x: &CudaStorage, p: &BatchNormParams) -> Grid {
     }
 }
 
-/// The kernels of batch_norm.cu are NCHW; channels_last operands arrive as contiguous copies
-/// until the NHWC kernels take them (`channels_last_native`).
-fn nchw(op: &'static str, format: MemoryFormat) -> Result<()> {
-    match format {
-        MemoryFormat::Contiguous => Ok(()),
-        MemoryFormat::ChannelsLast => Err(Error::Unsupported {
+/// `BnGeo` of batch_norm.cu: the geometry of the fused / channels_last kernels.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BnGeo {
+    n: u64,
+    c: u64,
+    sp: u64,
+    /// Row parts per channel.
+    parts: u64,
+    relu: i64,
+    has_res: i64,
+    eps: f64,
+    momentum: f64,
+}
+
+/// Threads per block of the NHWC reductions (`BN_RED_THREADS`).
+const BN_RED_THREADS: u32 = 256;
+
+/// Values per thread of the NHWC kernels: one 16-byte pack when the channel count allows.
+fn pack(x: &CudaStorage, c: usize) -> usize {
+    let v = 16 / x.dtype().size_in_bytes();
+    if c % v == 0 {
+        v
+    } else {
+        1
+    }
+}
+
+/// The geometry and grid of the fused / channels_last reductions: (geometry, reduction grid).
+/// NHWC: blocks of `BN_RED_THREADS` over (channel chunk, row part), rows split until the device
+/// has about four blocks per SM; NCHW: `parts` blocks per channel as the backward reductions.
+fn fused_plan(x: &CudaStorage, p: &BatchNormParams) -> (BnGeo, Grid) {
+    let m = p.n * p.spatial;
+    let want = 4 * x.dev.sm_count as usize;
+    let (parts, grid) = match p.format {
+        MemoryFormat::ChannelsLast => {
+            let groups = p.c / pack(x, p.c);
+            let gx = groups.clamp(1, 32);
+            let chunks = groups.div_ceil(gx).max(1);
+            // At least a few rows per lane of a block.
+            let lanes = BN_RED_THREADS as usize / gx;
+            let parts = want.div_ceil(chunks).clamp(1, (m / (4 * lanes)).max(1));
+            (
+                parts,
+                Grid {
+                    blocks: (parts * chunks) as u32,
+                    threads: BN_RED_THREADS,
+                },
+            )
+        }
+        MemoryFormat::Contiguous => {
+            let parts = bn_parts(x, p.c, m);
+            (parts, Grid::per_row(p.c * parts, 512))
+        }
+    };
+    let geo = BnGeo {
+        n: p.n as u64,
+        c: p.c as u64,
+        sp: p.spatial as u64,
+        parts: parts as u64,
+        relu: p.relu as i64,
+        has_res: p.residual as i64,
+        eps: p.eps,
+        momentum: p.momentum,
+    };
+    (geo, grid)
+}
+
+/// The elementwise grid of the fused kernels.
+fn apply_grid(x: &CudaStorage, p: &BatchNormParams) -> Grid {
+    match p.format {
+        MemoryFormat::ChannelsLast => Grid::for_items(&x.dev, p.n * p.spatial * p.c / pack(x, p.c)),
+        MemoryFormat::Contiguous => per_channel_grid(x, p),
+    }
+}
+
+fn fmt_name(f: MemoryFormat) -> &'static str {
+    match f {
+        MemoryFormat::ChannelsLast => "nhwc",
+        MemoryFormat::Contiguous => "nchw",
+    }
+}
+
+/// The fused / channels_last kernels cover the half types and f32 (f64 runs NCHW, unfused).
+fn fused_dtype(op: &'static str, x: &CudaStorage) -> Result<&'static str> {
+    match x.dtype() {
+        DType::F16 | DType::BF16 | DType::F32 => Ok(sfx(x.dtype())),
+        other => Err(Error::Unsupported {
             op,
-            detail: "channels_last batch norm on CUDA".into(),
+            detail: format!("fused or channels_last batch norm on CUDA in {other}"),
         }),
     }
 }
 
-/// Returns `(y, saved_mean, saved_invstd)`; the running statistics are updated in place.
-pub(crate) fn forward_train(
+#[allow(clippy::too_many_arguments)]
+fn forward_fused(
     x: &CudaStorage,
     l: &Layout,
+    residual: Option<(&CudaStorage, &Layout)>,
     weight: &CudaStorage,
     bias: &CudaStorage,
     running_mean: &mut CudaStorage,
     running_var: &mut CudaStorage,
     p: &BatchNormParams,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let s = fused_dtype("batch_norm", x)?;
+    let f = fmt_name(p.format);
+    let src = x.ptr_at(l)?;
+    let res = match residual {
+        Some((r, rl)) => r.ptr_at(rl)?,
+        None => 0,
+    };
+    let y = CudaStorage::alloc(&x.dev, x.dtype(), l.elem_count())?;
+    let mean = CudaStorage::alloc(&x.dev, DType::F32, p.c)?;
+    let invstd = CudaStorage::alloc(&x.dev, DType::F32, p.c)?;
+    if p.c == 0 || l.elem_count() == 0 {
+        return Ok((y, mean, invstd));
+    }
+    let (geo, grid) = fused_plan(x, p);
+    let part = CudaStorage::alloc(&x.dev, DType::F32, 2 * p.c * geo.parts as usize)?;
+    let shift = CudaStorage::alloc(&x.dev, DType::F32, p.c)?;
+    let coef = CudaStorage::alloc(&x.dev, DType::F32, 2 * p.c)?;
+    launch!(x.dev, Family::BatchNorm, format!("bn_stats_{f}_{s}"), grid;
+        geo, src, part.ptr(), shift.ptr());
+    launch!(x.dev, Family::BatchNorm, "bn_stats_finalize", Grid::for_items(&x.dev, p.c);
+        geo, part.ptr(), shift.ptr(), weight.ptr(), bias.ptr(), running_mean.ptr(),
+        running_var.ptr(), mean.ptr(), invstd.ptr(), coef.ptr());
+    launch!(x.dev, Family::BatchNorm, format!("bn_apply_{f}_{s}"), apply_grid(x, p);
+        geo, src, res, coef.ptr(), y.ptr());
+    Ok((y, mean, invstd))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_fused(
+    g: &CudaStorage,
+    lg: &Layout,
+    x: &CudaStorage,
+    lx: &Layout,
+    y: Option<(&CudaStorage, &Layout)>,
+    weight: &CudaStorage,
+    saved_mean: &CudaStorage,
+    saved_invstd: &CudaStorage,
+    p: &BatchNormParams,
+) -> Result<BatchNormGrads<CudaStorage>> {
+    let op = "batch_norm_backward";
+    let s = fused_dtype(op, g)?;
+    let f = fmt_name(p.format);
+    let (pg, px) = (g.ptr_at(lg)?, x.ptr_at(lx)?);
+    let py = match (p.relu, y) {
+        (true, Some((ys, yl))) => ys.ptr_at(yl)?,
+        (true, None) => {
+            return Err(Error::invalid_arg(
+                op,
+                "y",
+                "none",
+                "the forward output, for the fused ReLU",
+            ))
+        }
+        (false, _) => 0,
+    };
+    let n = lg.elem_count();
+    let dx = CudaStorage::alloc(&g.dev, g.dtype(), n)?;
+    let dres = if p.residual {
+        Some(CudaStorage::alloc(&g.dev, g.dtype(), n)?)
+    } else {
+        None
+    };
+    let dw = CudaStorage::alloc(&g.dev, DType::F32, p.c)?;
+    let db = CudaStorage::alloc(&g.dev, DType::F32, p.c)?;
+    if p.c > 0 && n > 0 {
+        let (geo, grid) = fused_plan(g, p);
+        let parts = geo.parts as usize;
+        let part = CudaStorage::alloc(&g.dev, DType::F32, 2 * p.c * parts)?;
+        let coef = CudaStorage::alloc(&g.dev, DType::F32, 6 * p.c)?;
+        launch!(g.dev, Family::BatchNorm, format!("bn_bwd_reduce_{f}_{s}"), grid;
+            geo, pg, px, py, saved_mean.ptr(), part.ptr());
+        launch!(g.dev, Family::BatchNorm, "bn_bwd_finalize_f32", Grid::for_items(&g.dev, p.c);
+            p.c as u64, parts as u64, (p.n * p.spatial) as u64, part.ptr(), weight.ptr(),
+            saved_mean.ptr(), saved_invstd.ptr(), dw.ptr(), db.ptr(), coef.ptr());
+        let pres = dres.as_ref().map_or(0, |d| d.ptr());
+        launch!(g.dev, Family::BatchNorm, format!("bn_bwd_dx_{f}_{s}"), apply_grid(g, p);
+            geo, pg, px, py, coef.ptr(), dx.ptr(), pres);
+    }
+    Ok(BatchNormGrads {
+        input: dx,
+        weight: dw,
+        bias: db,
+        residual: dres,
+    })
+}
+
+/// The single-pass kernel covers plain NCHW batch norm; the rest goes to the fused kernels.
+fn plain_nchw(p: &BatchNormParams) -> bool {
+    p.format == MemoryFormat::Contiguous && !p.relu && !p.residual
+}
+
+/// Returns `(y, saved_mean, saved_invstd)`; the running statistics are updated in place.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward_train(
+    x: &CudaStorage,
+    l: &Layout,
+    residual: Option<(&CudaStorage, &Layout)>,
+    weight: &CudaStorage,
+    bias: &CudaStorage,
+    running_mean: &mut CudaStorage,
+    running_var: &mut CudaStorage,
+    p: &BatchNormParams,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    if !plain_nchw(p) {
+        return forward_fused(x, l, residual, weight, bias, running_mean, running_var, p);
+    }
     let op = "batch_norm";
     let s = float_sfx(op, x.dtype())?;
-    nchw(op, p.format)?;
     let acc = acc_dtype(x.dtype());
     let src = x.ptr_at(l)?;
     let y = CudaStorage::alloc(&x.dev, x.dtype(), l.elem_count())?;
@@ -189,21 +379,24 @@ pub(crate) fn forward_train(
     Ok((y, mean, invstd))
 }
 
-/// Called with the output gradient; returns `(grad_input, grad_weight, grad_bias)`.
+/// Called with the output gradient (`y`: the forward output, for the fused ReLU).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     g: &CudaStorage,
     lg: &Layout,
     x: &CudaStorage,
     lx: &Layout,
+    y: Option<(&CudaStorage, &Layout)>,
     weight: &CudaStorage,
     saved_mean: &CudaStorage,
     saved_invstd: &CudaStorage,
     p: &BatchNormParams,
-) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+) -> Result<BatchNormGrads<CudaStorage>> {
+    if !plain_nchw(p) {
+        return backward_fused(g, lg, x, lx, y, weight, saved_mean, saved_invstd, p);
+    }
     let op = "batch_norm_backward";
     let s = float_sfx(op, g.dtype())?;
-    nchw(op, p.format)?;
     let acc = acc_dtype(g.dtype());
     let (pg, px) = (g.ptr_at(lg)?, x.ptr_at(lx)?);
     let dx = CudaStorage::alloc(&g.dev, g.dtype(), lg.elem_count())?;
@@ -225,5 +418,10 @@ pub(crate) fn backward(
                 p.n as u64, p.c as u64, p.spatial as u64, pg, px, coef.ptr(), dx.ptr());
         }
     }
-    Ok((dx, dw, db))
+    Ok(BatchNormGrads {
+        input: dx,
+        weight: dw,
+        bias: db,
+        residual: None,
+    })
 }

@@ -1,4 +1,5 @@
-//! Max, average and adaptive average pooling and their backward (`kernels/pool.cu`).
+//! Max, average and adaptive average pooling and their backward (`kernels/pool.cu`), NCHW or
+//! NHWC.
 
 use super::common::float_sfx;
 use super::launch::{launch, Grid};
@@ -6,7 +7,7 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{AdaptivePoolParams, Pool2dParams};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::{DType, Layout, MemoryFormat};
 
 /// Mirrors `PoolP` in pool.cu.
@@ -26,6 +27,8 @@ struct PoolP {
     oh: i64,
     ow: i64,
     count_include_pad: i64,
+    /// 1: NHWC, 0: NCHW.
+    nhwc: i64,
 }
 
 fn pool_p(p: &Pool2dParams) -> PoolP {
@@ -43,6 +46,7 @@ fn pool_p(p: &Pool2dParams) -> PoolP {
         oh: p.out_h() as i64,
         ow: p.out_w() as i64,
         count_include_pad: p.count_include_pad as i64,
+        nhwc: (p.format == MemoryFormat::ChannelsLast) as i64,
     }
 }
 
@@ -61,18 +65,7 @@ fn adaptive_p(p: &AdaptivePoolParams) -> PoolP {
         oh: p.out_h as i64,
         ow: p.out_w as i64,
         count_include_pad: 0,
-    }
-}
-
-/// The kernels of pool.cu are NCHW; channels_last operands arrive as contiguous copies until
-/// the NHWC kernels take them (`channels_last_native`).
-fn nchw(op: &'static str, format: MemoryFormat) -> Result<()> {
-    match format {
-        MemoryFormat::Contiguous => Ok(()),
-        MemoryFormat::ChannelsLast => Err(Error::Unsupported {
-            op,
-            detail: "channels_last pooling on CUDA".into(),
-        }),
+        nhwc: (p.format == MemoryFormat::ChannelsLast) as i64,
     }
 }
 
@@ -82,7 +75,6 @@ pub(crate) fn max_pool2d(
     p: &Pool2dParams,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let s = float_sfx("max_pool2d", x.dtype())?;
-    nchw("max_pool2d", p.format)?;
     let src = x.ptr_at(l)?;
     let n = p.n * p.c * p.out_h() * p.out_w();
     let out = CudaStorage::alloc(&x.dev, x.dtype(), n)?;
@@ -102,7 +94,6 @@ pub(crate) fn max_pool2d_backward(
     p: &Pool2dParams,
 ) -> Result<CudaStorage> {
     let s = float_sfx("max_pool2d_backward", g.dtype())?;
-    nchw("max_pool2d_backward", p.format)?;
     let (pg, pa) = (g.ptr_at(l)?, argmax.ptr_at(al)?);
     let n = p.n * p.c * p.h * p.w;
     let dx = CudaStorage::alloc(&g.dev, g.dtype(), n)?;
@@ -115,7 +106,6 @@ pub(crate) fn max_pool2d_backward(
 
 pub(crate) fn avg_pool2d(x: &CudaStorage, l: &Layout, p: &Pool2dParams) -> Result<CudaStorage> {
     let s = float_sfx("avg_pool2d", x.dtype())?;
-    nchw("avg_pool2d", p.format)?;
     let src = x.ptr_at(l)?;
     let n = p.n * p.c * p.out_h() * p.out_w();
     let out = CudaStorage::alloc(&x.dev, x.dtype(), n)?;
@@ -132,7 +122,6 @@ pub(crate) fn avg_pool2d_backward(
     p: &Pool2dParams,
 ) -> Result<CudaStorage> {
     let s = float_sfx("avg_pool2d_backward", g.dtype())?;
-    nchw("avg_pool2d_backward", p.format)?;
     let src = g.ptr_at(l)?;
     let n = p.n * p.c * p.h * p.w;
     let dx = CudaStorage::alloc(&g.dev, g.dtype(), n)?;
@@ -149,7 +138,6 @@ pub(crate) fn adaptive_avg_pool2d(
     p: &AdaptivePoolParams,
 ) -> Result<CudaStorage> {
     let s = float_sfx("adaptive_avg_pool2d", x.dtype())?;
-    nchw("adaptive_avg_pool2d", p.format)?;
     let src = x.ptr_at(l)?;
     let n = p.n * p.c * p.out_h * p.out_w;
     let out = CudaStorage::alloc(&x.dev, x.dtype(), n)?;
@@ -166,7 +154,6 @@ pub(crate) fn adaptive_avg_pool2d_backward(
     p: &AdaptivePoolParams,
 ) -> Result<CudaStorage> {
     let s = float_sfx("adaptive_avg_pool2d_backward", g.dtype())?;
-    nchw("adaptive_avg_pool2d_backward", p.format)?;
     let src = g.ptr_at(l)?;
     let n = p.n * p.c * p.h * p.w;
     let dx = CudaStorage::alloc(&g.dev, g.dtype(), n)?;
@@ -201,6 +188,6 @@ mod tests {
             (k.sh, k.sw, k.ph, k.pw, k.count_include_pad),
             (2, 1, 1, 0, 1)
         );
-        assert_eq!(std::mem::size_of::<PoolP>(), 13 * 8);
+        assert_eq!(std::mem::size_of::<PoolP>(), 14 * 8);
     }
 }

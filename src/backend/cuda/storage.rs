@@ -13,8 +13,8 @@ use super::device::{self, cuda_err, poison_allocations, CudaDevice};
 use crate::backend::cpu::CpuStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{
-    AdaptivePoolParams, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, Pool2dParams,
-    ReduceOp, UnaryOp,
+    AdaptivePoolParams, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
+    Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout, Shape};
@@ -295,25 +295,36 @@ impl BackendStorage for CudaStorage {
     fn batch_norm_train(
         &self,
         l: &Layout,
+        residual: Option<(&Self, &Layout)>,
         weight: &Self,
         bias: &Self,
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)> {
-        super::batch_norm::forward_train(self, l, weight, bias, running_mean, running_var, p)
+        super::batch_norm::forward_train(
+            self,
+            l,
+            residual,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            p,
+        )
     }
     fn batch_norm_backward(
         &self,
         l: &Layout,
         x: &Self,
         xl: &Layout,
+        y: Option<(&Self, &Layout)>,
         weight: &Self,
         saved_mean: &Self,
         saved_invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
-        super::batch_norm::backward(self, l, x, xl, weight, saved_mean, saved_invstd, p)
+    ) -> Result<BatchNormGrads<Self>> {
+        super::batch_norm::backward(self, l, x, xl, y, weight, saved_mean, saved_invstd, p)
     }
     fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
         super::pool::max_pool2d(self, l, p)
