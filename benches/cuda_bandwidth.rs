@@ -232,22 +232,34 @@ fn conv() -> mixprec::Result<()> {
             conv(3, 224, 64, 7, 2, 3),
         ),
     ];
-    for (name, p) in convs {
+    // Each in both memory formats (the buffers hold random values either way).
+    let formats = [
+        ("", MemoryFormat::Contiguous),
+        (" nhwc", MemoryFormat::ChannelsLast),
+    ];
+    for ((name, p), (suffix, format)) in convs
+        .iter()
+        .flat_map(|c| formats.iter().map(move |f| (c, f)))
+    {
+        let p = Conv2dParams {
+            format: *format,
+            ..*p
+        };
         let flops = 2.0 * (p.n * p.c_out * p.out_h() * p.out_w() * p.c_in * p.kh * p.kw) as f64;
         let x = rand(p.n * p.c_in * p.h * p.w, DType::F16, 5)?;
         let w = rand(p.c_out * p.c_in * p.kh * p.kw, DType::F16, 6)?;
         let g = rand(p.n * p.c_out * p.out_h() * p.out_w(), DType::F16, 7)?;
         let (lx, lw, lg) = (whole(&x), whole(&w), whole(&g));
         let t = time(3, 20, || x.conv2d(&lx, &w, &lw, &p).map(|_| ()))?;
-        tflops_row(format!("{name} fwd f16"), t, flops);
+        tflops_row(format!("{name}{suffix} fwd f16"), t, flops);
         let t = time(3, 20, || {
             g.conv2d_backward_input(&lg, &w, &lw, &p).map(|_| ())
         })?;
-        tflops_row(format!("{name} bwd-data f16"), t, flops);
+        tflops_row(format!("{name}{suffix} bwd-data f16"), t, flops);
         let t = time(3, 20, || {
             g.conv2d_backward_weight(&lg, &x, &lx, &p).map(|_| ())
         })?;
-        tflops_row(format!("{name} bwd-filter f16"), t, flops);
+        tflops_row(format!("{name}{suffix} bwd-filter f16"), t, flops);
     }
     Ok(())
 }

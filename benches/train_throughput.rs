@@ -15,7 +15,9 @@
 //! images/s; first-step time (process start to the end of the first step, plan choice and
 //! kernel compiles included); the device memory in use at the end (`cuMemGetInfo`: the same
 //! measure for both sides) and the pool's high-water marks; host synchronisations per step;
-//! skipped steps and the final loss scale. `--profile` adds the device time per op over two
+//! skipped steps and the final loss scale; how the first step's convolution plans were chosen
+//! (how many came from the plan cache, the wall time spent choosing, the timing runs, the largest
+//! workspace). `--profile` adds the device time per op over two
 //! steps (stderr), and the stream's busy time against the wall time.
 
 mod common;
@@ -153,6 +155,22 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     step()?;
     gpu.synchronize()?;
     let first_step_s = start.elapsed().as_secs_f64();
+    // How the convolution plans of the first step were chosen (timed here or from the plan
+    // cache) and what that cost.
+    let plans = cuda::conv_plans(0)?;
+    let conv = format!(
+        "\"cudnn_api\": \"{}\", \"conv_plans\": {}, \"conv_plans_from_cache\": {}, \
+         \"conv_choice_s\": {:.2}, \"conv_timing_runs\": {}, \"conv_workspace_max_mib\": {:.0}",
+        std::env::var("MIXPREC_CUDNN_API").unwrap_or_else(|_| "both".into()),
+        plans.len(),
+        plans
+            .iter()
+            .filter(|p| p.source == cuda::PlanSource::Cache)
+            .count(),
+        plans.iter().map(|p| p.choice_ms).sum::<f64>() / 1e3,
+        cuda::conv_timing_runs(0)?,
+        plans.iter().map(|p| p.workspace).max().unwrap_or(0) as f64 / (1 << 20) as f64,
+    );
     for _ in 1..args.warmup {
         step()?;
     }
@@ -197,6 +215,34 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
                 r.total_ms / 2.0
             );
         }
+        // Each convolution plan's time when it was chosen (alone, on its first call's buffers),
+        // under the op and detail names above: set beside the in-network rows, a plan that is
+        // fast alone and slow in the step shows up.
+        let mut plans = cuda::conv_plans(0)?;
+        plans.sort_by(|a, b| {
+            b.time_ms
+                .unwrap_or(0.0)
+                .total_cmp(&a.time_ms.unwrap_or(0.0))
+        });
+        for c in &plans {
+            let p = &c.params;
+            let op = match c.direction {
+                "forward" => "conv2d",
+                "backward-data" => "conv2d_backward_input",
+                _ => "conv2d_backward_weight",
+            };
+            eprintln!(
+                "  plan {op:<24} {:<48} {:>8.3} ms alone ({:?}) {} {}",
+                format!(
+                    "{}x{}x{}x{} -> {} {}x{}/{}",
+                    p.n, p.c_in, p.h, p.w, p.c_out, p.kh, p.kw, p.stride.0
+                ),
+                c.time_ms.unwrap_or(f32::NAN),
+                c.source,
+                c.dtype,
+                c.algorithm
+            );
+        }
     }
 
     let syncs_before = cuda::host_sync_count();
@@ -222,7 +268,8 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
          \"steps\": {}, \"total_steps\": {}, \"img_per_s\": {:.1}, \"step_ms\": {:.3}, \"enqueue_ms\": {:.3}, \
          \"first_step_s\": {first_step_s:.2}, \"device_used_mib\": {used_mib:.0}, \
          \"pool_used_high_mib\": {:.0}, \"pool_reserved_high_mib\": {:.0}, \
-         \"host_syncs_per_step\": {:.2}, \"skipped\": {}, \"loss_scale\": {}, \"final_loss\": {final_loss:.4}}}",
+         \"host_syncs_per_step\": {:.2}, \"skipped\": {}, \"loss_scale\": {}, \"final_loss\": {final_loss:.4}, \
+         {conv}}}",
         args.net,
         args.mode,
         args.layout,

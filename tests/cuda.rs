@@ -1174,6 +1174,111 @@ fn conv2d_fwd_bwd_data_bwd_filter() {
     }
 }
 
+/// Logical `dims` stored row-major, re-stored channels-last (NHWC / KRSC), on the CPU.
+fn channels_last(v: &CpuStorage, dims: [usize; 4]) -> CpuStorage {
+    let shape = Shape::new(dims.to_vec());
+    v.copy_strided(
+        &lay(&dims),
+        &Layout::with_format(shape, MemoryFormat::ChannelsLast),
+    )
+    .unwrap()
+}
+
+/// Channels-last storage of logical `dims` back in the logical (row-major) order.
+fn channels_first(v: &CpuStorage, dims: [usize; 4]) -> CpuStorage {
+    let shape = Shape::new(dims.to_vec());
+    v.copy_strided(
+        &Layout::with_format(shape, MemoryFormat::ChannelsLast),
+        &lay(&dims),
+    )
+    .unwrap()
+}
+
+/// ResNet-50's convolution geometries at batch 2 (the stem, layer1's 1x1 and 3x3, every strided
+/// 3x3 and 1x1 downsample, layer4's 3x3), and two with groups and dilation.
+fn resnet50_conv_cases() -> Vec<Conv2dParams> {
+    vec![
+        mk(2, 3, 224, 224, 64, 7, 2, 3, 1, 1),
+        mk(2, 64, 56, 56, 256, 1, 1, 0, 1, 1),
+        mk(2, 64, 56, 56, 64, 3, 1, 1, 1, 1),
+        mk(2, 256, 56, 56, 512, 1, 2, 0, 1, 1),
+        mk(2, 128, 56, 56, 128, 3, 2, 1, 1, 1),
+        mk(2, 512, 28, 28, 1024, 1, 2, 0, 1, 1),
+        mk(2, 256, 28, 28, 256, 3, 2, 1, 1, 1),
+        mk(2, 1024, 14, 14, 2048, 1, 2, 0, 1, 1),
+        mk(2, 512, 7, 7, 512, 3, 1, 1, 1, 1),
+        mk(2, 8, 12, 12, 8, 3, 1, 2, 2, 4),
+        mk(1, 16, 9, 9, 32, 3, 1, 1, 1, 16),
+    ]
+}
+
+/// channels_last convolutions (NHWC activations, KRSC weights) in every direction and dtype,
+/// through whichever API the choice picks, against the CPU's NCHW result (the GPU's output
+/// permuted back). `MIXPREC_CUDNN_API=graph` / `=legacy` runs them through one API.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv2d_channels_last_matches_cpu_nchw() {
+    gpu();
+    for d in DTYPES {
+        for p in resnet50_conv_cases() {
+            let cl = Conv2dParams {
+                format: MemoryFormat::ChannelsLast,
+                ..p
+            };
+            let xd = [p.n, p.c_in, p.h, p.w];
+            let wd = [p.c_out, p.c_in / p.groups, p.kh, p.kw];
+            let yd = [p.n, p.c_out, p.out_h(), p.out_w()];
+            let x = randn(xd.iter().product(), d);
+            let w = randn(wd.iter().product(), d);
+            let w = w.affine(&whole(&w), 0.2, 0.0).unwrap();
+            let g = randn(yd.iter().product(), d);
+            let (lx, lw, lg) = (lay(&xd), lay(&wd), lay(&yd));
+            // The GPU's operands, channels-last, and their layouts.
+            let (xl, wl, gl) = (
+                up(&channels_last(&x, xd)),
+                up(&channels_last(&w, wd)),
+                up(&channels_last(&g, yd)),
+            );
+            let cl_lay = |dims: [usize; 4]| {
+                Layout::with_format(Shape::new(dims.to_vec()), MemoryFormat::ChannelsLast)
+            };
+            let (lxl, lwl, lgl) = (cl_lay(xd), cl_lay(wd), cl_lay(yd));
+            let cases = [
+                (
+                    "forward",
+                    xl.conv2d(&lxl, &wl, &lwl, &cl).unwrap(),
+                    yd,
+                    x.conv2d(&lx, &w, &lw, &p).unwrap(),
+                    tol_gemm(d),
+                ),
+                (
+                    "backward-data",
+                    gl.conv2d_backward_input(&lgl, &wl, &lwl, &cl).unwrap(),
+                    xd,
+                    g.conv2d_backward_input(&lg, &w, &lw, &p).unwrap(),
+                    tol_gemm(d),
+                ),
+                (
+                    "backward-filter",
+                    gl.conv2d_backward_weight(&lgl, &xl, &lxl, &cl).unwrap(),
+                    wd,
+                    g.conv2d_backward_weight(&lg, &x, &lx, &p).unwrap(),
+                    tol_gemm(d) * 2.0,
+                ),
+            ];
+            for (direction, got, dims, want, bound) in cases {
+                let got = channels_first(&got.to_cpu().unwrap(), dims);
+                let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
+                assert!(
+                    e <= bound,
+                    "channels_last {direction} {d} {p:?} ({}): relative error {e:e} > {bound:e}",
+                    conv_algorithm(&cl, d, direction)
+                );
+            }
+        }
+    }
+}
+
 /// Convolution plans come from cuDNN's graph API and its legacy API, the faster on the first
 /// call's buffers (`MIXPREC_CUDNN_API=graph` or `=legacy` forces one: run this binary's conv2d
 /// and resnet18 tests once each way too). This checks that the graph API really offers

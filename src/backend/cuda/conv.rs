@@ -1,48 +1,78 @@
-//! 2-D convolution through cuDNN (NCHW, groups, dilation): forward, backward-data and
-//! backward-filter. Each (geometry, dtype, direction) gets its plan chosen once, on the first
-//! call's real buffers, and cached with its workspace size. Two APIs compete for it:
+//! 2-D convolution through cuDNN (NCHW or NHWC, groups, dilation): forward, backward-data and
+//! backward-filter. Each (geometry, memory format, dtype, direction, TF32 setting) gets a plan
+//! chosen once, on the first call's own buffers, and kept with its workspace size.
 //!
-//! - cuDNN's graph API (`cudnn_graph.rs`): the heuristics' engine configurations, each timed
-//!   (median of three runs);
-//! - the legacy API: cuDNN's heuristics (`cudnnGet*Algorithm_v7`), then `cudnnFind*AlgorithmEx`
-//!   (three rounds; each candidate's median decides).
+//! **One candidate list, one timer.** The candidates are the graph API's engine configurations
+//! (`cudnn_graph.rs`: heuristic modes A and B, then the fallback list) and the legacy API's
+//! algorithms (`cudnn_legacy.rs`: `cudnnGet*Algorithm_v7`, each with its math type), every one
+//! that keeps the dtype's numerical promise and needs at most the workspace limit. All are timed
+//! the same way on the same buffers (`conv_tune.rs`: warm-up, median of three, slow ones
+//! abandoned early, near-equals re-timed) and the fastest runs; among candidates within 3% of it,
+//! the one with the least workspace.
 //!
-//! The faster of the two winners runs. Neither API wins everywhere (H200, f16, batch 64): the
-//! graph API's engines run ResNet-50's 14x14 layer3 convolution 1.2-1.4x faster, the legacy
-//! implicit-GEMM kernels its 7x7/2 stem forward 1.5x faster (the graph API's heuristics list no
-//! engine as fast there within the workspace limit).
+//! Why: inside a real ResNet-50 step (H200, batch 256) the former choice lost up to 4.4x to the
+//! legacy API's untimed heuristic choice. The graph API's candidates were capped at 256 MiB of
+//! workspace, and so was `cudnnFind*AlgorithmEx`'s scratch. cuDNN's fast tensor-core kernels
+//! for NCHW operands run NHWC internally and transpose both operands in the workspace: the
+//! sizes it asked for are x + y exactly (layer1's 1x1 64->256 forward: 102.8 + 411.0 MB =
+//! 513.8 MB; the 56x56 downsample's backward-data: dx 411.0 + dy 205.5 MB = 616.6 MB; the stem,
+//! its 3 channels padded to 8: 205.5 + 411.0 MB). At batch 256 that is over 256 MiB for every
+//! early-layer convolution, so the graph API was left with its generic engine 0 on the strided
+//! 1x1 backward-data (127-140 ms against 0.3 ms), cudnnFind returned no candidate at all there
+//! (elsewhere one algorithm at most passed its filter: success, the scratch size, and a math type
+//! equal to the descriptor's), and an untimed side lost by default. channels_last operands need
+//! no such transposes. Now the limit is what PyTorch allows in spirit (a generous cap:
+//! a quarter of the free device memory, at most 2 GiB; `MIXPREC_CUDNN_WORKSPACE_MB` overrides),
+//! the legacy algorithms are timed by our own timer rather than by cudnnFind (whose single run
+//! per candidate includes a first-launch warm-up, whose scratch it cannot share with the graph
+//! API's timing, and whose results report no workspace-aware tie-break), and nothing wins
+//! untimed while timing is on ([`conv_plans`] reports each plan's time and how many candidates
+//! of each API were timed).
 //!
-//! `MIXPREC_CUDNN_API=graph` or `=legacy` forces one API (the legacy API still covers what no
-//! graph engine supports); `MIXPREC_CUDNN_FIND=0` turns the timing off (the graph heuristics'
-//! first choice, else the legacy one); `RUST_LOG=mixprec=debug` logs the timings and the choice.
-//! The workspace is one grow-only buffer per device.
+//! Engines that compile kernels at run time (cuDNN's `RUNTIME_COMPILATION` note) stay out by
+//! default: their compile happens when their plan is built, in every process and for every
+//! shape, and the plan cache cannot carry it (it records the engine and its knobs; cuDNN
+//! serialises compiled plans only experimentally). `MIXPREC_CUDNN_RUNTIME_COMPILED=1` admits
+//! them, to measure whether they pay (see `benches/conv_choice.sh`).
+//!
+//! **The plan cache** (`conv_cache.rs`) keeps each choice on disk, so a second process rebuilds
+//! its plans without timing anything.
+//!
+//! Environment: `MIXPREC_CUDNN_API=graph` or `=legacy` limits the candidates to one API (with
+//! `graph`, the legacy API still covers what no graph engine supports); `MIXPREC_CUDNN_FIND=0`
+//! turns the timing (and the plan cache) off: the graph heuristics' first choice, else the
+//! legacy one; `MIXPREC_CUDNN_PLAN_CACHE=DIR|0` and `MIXPREC_CUDNN_RETUNE=1` steer the cache;
+//! `RUST_LOG=mixprec=debug` logs every candidate's time and the choice. The workspace is one
+//! grow-only buffer per device.
 
 use std::collections::HashMap;
-use std::ffi::{c_int, c_void};
+use std::ffi::c_void;
 
 use cudarc::cudnn::{result as dnn, sys as dsys};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-use super::cudnn_graph::ConvPlan;
+use super::conv_cache::{self, CacheUse, Choice, Entry};
+use super::conv_tune::{tune, EventTimer, Outcome, Scratch};
+use super::cudnn_graph::{EngineRules, GraphCandidate, GraphConv, GraphPlan};
+use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
 use super::device::{allow_tf32, cuda_err, CudaDevice};
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout};
 
-/// The most workspace the legacy heuristics' untimed choice may ask for.
-const WORKSPACE_LIMIT: usize = 1 << 30;
-/// The most workspace a timed candidate may ask for, in either API (cudnnFind's scratch; graph
-/// engines needing more are not candidates).
-const FIND_WORKSPACE: usize = 256 << 20;
+/// The most workspace one plan may need by default, and the least the limit goes down to when
+/// free memory is short.
+const WORKSPACE_CAP: usize = 2 << 30;
+const WORKSPACE_FLOOR: usize = 64 << 20;
 
-fn find_enabled() -> bool {
-    std::env::var("MIXPREC_CUDNN_FIND").map_or(true, |v| v != "0")
+fn env_on(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
-/// Which cuDNN API may run convolutions (`MIXPREC_CUDNN_API`): both, the fastest of them chosen
-/// per plan (the default), or only one (`graph`: the legacy API still covers what no graph engine
-/// supports; `legacy`: never the graph API).
+/// Which cuDNN API's candidates compete (`MIXPREC_CUDNN_API`): both (the default), or only one
+/// (`graph`: the legacy API still covers what no graph engine supports; `legacy`: never the
+/// graph API).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Api {
     Fastest,
@@ -50,12 +80,69 @@ enum Api {
     Legacy,
 }
 
-fn api() -> Api {
-    match std::env::var("MIXPREC_CUDNN_API").as_deref() {
-        Ok("graph") => Api::Graph,
-        Ok("legacy") => Api::Legacy,
-        _ => Api::Fastest,
+/// The settings a plan is chosen under, read from the environment at each choice.
+struct Settings {
+    api: Api,
+    /// Candidates are timed (`MIXPREC_CUDNN_FIND` is not 0).
+    timed: bool,
+    rules: EngineRules,
+    /// The most workspace a candidate may need.
+    limit: usize,
+    cache: CacheUse,
+}
+
+impl Settings {
+    fn now(dev: &CudaDevice, dtype: DType) -> Settings {
+        let api = match std::env::var("MIXPREC_CUDNN_API").as_deref() {
+            Ok("graph") => Api::Graph,
+            Ok("legacy") => Api::Legacy,
+            _ => Api::Fastest,
+        };
+        let timed = std::env::var("MIXPREC_CUDNN_FIND").map_or(true, |v| v != "0");
+        Settings {
+            api,
+            timed,
+            rules: EngineRules {
+                dtype,
+                tf32: allow_tf32(),
+                runtime_compiled: env_on("MIXPREC_CUDNN_RUNTIME_COMPILED"),
+            },
+            limit: workspace_limit(dev),
+            cache: if timed {
+                CacheUse::from_env()
+            } else {
+                CacheUse::Off
+            },
+        }
     }
+
+    /// The rules part of a plan-cache key: what else decides a choice.
+    fn label(&self) -> String {
+        format!(
+            "api {:?} runtime-compiled {}",
+            self.api, self.rules.runtime_compiled
+        )
+    }
+}
+
+/// `MIXPREC_CUDNN_WORKSPACE_MB` if set, else a quarter of the free device memory within
+/// [`WORKSPACE_FLOOR`, `WORKSPACE_CAP`].
+fn workspace_limit(dev: &CudaDevice) -> usize {
+    if let Ok(v) = std::env::var("MIXPREC_CUDNN_WORKSPACE_MB") {
+        match v.trim().parse::<usize>() {
+            Ok(mb) => return mb.saturating_mul(1 << 20),
+            Err(e) => log::warn!(
+                "MIXPREC_CUDNN_WORKSPACE_MB={v:?} is not a number of MiB ({e}); using the default"
+            ),
+        }
+    }
+    let free = dev
+        .ctx
+        .bind_to_thread()
+        .ok()
+        .and_then(|_| cudarc::driver::result::mem_get_info().ok())
+        .map_or(WORKSPACE_CAP, |(free, _)| free / 4);
+    free.clamp(WORKSPACE_FLOOR, WORKSPACE_CAP)
 }
 
 /// Which convolution runs, with its buffers in cuDNN's argument order: forward (x, w) -> y,
@@ -67,86 +154,95 @@ pub(super) enum Dir {
     BackwardFilter,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Algo {
-    Fwd(dsys::cudnnConvolutionFwdAlgo_t),
-    BwdData(dsys::cudnnConvolutionBwdDataAlgo_t),
-    BwdFilter(dsys::cudnnConvolutionBwdFilterAlgo_t),
-}
-
-struct TensorDesc(dsys::cudnnTensorDescriptor_t);
-impl Drop for TensorDesc {
-    fn drop(&mut self) {
-        // SAFETY: created once, destroyed once.
-        let _ = unsafe { dnn::destroy_tensor_descriptor(self.0) };
-    }
-}
-struct FilterDesc(dsys::cudnnFilterDescriptor_t);
-impl Drop for FilterDesc {
-    fn drop(&mut self) {
-        // SAFETY: created once, destroyed once.
-        let _ = unsafe { dnn::destroy_filter_descriptor(self.0) };
-    }
-}
-struct ConvDesc(dsys::cudnnConvolutionDescriptor_t);
-impl Drop for ConvDesc {
-    fn drop(&mut self) {
-        // SAFETY: created once, destroyed once.
-        let _ = unsafe { dnn::destroy_convolution_descriptor(self.0) };
+impl Dir {
+    fn name(self) -> &'static str {
+        match self {
+            Dir::Forward => "forward",
+            Dir::BackwardData => "backward-data",
+            Dir::BackwardFilter => "backward-filter",
+        }
     }
 }
 
-/// How one (geometry, dtype, direction) runs.
-enum Plan {
-    Graph(ConvPlan),
-    Legacy(LegacyPlan),
+/// How a plan was chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlanSource {
+    /// Its candidates were timed in this process.
+    Timed,
+    /// Rebuilt from the plan cache on disk (timed by an earlier process), no timing runs.
+    Cache,
+    /// cuDNN's heuristic first choice, untimed (`MIXPREC_CUDNN_FIND=0`).
+    Heuristic,
+}
+
+/// What is known of how a plan was chosen.
+#[derive(Clone, Copy, Debug)]
+struct Record {
+    source: PlanSource,
+    time_ms: Option<f32>,
+    /// Wall time spent choosing it (building candidates, timing them, or rebuilding it from the
+    /// plan cache), ms.
+    choice_ms: f64,
+    graph_candidates: usize,
+    legacy_candidates: usize,
+    graph_timed: usize,
+    legacy_timed: usize,
+}
+
+/// What runs for one (geometry, dtype, direction).
+enum Runner {
+    Graph(GraphPlan),
+    Legacy { conv: LegacyConv, algo: LegacyAlgo },
+}
+
+/// A chosen plan.
+struct Plan {
+    runner: Runner,
+    record: Record,
 }
 
 impl Plan {
     fn workspace(&self) -> usize {
-        match self {
-            Plan::Graph(g) => g.workspace,
-            Plan::Legacy(l) => l.workspace,
+        match &self.runner {
+            Runner::Graph(g) => g.candidate.workspace,
+            Runner::Legacy { algo, .. } => algo.workspace,
         }
     }
 
     /// What runs: the graph engine with its notes, or the legacy algorithm.
     fn describe(&self) -> String {
-        match self {
-            Plan::Graph(g) => format!("{g:?}"),
-            Plan::Legacy(l) => format!("legacy {:?} ({} bytes of workspace)", l.algo, l.workspace),
+        match &self.runner {
+            Runner::Graph(g) => format!("{:?}", g.candidate),
+            Runner::Legacy { algo, .. } => algo.describe(),
         }
     }
 
-    /// How many graph-API engine configurations were candidates for this plan.
-    fn graph_candidates(&self) -> usize {
-        match self {
-            Plan::Graph(g) => g.candidates,
-            Plan::Legacy(l) => l.graph_candidates,
+    /// What the plan cache records of it (None: it cannot be rebuilt from a record).
+    fn choice(&self) -> Option<Choice> {
+        match &self.runner {
+            Runner::Graph(g) => Some(Choice::Graph {
+                engine: g.candidate.engine,
+                knobs: g.candidate.knobs.clone()?,
+            }),
+            Runner::Legacy { algo, .. } => Some(Choice::Legacy {
+                algo: algo.algo.code(),
+                math: algo.math_code(),
+            }),
         }
     }
 }
 
-/// A legacy-API plan: descriptors and a `cudnnConvolution*Algo_t`.
-struct LegacyPlan {
-    /// The math the descriptor allows: cudnnFind's candidates must use exactly this one, or an
-    /// f32 convolution could come back computed in TF32.
-    math: dsys::cudnnMathType_t,
-    x: TensorDesc,
-    w: FilterDesc,
-    y: TensorDesc,
-    conv: ConvDesc,
-    algo: Algo,
-    workspace: usize,
-    /// How many graph-API candidates it was chosen over (0: the graph API was not tried or had
-    /// no engine).
-    graph_candidates: usize,
-}
+/// The key of a plan in memory: geometry (with its memory format), dtype, direction, TF32.
+type PlanKey = (Conv2dParams, DType, Dir, bool);
 
 pub(crate) struct Dnn {
     handle: dsys::cudnnHandle_t,
     workspace: Option<CudaSlice<u8>>,
-    plans: HashMap<(Conv2dParams, DType, Dir, bool), Plan>,
+    plans: HashMap<PlanKey, Plan>,
+    /// The GPU, driver and cuDNN, as the plan cache's keys name them.
+    device_id: String,
+    /// Candidate runs timed so far (warm-ups included).
+    timing_runs: u64,
 }
 
 // SAFETY: the handle and descriptors are only used under the device's `dnn` mutex.
@@ -164,9 +260,541 @@ fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("cuDNN {what}: {e:?}"))
 }
 
-fn i(what: &'static str, v: usize) -> Result<c_int> {
-    c_int::try_from(v)
-        .map_err(|_| Error::invalid_arg("conv2d", what, v, "at most 2^31-1 for cuDNN"))
+/// A candidate of the unified list: the k-th graph configuration or legacy algorithm.
+#[derive(Clone, Copy, Debug)]
+enum Cand {
+    Graph(usize),
+    Legacy(usize),
+}
+
+impl Dnn {
+    fn new(dev: &CudaDevice) -> Result<Dnn> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))?;
+        let handle = dnn::create_handle().map_err(|e| dnn_err("cudnnCreate", e))?;
+        let mut driver = 0;
+        // SAFETY: an out-pointer; the driver is initialised (a context exists).
+        let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+        let device_id = format!(
+            "{} sm{}{} {} SMs driver {driver} cudnn {}",
+            dev.ctx.name().unwrap_or_else(|_| "unnamed GPU".into()),
+            dev.arch.0,
+            dev.arch.1,
+            dev.sm_count,
+            dnn::get_version()
+        );
+        let d = Dnn {
+            handle,
+            workspace: None,
+            plans: HashMap::new(),
+            device_id,
+            timing_runs: 0,
+        };
+        // SAFETY: live handle and stream.
+        unsafe { dnn::set_stream(handle, dev.stream.cu_stream() as _) }
+            .map_err(|e| dnn_err("cudnnSetStream", e))?;
+        Ok(d)
+    }
+
+    /// The plan for one direction (see the module doc), chosen on the first call's buffers
+    /// (`ptrs`, argument order; the output is overwritten): from the plan cache when it holds
+    /// one, else timed (or heuristic) and then written to the cache.
+    fn make_plan(
+        &mut self,
+        dev: &CudaDevice,
+        p: &Conv2dParams,
+        dtype: DType,
+        dir: Dir,
+        ptrs: [*mut c_void; 3],
+    ) -> Result<Plan> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))?;
+        let s = Settings::now(dev, dtype);
+        let key = conv_cache::key(&self.device_id, &s.label(), p, dtype, dir, s.rules.tf32);
+        if let CacheUse::ReadWrite(cache) = &s.cache {
+            if let Some(entry) = conv_cache::load(cache, &key) {
+                match self.restore(&entry, p, dir, &s) {
+                    Ok(plan) => return Ok(plan),
+                    Err(e) => log::warn!(
+                        "cuDNN plan cache: {} no longer builds ({e}); choosing the plan again",
+                        conv_cache::path(cache, &key).display()
+                    ),
+                }
+            }
+        }
+        let plan = match self.choose(dev, p, dtype, dir, ptrs, &s, s.api != Api::Legacy, true)? {
+            Some(plan) => plan,
+            None => {
+                return Err(Error::Cuda(format!(
+                    "cuDNN: no {dir:?} convolution algorithm ran for {dtype} {p:?} within {} \
+                     bytes of workspace (RUST_LOG=mixprec=debug lists the candidates)",
+                    s.limit
+                )))
+            }
+        };
+        if let (Some(cache), PlanSource::Timed, Some(time_ms), Some(choice)) = (
+            s.cache.dir(),
+            plan.record.source,
+            plan.record.time_ms,
+            plan.choice(),
+        ) {
+            let r = plan.record;
+            conv_cache::store(
+                cache,
+                &Entry {
+                    format: conv_cache::FORMAT,
+                    key,
+                    choice,
+                    workspace: plan.workspace(),
+                    time_ms,
+                    graph_candidates: r.graph_candidates,
+                    legacy_candidates: r.legacy_candidates,
+                    graph_timed: r.graph_timed,
+                    legacy_timed: r.legacy_timed,
+                    algorithm: plan.describe(),
+                },
+            );
+        }
+        Ok(plan)
+    }
+
+    /// Gathers the candidates of the APIs asked for and chooses among them: timed, or the
+    /// heuristics' first. `None` when no candidate ran.
+    #[allow(clippy::too_many_arguments)]
+    fn choose(
+        &mut self,
+        dev: &CudaDevice,
+        p: &Conv2dParams,
+        dtype: DType,
+        dir: Dir,
+        ptrs: [*mut c_void; 3],
+        s: &Settings,
+        use_graph: bool,
+        use_legacy: bool,
+    ) -> Result<Option<Plan>> {
+        let h = self.handle;
+        let tf32 = s.rules.tf32;
+        let graph = if use_graph {
+            let g = super::probe::no_panic("cuDNN graph API", || {
+                let conv = GraphConv::new(h, p, dtype, dir)?;
+                let (cands, skipped) = conv.candidates(h, s.rules, s.limit, !s.timed)?;
+                Ok((conv, cands, skipped))
+            });
+            match g {
+                Ok((conv, cands, skipped)) => {
+                    if !skipped.is_empty() {
+                        log::debug!(
+                            "{dir:?} {dtype} {p:?}, graph configurations not candidates: {}",
+                            skipped.join("; ")
+                        );
+                    }
+                    Some((conv, cands))
+                }
+                Err(e) => {
+                    log::debug!("{dir:?} {dtype} {p:?}: no graph-API candidates: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let graph_empty = graph.as_ref().is_none_or(|(_, c)| c.is_empty());
+        let legacy = if use_legacy && (s.api != Api::Graph || graph_empty) {
+            let l = LegacyConv::new(p, dtype, dir, tf32).and_then(|conv| {
+                let (algos, skipped) = conv.candidates(h, tf32, s.limit)?;
+                Ok((conv, algos, skipped))
+            });
+            match l {
+                Ok((conv, algos, skipped)) => {
+                    if !skipped.is_empty() {
+                        log::debug!(
+                            "{dir:?} {dtype} {p:?}, legacy algorithms not candidates: {}",
+                            skipped.join("; ")
+                        );
+                    }
+                    Some((conv, algos))
+                }
+                Err(e) => {
+                    log::debug!("{dir:?} {dtype} {p:?}: no legacy-API candidates: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let n_graph = graph.as_ref().map_or(0, |(_, c)| c.len());
+        let n_legacy = legacy.as_ref().map_or(0, |(_, a)| a.len());
+        let mut record = Record {
+            source: PlanSource::Heuristic,
+            time_ms: None,
+            choice_ms: 0.0,
+            graph_candidates: n_graph,
+            legacy_candidates: n_legacy,
+            graph_timed: 0,
+            legacy_timed: 0,
+        };
+        if !s.timed {
+            // The heuristics' first: the graph API's, else the legacy API's.
+            return Ok(match (graph, legacy) {
+                (Some((conv, mut cands)), _) if !cands.is_empty() => Some(Plan {
+                    runner: Runner::Graph(GraphPlan {
+                        candidate: cands.swap_remove(0),
+                        conv,
+                    }),
+                    record,
+                }),
+                (_, Some((conv, algos))) if !algos.is_empty() => Some(Plan {
+                    runner: Runner::Legacy {
+                        conv,
+                        algo: algos[0],
+                    },
+                    record,
+                }),
+                _ => None,
+            });
+        }
+        // The unified list: the graph API's mode-A configurations (its best guesses), the legacy
+        // algorithms, the graph API's other configurations.
+        let gc: &[GraphCandidate] = graph.as_ref().map_or(&[], |(_, c)| c);
+        let la: &[LegacyAlgo] = legacy.as_ref().map_or(&[], |(_, a)| a);
+        let is_a =
+            |c: &GraphCandidate| c.mode == Some(dsys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A);
+        let mut order: Vec<Cand> = (0..gc.len())
+            .filter(|&k| is_a(&gc[k]))
+            .map(Cand::Graph)
+            .chain((0..la.len()).map(Cand::Legacy))
+            .chain((0..gc.len()).filter(|&k| !is_a(&gc[k])).map(Cand::Graph))
+            .collect();
+        let ws_of = |c: &Cand| match *c {
+            Cand::Graph(k) => gc[k].workspace,
+            Cand::Legacy(k) => la[k].workspace,
+        };
+        let describe = |c: &Cand| match *c {
+            Cand::Graph(k) => format!("{:?}", gc[k]),
+            Cand::Legacy(k) => la[k].describe(),
+        };
+        let sizes: Vec<usize> = order.iter().map(ws_of).collect();
+        let scratch = Scratch::alloc(dev, &sizes)?;
+        let room = scratch.as_ref().map_or(0, |s| s.len);
+        order.retain(|c| {
+            let fits = ws_of(c) <= room;
+            if !fits {
+                log::debug!(
+                    "{dir:?} {dtype} {p:?}: {} not timed: only {room} bytes of scratch could be \
+                     allocated",
+                    describe(c)
+                );
+            }
+            fits
+        });
+        let workspaces: Vec<usize> = order.iter().map(ws_of).collect();
+        let ws_ptr = scratch.as_ref().map_or(std::ptr::null_mut(), |s| s.ptr());
+        let mut timer = EventTimer::new(dev);
+        let tuning = tune(&workspaces, |i, runs, pre_run| match order[i] {
+            Cand::Graph(k) => match graph.as_ref() {
+                Some((conv, _)) => {
+                    timer.measure(|| conv.execute(h, &gc[k], ptrs, ws_ptr), runs, pre_run)
+                }
+                None => Ok(None),
+            },
+            Cand::Legacy(k) => match legacy.as_ref() {
+                Some((conv, _)) => timer.measure(
+                    || conv.execute(h, &la[k], ptrs, ws_ptr, room),
+                    runs,
+                    pre_run,
+                ),
+                None => Ok(None),
+            },
+        });
+        self.timing_runs += timer.runs;
+        drop(scratch);
+        let tuning = tuning?;
+        log::debug!(
+            "{dir:?} {dtype} {p:?}: {} -> {}",
+            order
+                .iter()
+                .zip(&tuning.outcomes)
+                .map(|(c, o)| format!("{} {}", describe(c), outcome_text(o)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            tuning
+                .chosen
+                .map_or_else(|| "none".into(), |i| describe(&order[i]))
+        );
+        for (c, o) in order.iter().zip(&tuning.outcomes) {
+            if o.was_timed() {
+                match c {
+                    Cand::Graph(_) => record.graph_timed += 1,
+                    Cand::Legacy(_) => record.legacy_timed += 1,
+                }
+            }
+        }
+        let Some(chosen) = tuning.chosen else {
+            // Every candidate failed to run. Forced onto the graph API, the legacy API may
+            // still cover this convolution.
+            if s.api == Api::Graph && use_graph && use_legacy && legacy.is_none() {
+                return self.choose(dev, p, dtype, dir, ptrs, s, false, true);
+            }
+            return Ok(None);
+        };
+        record.source = PlanSource::Timed;
+        record.time_ms = tuning.outcomes[chosen].median_ms();
+        let runner = match (order[chosen], graph, legacy) {
+            (Cand::Graph(k), Some((conv, mut cands)), _) => Runner::Graph(GraphPlan {
+                candidate: cands.swap_remove(k),
+                conv,
+            }),
+            (Cand::Legacy(k), _, Some((conv, algos))) => Runner::Legacy {
+                conv,
+                algo: algos[k],
+            },
+            _ => return Err(Error::Cuda("cuDNN plan choice: candidate list".into())),
+        };
+        Ok(Some(Plan { runner, record }))
+    }
+
+    /// Rebuilds a cached choice (no timing): an error when it no longer builds as recorded.
+    fn restore(&self, e: &Entry, p: &Conv2dParams, dir: Dir, s: &Settings) -> Result<Plan> {
+        let h = self.handle;
+        let dtype = s.rules.dtype;
+        if e.workspace > s.limit {
+            return Err(Error::Cuda(format!(
+                "it needs {} bytes of workspace, the limit is now {}",
+                e.workspace, s.limit
+            )));
+        }
+        let record = Record {
+            source: PlanSource::Cache,
+            time_ms: Some(e.time_ms),
+            choice_ms: 0.0,
+            graph_candidates: e.graph_candidates,
+            legacy_candidates: e.legacy_candidates,
+            graph_timed: e.graph_timed,
+            legacy_timed: e.legacy_timed,
+        };
+        let runner = match &e.choice {
+            Choice::Graph { engine, knobs } => {
+                let (conv, candidate) = super::probe::no_panic("cuDNN graph API", || {
+                    let conv = GraphConv::new(h, p, dtype, dir)?;
+                    let c = conv.rebuild(h, *engine, knobs, s.rules, s.limit)?;
+                    Ok((conv, c))
+                })?;
+                if candidate.workspace != e.workspace {
+                    return Err(Error::Cuda(format!(
+                        "engine {engine} now needs {} bytes of workspace, not {}",
+                        candidate.workspace, e.workspace
+                    )));
+                }
+                Runner::Graph(GraphPlan { candidate, conv })
+            }
+            Choice::Legacy { algo, math } => {
+                let conv = LegacyConv::new(p, dtype, dir, s.rules.tf32)?;
+                let (algos, _) = conv.candidates(h, s.rules.tf32, s.limit)?;
+                let found = algos
+                    .into_iter()
+                    .find(|a| a.algo.code() == *algo && a.math_code() == *math)
+                    .ok_or_else(|| {
+                        Error::Cuda(format!(
+                            "cuDNN no longer lists legacy algorithm {algo} with math type {math}"
+                        ))
+                    })?;
+                if found.workspace != e.workspace {
+                    return Err(Error::Cuda(format!(
+                        "legacy algorithm {algo} now needs {} bytes of workspace, not {}",
+                        found.workspace, e.workspace
+                    )));
+                }
+                Runner::Legacy { conv, algo: found }
+            }
+        };
+        Ok(Plan { runner, record })
+    }
+}
+
+fn outcome_text(o: &Outcome) -> String {
+    match o {
+        Outcome::Timed { median_ms, runs } => format!("{median_ms:.4} ms ({runs} runs)"),
+        Outcome::Abandoned { best_ms, runs } => {
+            format!("abandoned at {best_ms:.3} ms ({runs} runs)")
+        }
+        Outcome::Failed { runs } => format!("failed (run {runs})"),
+    }
+}
+
+/// Runs one convolution direction: `a`, `b` are the two inputs in cuDNN's argument order and the
+/// output has `out_len` elements.
+fn run(
+    dev: &std::sync::Arc<CudaDevice>,
+    dir: Dir,
+    p: &Conv2dParams,
+    dtype: DType,
+    a: &CudaStorage,
+    b: &CudaStorage,
+    out_len: usize,
+) -> Result<CudaStorage> {
+    let out = CudaStorage::alloc(dev, dtype, out_len)?;
+    if out_len == 0 || a.is_empty() || b.is_empty() {
+        if out_len > 0 {
+            super::cast::fill(&out, 0.0)?;
+        }
+        return Ok(out);
+    }
+    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    // What a capture cannot record (handle creation, the timed plan search, workspace growth)
+    // must have happened in a warm-up step.
+    let first_use = |what: String| {
+        super::graph::refuse(
+            dev.ordinal,
+            "conv2d",
+            &format!("{what} during capture: run a warm-up step of the same shapes first"),
+        )
+    };
+    if guard.is_none() {
+        first_use("creating the cuDNN handle".into())?;
+        // A cuDNN missing a symbol would panic inside cudarc: an error instead.
+        *guard = Some(super::probe::no_panic("creating the cuDNN handle", || {
+            Dnn::new(dev)
+        })?);
+    }
+    let dnn_state = guard
+        .as_mut()
+        .ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
+    let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
+    let key = (*p, dtype, dir, allow_tf32());
+    if !dnn_state.plans.contains_key(&key) {
+        first_use(format!("choosing the {dir:?} {dtype} plan for {p:?}"))?;
+        let started = std::time::Instant::now();
+        let mut plan = dnn_state.make_plan(dev, p, dtype, dir, ptrs)?;
+        plan.record.choice_ms = started.elapsed().as_secs_f64() * 1e3;
+        log::debug!(
+            "{dir:?} {dtype} {p:?}: {} ({:?}, {:.1} ms to choose)",
+            plan.describe(),
+            plan.record.source,
+            plan.record.choice_ms
+        );
+        dnn_state.plans.insert(key, plan);
+    }
+    let ws_needed = dnn_state.plans.get(&key).map_or(0, Plan::workspace);
+    let have = dnn_state.workspace.as_ref().map_or(0, |w| w.len());
+    if ws_needed > have {
+        first_use(format!("growing the workspace to {ws_needed} bytes"))?;
+        // Let go of first (the old buffer is too small for anything from now on), unless a
+        // captured graph still uses it: the graph then keeps it while it lives.
+        if let Some(old) = dnn_state.workspace.take() {
+            drop(super::graph::retire(dev.ordinal, old));
+        }
+        // SAFETY: cuDNN owns the workspace contents.
+        let ws = unsafe { dev.stream.alloc::<u8>(ws_needed) }.map_err(|e| {
+            cuda_err(
+                &format!("allocating {ws_needed} bytes of cuDNN workspace"),
+                e,
+            )
+        })?;
+        dnn_state.workspace = Some(ws);
+    }
+    let (ws_ptr, ws_len) = match &dnn_state.workspace {
+        Some(w) => (w.device_ptr(&dev.stream).0 as *mut c_void, w.len()),
+        None => (std::ptr::null_mut(), 0),
+    };
+    let h = dnn_state.handle;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(|e| cuda_err("binding the context", e))?;
+    match dnn_state.plans.get(&key).map(|plan| &plan.runner) {
+        Some(Runner::Graph(g)) => g.execute(h, ptrs, ws_ptr),
+        Some(Runner::Legacy { conv, algo }) => conv.execute(h, algo, ptrs, ws_ptr, ws_len),
+        None => Err(Error::Cuda("cuDNN plan cache".into())),
+    }
+    .map_err(|e| Error::Cuda(format!("{dir:?} convolution ({dtype}, {p:?}): {e}")))?;
+    Ok(out)
+}
+
+/// One chosen convolution plan, as [`conv_plans`] reports it.
+#[derive(Clone, Debug)]
+pub struct ConvPlanInfo {
+    /// The geometry, its memory format included.
+    pub params: Conv2dParams,
+    pub dtype: DType,
+    /// "forward", "backward-data" or "backward-filter".
+    pub direction: &'static str,
+    /// Whether it runs through cuDNN's graph API (else the legacy API).
+    pub graph_api: bool,
+    /// How it was chosen: timed here, from the plan cache, or cuDNN's untimed first choice.
+    pub source: PlanSource,
+    /// Its median time on the first call's buffers (ms), when it was timed (here or by the
+    /// process that wrote the plan cache).
+    pub time_ms: Option<f32>,
+    /// Candidates of each API (configurations and algorithms that keep the dtype's promise and
+    /// fit the workspace limit; 0 when that API was not asked).
+    pub graph_candidates: usize,
+    pub legacy_candidates: usize,
+    /// How many of them were timed (abandoned as too slow counts; failing to run does not).
+    pub graph_timed: usize,
+    pub legacy_timed: usize,
+    /// Wall time spent choosing it in this process (ms): building and timing candidates, or
+    /// rebuilding it from the plan cache.
+    pub choice_ms: f64,
+    /// Bytes of workspace it needs.
+    pub workspace: usize,
+    /// What runs: "graph engine N [its notes] (...)" or "legacy <cuDNN algorithm> <math> (...)".
+    pub algorithm: String,
+}
+
+/// The convolution plans device `ordinal` has chosen so far (one per geometry, memory format,
+/// dtype, direction and TF32 setting): which API each runs through, how it was chosen, its
+/// time. For tests and for a look at a network's convolutions.
+pub fn conv_plans(ordinal: usize) -> Result<Vec<ConvPlanInfo>> {
+    let dev = super::device::get(ordinal)?;
+    let guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dnn) = guard.as_ref() else {
+        return Ok(Vec::new());
+    };
+    Ok(dnn
+        .plans
+        .iter()
+        .map(|((params, dtype, dir, _), plan)| ConvPlanInfo {
+            params: *params,
+            dtype: *dtype,
+            direction: dir.name(),
+            graph_api: matches!(plan.runner, Runner::Graph(_)),
+            source: plan.record.source,
+            time_ms: plan.record.time_ms,
+            graph_candidates: plan.record.graph_candidates,
+            legacy_candidates: plan.record.legacy_candidates,
+            graph_timed: plan.record.graph_timed,
+            legacy_timed: plan.record.legacy_timed,
+            choice_ms: plan.record.choice_ms,
+            workspace: plan.workspace(),
+            algorithm: plan.describe(),
+        })
+        .collect())
+}
+
+/// Forgets the convolution plans device `ordinal` has chosen: each is chosen again at its next
+/// use (from the plan cache when it holds it). For tests, and after changing the environment
+/// that steers the choice.
+pub fn clear_conv_plans(ordinal: usize) -> Result<()> {
+    let dev = super::device::get(ordinal)?;
+    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(dnn) = guard.as_mut() {
+        dnn.plans.clear();
+    }
+    Ok(())
+}
+
+/// How many candidate runs device `ordinal` has timed to choose its convolution plans (0 for a
+/// process whose plans all came from the plan cache).
+pub fn conv_timing_runs(ordinal: usize) -> Result<u64> {
+    let dev = super::device::get(ordinal)?;
+    let guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(guard.as_ref().map_or(0, |d| d.timing_runs))
+}
+
+/// Where the plan cache is for a choice made now (None: off), from the environment.
+pub fn conv_plan_cache_dir() -> Option<std::path::PathBuf> {
+    CacheUse::from_env().dir().map(|d| d.to_path_buf())
 }
 
 pub(super) fn data_type(d: DType) -> Result<(dsys::cudnnDataType_t, dsys::cudnnDataType_t)> {
@@ -220,575 +848,6 @@ fn check(op: &'static str, p: &Conv2dParams) -> Result<()> {
         );
     }
     Ok(())
-}
-
-impl Dnn {
-    fn new(dev: &CudaDevice) -> Result<Dnn> {
-        dev.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("binding the context", e))?;
-        let handle = dnn::create_handle().map_err(|e| dnn_err("cudnnCreate", e))?;
-        let d = Dnn {
-            handle,
-            workspace: None,
-            plans: HashMap::new(),
-        };
-        // SAFETY: live handle and stream.
-        unsafe { dnn::set_stream(handle, dev.stream.cu_stream() as _) }
-            .map_err(|e| dnn_err("cudnnSetStream", e))?;
-        Ok(d)
-    }
-
-    /// The plan for one direction, chosen on the first call's buffers (`ptrs`, argument order):
-    /// the faster of the graph API's and the legacy API's winners (see the module doc for the
-    /// environment that narrows this).
-    fn make_plan(
-        &self,
-        dev: &CudaDevice,
-        p: &Conv2dParams,
-        dtype: DType,
-        dir: Dir,
-        ptrs: [*mut c_void; 3],
-    ) -> Result<Plan> {
-        dev.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("binding the context", e))?;
-        let api = api();
-        let timed = find_enabled();
-        let graph = if api == Api::Legacy {
-            None
-        } else {
-            let g = super::probe::no_panic("cuDNN graph API", || {
-                ConvPlan::tuned(
-                    dev,
-                    self.handle,
-                    p,
-                    dtype,
-                    dir,
-                    allow_tf32(),
-                    ptrs,
-                    FIND_WORKSPACE,
-                    timed,
-                )
-            });
-            match g {
-                Ok(g) => Some(g),
-                Err(e) => {
-                    log::debug!("{e}; using the legacy API");
-                    None
-                }
-            }
-        };
-        // Untimed, or asked for the graph API: its plan where it has one.
-        let graph = match graph {
-            Some(g) if api == Api::Graph || !timed => return Ok(Plan::Graph(g)),
-            g => g,
-        };
-        let mut legacy = self.make_legacy_plan(p, dtype, dir)?;
-        let legacy_ms = if timed {
-            let [ap, bp, op] = ptrs;
-            find(dev, self.handle, &mut legacy, dir, p, (ap, bp, op)).unwrap_or_else(|e| {
-                log::debug!(
-                    "cudnnFind for {dir:?} {dtype} {p:?} failed, keeping the heuristic choice: {e}"
-                );
-                None
-            })
-        } else {
-            None
-        };
-        // Both timed on the same buffers: the faster wins (an untimed side loses).
-        Ok(match graph {
-            Some(g) if g.time_ms.unwrap_or(f32::INFINITY) <= legacy_ms.unwrap_or(f32::INFINITY) => {
-                log::debug!(
-                    "{dir:?} {dtype} {p:?}: graph {:?} ms vs legacy {legacy_ms:?} ms -> graph",
-                    g.time_ms
-                );
-                Plan::Graph(g)
-            }
-            g => {
-                log::debug!(
-                    "{dir:?} {dtype} {p:?}: graph {:?} ms vs legacy {legacy_ms:?} ms -> legacy",
-                    g.as_ref().and_then(|g| g.time_ms)
-                );
-                legacy.graph_candidates = g.map_or(0, |g| g.candidates);
-                Plan::Legacy(legacy)
-            }
-        })
-    }
-
-    fn make_legacy_plan(&self, p: &Conv2dParams, dtype: DType, dir: Dir) -> Result<LegacyPlan> {
-        let (dt, compute) = data_type(dtype)?;
-        let nchw = dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
-        let x = TensorDesc(
-            dnn::create_tensor_descriptor().map_err(|e| dnn_err("tensor descriptor", e))?,
-        );
-        let y = TensorDesc(
-            dnn::create_tensor_descriptor().map_err(|e| dnn_err("tensor descriptor", e))?,
-        );
-        let w = FilterDesc(
-            dnn::create_filter_descriptor().map_err(|e| dnn_err("filter descriptor", e))?,
-        );
-        let conv = ConvDesc(
-            dnn::create_convolution_descriptor()
-                .map_err(|e| dnn_err("convolution descriptor", e))?,
-        );
-        let xd = [i("n", p.n)?, i("c_in", p.c_in)?, i("h", p.h)?, i("w", p.w)?];
-        let yd = [
-            i("n", p.n)?,
-            i("c_out", p.c_out)?,
-            i("out_h", p.out_h())?,
-            i("out_w", p.out_w())?,
-        ];
-        let wd = [
-            i("c_out", p.c_out)?,
-            i("c_in", p.c_in / p.groups)?,
-            i("kh", p.kh)?,
-            i("kw", p.kw)?,
-        ];
-        let math = math_type(dtype);
-        // SAFETY: descriptors were just created; arrays are by value.
-        unsafe {
-            dnn::set_tensor4d_descriptor(x.0, nchw, dt, xd)
-                .map_err(|e| dnn_err("input descriptor", e))?;
-            dnn::set_tensor4d_descriptor(y.0, nchw, dt, yd)
-                .map_err(|e| dnn_err("output descriptor", e))?;
-            dnn::set_filter4d_descriptor(w.0, dt, nchw, wd)
-                .map_err(|e| dnn_err("filter descriptor", e))?;
-            dnn::set_convolution2d_descriptor(
-                conv.0,
-                i("padding", p.padding.0)?,
-                i("padding", p.padding.1)?,
-                i("stride", p.stride.0)?,
-                i("stride", p.stride.1)?,
-                i("dilation", p.dilation.0)?,
-                i("dilation", p.dilation.1)?,
-                dsys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
-                compute,
-            )
-            .map_err(|e| dnn_err("convolution descriptor", e))?;
-            dnn::set_convolution_group_count(conv.0, i("groups", p.groups)?)
-                .map_err(|e| dnn_err("group count", e))?;
-            dnn::set_convolution_math_type(conv.0, math).map_err(|e| dnn_err("math type", e))?;
-        }
-        const N: usize = 16;
-        let mut count: c_int = 0;
-        let h = self.handle;
-        // cuDNN's heuristic candidates in order; the first that fits WORKSPACE_LIMIT and whose
-        // workspace size can be queried wins. `$get` and `$ws` take the same descriptors.
-        macro_rules! heuristic {
-            ($perf:ty, $get:path, $ws:path, $variant:path, $name:literal, $d1:expr, $d2:expr, $d3:expr) => {{
-                // SAFETY: zeroed plain-data structs filled by cuDNN.
-                let mut perf: [$perf; N] = unsafe { std::mem::zeroed() };
-                // SAFETY: live handle and descriptors; `perf` holds N entries.
-                unsafe {
-                    $get(
-                        h,
-                        $d1,
-                        $d2,
-                        conv.0,
-                        $d3,
-                        N as c_int,
-                        &mut count,
-                        perf.as_mut_ptr(),
-                    )
-                }
-                .map_err(|e| dnn_err($name, e))?;
-                let mut pick = None;
-                for pf in perf.iter().take(count.max(0) as usize) {
-                    if pf.status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS
-                        || pf.memory > WORKSPACE_LIMIT
-                    {
-                        continue;
-                    }
-                    // SAFETY: as above.
-                    if let Ok(ws) = unsafe { $ws(h, $d1, $d2, conv.0, $d3, pf.algo) } {
-                        pick = Some(($variant(pf.algo), ws));
-                        break;
-                    }
-                }
-                pick
-            }};
-        }
-        let (algo, workspace) = match dir {
-            Dir::Forward => heuristic!(
-                dsys::cudnnConvolutionFwdAlgoPerf_t,
-                dnn::get_convolution_forward_algorithm,
-                dnn::get_convolution_forward_workspace_size,
-                Algo::Fwd,
-                "cudnnGetConvolutionForwardAlgorithm_v7",
-                x.0,
-                w.0,
-                y.0
-            ),
-            Dir::BackwardData => heuristic!(
-                dsys::cudnnConvolutionBwdDataAlgoPerf_t,
-                dnn::get_convolution_backward_data_algorithm,
-                dnn::get_convolution_backward_data_workspace_size,
-                Algo::BwdData,
-                "cudnnGetConvolutionBackwardDataAlgorithm_v7",
-                w.0,
-                y.0,
-                x.0
-            ),
-            Dir::BackwardFilter => heuristic!(
-                dsys::cudnnConvolutionBwdFilterAlgoPerf_t,
-                dnn::get_convolution_backward_filter_algorithm,
-                dnn::get_convolution_backward_filter_workspace_size,
-                Algo::BwdFilter,
-                "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
-                x.0,
-                y.0,
-                w.0
-            ),
-        }
-        .ok_or_else(|| {
-            Error::Cuda(format!(
-                "cuDNN has no {dir:?} convolution algorithm for {dtype} {p:?} within {WORKSPACE_LIMIT} bytes of workspace"
-            ))
-        })?;
-        Ok(LegacyPlan {
-            math,
-            x,
-            w,
-            y,
-            conv,
-            algo,
-            workspace,
-            graph_candidates: 0,
-        })
-    }
-}
-
-/// Runs one convolution direction: `a`, `b` are the two inputs in cuDNN's argument order and the
-/// output has `out_len` elements.
-fn run(
-    dev: &std::sync::Arc<CudaDevice>,
-    dir: Dir,
-    p: &Conv2dParams,
-    dtype: DType,
-    a: &CudaStorage,
-    b: &CudaStorage,
-    out_len: usize,
-) -> Result<CudaStorage> {
-    let out = CudaStorage::alloc(dev, dtype, out_len)?;
-    if out_len == 0 || a.is_empty() || b.is_empty() {
-        if out_len > 0 {
-            super::cast::fill(&out, 0.0)?;
-        }
-        return Ok(out);
-    }
-    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
-    // What a capture cannot record (handle creation, the timed plan search, workspace growth)
-    // must have happened in a warm-up step.
-    let first_use = |what: String| {
-        super::graph::refuse(
-            dev.ordinal,
-            "conv2d",
-            &format!("{what} during capture: run a warm-up step of the same shapes first"),
-        )
-    };
-    if guard.is_none() {
-        first_use("creating the cuDNN handle".into())?;
-        // A cuDNN missing a symbol would panic inside cudarc: an error instead.
-        *guard = Some(super::probe::no_panic("creating the cuDNN handle", || {
-            Dnn::new(dev)
-        })?);
-    }
-    let dnn_state = guard
-        .as_mut()
-        .ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
-    let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
-    let key = (*p, dtype, dir, allow_tf32());
-    if !dnn_state.plans.contains_key(&key) {
-        first_use(format!("choosing the {dir:?} {dtype} plan for {p:?}"))?;
-        let plan = dnn_state.make_plan(dev, p, dtype, dir, ptrs)?;
-        dnn_state.plans.insert(key, plan);
-    }
-    let ws_needed = dnn_state.plans.get(&key).map_or(0, Plan::workspace);
-    let have = dnn_state.workspace.as_ref().map_or(0, |w| w.len());
-    if ws_needed > have {
-        first_use(format!("growing the workspace to {ws_needed} bytes"))?;
-        // SAFETY: cuDNN owns the workspace contents.
-        let ws = unsafe { dev.stream.alloc::<u8>(ws_needed) }.map_err(|e| {
-            cuda_err(
-                &format!("allocating {ws_needed} bytes of cuDNN workspace"),
-                e,
-            )
-        })?;
-        // A captured graph may use the old workspace: it keeps it while it lives.
-        if let Some(old) = dnn_state.workspace.replace(ws) {
-            drop(super::graph::retire(dev.ordinal, old));
-        }
-    }
-    let (ws_ptr, ws_len) = match &dnn_state.workspace {
-        Some(w) => (w.device_ptr(&dev.stream).0 as *mut c_void, w.len()),
-        None => (std::ptr::null_mut(), 0),
-    };
-    let h = dnn_state.handle;
-    let plan = match dnn_state.plans.get(&key) {
-        Some(Plan::Legacy(plan)) => plan,
-        Some(Plan::Graph(graph)) => {
-            dev.ctx
-                .bind_to_thread()
-                .map_err(|e| cuda_err("binding the context", e))?;
-            graph
-                .execute(h, ptrs, ws_ptr)
-                .map_err(|e| Error::Cuda(format!("{dir:?} convolution ({dtype}, {p:?}): {e}")))?;
-            return Ok(out);
-        }
-        None => return Err(Error::Cuda("cuDNN plan cache".into())),
-    };
-    let (a1, b0) = (1.0f32, 0.0f32);
-    let (a1d, b0d) = (1.0f64, 0.0f64);
-    let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
-        (&a1d as *const f64 as _, &b0d as *const f64 as _)
-    } else {
-        (&a1 as *const f32 as _, &b0 as *const f32 as _)
-    };
-    dev.ctx
-        .bind_to_thread()
-        .map_err(|e| cuda_err("binding the context", e))?;
-    let (ap, bp, op) = (
-        a.ptr() as *const c_void,
-        b.ptr() as *const c_void,
-        out.ptr() as *mut c_void,
-    );
-    // SAFETY: descriptors describe exactly these buffers (sizes checked by the callers); the
-    // workspace holds at least the plan's size; alpha/beta outlive the call.
-    let r = unsafe {
-        match plan.algo {
-            Algo::Fwd(algo) => dnn::convolution_forward(
-                h,
-                alpha,
-                plan.x.0,
-                ap,
-                plan.w.0,
-                bp,
-                plan.conv.0,
-                algo,
-                ws_ptr,
-                ws_len,
-                beta,
-                plan.y.0,
-                op,
-            ),
-            Algo::BwdData(algo) => dnn::convolution_backward_data(
-                h,
-                alpha,
-                plan.w.0,
-                bp,
-                plan.y.0,
-                ap,
-                plan.conv.0,
-                algo,
-                ws_ptr,
-                ws_len,
-                beta,
-                plan.x.0,
-                op,
-            ),
-            Algo::BwdFilter(algo) => dnn::convolution_backward_filter(
-                h,
-                alpha,
-                plan.x.0,
-                bp,
-                plan.y.0,
-                ap,
-                plan.conv.0,
-                algo,
-                ws_ptr,
-                ws_len,
-                beta,
-                plan.w.0,
-                op,
-            ),
-        }
-    };
-    r.map_err(|e| dnn_err(&format!("{dir:?} convolution ({dtype}, {p:?})"), e))?;
-    Ok(out)
-}
-
-/// Tensor cores for half types; for f32 plain FMA unless TF32 was allowed.
-fn math_type(dtype: DType) -> dsys::cudnnMathType_t {
-    match dtype {
-        DType::F16 | DType::BF16 => dsys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
-        DType::F32 if allow_tf32() => dsys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
-        DType::F32 => dsys::cudnnMathType_t::CUDNN_FMA_MATH,
-        _ => dsys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
-    }
-}
-
-/// Times cuDNN's algorithms on the first call's buffers and keeps the fastest one that fits;
-/// returns its median time in ms (`None`: no candidate, the heuristic choice stays).
-/// cudnnFind times each candidate once, and its first run also pays a warm-up on whichever
-/// candidate it times first: on ResNet-50's 3x3 shapes (H200) that made a candidate twice as slow
-/// look fastest. So the choice is made on each candidate's median over `FIND_ROUNDS` runs.
-fn find(
-    dev: &CudaDevice,
-    h: dsys::cudnnHandle_t,
-    plan: &mut LegacyPlan,
-    dir: Dir,
-    p: &Conv2dParams,
-    (ap, bp, op): (*const c_void, *const c_void, *mut c_void),
-) -> Result<Option<f32>> {
-    const N: usize = 16;
-    const FIND_ROUNDS: usize = 3;
-    // SAFETY: cuDNN owns the scratch contents.
-    let scratch = unsafe { dev.stream.alloc::<u8>(FIND_WORKSPACE) }
-        .map_err(|e| cuda_err("allocating cudnnFind scratch", e))?;
-    let ws = scratch.device_ptr(&dev.stream).0 as *mut c_void;
-    let mut count: c_int = 0;
-    let ok = |st: dsys::cudnnStatus_t, mem: usize| {
-        st == dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS && mem <= FIND_WORKSPACE
-    };
-    // Times the candidates on (d1, p1), (d2, p2) -> (d3, out): those that fit, with their times.
-    macro_rules! find_fastest {
-        ($perf:ty, $find:path, $variant:path, $name:literal, $d1:expr, $p1:expr, $d2:expr, $p2:expr, $d3:expr) => {{
-            // SAFETY: zeroed plain-data structs filled by cuDNN.
-            let mut perf: [$perf; N] = unsafe { std::mem::zeroed() };
-            // SAFETY: descriptors describe these buffers; scratch holds FIND_WORKSPACE bytes.
-            unsafe {
-                $find(
-                    h,
-                    $d1,
-                    $p1,
-                    $d2,
-                    $p2,
-                    plan.conv.0,
-                    $d3,
-                    op,
-                    N as c_int,
-                    &mut count,
-                    perf.as_mut_ptr(),
-                    ws,
-                    FIND_WORKSPACE,
-                )
-            }
-            .result()
-            .map_err(|e| dnn_err($name, e))?;
-            perf.iter()
-                .take(count.max(0) as usize)
-                .filter(|pf| ok(pf.status, pf.memory) && pf.mathType == plan.math)
-                .map(|pf| ($variant(pf.algo), pf.time, pf.memory))
-                .collect::<Vec<(Algo, f32, usize)>>()
-        }};
-    }
-    // (algorithm, its times over the rounds, workspace)
-    let mut seen: Vec<(Algo, Vec<f32>, usize)> = Vec::new();
-    for _ in 0..FIND_ROUNDS {
-        let round = match dir {
-            Dir::Forward => find_fastest!(
-                dsys::cudnnConvolutionFwdAlgoPerf_t,
-                dsys::cudnnFindConvolutionForwardAlgorithmEx,
-                Algo::Fwd,
-                "cudnnFindConvolutionForwardAlgorithmEx",
-                plan.x.0,
-                ap,
-                plan.w.0,
-                bp,
-                plan.y.0
-            ),
-            // a = dy, b = w, out = dx.
-            Dir::BackwardData => find_fastest!(
-                dsys::cudnnConvolutionBwdDataAlgoPerf_t,
-                dsys::cudnnFindConvolutionBackwardDataAlgorithmEx,
-                Algo::BwdData,
-                "cudnnFindConvolutionBackwardDataAlgorithmEx",
-                plan.w.0,
-                bp,
-                plan.y.0,
-                ap,
-                plan.x.0
-            ),
-            // a = dy, b = x, out = dw.
-            Dir::BackwardFilter => find_fastest!(
-                dsys::cudnnConvolutionBwdFilterAlgoPerf_t,
-                dsys::cudnnFindConvolutionBackwardFilterAlgorithmEx,
-                Algo::BwdFilter,
-                "cudnnFindConvolutionBackwardFilterAlgorithmEx",
-                plan.x.0,
-                bp,
-                plan.y.0,
-                ap,
-                plan.w.0
-            ),
-        };
-        for (algo, time, memory) in round {
-            match seen.iter_mut().find(|(a, _, _)| *a == algo) {
-                Some((_, times, _)) => times.push(time),
-                None => seen.push((algo, vec![time], memory)),
-            }
-        }
-    }
-    drop(scratch);
-    let median = |times: &[f32]| {
-        let mut t = times.to_vec();
-        t.sort_by(f32::total_cmp);
-        t[t.len() / 2]
-    };
-    // Only candidates timed in every round compete (one that failed once is not trusted).
-    let choice = seen
-        .iter()
-        .filter(|(_, times, _)| times.len() == FIND_ROUNDS)
-        .min_by(|a, b| median(&a.1).total_cmp(&median(&b.1)));
-    log::debug!(
-        "cudnnFind {dir:?} {p:?}: {} -> {:?}",
-        seen.iter()
-            .map(|(a, t, _)| format!("{a:?} {t:?} ms"))
-            .collect::<Vec<_>>()
-            .join(", "),
-        choice.map(|c| c.0)
-    );
-    Ok(choice.map(|(algo, times, memory)| {
-        plan.algo = *algo;
-        plan.workspace = *memory;
-        median(times)
-    }))
-}
-
-/// One cached convolution plan, as [`conv_plans`] reports it.
-#[derive(Clone, Debug)]
-pub struct ConvPlanInfo {
-    pub params: Conv2dParams,
-    pub dtype: DType,
-    /// "forward", "backward-data" or "backward-filter".
-    pub direction: &'static str,
-    /// Whether it runs through cuDNN's graph API (else the legacy API).
-    pub graph_api: bool,
-    /// How many graph-API engine configurations were timed or considered for it (0 when the
-    /// graph API was not tried or had no engine for it).
-    pub graph_candidates: usize,
-    /// Bytes of workspace it needs.
-    pub workspace: usize,
-    /// What runs: "graph engine N [its numerical notes]" or "legacy <cuDNN algorithm>".
-    pub algorithm: String,
-}
-
-/// The convolution plans device `ordinal` has chosen so far (one per geometry, dtype, direction
-/// and TF32 setting): which API each runs through, for tests and for a look at a network.
-pub fn conv_plans(ordinal: usize) -> Result<Vec<ConvPlanInfo>> {
-    let dev = super::device::get(ordinal)?;
-    let guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(dnn) = guard.as_ref() else {
-        return Ok(Vec::new());
-    };
-    Ok(dnn
-        .plans
-        .iter()
-        .map(|((params, dtype, dir, _), plan)| ConvPlanInfo {
-            params: *params,
-            dtype: *dtype,
-            direction: match dir {
-                Dir::Forward => "forward",
-                Dir::BackwardData => "backward-data",
-                Dir::BackwardFilter => "backward-filter",
-            },
-            graph_api: matches!(plan, Plan::Graph(_)),
-            graph_candidates: plan.graph_candidates(),
-            workspace: plan.workspace(),
-            algorithm: plan.describe(),
-        })
-        .collect())
 }
 
 fn sizes(p: &Conv2dParams) -> (usize, usize, usize) {

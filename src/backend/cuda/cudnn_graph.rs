@@ -1,12 +1,13 @@
 //! One convolution direction through cuDNN's graph (backend) API: the operation graph of a single
-//! convolution node, engine configurations from cuDNN's heuristics (mode A, then its fallback
-//! list), and an autotune that times each one that builds on the call's own buffers.
+//! convolution node (NCHW or NHWC strides), the engine configurations cuDNN's heuristics propose
+//! for it (modes A and B, then the fallback list), each built into an execution plan, and the
+//! rebuild of one configuration from its engine id and knob choices (what the plan cache stores).
+//! Timing and the choice between these and the legacy API's algorithms are `conv_tune.rs`'s and
+//! `conv.rs`'s.
 //!
-//! Why this and not only `cudnnFind*`: the legacy API reaches a subset of cuDNN 9's engines. On
-//! ResNet-50's 14x14 layer3 convolution (H200, f16) it offered two tensor-core candidates, the
-//! faster at ~0.7 of what PyTorch (which uses this API) reaches. `conv.rs` times the legacy API's
-//! choice beside this one and keeps the faster; the legacy API also covers graphs no engine here
-//! supports.
+//! Why this API and not only the legacy one: the legacy API reaches a subset of cuDNN 9's
+//! engines. On ResNet-50's 14x14 layer3 convolution (H200, f16) it offered two tensor-core
+//! candidates, the faster at ~0.7 of what PyTorch (which uses this API) reaches.
 
 use std::ffi::c_void;
 
@@ -14,13 +15,12 @@ use cudarc::cudnn::sys as dsys;
 use cudarc::cudnn::sys::cudnnBackendAttributeName_t as A;
 use cudarc::cudnn::sys::cudnnBackendAttributeType_t as T;
 use cudarc::cudnn::sys::cudnnBackendDescriptorType_t as D;
-use cudarc::driver::sys::CUevent_flags;
+use dsys::cudnnBackendHeurMode_t as Heur;
 
 use super::conv::{data_type, Dir};
-use super::device::{cuda_err, CudaDevice};
 use crate::backend::Conv2dParams;
 use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::tensor::{DType, MemoryFormat};
 
 /// Unique ids of the three tensors in the graph (and in every variant pack).
 const UID_X: i64 = 1;
@@ -28,10 +28,16 @@ const UID_W: i64 = 2;
 const UID_Y: i64 = 3;
 /// The byte alignment the tensors are declared with; `execute` checks the pointers.
 const ALIGNMENT: i64 = 16;
-/// How many engine configurations the autotune times at most (PyTorch's default limit is 10).
-const MAX_CANDIDATES: usize = 12;
-/// Timed runs per candidate after one warm-up run; the median decides.
-const TIMED_RUNS: usize = 3;
+/// How many new configurations each heuristic mode may add to the candidates (PyTorch times up
+/// to 10 in all). Mode A lists many knob variants of one engine first; the later modes bring
+/// other engines (the fallback list has the generic ones that cover odd shapes).
+const MODE_QUOTAS: [(Heur, usize); 3] = [
+    (Heur::CUDNN_HEUR_MODE_A, 8),
+    (Heur::CUDNN_HEUR_MODE_B, 4),
+    (Heur::CUDNN_HEUR_MODE_FALLBACK, 4),
+];
+/// Room for an engine configuration's knob choices (cuDNN 9.2 has 44 knob types).
+const MAX_KNOBS: usize = 64;
 
 fn status(what: &str, st: dsys::cudnnStatus_t) -> Result<()> {
     if st == dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
@@ -115,103 +121,138 @@ impl Desc {
     }
 }
 
-/// A dense NCHW tensor (or KCRS filter) descriptor.
-fn tensor(uid: i64, dims: [usize; 4], dt: dsys::cudnnDataType_t) -> Result<Desc> {
+/// A dense tensor descriptor: logical dims `[n, c, h, w]` (filters `[k, c, r, s]`), strides of
+/// the memory format (NHWC / KRSC for channels_last).
+fn tensor(
+    uid: i64,
+    dims: [usize; 4],
+    format: MemoryFormat,
+    dt: dsys::cudnnDataType_t,
+) -> Result<Desc> {
     let d = Desc::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
-    let dims = dims.map(|v| v as i64);
-    let strides = [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1];
+    let [n, c, h, w] = dims.map(|v| v as i64);
+    let strides = match format {
+        MemoryFormat::Contiguous => [c * h * w, h * w, w, 1],
+        MemoryFormat::ChannelsLast => [h * w * c, 1, w * c, c],
+    };
     d.set(
         A::CUDNN_ATTR_TENSOR_DATA_TYPE,
         T::CUDNN_TYPE_DATA_TYPE,
         &[dt],
     )?;
-    d.set_i64s(A::CUDNN_ATTR_TENSOR_DIMENSIONS, &dims)?;
+    d.set_i64s(A::CUDNN_ATTR_TENSOR_DIMENSIONS, &[n, c, h, w])?;
     d.set_i64s(A::CUDNN_ATTR_TENSOR_STRIDES, &strides)?;
     d.set_i64s(A::CUDNN_ATTR_TENSOR_UNIQUE_ID, &[uid])?;
     d.set_i64s(A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, &[ALIGNMENT])?;
     d.finalize("a tensor descriptor")
 }
 
-/// The engine's numerical and behaviour notes (for logs), and whether they refuse it for this
-/// convolution. It must compute what the dtype promises: no inputs converted down, no reduction
-/// in reduced precision (half inputs accumulate in f32), f32 on tensor cores (TF32) only when
-/// allowed (f64 tensor cores compute in f64). Engines that compile kernels at run time are left
-/// out too: each costs seconds at first use, for every shape of a network.
-fn engine_notes(engine: &Desc, dtype: DType, tf32: bool) -> Result<(bool, String)> {
+/// cuDNN's numerical notes, by value (cuDNN 9.2's list; a newer cuDNN's extra notes show as
+/// numbers). Notes are read as plain integers, never as the bindings' enum, which a value
+/// unknown to them would make undefined behaviour.
+const NUMERICAL_NOTES: [&str; 10] = [
+    "TENSOR_CORE",
+    "DOWN_CONVERT_INPUTS",
+    "REDUCED_PRECISION_REDUCTION",
+    "FFT",
+    "NONDETERMINISTIC",
+    "WINOGRAD",
+    "WINOGRAD_TILE_4x4",
+    "WINOGRAD_TILE_6x6",
+    "WINOGRAD_TILE_13x13",
+    "STRICT_NAN_PROP",
+];
+const BEHAVIOR_NOTES: [&str; 5] = [
+    "RUNTIME_COMPILATION",
+    "REQUIRES_FILTER_INT8x32_REORDER",
+    "REQUIRES_BIAS_INT8x32_REORDER",
+    "SUPPORTS_CUDA_GRAPH_NATIVE_API",
+    "CUBLASLT_DEPENDENCY",
+];
+
+/// Which engines may run a convolution of one dtype.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct EngineRules {
+    pub(super) dtype: DType,
+    /// f32 may use TF32 tensor cores.
+    pub(super) tf32: bool,
+    /// Engines that compile their kernels at run time are candidates.
+    pub(super) runtime_compiled: bool,
+}
+
+/// The engine's notes (for logs), and whether they refuse it. It must compute what the dtype
+/// promises: no inputs converted down, no reduction in reduced precision (half inputs accumulate
+/// in f32), f32 on tensor cores (TF32) only when allowed (f64 tensor cores compute in f64).
+/// Engines that compile kernels at run time are refused unless `rules` admit them: each costs
+/// seconds of NVRTC at plan build, for every shape of a network, in every process (the plan
+/// cache stores the choice, not the compiled kernel).
+fn engine_notes(engine: &Desc, rules: EngineRules) -> Result<(bool, String)> {
     use dsys::cudnnBackendBehaviorNote_t as B;
     use dsys::cudnnBackendNumericalNote_t as N;
-    let mut notes =
-        [N::CUDNN_NUMERICAL_NOTE_TYPE_COUNT; N::CUDNN_NUMERICAL_NOTE_TYPE_COUNT as usize];
+    let mut numerical = [u32::MAX; 32];
     let n = engine.get(
         A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
         T::CUDNN_TYPE_NUMERICAL_NOTE,
-        &mut notes,
+        &mut numerical,
     )?;
-    let notes = &notes[..n.min(notes.len())];
-    let mut behavior =
-        [B::CUDNN_BEHAVIOR_NOTE_TYPE_COUNT; B::CUDNN_BEHAVIOR_NOTE_TYPE_COUNT as usize];
+    let numerical = &numerical[..n.min(numerical.len())];
+    let mut behavior = [u32::MAX; 32];
     let m = engine.get(
         A::CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE,
         T::CUDNN_TYPE_BEHAVIOR_NOTE,
         &mut behavior,
     )?;
     let behavior = &behavior[..m.min(behavior.len())];
-    let tf32_used = dtype == DType::F32 && notes.contains(&N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
-    let refused = notes.contains(&N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS)
-        || notes.contains(&N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION)
-        || (tf32_used && !tf32)
-        || behavior.contains(&B::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION);
-    let names = notes
+    let has = |notes: &[u32], v: u32| notes.contains(&v);
+    let tf32_used =
+        rules.dtype == DType::F32 && has(numerical, N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE as u32);
+    let refused = has(
+        numerical,
+        N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS as u32,
+    ) || has(
+        numerical,
+        N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION as u32,
+    ) || (tf32_used && !rules.tf32)
+        || (has(behavior, B::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION as u32)
+            && !rules.runtime_compiled);
+    let name = |table: &[&str], kind: &str, v: u32| {
+        table
+            .get(v as usize)
+            .map_or_else(|| format!("{kind}_{v}"), |s| s.to_string())
+    };
+    let names = numerical
         .iter()
-        .map(|n| format!("{n:?}"))
-        .chain(behavior.iter().map(|b| format!("{b:?}")))
-        .map(|n| {
-            n.trim_start_matches("CUDNN_NUMERICAL_NOTE_")
-                .trim_start_matches("CUDNN_BEHAVIOR_NOTE_")
-                .to_string()
-        })
+        .map(|&v| name(&NUMERICAL_NOTES, "NUMERICAL", v))
+        .chain(
+            behavior
+                .iter()
+                .map(|&v| name(&BEHAVIOR_NOTES, "BEHAVIOR", v)),
+        )
         .collect::<Vec<_>>()
         .join(" ");
     Ok((refused, format!("[{names}]")))
 }
 
-/// An execution plan that built for the graph, with what the logs and the choice need.
-struct Candidate {
-    plan: Desc,
-    /// The engine configuration it was built from (kept alive with it).
-    config: Desc,
-    /// The engine's global index.
-    engine: i64,
-    /// Its notes, as `engine_notes` writes them.
-    notes: String,
-    workspace: usize,
-}
-
-/// A built and chosen execution plan for one (geometry, dtype, direction).
-pub(super) struct ConvPlan {
+/// An execution plan that built for the graph, with what the choice, the logs and the plan
+/// cache need.
+pub(super) struct GraphCandidate {
     // Declared first so it is dropped before what it was built from.
     plan: Desc,
-    /// Its engine configuration, and the tensors, convolution, operation and operation graph:
-    /// kept alive while the plan lives.
-    _config: Desc,
-    _graph: Vec<Desc>,
-    /// The unique ids of the buffers `execute` takes, in cuDNN's argument order.
-    uids: [i64; 3],
-    /// Bytes of workspace the plan needs.
-    pub(super) workspace: usize,
-    /// The engine's global index and notes, for logs.
+    /// Its engine configuration and what that was made of: kept alive with the plan.
+    _keep: Vec<Desc>,
+    /// The engine's global index and the configuration's knob choices (knob type, value):
+    /// together they rebuild this configuration (None: cuDNN did not report the knobs; the
+    /// candidate runs, but the plan cache cannot record it).
     pub(super) engine: i64,
+    pub(super) knobs: Option<Vec<(u32, i64)>>,
+    /// Its notes, as `engine_notes` writes them.
     pub(super) notes: String,
-    /// Its median time on the first call's buffers (ms), when the autotune ran.
-    pub(super) time_ms: Option<f32>,
-    /// How many engine configurations built for the graph (the candidates).
-    pub(super) candidates: usize,
+    pub(super) workspace: usize,
+    /// The heuristic mode that proposed it (None: rebuilt from the plan cache).
+    pub(super) mode: Option<Heur>,
 }
 
-// SAFETY: the descriptors are only used under the device's `dnn` mutex.
-unsafe impl Send for ConvPlan {}
-
-impl std::fmt::Debug for ConvPlan {
+impl std::fmt::Debug for GraphCandidate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
@@ -221,103 +262,305 @@ impl std::fmt::Debug for ConvPlan {
     }
 }
 
-/// The operation graph of one convolution node, and the uids of its buffers in argument order.
-fn operation_graph(
-    handle: dsys::cudnnHandle_t,
-    p: &Conv2dParams,
-    dtype: DType,
-    dir: Dir,
-) -> Result<(Vec<Desc>, [i64; 3])> {
-    let (dt, compute) = data_type(dtype)?;
-    let x = tensor(UID_X, [p.n, p.c_in, p.h, p.w], dt)?;
-    // Groups are implied by the filter's channel count (c_in / groups).
-    let w = tensor(UID_W, [p.c_out, p.c_in / p.groups, p.kh, p.kw], dt)?;
-    let y = tensor(UID_Y, [p.n, p.c_out, p.out_h(), p.out_w()], dt)?;
-    let conv = Desc::new(D::CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR)?;
-    conv.set(
-        A::CUDNN_ATTR_CONVOLUTION_COMP_TYPE,
-        T::CUDNN_TYPE_DATA_TYPE,
-        &[compute],
-    )?;
-    conv.set(
-        A::CUDNN_ATTR_CONVOLUTION_CONV_MODE,
-        T::CUDNN_TYPE_CONVOLUTION_MODE,
-        &[dsys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION],
-    )?;
-    let pair = |v: (usize, usize)| [v.0 as i64, v.1 as i64];
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, &[2])?;
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_DILATIONS, &pair(p.dilation))?;
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, &pair(p.stride))?;
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, &pair(p.padding))?;
-    conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, &pair(p.padding))?;
-    let conv = conv.finalize("the convolution descriptor")?;
+/// The operation graph of one (geometry, dtype, direction): its descriptors and the unique ids
+/// of its buffers in cuDNN's argument order.
+pub(super) struct GraphConv {
+    graph: Vec<Desc>,
+    uids: [i64; 3],
+}
 
-    let (op_type, names, uids) = match dir {
-        Dir::Forward => (
-            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
-            [
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA,
-            ],
-            [UID_X, UID_W, UID_Y],
-        ),
-        Dir::BackwardData => (
-            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
-            [
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA,
-            ],
-            [UID_Y, UID_W, UID_X],
-        ),
-        Dir::BackwardFilter => (
-            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
-            [
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
-                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA,
-            ],
-            [UID_Y, UID_X, UID_W],
-        ),
-    };
-    let [x_name, w_name, y_name, conv_name, alpha_name, beta_name] = names;
-    let op = Desc::new(op_type)?;
-    op.set_descs(x_name, &[&x])?;
-    op.set_descs(w_name, &[&w])?;
-    op.set_descs(y_name, &[&y])?;
-    op.set_descs(conv_name, &[&conv])?;
-    // y = 1 * conv + 0 * y, the scalars in the compute type.
-    if dtype == DType::F64 {
-        op.set(alpha_name, T::CUDNN_TYPE_DOUBLE, &[1.0f64])?;
-        op.set(beta_name, T::CUDNN_TYPE_DOUBLE, &[0.0f64])?;
-    } else {
-        op.set(alpha_name, T::CUDNN_TYPE_FLOAT, &[1.0f32])?;
-        op.set(beta_name, T::CUDNN_TYPE_FLOAT, &[0.0f32])?;
+// SAFETY: the descriptors are only used under the device's `dnn` mutex.
+unsafe impl Send for GraphConv {}
+// SAFETY: as above.
+unsafe impl Send for GraphCandidate {}
+
+/// A chosen graph-API plan: the candidate and the graph it runs.
+pub(super) struct GraphPlan {
+    // Declared first so that the plan is dropped before its graph.
+    pub(super) candidate: GraphCandidate,
+    pub(super) conv: GraphConv,
+}
+
+impl GraphPlan {
+    /// Runs the plan on `ptrs` (argument order) with a workspace of at least its size.
+    pub(super) fn execute(
+        &self,
+        handle: dsys::cudnnHandle_t,
+        ptrs: [*mut c_void; 3],
+        workspace: *mut c_void,
+    ) -> Result<()> {
+        self.conv.execute(handle, &self.candidate, ptrs, workspace)
     }
-    let op = op.finalize("the convolution operation")?;
-    let graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
-    graph.set(
-        A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
-        T::CUDNN_TYPE_HANDLE,
-        &[handle],
-    )?;
-    graph.set_descs(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &[&op])?;
-    let graph = graph.finalize("the operation graph")?;
-    Ok((vec![x, w, y, conv, op, graph], uids))
+}
+
+impl GraphConv {
+    pub(super) fn new(
+        handle: dsys::cudnnHandle_t,
+        p: &Conv2dParams,
+        dtype: DType,
+        dir: Dir,
+    ) -> Result<GraphConv> {
+        let (dt, compute) = data_type(dtype)?;
+        let f = p.format;
+        let x = tensor(UID_X, [p.n, p.c_in, p.h, p.w], f, dt)?;
+        // Groups are implied by the filter's channel count (c_in / groups).
+        let w = tensor(UID_W, [p.c_out, p.c_in / p.groups, p.kh, p.kw], f, dt)?;
+        let y = tensor(UID_Y, [p.n, p.c_out, p.out_h(), p.out_w()], f, dt)?;
+        let conv = Desc::new(D::CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR)?;
+        conv.set(
+            A::CUDNN_ATTR_CONVOLUTION_COMP_TYPE,
+            T::CUDNN_TYPE_DATA_TYPE,
+            &[compute],
+        )?;
+        conv.set(
+            A::CUDNN_ATTR_CONVOLUTION_CONV_MODE,
+            T::CUDNN_TYPE_CONVOLUTION_MODE,
+            &[dsys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION],
+        )?;
+        let pair = |v: (usize, usize)| [v.0 as i64, v.1 as i64];
+        conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, &[2])?;
+        conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_DILATIONS, &pair(p.dilation))?;
+        conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, &pair(p.stride))?;
+        conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, &pair(p.padding))?;
+        conv.set_i64s(A::CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, &pair(p.padding))?;
+        let conv = conv.finalize("the convolution descriptor")?;
+
+        let (op_type, names, uids) = match dir {
+            Dir::Forward => (
+                D::CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
+                [
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA,
+                ],
+                [UID_X, UID_W, UID_Y],
+            ),
+            Dir::BackwardData => (
+                D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
+                [
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA,
+                ],
+                [UID_Y, UID_W, UID_X],
+            ),
+            Dir::BackwardFilter => (
+                D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
+                [
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+                    A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA,
+                ],
+                [UID_Y, UID_X, UID_W],
+            ),
+        };
+        let [x_name, w_name, y_name, conv_name, alpha_name, beta_name] = names;
+        let op = Desc::new(op_type)?;
+        op.set_descs(x_name, &[&x])?;
+        op.set_descs(w_name, &[&w])?;
+        op.set_descs(y_name, &[&y])?;
+        op.set_descs(conv_name, &[&conv])?;
+        // y = 1 * conv + 0 * y, the scalars in the compute type.
+        if dtype == DType::F64 {
+            op.set(alpha_name, T::CUDNN_TYPE_DOUBLE, &[1.0f64])?;
+            op.set(beta_name, T::CUDNN_TYPE_DOUBLE, &[0.0f64])?;
+        } else {
+            op.set(alpha_name, T::CUDNN_TYPE_FLOAT, &[1.0f32])?;
+            op.set(beta_name, T::CUDNN_TYPE_FLOAT, &[0.0f32])?;
+        }
+        let op = op.finalize("the convolution operation")?;
+        let graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
+        graph.set(
+            A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
+            T::CUDNN_TYPE_HANDLE,
+            &[handle],
+        )?;
+        graph.set_descs(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &[&op])?;
+        let graph = graph.finalize("the operation graph")?;
+        Ok(GraphConv {
+            graph: vec![x, w, y, conv, op, graph],
+            uids,
+        })
+    }
+
+    fn op_graph(&self) -> Result<&Desc> {
+        self.graph
+            .last()
+            .ok_or_else(|| Error::Cuda("cuDNN graph API: empty graph".into()))
+    }
+
+    /// The configurations the heuristics propose that build into plans, keep the dtype's promise
+    /// and need at most `limit` bytes of workspace: up to each mode's quota of new ones (with
+    /// `first_only`, the first such configuration); with why each other configuration is not a
+    /// candidate (for the log).
+    pub(super) fn candidates(
+        &self,
+        handle: dsys::cudnnHandle_t,
+        rules: EngineRules,
+        limit: usize,
+        first_only: bool,
+    ) -> Result<(Vec<GraphCandidate>, Vec<String>)> {
+        let op_graph = self.op_graph()?;
+        let mut out: Vec<GraphCandidate> = Vec::new();
+        let mut skipped: Vec<String> = Vec::new();
+        for (mode, quota) in MODE_QUOTAS {
+            if first_only && !out.is_empty() {
+                break;
+            }
+            // A mode with no answer for this graph leaves the others.
+            let asked = std::time::Instant::now();
+            let listed = engine_configs(op_graph, mode);
+            // Mode B is documented to cost more host time than A: the log shows how much.
+            log::trace!(
+                "cuDNN heuristics {mode:?}: {} configurations in {:.2} ms",
+                listed.as_ref().map_or(0, |c| c.len()),
+                asked.elapsed().as_secs_f64() * 1e3
+            );
+            let configs = match listed {
+                Ok(c) if c.is_empty() => {
+                    skipped.push(format!("{mode:?}: no configurations"));
+                    continue;
+                }
+                Ok(c) => c,
+                Err(e) => {
+                    skipped.push(format!("{mode:?}: {e}"));
+                    continue;
+                }
+            };
+            let mut added = 0;
+            for config in configs {
+                if added == quota || (first_only && !out.is_empty()) {
+                    break;
+                }
+                let engine = config_engine(&config)?;
+                let knobs = match knob_choices(&config) {
+                    Ok(k) => Some(k),
+                    Err(e) => {
+                        log::debug!("engine {}: its knob choices are unknown: {e}", engine.1);
+                        None
+                    }
+                };
+                if knobs.is_some() && out.iter().any(|c| c.engine == engine.1 && c.knobs == knobs) {
+                    continue;
+                }
+                match build(handle, config, engine, knobs, rules, limit)? {
+                    // Unknown knobs: a configuration already there with the same engine and
+                    // workspace is taken for the same one.
+                    Ok(c)
+                        if c.knobs.is_none()
+                            && out
+                                .iter()
+                                .any(|o| o.engine == c.engine && o.workspace == c.workspace) => {}
+                    Ok(mut c) => {
+                        c.mode = Some(mode);
+                        out.push(c);
+                        added += 1;
+                    }
+                    Err(why) => skipped.push(why),
+                }
+            }
+        }
+        Ok((out, skipped))
+    }
+
+    /// The configuration of engine `engine` with `knobs` (what [`GraphCandidate`] records),
+    /// rebuilt for this graph: an error if it no longer builds, keeps the dtype's promise or fits
+    /// `limit`.
+    pub(super) fn rebuild(
+        &self,
+        handle: dsys::cudnnHandle_t,
+        engine: i64,
+        knobs: &[(u32, i64)],
+        rules: EngineRules,
+        limit: usize,
+    ) -> Result<GraphCandidate> {
+        let e = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
+        e.set_descs(A::CUDNN_ATTR_ENGINE_OPERATION_GRAPH, &[self.op_graph()?])?;
+        e.set_i64s(A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX, &[engine])?;
+        let e = e.finalize(&format!("engine {engine}"))?;
+        let choices = knobs
+            .iter()
+            .map(|&(ty, value)| {
+                let k = Desc::new(D::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR)?;
+                // The knob type as the C enum's integer (the bindings' enum may not know it).
+                k.set(
+                    A::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
+                    T::CUDNN_TYPE_KNOB_TYPE,
+                    &[ty],
+                )?;
+                k.set_i64s(A::CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, &[value])?;
+                k.finalize("a knob choice")
+            })
+            .collect::<Result<Vec<Desc>>>()?;
+        let config = Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)?;
+        config.set_descs(A::CUDNN_ATTR_ENGINECFG_ENGINE, &[&e])?;
+        config.set_descs(
+            A::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
+            &choices.iter().collect::<Vec<_>>(),
+        )?;
+        let config = config.finalize("an engine configuration")?;
+        let mut c = build(
+            handle,
+            config,
+            (e, engine),
+            Some(knobs.to_vec()),
+            rules,
+            limit,
+        )?
+        .map_err(|why| Error::Cuda(format!("cuDNN graph API: {why}")))?;
+        c._keep.extend(choices);
+        Ok(c)
+    }
+
+    /// Runs candidate `c` on `ptrs` (in cuDNN's argument order) with `workspace` (at least
+    /// `c.workspace` bytes).
+    pub(super) fn execute(
+        &self,
+        handle: dsys::cudnnHandle_t,
+        c: &GraphCandidate,
+        ptrs: [*mut c_void; 3],
+        workspace: *mut c_void,
+    ) -> Result<()> {
+        if let Some(p) = ptrs
+            .iter()
+            .find(|p| (**p as usize) % ALIGNMENT as usize != 0)
+        {
+            return Err(Error::Cuda(format!(
+                "cuDNN graph API: buffer {p:?} is not {ALIGNMENT}-byte aligned"
+            )));
+        }
+        let pack = Desc::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
+            T::CUDNN_TYPE_VOID_PTR,
+            &ptrs,
+        )?;
+        pack.set_i64s(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, &self.uids)?;
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
+            T::CUDNN_TYPE_VOID_PTR,
+            &[workspace],
+        )?;
+        let pack = pack.finalize("the variant pack")?;
+        // SAFETY: the plan was built on this handle for this graph, whose tensors these pointers
+        // hold; the workspace holds at least the plan's workspace size (callers check).
+        status("executing a plan", unsafe {
+            dsys::cudnnBackendExecute(handle, c.plan.0, pack.0)
+        })
+    }
 }
 
 /// The engine configurations cuDNN's heuristics propose in `mode`, best first.
-fn engine_configs(graph: &Desc, mode: dsys::cudnnBackendHeurMode_t) -> Result<Vec<Desc>> {
+fn engine_configs(graph: &Desc, mode: Heur) -> Result<Vec<Desc>> {
     let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
     heur.set_descs(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph])?;
     heur.set(
@@ -345,15 +588,8 @@ fn engine_configs(graph: &Desc, mode: dsys::cudnnBackendHeurMode_t) -> Result<Ve
     Ok(configs)
 }
 
-/// An execution plan for `config`, which it keeps (its workspace not yet read), or why there is
-/// none: its engine is refused, or it does not build for this graph (not an error: the
-/// heuristics list engines that may not support the exact graph).
-fn execution_plan(
-    handle: dsys::cudnnHandle_t,
-    config: Desc,
-    dtype: DType,
-    tf32: bool,
-) -> Result<std::result::Result<Candidate, String>> {
+/// A configuration's engine, and the engine's global index.
+fn config_engine(config: &Desc) -> Result<(Desc, i64)> {
     let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
     let mut raw = [engine.0];
     config.get(
@@ -367,8 +603,53 @@ fn execution_plan(
         T::CUDNN_TYPE_INT64,
         &mut index,
     )?;
-    let index = index[0];
-    let (refused, notes) = engine_notes(&engine, dtype, tf32)?;
+    Ok((engine, index[0]))
+}
+
+/// A configuration's knob choices as (knob type, value), in the order cuDNN lists them.
+fn knob_choices(config: &Desc) -> Result<Vec<(u32, i64)>> {
+    let descs = (0..MAX_KNOBS)
+        .map(|_| Desc::new(D::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR))
+        .collect::<Result<Vec<_>>>()?;
+    let mut raw: Vec<_> = descs.iter().map(|d| d.0).collect();
+    let n = config.get(
+        A::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
+        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        &mut raw,
+    )?;
+    descs[..n.min(MAX_KNOBS)]
+        .iter()
+        .map(|k| {
+            // Read as the C enum's integer (see NUMERICAL_NOTES).
+            let mut ty = [u32::MAX];
+            k.get(
+                A::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
+                T::CUDNN_TYPE_KNOB_TYPE,
+                &mut ty,
+            )?;
+            let mut value = [0i64];
+            k.get(
+                A::CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE,
+                T::CUDNN_TYPE_INT64,
+                &mut value,
+            )?;
+            Ok((ty[0], value[0]))
+        })
+        .collect()
+}
+
+/// An execution plan for `config` (of `engine`, with `knobs`), or why there is none: its engine
+/// is refused, it does not build for this graph (not an error: the heuristics list engines that
+/// may not support the exact graph), or it needs more than `limit` bytes of workspace.
+fn build(
+    handle: dsys::cudnnHandle_t,
+    config: Desc,
+    (engine, index): (Desc, i64),
+    knobs: Option<Vec<(u32, i64)>>,
+    rules: EngineRules,
+    limit: usize,
+) -> Result<std::result::Result<GraphCandidate, String>> {
+    let (refused, notes) = engine_notes(&engine, rules)?;
     if refused {
         return Ok(Err(format!("engine {index} refused: {notes}")));
     }
@@ -379,255 +660,29 @@ fn execution_plan(
         &[handle],
     )?;
     plan.set_descs(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&config])?;
-    Ok(match plan.finalize("an execution plan") {
-        Ok(plan) => Ok(Candidate {
-            plan,
-            config,
-            engine: index,
-            notes,
-            workspace: 0,
-        }),
-        Err(e) => Err(format!("engine {index}: {e}")),
-    })
-}
-
-fn workspace_size(plan: &Desc) -> Result<usize> {
+    let plan = match plan.finalize("an execution plan") {
+        Ok(plan) => plan,
+        Err(e) => return Ok(Err(format!("engine {index}: {e}"))),
+    };
     let mut ws = [0i64];
     plan.get(
         A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
         T::CUDNN_TYPE_INT64,
         &mut ws,
     )?;
-    Ok(ws[0].max(0) as usize)
-}
-
-/// Runs `plan` on `ptrs` (in `uids` order) with `workspace`.
-fn execute_plan(
-    handle: dsys::cudnnHandle_t,
-    plan: &Desc,
-    uids: &[i64; 3],
-    ptrs: [*mut c_void; 3],
-    workspace: *mut c_void,
-) -> Result<()> {
-    if let Some(p) = ptrs
-        .iter()
-        .find(|p| (**p as usize) % ALIGNMENT as usize != 0)
-    {
-        return Err(Error::Cuda(format!(
-            "cuDNN graph API: buffer {p:?} is not {ALIGNMENT}-byte aligned"
+    let workspace = ws[0].max(0) as usize;
+    if workspace > limit {
+        return Ok(Err(format!(
+            "engine {index}: {workspace} bytes of workspace"
         )));
     }
-    let pack = Desc::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
-    pack.set(
-        A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
-        T::CUDNN_TYPE_VOID_PTR,
-        &ptrs,
-    )?;
-    pack.set_i64s(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, uids)?;
-    pack.set(
-        A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
-        T::CUDNN_TYPE_VOID_PTR,
-        &[workspace],
-    )?;
-    let pack = pack.finalize("the variant pack")?;
-    // SAFETY: the plan was built on this handle for tensors these pointers hold; the workspace
-    // holds at least the plan's workspace size (callers check).
-    status("executing a plan", unsafe {
-        dsys::cudnnBackendExecute(handle, plan.0, pack.0)
-    })
-}
-
-impl ConvPlan {
-    /// Builds the graph for one direction and chooses its engine: with `autotune`, the fastest
-    /// (median of `TIMED_RUNS`) of up to `MAX_CANDIDATES` plans run on `ptrs` (the call's
-    /// buffers in argument order; the output is overwritten); without, the heuristics' first
-    /// plan that builds. Plans needing more than `workspace_limit` bytes are skipped.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn tuned(
-        dev: &CudaDevice,
-        handle: dsys::cudnnHandle_t,
-        p: &Conv2dParams,
-        dtype: DType,
-        dir: Dir,
-        tf32: bool,
-        ptrs: [*mut c_void; 3],
-        workspace_limit: usize,
-        autotune: bool,
-    ) -> Result<ConvPlan> {
-        let (graph, uids) = operation_graph(handle, p, dtype, dir)?;
-        let op_graph = graph
-            .last()
-            .ok_or_else(|| Error::Cuda("empty graph".into()))?;
-        let mut candidates: Vec<Candidate> = Vec::new();
-        // Why each configuration the heuristics offered was not a candidate.
-        let mut skipped: Vec<String> = Vec::new();
-        for mode in [
-            dsys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-            dsys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-        ] {
-            // A mode with no answer for this graph leaves the other.
-            let configs = match engine_configs(op_graph, mode) {
-                Ok(c) if c.is_empty() => {
-                    skipped.push(format!("{mode:?}: no configurations"));
-                    continue;
-                }
-                Ok(c) => c,
-                Err(e) => {
-                    skipped.push(format!("{mode:?}: {e}"));
-                    continue;
-                }
-            };
-            for config in configs {
-                if candidates.len() == MAX_CANDIDATES || (!autotune && !candidates.is_empty()) {
-                    break;
-                }
-                let mut c = match execution_plan(handle, config, dtype, tf32)? {
-                    Ok(c) => c,
-                    Err(why) => {
-                        skipped.push(why);
-                        continue;
-                    }
-                };
-                c.workspace = workspace_size(&c.plan)?;
-                if c.workspace > workspace_limit {
-                    skipped.push(format!(
-                        "engine {}: {} bytes of workspace",
-                        c.engine, c.workspace
-                    ));
-                } else if !candidates
-                    .iter()
-                    .any(|o| o.engine == c.engine && o.workspace == c.workspace)
-                {
-                    candidates.push(c);
-                }
-            }
-        }
-        if !skipped.is_empty() {
-            log::debug!(
-                "cuDNN graph {dir:?} {dtype} {p:?}, not candidates: {}",
-                skipped.join("; ")
-            );
-        }
-        if candidates.is_empty() {
-            return Err(Error::Cuda(format!(
-                "cuDNN graph API: no engine for {dir:?} {dtype} {p:?} ({})",
-                skipped.join("; ")
-            )));
-        }
-        let n_candidates = candidates.len();
-        let mut time_ms = None;
-        let chosen = if autotune {
-            let times = time_candidates(dev, handle, &candidates, &uids, ptrs)?;
-            log::debug!(
-                "cuDNN graph {dir:?} {dtype} {p:?}: {}",
-                candidates
-                    .iter()
-                    .zip(&times)
-                    .map(|(c, t)| format!("engine {} {t:?} ms", c.engine))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            times
-                .iter()
-                .enumerate()
-                .filter_map(|(k, t)| t.map(|t| (k, t)))
-                .min_by(|a, b| a.1.total_cmp(&b.1))
-                .map(|(k, t)| {
-                    time_ms = Some(t);
-                    k
-                })
-                .ok_or_else(|| {
-                    Error::Cuda(format!(
-                        "cuDNN graph API: every engine failed for {dir:?} {dtype} {p:?}"
-                    ))
-                })?
-        } else {
-            0
-        };
-        let c = candidates.swap_remove(chosen);
-        log::debug!(
-            "cuDNN graph {dir:?} {dtype} {p:?} -> engine {} {}",
-            c.engine,
-            c.notes
-        );
-        Ok(ConvPlan {
-            plan: c.plan,
-            _config: c.config,
-            _graph: graph,
-            uids,
-            workspace: c.workspace,
-            engine: c.engine,
-            notes: c.notes,
-            time_ms,
-            candidates: n_candidates,
-        })
-    }
-
-    /// Runs the plan on `ptrs` (argument order) with a workspace of at least `self.workspace`.
-    pub(super) fn execute(
-        &self,
-        handle: dsys::cudnnHandle_t,
-        ptrs: [*mut c_void; 3],
-        workspace: *mut c_void,
-    ) -> Result<()> {
-        execute_plan(handle, &self.plan, &self.uids, ptrs, workspace)
-    }
-}
-
-/// Each candidate's median time in ms over `TIMED_RUNS` runs after a warm-up; `None` for one
-/// that failed to run. The events bracket the device's one stream: work other threads enqueue
-/// meanwhile counts too (a slower choice then, never a wrong one).
-fn time_candidates(
-    dev: &CudaDevice,
-    handle: dsys::cudnnHandle_t,
-    candidates: &[Candidate],
-    uids: &[i64; 3],
-    ptrs: [*mut c_void; 3],
-) -> Result<Vec<Option<f32>>> {
-    let most = candidates
-        .iter()
-        .map(|c| c.workspace)
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    // SAFETY: cuDNN owns the scratch contents.
-    let scratch = unsafe { dev.stream.alloc::<u8>(most) }
-        .map_err(|e| cuda_err("allocating the autotune workspace", e))?;
-    let ws = {
-        use cudarc::driver::DevicePtr;
-        scratch.device_ptr(&dev.stream).0 as *mut c_void
-    };
-    let event = || {
-        dev.ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| cuda_err("creating a timing event", e))
-    };
-    let (start, end) = (event()?, event()?);
-    let mut out = Vec::with_capacity(candidates.len());
-    for Candidate { plan, .. } in candidates {
-        let mut times = Vec::with_capacity(TIMED_RUNS);
-        let mut ok = execute_plan(handle, plan, uids, ptrs, ws).is_ok();
-        for _ in 0..TIMED_RUNS {
-            if !ok {
-                break;
-            }
-            start
-                .record(&dev.stream)
-                .map_err(|e| cuda_err("recording an event", e))?;
-            ok = execute_plan(handle, plan, uids, ptrs, ws).is_ok();
-            end.record(&dev.stream)
-                .map_err(|e| cuda_err("recording an event", e))?;
-            times.push(
-                start
-                    .elapsed_ms(&end)
-                    .map_err(|e| cuda_err("reading a timing event", e))?,
-            );
-        }
-        out.push(ok.then(|| {
-            times.sort_by(f32::total_cmp);
-            times[times.len() / 2]
-        }));
-    }
-    drop(scratch);
-    Ok(out)
+    Ok(Ok(GraphCandidate {
+        plan,
+        _keep: vec![config, engine],
+        engine: index,
+        knobs,
+        notes,
+        workspace,
+        mode: None,
+    }))
 }

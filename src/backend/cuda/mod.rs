@@ -4,10 +4,11 @@
 //! dispatch (`storage.rs`), diagnostics (`profile.rs`: per-op device time, pool memory), and one
 //! file per op family, named as its kernels in `kernels/*.cu` at the crate root: `cast.rs`,
 //! `elementwise.rs`, `layout.rs`, `reduce.rs`, `index.rs`, `softmax.rs`, `batch_norm.rs`,
-//! `pool.rs`, cuBLAS `matmul.rs`, cuDNN `conv.rs` (with the graph API in `cudnn_graph.rs`),
-//! `multi_tensor.rs`; `common.rs` holds what they share. In-place updates of a buffer that keeps
-//! its address are `in_place.rs`; CUDA-graph capture (refusals, graph memory, pinned buffers,
-//! replay hooks) is `graph.rs`.
+//! `pool.rs`, cuBLAS `matmul.rs`, cuDNN `conv.rs` (the plan choice; the two cuDNN APIs in
+//! `cudnn_graph.rs` and `cudnn_legacy.rs`, the timer in `conv_tune.rs`, the on-disk plan cache in
+//! `conv_cache.rs`), `multi_tensor.rs`; `common.rs` holds what they share. In-place updates of a
+//! buffer that keeps its address are `in_place.rs`; CUDA-graph capture (refusals, graph memory,
+//! pinned buffers, replay hooks) is `graph.rs`.
 //!
 //! [`BackendStorage`]: crate::backend::BackendStorage
 
@@ -15,7 +16,10 @@ mod batch_norm;
 mod cast;
 mod common;
 mod conv;
+mod conv_cache;
+mod conv_tune;
 mod cudnn_graph;
+mod cudnn_legacy;
 mod device;
 mod elementwise;
 pub(crate) mod graph;
@@ -33,7 +37,9 @@ mod registry;
 mod softmax;
 mod storage;
 
-pub use conv::{conv_plans, ConvPlanInfo};
+pub use conv::{
+    clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, ConvPlanInfo, PlanSource,
+};
 pub use device::{
     allocation_count, get as device, host_sync_count, set_allow_tf32, set_poison_allocations,
     CudaDevice,

@@ -93,7 +93,7 @@ fn options(arch: (i32, i32)) -> Vec<String> {
 }
 
 /// FNV-1a, 64 bits: stable across Rust versions (the key of files on disk).
-fn fnv1a(parts: &[&[u8]]) -> u64 {
+pub(super) fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in parts {
         for &b in *p {
