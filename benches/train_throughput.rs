@@ -27,7 +27,7 @@ use std::time::Instant;
 use mixprec::backend::cuda::{self, device};
 use mixprec::nn::{self, Module};
 use mixprec::optim::{FusedSgd, SgdConfig};
-use mixprec::{amp, DType, Device, Tensor};
+use mixprec::{amp, DType, Device, MemoryFormat, Tensor};
 
 struct Args {
     net: String,
@@ -117,18 +117,24 @@ fn device_used_mib() -> mixprec::Result<f64> {
 fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     let dev = Device::cuda(0)?;
     let (batch, hw, classes) = net_shape(&args.net)?;
-    if args.layout != "nchw" {
-        return Err(mixprec::Error::invalid_arg(
-            "train_throughput",
-            "--layout",
-            &args.layout,
-            "nchw",
-        ));
-    }
+    let format = match args.layout.as_str() {
+        "nchw" => MemoryFormat::Contiguous,
+        "cl" => MemoryFormat::ChannelsLast,
+        other => {
+            return Err(mixprec::Error::invalid_arg(
+                "train_throughput",
+                "--layout",
+                other,
+                "nchw or cl",
+            ))
+        }
+    };
     let model = match args.net.as_str() {
         "resnet50" => nn::resnet::ResNet::resnet50(classes, &dev, 0)?,
         _ => nn::resnet::ResNet::cifar_style(&[2, 2, 2, 2], 3, classes, &dev)?,
     };
+    // As PyTorch's `model.to(memory_format=...)`: before the optimizer makes its state.
+    model.to_memory_format(format)?;
     let opt = FusedSgd::new(
         model.parameters(),
         SgdConfig {
@@ -138,7 +144,8 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         },
     )?;
     let (model, mut opt) = amp::initialize(model, opt, policy(&args.mode)?)?;
-    let x = Tensor::randn([batch, 3, hw, hw], 0.0, 1.0, 1, DType::F32, dev)?;
+    let x = Tensor::randn([batch, 3, hw, hw], 0.0, 1.0, 1, DType::F32, dev)?
+        .to_memory_format(format)?;
     let labels: Vec<i64> = (0..batch as i64)
         .map(|i| (i * 7919) % classes as i64)
         .collect();

@@ -2075,3 +2075,65 @@ fn amp_resnet_step_host_syncs() {
     let syncs = host_sync_count() - before;
     assert_eq!(syncs, 0, "{syncs} host synchronisations in 3 ResNet steps");
 }
+
+/// The batch-norm weight gradients of a CIFAR ResNet-18's last stage in f32 on the GPU against
+/// the same network in f64 on the CPU (batch 8 and 32, 32x32). PyTorch's f32 gradients are ~3e-6
+/// from f64 here; one of ours was 3e-4 (issue 14): this bounds them at PyTorch's level, and
+/// prints every layer4 gradient's error and the convolution plans that made them.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn resnet18_batch_norm_weight_gradients_are_f32_accurate() {
+    use mixprec::nn::{self, Module};
+    gpu();
+    for batch in [8usize, 32] {
+        let gpu_net =
+            nn::resnet::ResNet::cifar_style(&[2, 2, 2, 2], 3, 10, &Device::Cuda(0)).unwrap();
+        let cpu_net = nn::resnet::ResNet::cifar_style(&[2, 2, 2, 2], 3, 10, &Device::Cpu).unwrap();
+        cpu_net.cast(DType::F64, false).unwrap();
+        let x = Tensor::randn([batch, 3, 32, 32], 0.0, 1.0, 7, DType::F32, Device::Cpu).unwrap();
+        let labels: Vec<i64> = (0..batch as i64).map(|i| (i * 7) % 10).collect();
+        let y = Tensor::from_vec(labels, [batch], Device::Cpu).unwrap();
+        let loss = |net: &nn::resnet::ResNet, x: &Tensor, y: &Tensor| {
+            nn::loss::cross_entropy(&net.forward(x).unwrap(), y)
+                .unwrap()
+                .backward()
+                .unwrap()
+        };
+        loss(
+            &gpu_net,
+            &x.to_device(Device::Cuda(0)).unwrap(),
+            &y.to_device(Device::Cuda(0)).unwrap(),
+        );
+        loss(&cpu_net, &x.to_dtype(DType::F64).unwrap(), &y);
+        let mut bn_errs = Vec::new();
+        for ((name, g), (_, c)) in gpu_net
+            .named_parameters()
+            .into_iter()
+            .zip(cpu_net.named_parameters())
+        {
+            if !name.starts_with("layer4") {
+                continue;
+            }
+            let e = rel_err(
+                &g.grad().unwrap().to_vec_f64().unwrap(),
+                &c.grad().unwrap().to_vec_f64().unwrap(),
+            );
+            println!("batch {batch} {name}: {e:.2e}");
+            if name.contains(".bn") && name.ends_with("weight") {
+                bn_errs.push((name, e));
+            }
+        }
+        let worst = bn_errs.iter().map(|e| e.1).fold(0.0, f64::max);
+        if worst > 3e-5 {
+            for i in mixprec::backend::cuda::conv_plans(0).unwrap() {
+                if i.dtype == DType::F32 && i.params.h <= 4 {
+                    println!("{} {:?}: {}", i.direction, i.params, i.algorithm);
+                }
+            }
+        }
+        assert!(
+            worst <= 3e-5,
+            "batch {batch}: batch-norm weight gradients {bn_errs:?} (PyTorch f32: ~3e-6)"
+        );
+    }
+}

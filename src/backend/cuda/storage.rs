@@ -248,8 +248,10 @@ impl BackendStorage for CudaStorage {
     fn len(&self) -> usize {
         self.len
     }
+    /// cuDNN convolutions (NHWC descriptors), the NHWC batch-norm kernels and pool.cu's NHWC
+    /// indexing take channels_last operands as they are.
     fn channels_last_native(&self) -> bool {
-        false
+        true
     }
     fn copy_strided(&self, src: &Layout, dst: &Layout) -> Result<Self> {
         super::layout::copy_strided(self, src, dst)
