@@ -6,11 +6,14 @@
 //! (so gradients accumulate across backward calls until `zero_grad`). The backward pass itself
 //! records nothing: there are no higher-order gradients.
 
+pub mod hooks;
 mod op;
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 
+pub(crate) use hooks::Hooks;
+pub use hooks::{custom_function, queue_callback, HookId};
 pub(crate) use op::Op;
 
 use crate::error::{Error, Result};
@@ -97,14 +100,17 @@ pub(crate) fn backward(root: &Tensor) -> Result<()> {
     let _autocast = crate::amp::autocast::suspend();
     let order = topo_order(root);
     let _guard = no_grad();
+    let mut scope = hooks::BackwardScope::enter();
     let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
     grads.insert(root.id(), root.ones_like()?);
     for node in order.iter().rev() {
         let Some(g) = grads.remove(&node.id()) else {
             continue;
         };
+        let g = hooks::on_grad(node, g)?;
         if node.is_variable() {
             node.accumulate_grad(&g)?;
+            hooks::after_accumulate(node)?;
         }
         let Some(op) = node.op() else { continue };
         for (input, gi) in op.backward(node, &g)? {
@@ -120,5 +126,5 @@ pub(crate) fn backward(root: &Tensor) -> Result<()> {
             grads.insert(input.id(), total);
         }
     }
-    Ok(())
+    scope.finish()
 }

@@ -96,6 +96,8 @@ pub(crate) enum Op {
         dim: usize,
         log: bool,
     },
+    /// A user-defined function (`autograd::custom_function`).
+    Custom(Box<super::hooks::CustomOp>),
 }
 
 impl Op {
@@ -121,6 +123,7 @@ impl Op {
             Op::Cat { parts, .. } => parts.iter().collect(),
             Op::Conv2d { x, w, .. } => vec![x, w],
             Op::BatchNorm { x, w, b, .. } => vec![x, w, b],
+            Op::Custom(f) => f.inputs.iter().collect(),
         }
     }
 
@@ -283,6 +286,7 @@ impl Op {
                 let s = g.storage().softmax_backward(&y.storage(), split, *log)?;
                 Ok(Tensor::from_storage(s, x.shape().clone()))
             })?,
+            Op::Custom(f) => res = f.backward(g)?,
         }
         Ok(res)
     }

@@ -25,7 +25,7 @@ mod softmax;
 pub(crate) mod storage;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use batch_norm::BatchNormConfig;
 pub use conv::Conv2dConfig;
@@ -60,6 +60,8 @@ pub(crate) struct TensorInner {
     is_variable: bool,
     requires_grad: AtomicBool,
     grad: Mutex<Option<Tensor>>,
+    /// Backward hooks (autograd::hooks), allocated at the first registration.
+    hooks: OnceLock<Box<autograd::Hooks>>,
 }
 
 impl Drop for TensorInner {
@@ -120,7 +122,15 @@ impl Tensor {
             is_variable,
             requires_grad: AtomicBool::new(is_variable),
             grad: Mutex::new(None),
+            hooks: OnceLock::new(),
         }))
+    }
+
+    /// A tensor sharing this one's buffer whose graph node is `op` when an input records
+    /// (`autograd::custom_function`).
+    pub(crate) fn with_op(&self, inputs: &[&Tensor], op: impl FnOnce() -> Op) -> Tensor {
+        let op = autograd::records(inputs).then(op);
+        Self::build(self.0.storage.clone(), self.shape().clone(), op, false)
     }
 
     /// The result of an op: records `op` in the graph when gradients are enabled and any input
@@ -371,6 +381,14 @@ impl Tensor {
 
     pub(crate) fn op(&self) -> Option<&Op> {
         self.0.op.as_ref()
+    }
+
+    pub(crate) fn hooks(&self) -> Option<&autograd::Hooks> {
+        self.0.hooks.get().map(|h| &**h)
+    }
+
+    pub(crate) fn hooks_or_init(&self) -> &autograd::Hooks {
+        self.0.hooks.get_or_init(Box::default)
     }
 
     // ---- autograd -----------------------------------------------------------------------------
