@@ -82,17 +82,26 @@ impl Module for BatchNorm2d {
             ));
         }
         let training = self.training.get();
-        let y = x.batch_norm(
-            &self.weight,
-            &self.bias,
-            &self.running_mean,
-            &self.running_var,
-            BatchNormConfig {
-                training,
-                momentum: self.momentum,
-                eps: self.eps,
-            },
-        )?;
+        // A layer converted to SyncBatchNorm normalises over every rank's batch in training.
+        let synced = if training {
+            crate::distributed::sync_batch_norm::forward(self, x)?
+        } else {
+            None
+        };
+        let y = match synced {
+            Some(y) => y,
+            None => x.batch_norm(
+                &self.weight,
+                &self.bias,
+                &self.running_mean,
+                &self.running_var,
+                BatchNormConfig {
+                    training,
+                    momentum: self.momentum,
+                    eps: self.eps,
+                },
+            )?,
+        };
         if training {
             let _g = crate::no_grad();
             let n = self.num_batches_tracked.to_vec::<i64>()?[0];
