@@ -55,6 +55,7 @@ fn rank_entry() {
         "die" => worker_die(&env),
         "hang" => worker_hang(&env),
         "mismatch-shape" | "mismatch-dtype" => worker_mismatch(&env, &role),
+        "trainer" => worker_trainer(&env, &out),
         other => Err(Error::invalid_arg(
             "rank_entry",
             "role",
@@ -465,6 +466,36 @@ fn worker_mismatch(env: &LaunchEnv, role: &str) -> Result<()> {
     let (model, _opt) = amp::initialize(model, opt, Policy::opt_level(level))?;
     DistributedDataParallel::new(model, &g, DdpConfig::default())?;
     Err(Error::Backward("mismatched models were accepted".into()))
+}
+
+/// The main job's loop (`train_resnet`'s) as one rank: the config and options from the test.
+fn worker_trainer(env: &LaunchEnv, out: &Path) -> Result<()> {
+    use mixprec::train::progress::ProgressMode;
+    use mixprec::train::{run, RunConfig, RunOptions};
+    let cfg = RunConfig::from_toml_file(out.join("run.toml"))?;
+    let resume = std::env::var("MIXPREC_TEST_RESUME").ok().map(PathBuf::from);
+    let stop_after = std::env::var("MIXPREC_TEST_STOP")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let summary = run(
+        &cfg,
+        &RunOptions {
+            resume,
+            progress: Some(ProgressMode::Off),
+            stop_after,
+            sync_batch_norm: true,
+        },
+    )?;
+    std::fs::write(
+        out.join(format!("rank{}.summary", env.rank)),
+        format!(
+            "{} {} {}",
+            summary.world_size,
+            summary.rank,
+            summary.history.len()
+        ),
+    )
+    .map_err(|e| Error::io("writing the summary", e))
 }
 
 // ---- the launching side ------------------------------------------------------------------------
@@ -1108,4 +1139,84 @@ fn distributed_sampler_cuts_epochs_as_pytorch() {
         assert_eq!(loaders[0].epoch(epoch).count(), 3);
     }
     assert_ne!(loaders[0].epoch_order(0), loaders[0].epoch_order(1));
+}
+
+#[test]
+fn the_training_job_runs_on_ranks_and_resumes_with_another_count() {
+    use mixprec::train::RunConfig;
+    let dir = std::env::temp_dir().join(format!("mixprec-dist-job-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut cfg = RunConfig {
+        epochs: 2,
+        device: "cpu".into(),
+        out: dir.join("run"),
+        ..Default::default()
+    };
+    cfg.model.blocks = vec![1, 1];
+    cfg.model.widths = vec![4, 8];
+    cfg.data.dir = "bundled".into();
+    cfg.data.batch_size = 32;
+    cfg.data.train_limit = 384;
+    cfg.data.test_limit = 100;
+    cfg.amp.opt_level = "O0".into();
+    // The ranks read the config from their output directory.
+    let launch_job = |n: usize, env: &[(&str, &str)]| {
+        use mixprec::distributed::launch::{launch, LaunchConfig};
+        let out = dir.join(format!("ranks-{n}-{}", env.len()));
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::write(out.join("run.toml"), cfg.to_toml()).unwrap();
+        let mut lc = LaunchConfig::new(
+            n,
+            std::env::current_exe().unwrap(),
+            ["rank_entry", "--exact", "--nocapture", "--test-threads=1"]
+                .iter()
+                .map(Into::into)
+                .collect(),
+        );
+        lc.env = vec![
+            (ROLE.into(), "trainer".into()),
+            (OUT.into(), out.display().to_string()),
+            ("MIXPREC_DIST_TIMEOUT".into(), "60".into()),
+        ];
+        for (k, v) in env {
+            lc.env.push((k.to_string(), v.to_string()));
+        }
+        if let Err(e) = launch(&lc) {
+            let errs: Vec<String> = (0..n)
+                .filter_map(|r| std::fs::read_to_string(out.join(format!("rank{r}.err"))).ok())
+                .collect();
+            panic!("{n} ranks: {e}\n{}", errs.join("\n"));
+        }
+        (0..n)
+            .map(|r| std::fs::read_to_string(out.join(format!("rank{r}.summary"))).unwrap())
+            .collect::<Vec<_>>()
+    };
+    // Two ranks, stopped after the first epoch: rank 0 alone keeps the history and the files.
+    let s = launch_job(2, &[("MIXPREC_TEST_STOP", "1")]);
+    assert_eq!(s, vec!["2 0 1".to_string(), "2 1 0".to_string()]);
+    let run_dir = cfg.out.clone();
+    let ckpt = run_dir.join("checkpoints/epoch-001.safetensors");
+    assert!(ckpt.is_file());
+    let json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(run_dir.join("checkpoints/last.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(json["extra"]["world_size"], 2);
+    // Resumed on three ranks, then on one process: each continues from epoch 1.
+    let resume = ckpt.display().to_string();
+    let s = launch_job(3, &[("MIXPREC_TEST_RESUME", resume.as_str())]);
+    assert_eq!(s[0], "3 0 2");
+    let lines = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 2, "{lines}");
+    let single = mixprec::train::run(
+        &cfg,
+        &mixprec::train::RunOptions {
+            resume: Some(ckpt),
+            progress: Some(mixprec::train::progress::ProgressMode::Off),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!((single.world_size, single.history.len()), (1, 2));
+    assert!(single.history[1].test_accuracy > 0.0);
 }
