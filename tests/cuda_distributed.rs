@@ -107,17 +107,53 @@ fn batch(step: usize) -> (Tensor, Tensor) {
     (x, Tensor::from_vec(y, [16], GPU).unwrap())
 }
 
+/// Largest |a − b| / max|b| over the state dicts' tensors.
+fn worst(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
+    let mut w = (0.0f64, String::new());
+    for ((n, ta), (_, tb)) in a.iter().zip(b) {
+        let (x, y) = (ta.to_vec_f64().unwrap(), tb.to_vec_f64().unwrap());
+        let scale = y.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+        let d = x
+            .iter()
+            .zip(&y)
+            .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()))
+            / scale;
+        if d > w.0 || d.is_nan() {
+            w = (d, n.clone());
+        }
+    }
+    w
+}
+
+/// Four O2 steps of the small ResNet, unwrapped.
+fn plain_run() -> (Vec<(String, Tensor)>, amp::ScalerStats) {
+    let plain = tiny_resnet();
+    let opt = Sgd::new(plain.parameters(), sgd()).unwrap();
+    let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
+    let (plain, mut opt) = amp::initialize(plain, opt, policy).unwrap();
+    for step in 0..4 {
+        let (x, y) = batch(step);
+        let loss = cross_entropy(&plain.forward(&x).unwrap(), &y).unwrap();
+        opt.zero_grad().unwrap();
+        opt.backward(&loss).unwrap();
+        opt.step().unwrap();
+    }
+    (plain.state_dict().unwrap(), opt.stats().unwrap()[0])
+}
+
 /// O2 through DDP at world size 1 equals the unwrapped O2 step bit for bit (the all-reduce of
-/// one rank is the identity), the buckets start while backward runs, and the steps make no host
-/// synchronisation.
+/// one rank is the identity) — or, should two unwrapped runs differ on this GPU (kernels that
+/// are not deterministic), by no more than they do — the buckets start while backward runs,
+/// and the steps make no host synchronisation.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ddp_nccl_step_equals_the_unwrapped_step_with_no_host_sync() {
     let g = nccl_group();
     let policy = || Policy::opt_level(OptLevel::O2).with_report_interval(0);
-    let plain = tiny_resnet();
-    let opt = Sgd::new(plain.parameters(), sgd()).unwrap();
-    let (plain, mut plain_opt) = amp::initialize(plain, opt, policy()).unwrap();
+    let (plain_a, stats_a) = plain_run();
+    let (plain_b, _) = plain_run();
+    let (noise, noise_at) = worst(&plain_b, &plain_a);
+    println!("two unwrapped runs differ by {noise:e} ({noise_at})");
     let wrapped = tiny_resnet();
     let opt = Sgd::new(wrapped.parameters(), sgd()).unwrap();
     let (wrapped, mut opt) = amp::initialize(wrapped, opt, policy()).unwrap();
@@ -132,10 +168,6 @@ fn ddp_nccl_step_equals_the_unwrapped_step_with_no_host_sync() {
     let mut syncs = 0;
     for step in 0..4 {
         let (x, y) = batch(step);
-        let loss = cross_entropy(&plain.forward(&x).unwrap(), &y).unwrap();
-        plain_opt.zero_grad().unwrap();
-        plain_opt.backward(&loss).unwrap();
-        plain_opt.step().unwrap();
         let before = host_sync_count();
         let loss = cross_entropy(&ddp.forward(&x).unwrap(), &y).unwrap();
         opt.zero_grad().unwrap();
@@ -151,18 +183,33 @@ fn ddp_nccl_step_equals_the_unwrapped_step_with_no_host_sync() {
         stats.launched_during_backward > 0,
         "no bucket started before the end of backward: {stats:?}"
     );
-    let (a, b) = (plain.state_dict().unwrap(), ddp.state_dict().unwrap());
-    for ((n, ta), (_, tb)) in a.iter().zip(&b) {
+    let got = ddp.state_dict().unwrap();
+    let (d, at) = worst(&got, &plain_a);
+    if noise == 0.0 {
+        for ((n, ta), (_, tb)) in got.iter().zip(&plain_a) {
+            assert!(
+                bits(ta) == bits(tb),
+                "{n}: DDP at world size 1 differs from the plain step"
+            );
+        }
+    } else {
         assert!(
-            bits(ta) == bits(tb),
-            "{n}: DDP at world size 1 differs from the plain step"
+            d <= 2.0 * noise,
+            "DDP at world size 1 differs from the plain step by {d:e} ({at}); two plain runs \
+             by {noise:e}"
         );
     }
-    assert_eq!(plain_opt.stats().unwrap(), opt.stats().unwrap());
+    assert_eq!(stats_a, opt.stats().unwrap()[0]);
     println!(
-        "DDP world size 1: bitwise equal to the plain O2 step, 0 host syncs, {} of {} buckets \
-         launched during backward",
-        stats.launched_during_backward, stats.buckets
+        "DDP world size 1: {} the plain O2 step (difference {d:e}), 0 host syncs, {} of {} \
+         buckets launched during backward",
+        if d == 0.0 {
+            "bitwise equal to"
+        } else {
+            "as close as two plain runs to"
+        },
+        stats.launched_during_backward,
+        stats.buckets
     );
 }
 

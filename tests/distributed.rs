@@ -54,6 +54,7 @@ fn rank_entry() {
         "inf" => worker_inf(&env, &out),
         "die" => worker_die(&env),
         "hang" => worker_hang(&env),
+        "early" => worker_early(&env),
         "mismatch-shape" | "mismatch-dtype" => worker_mismatch(&env, &role),
         "trainer" => worker_trainer(&env, &out),
         other => Err(Error::invalid_arg(
@@ -468,6 +469,12 @@ fn worker_hang(env: &LaunchEnv) -> Result<()> {
     })
 }
 
+fn worker_early(env: &LaunchEnv) -> Result<()> {
+    // Rank 1 runs 2 steps and leaves cleanly; the others want 6.
+    let steps = if env.rank == 1 { 2 } else { 6 };
+    train_loop(env, steps, |_| {})
+}
+
 fn worker_mismatch(env: &LaunchEnv, role: &str) -> Result<()> {
     let g = group(env)?;
     let hidden = if role == "mismatch-shape" && env.rank == 1 {
@@ -877,6 +884,25 @@ fn a_hung_rank_is_named_within_the_timeout() {
     }
     assert!(run.err_of(0).contains("within 3 s"), "{}", run.err_of(0));
     // 3 s timeout (+ the others' grace), then 2 s for the launcher to kill the hung rank.
+    assert!(run.seconds < 20.0, "took {:.1} s", run.seconds);
+}
+
+#[test]
+fn a_rank_that_stops_early_is_named_at_once() {
+    let run = run_ranks("early", 3, &[], Duration::from_secs(10));
+    assert!(run.result.is_err());
+    for r in [0, 2] {
+        let err = run.err_of(r);
+        assert!(err.contains("culprit Some(1)"), "rank {r}: {err}");
+        assert!(
+            err.contains("shut down its process group"),
+            "rank {r}: {err}"
+        );
+    }
+    assert!(
+        !run.out.join("rank1.err").exists(),
+        "rank 1 itself finished cleanly"
+    );
     assert!(run.seconds < 20.0, "took {:.1} s", run.seconds);
 }
 

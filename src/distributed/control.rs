@@ -367,6 +367,11 @@ impl Control {
         Ok(seq)
     }
 
+    /// When `peer` has left the group: the number of collectives it had issued.
+    pub(crate) fn departed(&self, peer: usize) -> Option<u64> {
+        lock(&self.state).departed.get(peer).copied().flatten()
+    }
+
     /// The number of collectives issued by this rank.
     pub(crate) fn issued(&self) -> u64 {
         self.issued.load(Ordering::Acquire)

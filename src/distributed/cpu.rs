@@ -381,9 +381,25 @@ impl Comm {
 
     /// An error of a transfer with `peer`: the group's fault when it has one (the socket was
     /// shut because of it), else a new fault naming `peer`.
-    fn link_error(&self, peer: usize, e: std::io::Error, what: String) -> Error {
+    fn link_error(&self, peer: usize, seq: u64, e: std::io::Error, what: String) -> Error {
         if let Err(f) = self.ctl.check() {
             return f;
+        }
+        // A peer that left cleanly said how many collectives it had issued.
+        let gone = || self.ctl.departed(peer).filter(|&c| c < seq);
+        let left = gone().or_else(|| {
+            // Its goodbye may still be on the way (it travels on the control link).
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            gone()
+        });
+        if let Some(c) = left {
+            return self.ctl.fail(
+                Some(peer),
+                format!(
+                    "rank {peer} shut down its process group after {c} collective(s); \
+                     collective #{seq} needs it (did rank {peer} stop early, or run fewer steps?)"
+                ),
+            );
         }
         let closed = matches!(
             e.kind(),
@@ -422,7 +438,7 @@ impl Comm {
             };
             let (t, body) = match read_frame(link, Some(deadline)) {
                 Ok(x) => x,
-                Err(e) => return Err(self.link_error(p, e, what)),
+                Err(e) => return Err(self.link_error(p, head.seq, e, what)),
             };
             let mut d = Dec::new(&body);
             let theirs = (t == tag::DATA).then(|| Header::decode(&mut d)).flatten();
@@ -465,7 +481,7 @@ impl Comm {
             let what = format!("sending the result of {} to rank {p}", head.describe());
             if let Some(link) = self.links.get_mut(p).and_then(|l| l.as_mut()) {
                 if let Err(e) = write_frame2(link, tag::DATA, &out, &result) {
-                    return Err(self.link_error(p, e, what));
+                    return Err(self.link_error(p, head.seq, e, what));
                 }
             }
         }
@@ -485,7 +501,7 @@ impl Comm {
             _ => mine,
         };
         if let Err(e) = write_frame2(link, tag::DATA, &head.encode(), body) {
-            return Err(self.link_error(0, e, format!("sending {}", head.describe())));
+            return Err(self.link_error(0, head.seq, e, format!("sending {}", head.describe())));
         }
         let deadline = Instant::now() + timeout + grace(timeout);
         let (t, reply) = match read_frame(link, Some(deadline)) {
@@ -493,6 +509,7 @@ impl Comm {
             Err(e) => {
                 return Err(self.link_error(
                     0,
+                    head.seq,
                     e,
                     format!("rank 0's result of {}", head.describe()),
                 ))
