@@ -347,7 +347,13 @@ fn grads_of(m: &dyn Module) -> Result<Vec<(String, Tensor)>> {
 
 fn worker_accum(env: &LaunchEnv, out: &Path) -> Result<()> {
     let spec = std::env::var(LEVEL).unwrap_or_default();
-    let level = level_of(spec.trim_end_matches("-ddp-first"));
+    let level = level_of(&spec[..2.min(spec.len())]);
+    // "-predivide": apex's gradient_predivide_factor; "-f32": f16 gradients reduced in f32.
+    let cfg = DdpConfig {
+        gradient_predivide_factor: spec.ends_with("-predivide").then_some(2.0),
+        allreduce_dtype: spec.ends_with("-f32").then_some(DType::F32),
+        ..Default::default()
+    };
     let g = group(env)?;
     let model = mlp(16, 7)?;
     let opt = Sgd::new(model.parameters(), sgd())?;
@@ -362,7 +368,7 @@ fn worker_accum(env: &LaunchEnv, out: &Path) -> Result<()> {
         return accumulate(env, out, &model, model.inner(), &mut opt);
     }
     let (model, mut opt) = amp::initialize(model, opt, policy)?;
-    let ddp = DistributedDataParallel::new(model, &g, DdpConfig::default())?;
+    let ddp = DistributedDataParallel::new(model, &g, cfg)?;
     accumulate(env, out, &ddp, &ddp, &mut opt)
 }
 
@@ -762,6 +768,8 @@ fn no_sync_accumulates_locally_then_averages_the_totals() {
         ("O2", 2e-2),
         ("O3", 2e-2),
         ("O2-ddp-first", 2e-2),
+        ("O2-predivide", 2e-2),
+        ("O2-f32", 2e-2),
     ] {
         let run = run_ranks("accum", n, &[(LEVEL, level)], Duration::from_secs(10));
         run.expect_ok();

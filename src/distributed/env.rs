@@ -247,6 +247,19 @@ impl LaunchEnv {
     pub fn is_distributed(&self) -> bool {
         self.world_size > 1
     }
+
+    /// The CUDA device of this rank: `LOCAL_RANK`, or 0 when the launcher made exactly one GPU
+    /// visible to each process (`CUDA_VISIBLE_DEVICES` with one entry, as Slurm's
+    /// `--gpus-per-task 1` does).
+    pub fn cuda_ordinal(&self) -> usize {
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
+        let one = !visible.trim().is_empty() && !visible.contains(',');
+        if one {
+            0
+        } else {
+            self.local_rank
+        }
+    }
 }
 
 /// The first host of a Slurm node list: `node[03-05,9],gpu1` → `node03`.

@@ -69,7 +69,8 @@ pub(crate) fn backend_name(code: u8) -> &'static str {
 #[derive(Clone, Debug)]
 pub struct GroupOptions {
     pub backend: Backend,
-    /// NCCL: the GPU of this process (default `cuda:LOCAL_RANK`). Ignored by the CPU backend.
+    /// NCCL: the GPU of this process (default [`LaunchEnv::cuda_ordinal`]: `cuda:LOCAL_RANK`,
+    /// or `cuda:0` when only one GPU is visible). Ignored by the CPU backend.
     pub device: Option<Device>,
     /// How long a rank waits for the others in a collective (and at shutdown) before the group
     /// fails naming the rank it waited for. Default: `MIXPREC_DIST_TIMEOUT` seconds, else 600.
@@ -217,7 +218,7 @@ impl ProcessGroup {
                 })
             }
             Backend::Nccl => {
-                let device = opts.device.unwrap_or(Device::Cuda(env.local_rank));
+                let device = opts.device.unwrap_or(Device::Cuda(env.cuda_ordinal()));
                 let Device::Cuda(ordinal) = device else {
                     return Err(err(
                         None,

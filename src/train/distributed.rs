@@ -38,12 +38,13 @@ impl Ranks {
     }
 
     /// The device for `spec` (`auto`, `cpu`, `cuda`, `cuda:N`): with several ranks, `auto` and
-    /// `cuda` mean `cuda:LOCAL_RANK`, and naming one GPU for all of them is an error.
+    /// `cuda` mean `cuda:LOCAL_RANK` (`cuda:0` when each process sees one GPU), and naming one
+    /// GPU for all of them is an error.
     pub fn device(&self, spec: &str) -> Result<Device> {
         if !self.env.is_distributed() {
             return super::trainer::select_device(spec);
         }
-        let local = self.env.local_rank;
+        let local = self.env.cuda_ordinal();
         Ok(match parse_device(spec)? {
             None => Device::cuda_if_available(local),
             Some(None) => Device::Cpu,
