@@ -17,6 +17,7 @@ use mixprec::backend::cuda::{device, CudaStorage};
 use mixprec::backend::{
     BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, UnaryOp,
 };
+use mixprec::tensor::{Layout, MemoryFormat};
 use mixprec::{DType, Shape};
 
 fn main() {
@@ -28,7 +29,13 @@ fn rand(n: usize, d: DType, seed: u64) -> mixprec::Result<CudaStorage> {
         .into_iter()
         .map(|x| x as f32)
         .collect();
-    CudaStorage::from_cpu(&CpuStorage::F32(v), 0)?.to_dtype(d)
+    let x = CudaStorage::from_cpu(&CpuStorage::F32(v), 0)?;
+    x.to_dtype(&whole(&x), d)
+}
+
+/// The whole buffer as one contiguous dimension.
+fn whole(s: &CudaStorage) -> Layout {
+    Layout::contiguous(Shape::new(vec![s.len()]))
 }
 
 /// Whether the section `name` runs: every section without an argument.
@@ -80,8 +87,9 @@ fn bandwidth() -> mixprec::Result<()> {
     let n: usize = 1 << 28;
     let x32 = rand(n, DType::F32, 1)?;
     let y32 = rand(n, DType::F32, 2)?;
-    let x16 = x32.to_dtype(DType::F16)?;
-    let y16 = y32.to_dtype(DType::F16)?;
+    let l = whole(&x32);
+    let x16 = x32.to_dtype(&l, DType::F16)?;
+    let y16 = y32.to_dtype(&l, DType::F16)?;
     let (copy_t, copy_bw) = copy_bandwidth(&x32)?;
     println!(
         "{:<34} {:>10} {:>12} {:>9}",
@@ -98,39 +106,38 @@ fn bandwidth() -> mixprec::Result<()> {
         );
     };
     row("d2d copy f32", copy_t, 8 * n);
-    let s = Shape::new(vec![n]);
     row(
         "cast f32->f16",
-        time(3, 20, || x32.to_dtype(DType::F16).map(|_| ()))?,
+        time(3, 20, || x32.to_dtype(&l, DType::F16).map(|_| ()))?,
         6 * n,
     );
     row(
         "cast f16->f32",
-        time(3, 20, || x16.to_dtype(DType::F32).map(|_| ()))?,
+        time(3, 20, || x16.to_dtype(&l, DType::F32).map(|_| ()))?,
         6 * n,
     );
     row(
         "add f32",
         time(3, 20, || {
-            x32.binary(&y32, BinaryOp::Add, &s, &s, &s).map(|_| ())
+            x32.binary(&l, &y32, &l, BinaryOp::Add, &l).map(|_| ())
         })?,
         12 * n,
     );
     row(
         "add f16",
         time(3, 20, || {
-            x16.binary(&y16, BinaryOp::Add, &s, &s, &s).map(|_| ())
+            x16.binary(&l, &y16, &l, BinaryOp::Add, &l).map(|_| ())
         })?,
         6 * n,
     );
     row(
         "relu f32",
-        time(3, 20, || x32.unary(UnaryOp::Relu).map(|_| ()))?,
+        time(3, 20, || x32.unary(&l, UnaryOp::Relu).map(|_| ()))?,
         8 * n,
     );
     row(
         "relu f16",
-        time(3, 20, || x16.unary(UnaryOp::Relu).map(|_| ()))?,
+        time(3, 20, || x16.unary(&l, UnaryOp::Relu).map(|_| ()))?,
         4 * n,
     );
     // Batch norm over [256, 64, 128·128] (2^28 elements), training forward.
@@ -141,6 +148,9 @@ fn bandwidth() -> mixprec::Result<()> {
         spatial: bsp,
         eps: 1e-5,
         momentum: 0.1,
+        format: MemoryFormat::Contiguous,
+        residual: false,
+        relu: false,
     };
     let w = CudaStorage::full(0, DType::F32, bc, 1.0)?;
     let b = CudaStorage::full(0, DType::F32, bc, 0.0)?;
@@ -149,7 +159,7 @@ fn bandwidth() -> mixprec::Result<()> {
     row(
         "batch_norm fwd f32 [256,64,128,128]",
         time(2, 10, || {
-            x32.batch_norm_train(&w, &b, &mut rm, &mut rv, &p)
+            x32.batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
                 .map(|_| ())
         })?,
         8 * n,
@@ -157,7 +167,7 @@ fn bandwidth() -> mixprec::Result<()> {
     row(
         "batch_norm fwd f16 [256,64,128,128]",
         time(2, 10, || {
-            x16.batch_norm_train(&w, &b, &mut rm, &mut rv, &p)
+            x16.batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
                 .map(|_| ())
         })?,
         4 * n,
@@ -181,7 +191,9 @@ fn matmul() -> mixprec::Result<()> {
             a_batch_stride: m * m,
             b_batch_stride: m * m,
         };
-        let t = time(10, 20, || a.matmul(&bm, &dims).map(|_| ()))?;
+        let t = time(10, 20, || {
+            a.matmul(&whole(&a), &bm, &whole(&bm), &dims).map(|_| ())
+        })?;
         tflops_row(format!("matmul {d} 8192^3"), t, 2.0 * (m as f64).powi(3));
     }
     println!("cuBLAS: {}", loaded("libcublas"));
@@ -204,6 +216,7 @@ fn conv() -> mixprec::Result<()> {
         padding: (pad, pad),
         dilation: (1, 1),
         groups: 1,
+        format: MemoryFormat::Contiguous,
     };
     let convs = [
         (
@@ -224,11 +237,16 @@ fn conv() -> mixprec::Result<()> {
         let x = rand(p.n * p.c_in * p.h * p.w, DType::F16, 5)?;
         let w = rand(p.c_out * p.c_in * p.kh * p.kw, DType::F16, 6)?;
         let g = rand(p.n * p.c_out * p.out_h() * p.out_w(), DType::F16, 7)?;
-        let t = time(3, 20, || x.conv2d(&w, &p).map(|_| ()))?;
+        let (lx, lw, lg) = (whole(&x), whole(&w), whole(&g));
+        let t = time(3, 20, || x.conv2d(&lx, &w, &lw, &p).map(|_| ()))?;
         tflops_row(format!("{name} fwd f16"), t, flops);
-        let t = time(3, 20, || g.conv2d_backward_input(&w, &p).map(|_| ()))?;
+        let t = time(3, 20, || {
+            g.conv2d_backward_input(&lg, &w, &lw, &p).map(|_| ())
+        })?;
         tflops_row(format!("{name} bwd-data f16"), t, flops);
-        let t = time(3, 20, || g.conv2d_backward_weight(&x, &p).map(|_| ()))?;
+        let t = time(3, 20, || {
+            g.conv2d_backward_weight(&lg, &x, &lx, &p).map(|_| ())
+        })?;
         tflops_row(format!("{name} bwd-filter f16"), t, flops);
     }
     Ok(())

@@ -12,7 +12,6 @@
 //!
 //! Environment: BATCH (256), ROUNDS (7), STEPS per round (6), WARMUP steps (5).
 
-#[allow(dead_code)] // the shared timing helpers this bench does not use
 mod common;
 
 use std::time::Instant;

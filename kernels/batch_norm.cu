@@ -466,3 +466,303 @@ BN(f64, double)
     }
 BN_ACC(f32, float)
 BN_ACC(f64, double)
+
+// ---- fused and channels_last ---------------------------------------------------------------------
+//
+// Batch norm with an optional residual add and ReLU after it, y = relu(bn(x) + r), in either
+// memory format: NHWC ([m, c] rows, m = n·spatial) or NCHW. Three launches each way:
+//   forward:  stats (per channel and row part: Σd, Σd² with d = x − K, K the channel's first
+//             value, so the sums stay near the spread, not the mean) → stats_finalize (per
+//             channel, in double: mean, invstd, running statistics, scale and shift) → apply
+//             (y = x·scale + shift (+ r) (relu), 16-byte packs);
+//   backward: bwd_reduce (Σg', Σg'·(x − mean) with g' = g·(y > 0) under ReLU) → bn_bwd_finalize
+//             (above) → bwd_dx (dx from g' and the coefficients; g' itself is the residual's
+//             gradient, written beside dx when there is a residual).
+// Partials are channel-major, part[(ch·S + s)·2 + k], as bn_bwd_finalize reads them.
+
+struct BnGeo {
+    u64 n, c, sp;   // x is [n, c, sp] in NCHW or [n, sp, c] in NHWC
+    u64 S;          // row parts per channel (NHWC: row blocks; NCHW: blocks per channel)
+    i64 relu;       // apply ReLU after the add
+    i64 has_res;    // add (forward) / write the gradient of (backward) a residual
+    double eps, momentum;
+};
+
+// NHWC reductions: block b = chunk·S + s covers GX·V channels (chunk; V per thread, one 16-byte
+// pack when V > 1) of the rows [s·per, (s+1)·per); its GY row lanes stride those rows; shared
+// memory merges the lanes.
+#define BN_RED_THREADS 256
+
+template <typename T, int V, typename F>
+__device__ __forceinline__ void nhwc_rows(BnGeo g, const T* x, F f) {
+    u64 m = g.n * g.sp;
+    u64 groups = g.c / V;
+    u64 GX = groups < 32 ? groups : 32;
+    u64 GY = BN_RED_THREADS / GX;
+    u64 tx = threadIdx.x % GX, ty = threadIdx.x / GX;
+    u64 s = blockIdx.x % g.S, cg = (blockIdx.x / g.S) * GX + tx;
+    u64 per = (m + g.S - 1) / g.S;
+    u64 lo = s * per, hi = lo + per < m ? lo + per : m;
+    if (ty >= GY || cg >= groups) return;
+    for (u64 r = lo + ty; r < hi; r += GY) f(r, cg * V);
+}
+
+// Merges each thread's V pairs (a[k], b[k]) over the GY lanes of its channel group and writes
+// the block's partials for its channels.
+template <int V>
+__device__ __forceinline__ void nhwc_merge(BnGeo g, float (&a)[V], float (&b)[V], float* part) {
+    __shared__ float sh[2 * BN_RED_THREADS * 8];
+    u64 groups = g.c / V;
+    u64 GX = groups < 32 ? groups : 32;
+    u64 GY = BN_RED_THREADS / GX;
+    u64 tx = threadIdx.x % GX, ty = threadIdx.x / GX;
+    bool live = ty < GY;
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        sh[(ty * GX * V + tx * V + k) * 2] = live ? a[k] : 0.f;
+        sh[(ty * GX * V + tx * V + k) * 2 + 1] = live ? b[k] : 0.f;
+    }
+    __syncthreads();
+    // One thread per (channel of the block, quantity) sums the lanes in a fixed order.
+    for (u64 t = threadIdx.x; t < GX * V * 2; t += blockDim.x) {
+        u64 q = t % 2, cl = t / 2;
+        u64 ch = (blockIdx.x / g.S) * GX * V + cl;
+        if (ch >= g.c) continue;
+        float acc = 0.f;
+        for (u64 y = 0; y < GY; y++) acc += sh[(y * GX * V + cl) * 2 + q];
+        part[(ch * g.S + blockIdx.x % g.S) * 2 + q] = acc;
+    }
+}
+
+template <typename T, int V>
+__device__ void bn_stats_nhwc(BnGeo g, const T* x, float* part, float* shift) {
+    float a[V], b[V], K[V];
+#pragma unroll
+    for (int k = 0; k < V; k++) a[k] = b[k] = K[k] = 0.f;
+    bool first = true;
+    nhwc_rows<T, V>(g, x, [&](u64 r, u64 c0) {
+        if (first) {
+#pragma unroll
+            for (int k = 0; k < V; k++) K[k] = Num<T>::to(x[c0 + k]);
+            if (r == 0)
+                for (int k = 0; k < V; k++) shift[c0 + k] = K[k];
+            first = false;
+        }
+        Vec<T, V> v = *(const Vec<T, V>*)(x + r * g.c + c0);
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            float d = Num<T>::to(v.v[k]) - K[k];
+            a[k] += d;
+            b[k] += d * d;
+        }
+    });
+    nhwc_merge<V>(g, a, b, part);
+}
+
+template <typename T>
+__device__ void bn_stats_nchw(BnGeo g, const T* x, float* part, float* shift) {
+    __shared__ float sh[32];
+    for (u64 blk = blockIdx.x; blk < g.c * g.S; blk += gridDim.x) {
+        u64 ch = blk / g.S, s = blk - ch * g.S;
+        u64 m = g.n * g.sp, per = (m + g.S - 1) / g.S;
+        u64 lo = s * per, hi = lo + per < m ? lo + per : m;
+        float K = Num<T>::to(x[ch * g.sp]);
+        if (s == 0 && threadIdx.x == 0) shift[ch] = K;
+        float a = 0.f, b = 0.f;
+        channel_range(g.c, g.sp, ch, lo, hi, [&](u64 at) {
+            float d = Num<T>::to(x[at]) - K;
+            a += d;
+            b += d * d;
+        });
+        a = block_reduce(a, [](float p, float q) { return p + q; }, 0.f, sh);
+        b = block_reduce(b, [](float p, float q) { return p + q; }, 0.f, sh);
+        if (threadIdx.x == 0) {
+            part[(ch * g.S + s) * 2] = a;
+            part[(ch * g.S + s) * 2 + 1] = b;
+        }
+    }
+}
+
+// Per channel: mean, invstd (saved for backward), the running statistics, and coef = [scale,
+// shift] with scale = w·invstd, shift = b − mean·scale. Sums in double.
+extern "C" __global__ void bn_stats_finalize(BnGeo g, const float* part, const float* shift,
+                                             const float* w, const float* bias, float* rm, float* rv,
+                                             float* mean, float* invstd, float* coef) {
+    for (u64 ch = global_tid(); ch < g.c; ch += global_stride()) {
+        double a = 0, b = 0;
+        for (u64 s = 0; s < g.S; s++) {
+            a += part[(ch * g.S + s) * 2];
+            b += part[(ch * g.S + s) * 2 + 1];
+        }
+        double m = (double)(g.n * g.sp);
+        double mu = (double)shift[ch] + a / m;
+        double var = (b - a * a / m) / m;
+        if (var < 0) var = 0;
+        double is = 1.0 / sqrt(var + g.eps);
+        mean[ch] = (float)mu;
+        invstd[ch] = (float)is;
+        double unbiased = m > 1 ? var * m / (m - 1) : var;
+        rm[ch] = (float)((1.0 - g.momentum) * (double)rm[ch] + g.momentum * mu);
+        rv[ch] = (float)((1.0 - g.momentum) * (double)rv[ch] + g.momentum * unbiased);
+        double sc = (double)w[ch] * is;
+        coef[2 * ch] = (float)sc;
+        coef[2 * ch + 1] = (float)((double)bias[ch] - mu * sc);
+    }
+}
+
+__device__ __forceinline__ float bn_epilogue(float v, float r, const BnGeo& g) {
+    if (g.has_res) v += r;
+    return g.relu && !(v > 0.f) ? 0.f : v;
+}
+
+// y = x·scale + shift (+ r) (relu). NHWC: packs of V channels (c % V == 0, buffers 16-aligned).
+template <typename T, int V>
+__device__ void bn_apply_nhwc(BnGeo g, const T* x, const T* r, const float* coef, T* y) {
+    u64 packs = g.n * g.sp * g.c / V;
+    for (u64 p = global_tid(); p < packs; p += global_stride()) {
+        u64 e = p * V, c0 = e % g.c;
+        Vec<T, V> xv = *(const Vec<T, V>*)(x + e), rv, out;
+        if (g.has_res) rv = *(const Vec<T, V>*)(r + e);
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            float v = Num<T>::to(xv.v[k]) * coef[2 * (c0 + k)] + coef[2 * (c0 + k) + 1];
+            out.v[k] = Num<T>::from(bn_epilogue(v, g.has_res ? Num<T>::to(rv.v[k]) : 0.f, g));
+        }
+        *(Vec<T, V>*)(y + e) = out;
+    }
+}
+
+template <typename T>
+__device__ void bn_apply_nchw(BnGeo g, const T* x, const T* r, const float* coef, T* y) {
+    per_channel_map(g.n * g.c, g.c, g.sp, x, y, [&](float v, unsigned ch, u64 at) {
+        float t = v * coef[2 * ch] + coef[2 * ch + 1];
+        return bn_epilogue(t, g.has_res ? Num<T>::to(r[at]) : 0.f, g);
+    });
+}
+
+// g' = g·(y > 0) under ReLU, else g.
+template <typename T> __device__ __forceinline__ float masked(const BnGeo& g, T gv, T yv) {
+    float v = Num<T>::to(gv);
+    return g.relu && !(Num<T>::to(yv) > 0.f) ? 0.f : v;
+}
+
+template <typename T, int V>
+__device__ void bn_bwd_reduce_nhwc(BnGeo g, const T* gr, const T* x, const T* y, const float* mean,
+                                   float* part) {
+    float a[V], b[V];
+#pragma unroll
+    for (int k = 0; k < V; k++) a[k] = b[k] = 0.f;
+    nhwc_rows<T, V>(g, x, [&](u64 r, u64 c0) {
+        u64 e = r * g.c + c0;
+        Vec<T, V> gv = *(const Vec<T, V>*)(gr + e), xv = *(const Vec<T, V>*)(x + e), yv;
+        if (g.relu) yv = *(const Vec<T, V>*)(y + e);
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            float gg = g.relu ? masked(g, gv.v[k], yv.v[k]) : Num<T>::to(gv.v[k]);
+            a[k] += gg;
+            b[k] += gg * (Num<T>::to(xv.v[k]) - mean[c0 + k]);
+        }
+    });
+    nhwc_merge<V>(g, a, b, part);
+}
+
+template <typename T>
+__device__ void bn_bwd_reduce_nchw(BnGeo g, const T* gr, const T* x, const T* y, const float* mean,
+                                   float* part) {
+    __shared__ float sh[32];
+    for (u64 blk = blockIdx.x; blk < g.c * g.S; blk += gridDim.x) {
+        u64 ch = blk / g.S, s = blk - ch * g.S;
+        u64 m = g.n * g.sp, per = (m + g.S - 1) / g.S;
+        u64 lo = s * per, hi = lo + per < m ? lo + per : m;
+        float mu = mean[ch], a = 0.f, b = 0.f;
+        channel_range(g.c, g.sp, ch, lo, hi, [&](u64 at) {
+            float gg = g.relu ? masked(g, gr[at], y[at]) : Num<T>::to(gr[at]);
+            a += gg;
+            b += gg * (Num<T>::to(x[at]) - mu);
+        });
+        a = block_reduce(a, [](float p, float q) { return p + q; }, 0.f, sh);
+        b = block_reduce(b, [](float p, float q) { return p + q; }, 0.f, sh);
+        if (threadIdx.x == 0) {
+            part[(ch * g.S + s) * 2] = a;
+            part[(ch * g.S + s) * 2 + 1] = b;
+        }
+    }
+}
+
+// dx = k0·g' − k1·(Σg' + x̂·Σg'x̂) with coef (bn_bwd_finalize) [k0, k1, Σg', Σg'x̂, mean, invstd];
+// the residual's gradient is g'.
+__device__ __forceinline__ float bn_dx(const float* k, float gg, float xv) {
+    float xh = (xv - k[4]) * k[5];
+    return k[0] * gg - k[1] * (k[2] + xh * k[3]);
+}
+
+template <typename T, int V>
+__device__ void bn_bwd_dx_nhwc(BnGeo g, const T* gr, const T* x, const T* y, const float* coef,
+                               T* dx, T* dres) {
+    u64 packs = g.n * g.sp * g.c / V;
+    for (u64 p = global_tid(); p < packs; p += global_stride()) {
+        u64 e = p * V, c0 = e % g.c;
+        Vec<T, V> gv = *(const Vec<T, V>*)(gr + e), xv = *(const Vec<T, V>*)(x + e), yv, o, rr;
+        if (g.relu) yv = *(const Vec<T, V>*)(y + e);
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            float gg = g.relu ? masked(g, gv.v[k], yv.v[k]) : Num<T>::to(gv.v[k]);
+            o.v[k] = Num<T>::from(bn_dx(coef + 6 * (c0 + k), gg, Num<T>::to(xv.v[k])));
+            rr.v[k] = Num<T>::from(gg);
+        }
+        *(Vec<T, V>*)(dx + e) = o;
+        if (g.has_res) *(Vec<T, V>*)(dres + e) = rr;
+    }
+}
+
+template <typename T>
+__device__ void bn_bwd_dx_nchw(BnGeo g, const T* gr, const T* x, const T* y, const float* coef,
+                               T* dx, T* dres) {
+    per_channel_map(g.n * g.c, g.c, g.sp, gr, dx, [&](float gv, unsigned ch, u64 at) {
+        float gg = g.relu && !(Num<T>::to(y[at]) > 0.f) ? 0.f : gv;
+        if (g.has_res) dres[at] = Num<T>::from(gg);
+        return bn_dx(coef + 6 * ch, gg, Num<T>::to(x[at]));
+    });
+}
+
+// V = 16-byte packs when the channel count allows, else single values.
+#define BN_FUSED(NAME, T)                                                                          \
+    extern "C" __global__ void __launch_bounds__(BN_RED_THREADS)                                   \
+        bn_stats_nhwc_##NAME(BnGeo g, const T* x, float* part, float* shift) {                    \
+        if (g.c % Pack<T>::N == 0) bn_stats_nhwc<T, Pack<T>::N>(g, x, part, shift);                \
+        else bn_stats_nhwc<T, 1>(g, x, part, shift);                                               \
+    }                                                                                              \
+    extern "C" __global__ void bn_stats_nchw_##NAME(BnGeo g, const T* x, float* part, float* shift) { \
+        bn_stats_nchw<T>(g, x, part, shift);                                                       \
+    }                                                                                              \
+    extern "C" __global__ void bn_apply_nhwc_##NAME(BnGeo g, const T* x, const T* r,               \
+                                                    const float* coef, T* y) {                     \
+        if (g.c % Pack<T>::N == 0) bn_apply_nhwc<T, Pack<T>::N>(g, x, r, coef, y);                 \
+        else bn_apply_nhwc<T, 1>(g, x, r, coef, y);                                                \
+    }                                                                                              \
+    extern "C" __global__ void bn_apply_nchw_##NAME(BnGeo g, const T* x, const T* r,               \
+                                                    const float* coef, T* y) {                     \
+        bn_apply_nchw<T>(g, x, r, coef, y);                                                        \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BN_RED_THREADS)                                   \
+        bn_bwd_reduce_nhwc_##NAME(BnGeo g, const T* gr, const T* x, const T* y,                    \
+                                  const float* mean, float* part) {                                \
+        if (g.c % Pack<T>::N == 0) bn_bwd_reduce_nhwc<T, Pack<T>::N>(g, gr, x, y, mean, part);     \
+        else bn_bwd_reduce_nhwc<T, 1>(g, gr, x, y, mean, part);                                    \
+    }                                                                                              \
+    extern "C" __global__ void bn_bwd_reduce_nchw_##NAME(BnGeo g, const T* gr, const T* x,         \
+                                                         const T* y, const float* mean, float* part) { \
+        bn_bwd_reduce_nchw<T>(g, gr, x, y, mean, part);                                            \
+    }                                                                                              \
+    extern "C" __global__ void bn_bwd_dx_nhwc_##NAME(BnGeo g, const T* gr, const T* x, const T* y, \
+                                                     const float* coef, T* dx, T* dres) {          \
+        if (g.c % Pack<T>::N == 0) bn_bwd_dx_nhwc<T, Pack<T>::N>(g, gr, x, y, coef, dx, dres);     \
+        else bn_bwd_dx_nhwc<T, 1>(g, gr, x, y, coef, dx, dres);                                    \
+    }                                                                                              \
+    extern "C" __global__ void bn_bwd_dx_nchw_##NAME(BnGeo g, const T* gr, const T* x, const T* y, \
+                                                     const float* coef, T* dx, T* dres) {          \
+        bn_bwd_dx_nchw<T>(g, gr, x, y, coef, dx, dres);                                            \
+    }
+BN_FUSED(f16, f16)
+BN_FUSED(bf16, bf16)
+BN_FUSED(f32, float)

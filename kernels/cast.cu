@@ -17,7 +17,9 @@ template <typename S, typename D>
 __device__ void cast_impl(u64 n, const S* __restrict__ x, D* __restrict__ y) {
     // 8 elements per step through aligned aggregate loads/stores (vector instructions).
     const int N = 8;
-    u64 nv = n / N;
+    // Views at an offset may not be aligned for the aggregate access: then all scalar.
+    bool ok = ((u64)x % sizeof(Arr<S, N>)) == 0 && ((u64)y % sizeof(Arr<D, N>)) == 0;
+    u64 nv = ok ? n / N : 0;
     const Arr<S, N>* xv = (const Arr<S, N>*)x;
     Arr<D, N>* yv = (Arr<D, N>*)y;
     for (u64 i = global_tid(); i < nv; i += global_stride()) {

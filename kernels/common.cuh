@@ -89,7 +89,8 @@ template <typename A> __device__ __forceinline__ A inf_of();
 template <> __device__ __forceinline__ float inf_of<float>() { return __int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double inf_of<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
 
-// Up to 8 dimensions of index space with per-dimension strides (in elements), passed by value.
+// Up to 8 dimensions of index space with two per-dimension stride vectors (in elements), passed by
+// value: the two operands of a binary op, or the source and destination of a strided copy.
 #define MAX_DIMS 8
 struct Strided {
     i64 rank;
@@ -98,12 +99,19 @@ struct Strided {
     i64 sb[MAX_DIMS];
 };
 
-// Applies `f` to every element of a contiguous buffer: 16-byte packs, then a scalar tail.
+// Whether every pointer is 16-byte aligned: views at an offset may not be, and then the packed
+// loops would fault. The answer is the same for every thread of a launch.
+__device__ __forceinline__ bool aligned16(const void* a, const void* b = 0, const void* c = 0) {
+    return ((((u64)a) | ((u64)b) | ((u64)c)) & 15) == 0;
+}
+
+// Applies `f` to every element of a contiguous span: 16-byte packs, then a scalar tail (all
+// scalar when a pointer is not 16-byte aligned).
 template <typename T, typename F>
 __device__ __forceinline__ void map_contig(u64 n, const T* __restrict__ x, T* __restrict__ y, F f) {
     typedef typename Pack<T>::type P;
     const int N = Pack<T>::N;
-    u64 nv = n / N;
+    u64 nv = aligned16(x, y) ? n / N : 0;
     const P* xv = (const P*)x;
     P* yv = (P*)y;
     for (u64 i = global_tid(); i < nv; i += global_stride()) {
@@ -120,7 +128,7 @@ __device__ __forceinline__ void map2_contig(u64 n, const T* __restrict__ a, cons
                                             T* __restrict__ y, F f) {
     typedef typename Pack<T>::type P;
     const int N = Pack<T>::N;
-    u64 nv = n / N;
+    u64 nv = aligned16(a, b, y) ? n / N : 0;
     const P* av = (const P*)a;
     const P* bv = (const P*)b;
     P* yv = (P*)y;

@@ -1,20 +1,22 @@
-// layout.cu: data movement by element size (2, 4 or 8 bytes): strided copy (broadcast_to,
-// permute) and 2-D block copy (narrow, cat).
+// layout.cu: data movement by element size (2, 4 or 8 bytes): the strided copy every view
+// materialises through, and the 2-D block copy of cat.
 
 typedef unsigned short e2;
 typedef unsigned int e4;
 typedef u64 e8;
 
-// out[i] = x[Σ_d coord_d(i) · sa[d]] over the index space `dims` (row-major).
+// y[Σ_d coord_d(i) · sb[d]] = x[Σ_d coord_d(i) · sa[d]] for every index i of the space `dims`.
 #define LAYOUT(N, T)                                                                               \
     extern "C" __global__ void strided_copy_##N(u64 n, const T* x, T* y, Strided s) {              \
         for (u64 i = global_tid(); i < n; i += global_stride()) {                                  \
-            u64 rem = i, off = 0;                                                                  \
+            u64 rem = i, src = 0, dst = 0;                                                         \
             for (int d = (int)s.rank - 1; d >= 0; d--) {                                           \
-                off += (rem % (u64)s.dims[d]) * s.sa[d];                                           \
+                u64 c = rem % (u64)s.dims[d];                                                      \
                 rem /= (u64)s.dims[d];                                                             \
+                src += c * s.sa[d];                                                                \
+                dst += c * s.sb[d];                                                                \
             }                                                                                      \
-            y[i] = x[off];                                                                         \
+            y[dst] = x[src];                                                                       \
         }                                                                                          \
     }                                                                                              \
     /* rows × cols elements: dst[r·dpitch + dofs + c] = src[r·spitch + sofs + c] */                \

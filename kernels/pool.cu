@@ -1,17 +1,47 @@
-// pool.cu: max / average / adaptive-average 2-D pooling over NCHW, forward and backward.
-// Backward passes are gathers (each input cell sums the windows that contain it): deterministic,
-// no atomics, every element written.
+// pool.cu: max / average / adaptive-average 2-D pooling over NCHW or NHWC, forward and
+// backward. Backward passes are gathers (each input cell sums the windows that contain it):
+// deterministic, no atomics, every element written. Threads walk the buffers in memory order
+// (channels innermost in NHWC), so loads and stores coalesce in both formats; max pooling's
+// argmax is the flat h·w index in the plane either way.
 
 struct PoolP {
-    i64 n, c, h, w, kh, kw, sh, sw, ph, pw, oh, ow, count_include_pad;
+    i64 n, c, h, w, kh, kw, sh, sw, ph, pw, oh, ow, count_include_pad, nhwc;
 };
+
+// A cell of a [n, c, rows, cols] tensor, from its position k in memory order: the plane (n·c +
+// c in NCHW; n in NHWC, with the channel apart) and the row and column.
+struct Cell {
+    i64 plane, ch, r, col;
+};
+__device__ __forceinline__ Cell cell_of(const PoolP& p, u64 k, i64 rows, i64 cols) {
+    Cell q;
+    if (p.nhwc) {
+        q.ch = k % p.c;
+        u64 rest = k / p.c;
+        q.col = rest % cols;
+        q.r = (rest / cols) % rows;
+        q.plane = rest / (cols * rows);
+    } else {
+        q.ch = 0;
+        q.col = k % cols;
+        q.r = (k / cols) % rows;
+        q.plane = k / (cols * rows);
+    }
+    return q;
+}
+// The memory position of (plane, ch, r, col) in a tensor of rows × cols planes.
+__device__ __forceinline__ u64 at_of(const PoolP& p, i64 plane, i64 ch, i64 r, i64 col, i64 rows,
+                                     i64 cols) {
+    return p.nhwc ? ((u64)(plane * rows + r) * cols + col) * p.c + ch
+                  : (u64)(plane * rows + r) * cols + col;
+}
 
 template <typename T> __device__ void max_fwd(PoolP p, const T* x, T* y, i64* arg) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.oh * p.ow);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        i64 ow = k % p.ow, oh = (k / p.ow) % p.oh, nc = k / (p.ow * p.oh);
-        const T* plane = x + nc * p.h * p.w;
+        Cell o = cell_of(p, k, p.oh, p.ow);
+        i64 oh = o.r, ow = o.col;
         A best = -inf_of<A>();
         i64 bi = -1;
         for (i64 i = 0; i < p.kh; i++) {
@@ -20,7 +50,7 @@ template <typename T> __device__ void max_fwd(PoolP p, const T* x, T* y, i64* ar
             for (i64 j = 0; j < p.kw; j++) {
                 i64 iw = ow * p.sw - p.pw + j;
                 if (iw < 0 || iw >= p.w) continue;
-                A v = Num<T>::to(plane[ih * p.w + iw]);
+                A v = Num<T>::to(x[at_of(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
                 if (bi < 0 || v > best || (is_nan(v) && !is_nan(best))) { best = v; bi = ih * p.w + iw; }
             }
         }
@@ -47,14 +77,15 @@ template <typename T> __device__ void max_bwd(PoolP p, const T* g, const i64* ar
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.h * p.w);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        i64 iw = k % p.w, ih = (k / p.w) % p.h, nc = k / (p.w * p.h);
+        Cell q = cell_of(p, k, p.h, p.w);
+        i64 ih = q.r, iw = q.col;
         i64 oh0, oh1, ow0, ow1;
         covering(p, ih, iw, oh0, oh1, ow0, ow1);
         A s = 0;
         i64 me = ih * p.w + iw;
         for (i64 oh = oh0; oh <= oh1; oh++)
             for (i64 ow = ow0; ow <= ow1; ow++) {
-                u64 o = (nc * p.oh + oh) * p.ow + ow;
+                u64 o = at_of(p, q.plane, q.ch, oh, ow, p.oh, p.ow);
                 if (arg[o] == me) s += Num<T>::to(g[o]);
             }
         dx[k] = Num<T>::from(s);
@@ -80,8 +111,8 @@ template <typename T> __device__ void avg_fwd(PoolP p, const T* x, T* y) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.oh * p.ow);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        i64 ow = k % p.ow, oh = (k / p.ow) % p.oh, nc = k / (p.ow * p.oh);
-        const T* plane = x + nc * p.h * p.w;
+        Cell o = cell_of(p, k, p.oh, p.ow);
+        i64 oh = o.r, ow = o.col;
         A s = 0;
         for (i64 i = 0; i < p.kh; i++) {
             i64 ih = oh * p.sh - p.ph + i;
@@ -89,7 +120,7 @@ template <typename T> __device__ void avg_fwd(PoolP p, const T* x, T* y) {
             for (i64 j = 0; j < p.kw; j++) {
                 i64 iw = ow * p.sw - p.pw + j;
                 if (iw < 0 || iw >= p.w) continue;
-                s += Num<T>::to(plane[ih * p.w + iw]);
+                s += Num<T>::to(x[at_of(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
             }
         }
         i64 d = avg_div(p, oh, ow);
@@ -101,14 +132,15 @@ template <typename T> __device__ void avg_bwd(PoolP p, const T* g, T* dx) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.h * p.w);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        i64 iw = k % p.w, ih = (k / p.w) % p.h, nc = k / (p.w * p.h);
+        Cell q = cell_of(p, k, p.h, p.w);
+        i64 ih = q.r, iw = q.col;
         i64 oh0, oh1, ow0, ow1;
         covering(p, ih, iw, oh0, oh1, ow0, ow1);
         A s = 0;
         for (i64 oh = oh0; oh <= oh1; oh++)
             for (i64 ow = ow0; ow <= ow1; ow++) {
                 i64 d = avg_div(p, oh, ow);
-                if (d > 0) s += Num<T>::to(g[(nc * p.oh + oh) * p.ow + ow]) / (A)d;
+                if (d > 0) s += Num<T>::to(g[at_of(p, q.plane, q.ch, oh, ow, p.oh, p.ow)]) / (A)d;
             }
         dx[k] = Num<T>::from(s);
     }
@@ -122,13 +154,13 @@ template <typename T> __device__ void adaptive_fwd(PoolP p, const T* x, T* y) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.oh * p.ow);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        i64 ow = k % p.ow, oh = (k / p.ow) % p.oh, nc = k / (p.ow * p.oh);
-        const T* plane = x + nc * p.h * p.w;
+        Cell o = cell_of(p, k, p.oh, p.ow);
+        i64 oh = o.r, ow = o.col;
         i64 h0 = ad_start(oh, p.h, p.oh), h1 = ad_end(oh, p.h, p.oh);
         i64 w0 = ad_start(ow, p.w, p.ow), w1 = ad_end(ow, p.w, p.ow);
         A s = 0;
         for (i64 ih = h0; ih < h1; ih++)
-            for (i64 iw = w0; iw < w1; iw++) s += Num<T>::to(plane[ih * p.w + iw]);
+            for (i64 iw = w0; iw < w1; iw++) s += Num<T>::to(x[at_of(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
         i64 d = (h1 - h0) * (w1 - w0);
         y[k] = Num<T>::from(d > 0 ? s / (A)d : (A)0);
     }
@@ -138,7 +170,8 @@ template <typename T> __device__ void adaptive_bwd(PoolP p, const T* g, T* dx) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.h * p.w);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        i64 iw = k % p.w, ih = (k / p.w) % p.h, nc = k / (p.w * p.h);
+        Cell q = cell_of(p, k, p.h, p.w);
+        i64 ih = q.r, iw = q.col;
         A s = 0;
         for (i64 oh = 0; oh < p.oh; oh++) {
             i64 h0 = ad_start(oh, p.h, p.oh), h1 = ad_end(oh, p.h, p.oh);
@@ -146,7 +179,7 @@ template <typename T> __device__ void adaptive_bwd(PoolP p, const T* g, T* dx) {
             for (i64 ow = 0; ow < p.ow; ow++) {
                 i64 w0 = ad_start(ow, p.w, p.ow), w1 = ad_end(ow, p.w, p.ow);
                 if (iw < w0 || iw >= w1) continue;
-                s += Num<T>::to(g[(nc * p.oh + oh) * p.ow + ow]) / (A)((h1 - h0) * (w1 - w0));
+                s += Num<T>::to(g[at_of(p, q.plane, q.ch, oh, ow, p.oh, p.ow)]) / (A)((h1 - h0) * (w1 - w0));
             }
         }
         dx[k] = Num<T>::from(s);

@@ -18,4 +18,4 @@ pub mod train;
 pub use autograd::{no_grad, with_no_grad};
 pub use error::{Error, Mismatch, Result};
 pub use tensor::{BatchNormConfig, Conv2dConfig};
-pub use tensor::{DType, Device, Shape, Tensor, TensorId, WithDType};
+pub use tensor::{DType, Device, Layout, MemoryFormat, Shape, Tensor, TensorId, WithDType};

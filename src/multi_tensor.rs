@@ -122,6 +122,40 @@ pub fn apply(
                     expected: "F32, F16 or BF16 tensors in the lists",
                 });
             }
+            // The kernels walk whole buffers element by element: each tensor must be all of its
+            // buffer, and a row's tensors in one order (a channels_last weight, its gradient and
+            // state all channels_last).
+            let l = t.layout();
+            if l.offset() != 0 || !l.is_dense() || t.storage().len() != l.elem_count() {
+                return Err(Error::invalid_arg(
+                    op,
+                    "tensor lists",
+                    format!(
+                        "tensor {i}: list {k} is a view (shape {:?}, strides {:?}, offset {})",
+                        t.dims(),
+                        l.strides(),
+                        l.offset()
+                    ),
+                    "tensors that are their whole buffer",
+                ));
+            }
+            if let Some(first) = r.bufs.iter().flatten().next() {
+                if first.elem_count() == t.elem_count()
+                    && first.layout().strides() != l.strides()
+                    && t.elem_count() > 1
+                {
+                    return Err(Error::invalid_arg(
+                        op,
+                        "tensor lists",
+                        format!(
+                            "tensor {i}: list {k} has strides {:?}, the row's first {:?}",
+                            l.strides(),
+                            first.layout().strides()
+                        ),
+                        "one memory layout per row (a parameter, its gradient and its state)",
+                    ));
+                }
+            }
             match n {
                 None => n = Some(t.elem_count()),
                 Some(n) if n != t.elem_count() => {
@@ -220,6 +254,10 @@ pub fn apply(
     match dev {
         Device::Cpu => CpuMultiTensor.multi_tensor(kernel, &entries, &scalars),
         Device::Cuda(i) => {
+            let _t =
+                crate::backend::cuda::OpTimer::start(&crate::backend::cuda::device(i)?, op, || {
+                    format!("{} tensors", entries.len())
+                });
             crate::backend::cuda::CudaMultiTensor::new(i)?.multi_tensor(kernel, &entries, &scalars)
         }
     }

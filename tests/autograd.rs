@@ -15,15 +15,57 @@ fn gradients_accumulate_until_zero_grad() {
     assert_vals(&x.grad().unwrap(), &[2.0, 4.0, 6.0]);
     loss(&x).backward().unwrap();
     assert_vals(&x.grad().unwrap(), &[4.0, 8.0, 12.0]);
-    // The same graph walked twice adds twice too.
+    // The same graph walked twice (retained the first time) adds twice too.
     let l = x.mul_scalar(3.0).unwrap().sum_all().unwrap();
-    l.backward().unwrap();
+    l.backward_retain_graph().unwrap();
     l.backward().unwrap();
     assert_vals(&x.grad().unwrap(), &[10.0, 14.0, 18.0]);
     x.zero_grad();
     assert!(x.grad().is_none());
     loss(&x).backward().unwrap();
     assert_vals(&x.grad().unwrap(), &[2.0, 4.0, 6.0]);
+}
+
+#[test]
+fn backward_releases_saved_tensors_unless_retained() {
+    let x = t64(&[1.0, 2.0, 3.0], &[3]).to_variable();
+    // The first walk released what the nodes saved (sqr its input): nothing to walk again.
+    let l = x.sqr().unwrap().sum_all().unwrap();
+    l.backward().unwrap();
+    let e = l.backward().unwrap_err();
+    assert!(matches!(e, Error::Backward(_)), "{e}");
+    let msg = format!("{e}");
+    assert!(
+        msg.contains("second time") && msg.contains("retain"),
+        "{msg}"
+    );
+    // The failed walk added nothing.
+    assert_vals(&x.grad().unwrap(), &[2.0, 4.0, 6.0]);
+    // Retained, it can be walked again, and released by the last walk.
+    x.zero_grad();
+    let l = x.sqr().unwrap().sum_all().unwrap();
+    l.backward_retain_graph().unwrap();
+    l.backward().unwrap();
+    assert_vals(&x.grad().unwrap(), &[4.0, 8.0, 12.0]);
+    assert!(l.backward().is_err());
+}
+
+#[test]
+fn the_graph_keeps_only_what_backward_reads() {
+    // relu saves its output and add saves nothing, so the buffer of `h` (the product) is
+    // freed with the last user handle, however long the graph lives.
+    let w = t64(&[1.0, -2.0, 3.0], &[3]).to_variable();
+    let h = w.mul_scalar(2.0).unwrap();
+    let probe = h.detach();
+    let y = h.add(&w).unwrap().relu().unwrap().sum_all().unwrap();
+    drop(h);
+    assert_eq!(
+        probe.storage_handle_count(),
+        1,
+        "the graph holds an intermediate nobody's backward reads"
+    );
+    y.backward().unwrap();
+    assert_vals(&w.grad().unwrap(), &[3.0, 0.0, 3.0]);
 }
 
 #[test]
@@ -204,7 +246,7 @@ fn gradient_dtype_is_the_variables() {
             .sum_all()
             .unwrap();
         assert_eq!(y.dtype(), DType::F32);
-        y.backward().unwrap();
+        y.backward_retain_graph().unwrap();
         let g = x.grad().unwrap();
         assert_eq!(g.dtype(), dt, "grad of a {dt} variable");
         assert_eq!(g.dims(), [2, 3]);

@@ -12,8 +12,28 @@ use mixprec::backend::{
     AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
     Pool2dParams, ReduceOp, UnaryOp,
 };
-use mixprec::tensor::random;
+use mixprec::tensor::{random, Layout, MemoryFormat};
 use mixprec::{DType, Device, Shape, Tensor};
+
+/// The whole buffer as one contiguous dimension.
+fn whole<S: BackendStorage>(s: &S) -> Layout {
+    Layout::contiguous(Shape::new(vec![s.len()]))
+}
+
+/// A contiguous layout of `dims`.
+fn lay(dims: &[usize]) -> Layout {
+    Layout::contiguous(Shape::new(dims.to_vec()))
+}
+
+/// The buffer converted to `d` (whole).
+fn cast<S: BackendStorage>(s: &S, d: DType) -> S {
+    s.to_dtype(&whole(s), d).unwrap()
+}
+
+/// `s·mul + add` (whole).
+fn scale<S: BackendStorage>(s: &S, mul: f64, add: f64) -> S {
+    s.affine(&whole(s), mul, add).unwrap()
+}
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
@@ -63,7 +83,7 @@ fn randn(n: usize, d: DType) -> CpuStorage {
         .into_iter()
         .map(|x| x as f32)
         .collect();
-    CpuStorage::F32(v).to_dtype(d).unwrap()
+    cast(&CpuStorage::F32(v), d)
 }
 
 /// Positive inputs in [lo, hi).
@@ -72,7 +92,7 @@ fn randu(n: usize, lo: f64, hi: f64, d: DType) -> CpuStorage {
         .into_iter()
         .map(|x| x as f32)
         .collect();
-    CpuStorage::F32(v).to_dtype(d).unwrap()
+    cast(&CpuStorage::F32(v), d)
 }
 
 fn randi(n: usize, below: usize) -> CpuStorage {
@@ -202,9 +222,10 @@ fn round_trip_and_fill() {
     gpu();
     for d in [DType::F16, DType::BF16, DType::F32, DType::F64, DType::I64] {
         for n in [0, 1, 7, 4099] {
-            let c = CpuStorage::F32((0..n).map(|i| i as f32 * 0.37 - 5.0).collect())
-                .to_dtype(d)
-                .unwrap();
+            let c = cast(
+                &CpuStorage::F32((0..n).map(|i| i as f32 * 0.37 - 5.0).collect()),
+                d,
+            );
             check_exact(&format!("round trip {d} {n}"), &up(&c), &c);
             let f = CudaStorage::full(0, d, n, 0.3).unwrap();
             check_exact(&format!("full {d} {n}"), &f, &CpuStorage::full(d, n, 0.3));
@@ -225,13 +246,12 @@ fn cast_every_pair() {
                 let x = if src == DType::I64 {
                     randi(n, 1000)
                 } else {
-                    let v = randn(n, DType::F32).to_dtype(DType::F32).unwrap();
+                    let v = randn(n, DType::F32);
                     // Spread values over a wide range so i64 truncation is exercised.
-                    let v = v.affine(100.0, 0.0).unwrap();
-                    v.to_dtype(src).unwrap()
+                    cast(&scale(&v, 100.0, 0.0), src)
                 };
-                let want = x.to_dtype(dst).unwrap();
-                let got = up(&x).to_dtype(dst).unwrap();
+                let want = cast(&x, dst);
+                let got = cast(&up(&x), dst);
                 // Single-rounding paths are bit-exact; f64 → bf16 may double-round by one ulp.
                 check(
                     &format!("cast {src}->{dst} n={n}"),
@@ -266,27 +286,27 @@ fn unary_affine_powf() {
                     UnaryOp::Log | UnaryOp::Sqrt => randu(n, 0.1, 4.0, d),
                     _ => randn(n, d),
                 };
-                let got = up(&x).unary(op).unwrap();
+                let got = up(&x).unary(&whole(&x), op).unwrap();
                 check(
                     &format!("{} {d} n={n}", op.name()),
                     &got,
-                    &x.unary(op).unwrap(),
+                    &x.unary(&whole(&x), op).unwrap(),
                     tol(d),
                 );
             }
             let x = randn(n, d);
             check(
                 &format!("affine {d}"),
-                &up(&x).affine(0.75, -1.25).unwrap(),
-                &x.affine(0.75, -1.25).unwrap(),
+                &scale(&up(&x), 0.75, -1.25),
+                &scale(&x, 0.75, -1.25),
                 tol(d),
             );
             let x = randu(n, 0.1, 3.0, d);
             for e in [2.5, -1.5, 0.5] {
                 check(
                     &format!("powf {e} {d}"),
-                    &up(&x).powf(e).unwrap(),
-                    &x.powf(e).unwrap(),
+                    &up(&x).powf(&whole(&x), e).unwrap(),
+                    &x.powf(&whole(&x), e).unwrap(),
                     tol(d) * 4.0,
                 );
             }
@@ -322,9 +342,14 @@ fn binary_same_shape_and_broadcast() {
             let a = randn(sa.elem_count(), d);
             // Keep divisors away from zero.
             let b = randu(sb.elem_count(), 0.5, 2.0, d);
+            let (la, lb) = (
+                Layout::contiguous(sa.clone()).expand(&out),
+                Layout::contiguous(sb.clone()).expand(&out),
+            );
+            let lo = Layout::contiguous(out.clone());
             for op in ops {
-                let want = a.binary(&b, op, &sa, &sb, &out).unwrap();
-                let got = up(&a).binary(&up(&b), op, &sa, &sb, &out).unwrap();
+                let want = a.binary(&la, &b, &lb, op, &lo).unwrap();
+                let got = up(&a).binary(&la, &up(&b), &lb, op, &lo).unwrap();
                 check(
                     &format!("{} {d} {sa:?} {sb:?}", op.name()),
                     &got,
@@ -345,8 +370,10 @@ fn relu_backward_and_broadcast_to() {
         let (g, x) = (randn(n, d), randn(n, d));
         check(
             &format!("relu_backward {d}"),
-            &up(&g).relu_backward(&up(&x)).unwrap(),
-            &g.relu_backward(&x).unwrap(),
+            &up(&g)
+                .relu_backward(&whole(&g), &up(&x), &whole(&x))
+                .unwrap(),
+            &g.relu_backward(&whole(&g), &x, &whole(&x)).unwrap(),
             tol(d),
         );
         for (s, t) in [
@@ -356,10 +383,11 @@ fn relu_backward_and_broadcast_to() {
         ] {
             let (s, t) = (Shape::new(s), Shape::new(t));
             let x = randn(s.elem_count(), d);
+            let (src, dst) = (Layout::contiguous(s).expand(&t), Layout::contiguous(t));
             check_exact(
-                &format!("broadcast_to {d}"),
-                &up(&x).broadcast_to(&s, &t).unwrap(),
-                &x.broadcast_to(&s, &t).unwrap(),
+                &format!("broadcast (strided copy) {d}"),
+                &up(&x).copy_strided(&src, &dst).unwrap(),
+                &x.copy_strided(&src, &dst).unwrap(),
             );
         }
     }
@@ -383,8 +411,9 @@ fn reduce_sum_max_min() {
         for split in splits {
             let x = randn(split.0 * split.1 * split.2, d);
             for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
-                let want = x.reduce(op, split).unwrap();
-                let got = up(&x).reduce(op, split).unwrap();
+                let l = lay(&[split.0, split.1, split.2]);
+                let want = x.reduce(&l, op, 1).unwrap();
+                let got = up(&x).reduce(&l, op, 1).unwrap();
                 // Sums of n normals: the f32 accumulation order differs, the rounding once.
                 // (The CPU's sequential f32 sum of 10^6 terms is itself off by ~1e-5.)
                 let b = if op == ReduceOp::Sum {
@@ -405,8 +434,9 @@ fn argmax_first_maximum() {
     for d in DTYPES {
         for split in [(64, 1000, 1), (8, 10, 37), (1, 100_000, 1)] {
             let x = randn(split.0 * split.1 * split.2, d);
-            let got = up(&x).argmax(split).unwrap().to_cpu().unwrap();
-            let want = x.argmax(split).unwrap();
+            let l = lay(&[split.0, split.1, split.2]);
+            let got = up(&x).argmax(&l, 1).unwrap().to_cpu().unwrap();
+            let want = x.argmax(&l, 1).unwrap();
             if d == DType::F32 {
                 assert_eq!(got, want, "argmax {d} {split:?}");
             } else {
@@ -432,39 +462,40 @@ fn gather_and_scatter_add() {
         for (outer, len, inner, idx_len) in [(128, 10, 1, 1), (4, 7, 33, 11), (2, 3, 1000, 50)] {
             let x = randn(outer * len * inner, d);
             let idx = randi(outer * idx_len * inner, len);
+            let (lx, li) = (lay(&[outer, len, inner]), lay(&[outer, idx_len, inner]));
             check_exact(
                 &format!("gather {d}"),
-                &up(&x)
-                    .gather(&up(&idx), (outer, len, inner), idx_len)
-                    .unwrap(),
-                &x.gather(&idx, (outer, len, inner), idx_len).unwrap(),
+                &up(&x).gather(&lx, &up(&idx), &li, 1).unwrap(),
+                &x.gather(&lx, &idx, &li, 1).unwrap(),
             );
             let g = randn(outer * idx_len * inner, d);
+            let out = Shape::new(vec![outer, len, inner]);
             check(
                 &format!("scatter_add {d}"),
-                &up(&g)
-                    .scatter_add(&up(&idx), (outer, len, inner), idx_len)
-                    .unwrap(),
-                &g.scatter_add(&idx, (outer, len, inner), idx_len).unwrap(),
+                &up(&g).scatter_add(&li, &up(&idx), &li, 1, &out).unwrap(),
+                &g.scatter_add(&li, &idx, &li, 1, &out).unwrap(),
                 tol(d),
             );
         }
         // Out-of-range indices are an error, not a crash: reported at the next read from the
         // device (index ops themselves never synchronise), and only once.
         let x = randn(20, d);
+        let (lx, li) = (lay(&[2, 10, 1]), lay(&[2, 2, 1]));
         let bad = CpuStorage::I64(vec![0, 3, 10, 1]);
-        let y = up(&x).gather(&up(&bad), (2, 10, 1), 2).unwrap();
+        let y = up(&x).gather(&lx, &up(&bad), &li, 1).unwrap();
         assert!(y.to_cpu().is_err());
         assert!(y.to_cpu().is_ok(), "the flag is cleared once reported");
         let g = randn(4, d);
-        let y = up(&g).scatter_add(&up(&bad), (2, 10, 1), 2).unwrap();
+        let y = up(&g)
+            .scatter_add(&li, &up(&bad), &li, 1, &Shape::new(vec![2, 10, 1]))
+            .unwrap();
         assert!(y.to_cpu().is_err());
         let neg = CpuStorage::I64(vec![0, -1, 2, 1]);
-        let y = up(&x).gather(&up(&neg), (2, 10, 1), 2).unwrap();
+        let y = up(&x).gather(&lx, &up(&neg), &li, 1).unwrap();
         assert!(y.to_cpu().is_err());
         let good = CpuStorage::I64(vec![0, 3, 9, 1]);
         assert!(up(&x)
-            .gather(&up(&good), (2, 10, 1), 2)
+            .gather(&lx, &up(&good), &li, 1)
             .unwrap()
             .to_cpu()
             .is_ok());
@@ -474,8 +505,11 @@ fn gather_and_scatter_add() {
     let idx = randi(20, 10);
     check_exact(
         "gather i64",
-        &up(&x).gather(&up(&idx), (5, 10, 1), 4).unwrap(),
-        &x.gather(&idx, (5, 10, 1), 4).unwrap(),
+        &up(&x)
+            .gather(&lay(&[5, 10, 1]), &up(&idx), &lay(&[5, 4, 1]), 1)
+            .unwrap(),
+        &x.gather(&lay(&[5, 10, 1]), &idx, &lay(&[5, 4, 1]), 1)
+            .unwrap(),
     );
 }
 
@@ -483,7 +517,7 @@ fn gather_and_scatter_add() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn permute_narrow_cat() {
+fn strided_copies_and_cat() {
     gpu();
     for d in [DType::F32, DType::F16, DType::BF16, DType::F64, DType::I64] {
         let mk = |n: usize| {
@@ -501,30 +535,58 @@ fn permute_narrow_cat() {
         ] {
             let s = Shape::new(dims);
             let x = mk(s.elem_count());
+            // A permuted view copied to row-major, and row-major copied into a permuted order.
+            let src = Layout::contiguous(s.clone()).permute(&perm);
+            let dst = Layout::contiguous(src.shape().clone());
             check_exact(
                 &format!("permute {d} {s:?} {perm:?}"),
-                &up(&x).permute(&s, &perm).unwrap(),
-                &x.permute(&s, &perm).unwrap(),
+                &up(&x).copy_strided(&src, &dst).unwrap(),
+                &x.copy_strided(&src, &dst).unwrap(),
+            );
+            let scattered = Layout::contiguous(s.clone()).permute(&perm).dense_like();
+            check_exact(
+                &format!("copy into permuted order {d} {s:?} {perm:?}"),
+                &up(&x).copy_strided(&dst, &scattered).unwrap(),
+                &x.copy_strided(&dst, &scattered).unwrap(),
             );
         }
         let x = mk(6 * 10 * 7);
         for (start, count) in [(0, 10), (3, 4), (9, 1), (5, 0)] {
+            let src = lay(&[6, 10, 7]).narrow(1, start, count);
+            let dst = lay(&[6, count, 7]);
             check_exact(
                 &format!("narrow {d} {start} {count}"),
-                &up(&x).narrow((6, 10, 7), start, count).unwrap(),
-                &x.narrow((6, 10, 7), start, count).unwrap(),
+                &up(&x).copy_strided(&src, &dst).unwrap(),
+                &x.copy_strided(&src, &dst).unwrap(),
             );
         }
-        assert!(up(&x).narrow((6, 10, 7), 8, 3).is_err());
+        // NCHW <-> NHWC.
+        let s = Shape::new(vec![3, 5, 4, 6]);
+        let x = mk(s.elem_count());
+        let (c, cl) = (
+            Layout::contiguous(s.clone()),
+            Layout::with_format(s.clone(), MemoryFormat::ChannelsLast),
+        );
+        check_exact(
+            &format!("to channels_last {d}"),
+            &up(&x).copy_strided(&c, &cl).unwrap(),
+            &x.copy_strided(&c, &cl).unwrap(),
+        );
+        check_exact(
+            &format!("from channels_last {d}"),
+            &up(&x).copy_strided(&cl, &c).unwrap(),
+            &x.copy_strided(&cl, &c).unwrap(),
+        );
         let lens = [3usize, 1, 5];
         let parts: Vec<CpuStorage> = lens.iter().map(|&l| mk(4 * l * 9)).collect();
         let gparts: Vec<CudaStorage> = parts.iter().map(up).collect();
-        let cref: Vec<&CpuStorage> = parts.iter().collect();
-        let gref: Vec<&CudaStorage> = gparts.iter().collect();
+        let layouts: Vec<Layout> = lens.iter().map(|&l| lay(&[4, l, 9])).collect();
+        let cref: Vec<(&CpuStorage, &Layout)> = parts.iter().zip(&layouts).collect();
+        let gref: Vec<(&CudaStorage, &Layout)> = gparts.iter().zip(&layouts).collect();
         check_exact(
             &format!("cat {d}"),
-            &CudaStorage::cat(&gref, 4, &lens, 9).unwrap(),
-            &CpuStorage::cat(&cref, 4, &lens, 9).unwrap(),
+            &CudaStorage::cat(&gref, 1).unwrap(),
+            &CpuStorage::cat(&cref, 1).unwrap(),
         );
     }
 }
@@ -558,8 +620,10 @@ fn matmul_all_layouts() {
                         };
                         let a = randn(batch * m * k, d);
                         let b = randn(if bcast_b { k * n } else { batch * k * n }, d);
-                        let want = a.matmul(&b, &dims).unwrap();
-                        let got = up(&a).matmul(&up(&b), &dims).unwrap();
+                        let want = a.matmul(&whole(&a), &b, &whole(&b), &dims).unwrap();
+                        let got = up(&a)
+                            .matmul(&whole(&a), &up(&b), &whole(&b), &dims)
+                            .unwrap();
                         check(&format!("matmul {d} {dims:?}"), &got, &want, tol_gemm(d));
                     }
                 }
@@ -580,15 +644,16 @@ fn softmax_and_log_softmax_fwd_bwd() {
     for d in DTYPES {
         for split in [(256, 10, 1), (4, 5000, 1), (8, 33, 17), (1, 1, 1)] {
             let n = split.0 * split.1 * split.2;
-            let x = randn(n, d).affine(3.0, 0.0).unwrap();
+            let x = scale(&randn(n, d), 3.0, 0.0);
+            let l = lay(&[split.0, split.1, split.2]);
             for log in [false, true] {
-                let y = x.softmax(split, log).unwrap();
-                let gy = up(&x).softmax(split, log).unwrap();
+                let y = x.softmax(&l, 1, log).unwrap();
+                let gy = up(&x).softmax(&l, 1, log).unwrap();
                 check(&format!("softmax log={log} {d} {split:?}"), &gy, &y, tol(d));
                 let g = randn(n, d);
                 // Feed the same y to both so only the backward kernel is compared.
-                let want = g.softmax_backward(&y, split, log).unwrap();
-                let got = up(&g).softmax_backward(&up(&y), split, log).unwrap();
+                let want = g.softmax_backward(&l, &y, &l, 1, log).unwrap();
+                let got = up(&g).softmax_backward(&l, &up(&y), &l, 1, log).unwrap();
                 check(
                     &format!("softmax_backward log={log} {d} {split:?}"),
                     &got,
@@ -603,7 +668,7 @@ fn softmax_and_log_softmax_fwd_bwd() {
 // ---- batch norm, pooling, conv -----------------------------------------------------------------
 
 fn f32s(c: &CpuStorage) -> CpuStorage {
-    c.to_dtype(DType::F32).unwrap()
+    cast(c, DType::F32)
 }
 
 #[test]
@@ -636,22 +701,28 @@ fn batch_norm_train_and_backward() {
                 spatial,
                 eps: 1e-5,
                 momentum: 0.1,
+                format: MemoryFormat::Contiguous,
+                residual: false,
+                relu: false,
             };
             let spread = if shift > 1.0 { 0.5 } else { 2.0 };
-            let x = randn(n * c * spatial, d).affine(spread, shift).unwrap();
+            let x = scale(&randn(n * c * spatial, d), spread, shift);
+            let l = lay(&[n, c, spatial]);
             let (w, b) = (f32s(&randn(c, DType::F32)), f32s(&randn(c, DType::F32)));
             let (rm_in, rv_in) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
             let (mut rm, mut rv) = (rm_in.clone(), rv_in.clone());
             let (mut grm, mut grv) = (up(&rm), up(&rv));
-            let (y, mean, invstd) = x.batch_norm_train(&w, &b, &mut rm, &mut rv, &p).unwrap();
+            let (y, mean, invstd) = x
+                .batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
+                .unwrap();
             let (gy, gmean, ginvstd) = up(&x)
-                .batch_norm_train(&up(&w), &up(&b), &mut grm, &mut grv, &p)
+                .batch_norm_train(&l, None, &up(&w), &up(&b), &mut grm, &mut grv, &p)
                 .unwrap();
             let what = format!("batch_norm {d} {n}x{c}x{spatial}");
             // The blocks of a channel wait for each other: a race would move the result.
             let (mut grm2, mut grv2) = (up(&rm_in), up(&rv_in));
             let (gy2, gmean2, _) = up(&x)
-                .batch_norm_train(&up(&w), &up(&b), &mut grm2, &mut grv2, &p)
+                .batch_norm_train(&l, None, &up(&w), &up(&b), &mut grm2, &mut grv2, &p)
                 .unwrap();
             check_exact(&format!("{what} y, run twice"), &gy2, &gy.to_cpu().unwrap());
             check_exact(
@@ -665,13 +736,130 @@ fn batch_norm_train_and_backward() {
             check(&format!("{what} running_mean"), &grm, &rm, 1e-4);
             check(&format!("{what} running_var"), &grv, &rv, 1e-4);
             let g = randn(n * c * spatial, d);
-            let (dx, dw, db) = g.batch_norm_backward(&x, &w, &mean, &invstd, &p).unwrap();
-            let (gdx, gdw, gdb) = up(&g)
-                .batch_norm_backward(&up(&x), &up(&w), &up(&mean), &up(&invstd), &p)
+            let r = g
+                .batch_norm_backward(&l, &x, &l, None, &w, &mean, &invstd, &p)
                 .unwrap();
-            check(&format!("{what} dx"), &gdx, &dx, tol(d) * 4.0);
-            check(&format!("{what} dw"), &gdw, &dw, 1e-4);
-            check(&format!("{what} db"), &gdb, &db, 1e-4);
+            let gr = up(&g)
+                .batch_norm_backward(&l, &up(&x), &l, None, &up(&w), &up(&mean), &up(&invstd), &p)
+                .unwrap();
+            check(&format!("{what} dx"), &gr.input, &r.input, tol(d) * 4.0);
+            check(&format!("{what} dw"), &gr.weight, &r.weight, 1e-4);
+            check(&format!("{what} db"), &gr.bias, &r.bias, 1e-4);
+        }
+    }
+}
+
+/// `[n, c, sp]` stored NHWC (`[n, sp, c]` in memory): the layout the channels_last kernels take.
+fn nhwc(n: usize, c: usize, sp: usize) -> Layout {
+    Layout::new(Shape::new(vec![n, c, sp]), vec![sp * c, 1, c], 0)
+}
+
+/// The fused batch norm (residual add, ReLU) and the channels_last one, forward and backward,
+/// against the CPU's NCHW reference: the GPU gets the same logical values in its format, and its
+/// results are brought back to NCHW before the comparison.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_norm_fused_and_channels_last() {
+    gpu();
+    for d in DTYPES {
+        // Channel counts that take 16-byte packs (64, 256) and that do not (3, 20, 1000 in f32).
+        let shapes = [
+            (8, 64, 49),
+            (4, 3, 100),
+            (32, 256, 196),
+            (2, 20, 7),
+            (3, 1000, 9),
+            (64, 64, 3136),
+        ];
+        for (n, c, sp) in shapes {
+            for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+                for (residual, relu) in [(false, false), (false, true), (true, true)] {
+                    if format == MemoryFormat::Contiguous && !residual && !relu {
+                        continue; // the single-pass kernel, tested above
+                    }
+                    let p = BatchNormParams {
+                        n,
+                        c,
+                        spatial: sp,
+                        eps: 1e-5,
+                        momentum: 0.1,
+                        format: MemoryFormat::Contiguous,
+                        residual,
+                        relu,
+                    };
+                    let gp = BatchNormParams { format, ..p };
+                    let what = format!(
+                        "batch_norm {d} {n}x{c}x{sp} {} res={residual} relu={relu}",
+                        format.name()
+                    );
+                    let cl = lay(&[n, c, sp]);
+                    let gl = match format {
+                        MemoryFormat::ChannelsLast => nhwc(n, c, sp),
+                        MemoryFormat::Contiguous => cl.clone(),
+                    };
+                    // CPU values (NCHW) and their GPU copies in the GPU's format.
+                    let to_gpu = |v: &CpuStorage| up(&v.copy_strided(&cl, &gl).unwrap());
+                    let to_nchw = |v: &CudaStorage| {
+                        let h = v.to_cpu().unwrap();
+                        let back =
+                            Layout::new(Shape::new(vec![n, c, sp]), gl.strides().to_vec(), 0);
+                        h.copy_strided(&back, &cl).unwrap()
+                    };
+                    let x = scale(&randn(n * c * sp, d), 1.5, 0.3);
+                    let res = randn(n * c * sp, d);
+                    let (w, b) = (f32s(&randn(c, DType::F32)), f32s(&randn(c, DType::F32)));
+                    let (mut rm, mut rv) = (randn(c, DType::F32), randu(c, 0.5, 2.0, DType::F32));
+                    let (mut grm, mut grv) = (up(&rm), up(&rv));
+                    let rarg = residual.then_some((&res, &cl));
+                    let (y, mean, invstd) = x
+                        .batch_norm_train(&cl, rarg, &w, &b, &mut rm, &mut rv, &p)
+                        .unwrap();
+                    let (gx, gres) = (to_gpu(&x), to_gpu(&res));
+                    let grarg = residual.then_some((&gres, &gl));
+                    let (gy, gmean, ginvstd) = gx
+                        .batch_norm_train(&gl, grarg, &up(&w), &up(&b), &mut grm, &mut grv, &gp)
+                        .unwrap();
+                    let gy_nchw = to_nchw(&gy);
+                    let e = rel_err(&gy_nchw.to_f64_vec(), &y.to_f64_vec());
+                    assert!(e <= tol(d) * 2.0, "{what} y: relative error {e:e}");
+                    check(&format!("{what} mean"), &gmean, &mean, 1e-4);
+                    check(&format!("{what} invstd"), &ginvstd, &invstd, 1e-4);
+                    check(&format!("{what} running_mean"), &grm, &rm, 1e-4);
+                    check(&format!("{what} running_var"), &grv, &rv, 1e-4);
+                    // Backward: both sides read the same y (the GPU's, brought to NCHW), so a
+                    // ReLU tie at zero cannot move the comparison.
+                    let g = randn(n * c * sp, d);
+                    let yarg = relu.then_some((&gy_nchw, &cl));
+                    let r = g
+                        .batch_norm_backward(&cl, &x, &cl, yarg, &w, &mean, &invstd, &p)
+                        .unwrap();
+                    let gyarg = relu.then_some((&gy, &gl));
+                    let gr = to_gpu(&g)
+                        .batch_norm_backward(
+                            &gl,
+                            &gx,
+                            &gl,
+                            gyarg,
+                            &up(&w),
+                            &up(&mean),
+                            &up(&invstd),
+                            &gp,
+                        )
+                        .unwrap();
+                    let e = rel_err(&to_nchw(&gr.input).to_f64_vec(), &r.input.to_f64_vec());
+                    assert!(e <= tol(d) * 4.0, "{what} dx: relative error {e:e}");
+                    check(&format!("{what} dw"), &gr.weight, &r.weight, 1e-4);
+                    check(&format!("{what} db"), &gr.bias, &r.bias, 1e-4);
+                    match (gr.residual, r.residual) {
+                        (Some(gd), Some(cd)) => {
+                            let e = rel_err(&to_nchw(&gd).to_f64_vec(), &cd.to_f64_vec());
+                            assert!(e == 0.0, "{what} d_residual: relative error {e:e}");
+                        }
+                        (None, None) => assert!(!residual, "{what}: no residual gradient"),
+                        _ => panic!("{what}: residual gradients on one side only"),
+                    }
+                }
+            }
         }
     }
 }
@@ -688,6 +876,7 @@ fn pool_cases() -> Vec<Pool2dParams> {
             stride: s,
             padding: pd,
             count_include_pad: cip,
+            format: MemoryFormat::Contiguous,
         };
     vec![
         mk(2, 3, 8, 8, (2, 2), (2, 2), (0, 0), true),
@@ -705,16 +894,20 @@ fn max_pool_fwd_bwd() {
     for d in DTYPES {
         for p in pool_cases() {
             let x = randn(p.n * p.c * p.h * p.w, d);
-            let (y, idx) = x.max_pool2d(&p).unwrap();
-            let (gy, gidx) = up(&x).max_pool2d(&p).unwrap();
+            let (y, idx) = x.max_pool2d(&whole(&x), &p).unwrap();
+            let (gy, gidx) = up(&x).max_pool2d(&whole(&x), &p).unwrap();
             check(&format!("max_pool2d {d} {p:?}"), &gy, &y, 0.0);
             if d == DType::F32 {
                 check_exact(&format!("max_pool2d argmax {p:?}"), &gidx, &idx);
             }
             let g = randn(y.len(), d);
             // The same argmax for both, so ties in half types cannot move gradients.
-            let want = g.max_pool2d_backward(&idx, &p).unwrap();
-            let got = up(&g).max_pool2d_backward(&up(&idx), &p).unwrap();
+            let want = g
+                .max_pool2d_backward(&whole(&g), &idx, &whole(&idx), &p)
+                .unwrap();
+            let got = up(&g)
+                .max_pool2d_backward(&whole(&g), &up(&idx), &whole(&idx), &p)
+                .unwrap();
             check(
                 &format!("max_pool2d_backward {d} {p:?}"),
                 &got,
@@ -732,18 +925,18 @@ fn avg_and_adaptive_pool_fwd_bwd() {
     for d in DTYPES {
         for p in pool_cases() {
             let x = randn(p.n * p.c * p.h * p.w, d);
-            let y = x.avg_pool2d(&p).unwrap();
+            let y = x.avg_pool2d(&whole(&x), &p).unwrap();
             check(
                 &format!("avg_pool2d {d} {p:?}"),
-                &up(&x).avg_pool2d(&p).unwrap(),
+                &up(&x).avg_pool2d(&whole(&x), &p).unwrap(),
                 &y,
                 tol(d),
             );
             let g = randn(y.len(), d);
             check(
                 &format!("avg_pool2d_backward {d} {p:?}"),
-                &up(&g).avg_pool2d_backward(&p).unwrap(),
-                &g.avg_pool2d_backward(&p).unwrap(),
+                &up(&g).avg_pool2d_backward(&whole(&g), &p).unwrap(),
+                &g.avg_pool2d_backward(&whole(&g), &p).unwrap(),
                 tol(d),
             );
         }
@@ -755,21 +948,122 @@ fn avg_and_adaptive_pool_fwd_bwd() {
                 w,
                 out_h: oh,
                 out_w: ow,
+                format: MemoryFormat::Contiguous,
             };
             let x = randn(2 * 3 * h * w, d);
             check(
                 &format!("adaptive_avg_pool2d {d} {p:?}"),
-                &up(&x).adaptive_avg_pool2d(&p).unwrap(),
-                &x.adaptive_avg_pool2d(&p).unwrap(),
+                &up(&x).adaptive_avg_pool2d(&whole(&x), &p).unwrap(),
+                &x.adaptive_avg_pool2d(&whole(&x), &p).unwrap(),
                 tol(d),
             );
             let g = randn(2 * 3 * oh * ow, d);
             check(
                 &format!("adaptive_avg_pool2d_backward {d} {p:?}"),
-                &up(&g).adaptive_avg_pool2d_backward(&p).unwrap(),
-                &g.adaptive_avg_pool2d_backward(&p).unwrap(),
+                &up(&g).adaptive_avg_pool2d_backward(&whole(&g), &p).unwrap(),
+                &g.adaptive_avg_pool2d_backward(&whole(&g), &p).unwrap(),
                 tol(d),
             );
+        }
+    }
+}
+
+/// NCHW and NHWC layouts of one logical `[n, c, h, w]`.
+fn nchw_nhwc(n: usize, c: usize, h: usize, w: usize) -> (Layout, Layout) {
+    let s = Shape::new(vec![n, c, h, w]);
+    (
+        Layout::contiguous(s.clone()),
+        Layout::with_format(s, MemoryFormat::ChannelsLast),
+    )
+}
+
+/// Pooling in NHWC on the GPU against the CPU's NCHW reference (values moved between the
+/// layouts on the host; argmax, the flat h·w index, is the same in both).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pooling_channels_last() {
+    gpu();
+    for d in DTYPES {
+        for p in pool_cases().into_iter().chain([Pool2dParams {
+            n: 4,
+            c: 64,
+            h: 112,
+            w: 112,
+            kh: 3,
+            kw: 3,
+            stride: (2, 2),
+            padding: (1, 1),
+            count_include_pad: true,
+            format: MemoryFormat::Contiguous,
+        }]) {
+            let gp = Pool2dParams {
+                format: MemoryFormat::ChannelsLast,
+                ..p
+            };
+            let (ci, li) = nchw_nhwc(p.n, p.c, p.h, p.w);
+            let (co, lo) = nchw_nhwc(p.n, p.c, p.out_h(), p.out_w());
+            let to_gpu =
+                |v: &CpuStorage, from: &Layout, to: &Layout| up(&v.copy_strided(from, to).unwrap());
+            let back = |v: &CudaStorage, from: &Layout, to: &Layout| {
+                v.to_cpu().unwrap().copy_strided(from, to).unwrap()
+            };
+            let what = format!("{d} {p:?} NHWC");
+            let x = randn(p.n * p.c * p.h * p.w, d);
+            let gx = to_gpu(&x, &ci, &li);
+            let (y, idx) = x.max_pool2d(&ci, &p).unwrap();
+            let (gy, gidx) = gx.max_pool2d(&li, &gp).unwrap();
+            assert_eq!(back(&gy, &lo, &co), y, "max_pool2d {what}");
+            if d == DType::F32 {
+                assert_eq!(back(&gidx, &lo, &co), idx, "max_pool2d argmax {what}");
+            }
+            let g = randn(y.len(), d);
+            let want = g.max_pool2d_backward(&co, &idx, &co, &p).unwrap();
+            let got = to_gpu(&g, &co, &lo)
+                .max_pool2d_backward(&lo, &to_gpu(&idx, &co, &lo), &lo, &gp)
+                .unwrap();
+            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "max_pool2d_backward {what}: {e:e}");
+            let want = x.avg_pool2d(&ci, &p).unwrap();
+            let got = gx.avg_pool2d(&li, &gp).unwrap();
+            let e = rel_err(&back(&got, &lo, &co).to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "avg_pool2d {what}: {e:e}");
+            let want = g.avg_pool2d_backward(&co, &p).unwrap();
+            let got = to_gpu(&g, &co, &lo).avg_pool2d_backward(&lo, &gp).unwrap();
+            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "avg_pool2d_backward {what}: {e:e}");
+        }
+        for (c, h, w, oh, ow) in [(64, 7, 7, 1, 1), (3, 10, 9, 3, 4), (2048, 7, 7, 1, 1)] {
+            let p = AdaptivePoolParams {
+                n: 2,
+                c,
+                h,
+                w,
+                out_h: oh,
+                out_w: ow,
+                format: MemoryFormat::Contiguous,
+            };
+            let gp = AdaptivePoolParams {
+                format: MemoryFormat::ChannelsLast,
+                ..p
+            };
+            let (ci, li) = nchw_nhwc(2, c, h, w);
+            let (co, lo) = nchw_nhwc(2, c, oh, ow);
+            let what = format!("adaptive {d} {p:?} NHWC");
+            let x = randn(2 * c * h * w, d);
+            let gx = up(&x.copy_strided(&ci, &li).unwrap());
+            let want = x.adaptive_avg_pool2d(&ci, &p).unwrap();
+            let got = gx.adaptive_avg_pool2d(&li, &gp).unwrap();
+            let got = got.to_cpu().unwrap().copy_strided(&lo, &co).unwrap();
+            let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "{what}: {e:e}");
+            let g = randn(2 * c * oh * ow, d);
+            let want = g.adaptive_avg_pool2d_backward(&co, &p).unwrap();
+            let got = up(&g.copy_strided(&co, &lo).unwrap())
+                .adaptive_avg_pool2d_backward(&lo, &gp)
+                .unwrap();
+            let got = got.to_cpu().unwrap().copy_strided(&li, &ci).unwrap();
+            let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
+            assert!(e <= tol(d), "{what} backward: {e:e}");
         }
     }
 }
@@ -800,6 +1094,7 @@ fn mk(
         padding: (padding, padding),
         dilation: (dilation, dilation),
         groups,
+        format: MemoryFormat::Contiguous,
     }
 }
 
@@ -837,11 +1132,15 @@ fn conv2d_fwd_bwd_data_bwd_filter() {
     for d in DTYPES {
         for p in conv_cases() {
             let x = randn(p.n * p.c_in * p.h * p.w, d);
-            let w = randn(p.c_out * (p.c_in / p.groups) * p.kh * p.kw, d)
-                .affine(0.2, 0.0)
-                .unwrap();
-            let y = x.conv2d(&w, &p).unwrap();
-            let y_gpu = up(&x).conv2d(&up(&w), &p).unwrap();
+            let w = scale(
+                &randn(p.c_out * (p.c_in / p.groups) * p.kh * p.kw, d),
+                0.2,
+                0.0,
+            );
+            let (lx, lw) = (whole(&x), whole(&w));
+            let y = x.conv2d(&lx, &w, &lw, &p).unwrap();
+            let y_gpu = up(&x).conv2d(&lx, &up(&w), &lw, &p).unwrap();
+            let ly = whole(&y);
             check(
                 &format!("conv2d {d} {p:?} ({})", conv_algorithm(&p, d, "forward")),
                 &y_gpu,
@@ -849,24 +1148,26 @@ fn conv2d_fwd_bwd_data_bwd_filter() {
                 tol_gemm(d),
             );
             let g = randn(y.len(), d);
-            let dx = up(&g).conv2d_backward_input(&up(&w), &p).unwrap();
+            let dx = up(&g).conv2d_backward_input(&ly, &up(&w), &lw, &p).unwrap();
             check(
                 &format!(
                     "conv2d_backward_input {d} {p:?} ({})",
                     conv_algorithm(&p, d, "backward-data")
                 ),
                 &dx,
-                &g.conv2d_backward_input(&w, &p).unwrap(),
+                &g.conv2d_backward_input(&ly, &w, &lw, &p).unwrap(),
                 tol_gemm(d),
             );
-            let dw = up(&g).conv2d_backward_weight(&up(&x), &p).unwrap();
+            let dw = up(&g)
+                .conv2d_backward_weight(&ly, &up(&x), &lx, &p)
+                .unwrap();
             check(
                 &format!(
                     "conv2d_backward_weight {d} {p:?} ({})",
                     conv_algorithm(&p, d, "backward-filter")
                 ),
                 &dw,
-                &g.conv2d_backward_weight(&x, &p).unwrap(),
+                &g.conv2d_backward_weight(&ly, &x, &lx, &p).unwrap(),
                 tol_gemm(d) * 2.0,
             );
         }
@@ -892,10 +1193,12 @@ fn conv2d_resnet_shape_has_graph_api_plans() {
         let x = randn(p.n * p.c_in * p.h * p.w, d);
         let w = randn(p.c_out * p.c_in * p.kh * p.kw, d);
         let (xg, wg) = (up(&x), up(&w));
-        let y = xg.conv2d(&wg, &p).unwrap();
+        let (lx, lw) = (whole(&x), whole(&w));
+        let y = xg.conv2d(&lx, &wg, &lw, &p).unwrap();
+        let ly = whole(&y);
         let g = up(&randn(y.len(), d));
-        g.conv2d_backward_input(&wg, &p).unwrap();
-        g.conv2d_backward_weight(&xg, &p).unwrap();
+        g.conv2d_backward_input(&ly, &wg, &lw, &p).unwrap();
+        g.conv2d_backward_weight(&ly, &xg, &lx, &p).unwrap();
         let plans: Vec<_> = mixprec::backend::cuda::conv_plans(0)
             .unwrap()
             .into_iter()
@@ -920,16 +1223,11 @@ fn bad_geometry_is_an_error() {
     let w = up(&randn(9, DType::F32));
     // A 3x3 kernel on a 2x2 input without padding.
     let p = mk(1, 1, 2, 2, 1, 3, 1, 0, 1, 1);
-    assert!(x.conv2d(&w, &p).is_err());
-    let y = up(&randn(6, DType::F16));
+    assert!(x.conv2d(&whole(&x), &w, &whole(&w), &p).is_err());
+    // Mismatched dtypes reach no kernel, even through the backend API directly.
+    let y = up(&randn(16, DType::F16));
     assert!(x
-        .binary(
-            &y,
-            BinaryOp::Add,
-            &Shape::new(vec![16]),
-            &Shape::new(vec![6]),
-            &Shape::new(vec![16])
-        )
+        .binary(&lay(&[16]), &y, &lay(&[16]), BinaryOp::Add, &lay(&[16]))
         .is_err());
 }
 

@@ -41,13 +41,15 @@ fn matmul_tf32_switch() {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(1);
     let (a, b) = (randn(256 * 1024, seed), randn(1024 * 256, seed ^ 0x9e37));
-    let want = a.matmul(&b, &dims).unwrap().to_f64_vec();
+    let whole = |n: usize| mixprec::tensor::Layout::contiguous(mixprec::Shape::new(vec![n]));
+    let (la, lb) = (whole(a.len()), whole(b.len()));
+    let want = a.matmul(&la, &b, &lb, &dims).unwrap().to_f64_vec();
     let (ga, gb) = (
         CudaStorage::from_cpu(&a, 0).unwrap(),
         CudaStorage::from_cpu(&b, 0).unwrap(),
     );
     let gpu = || {
-        ga.matmul(&gb, &dims)
+        ga.matmul(&la, &gb, &lb, &dims)
             .unwrap()
             .to_cpu()
             .unwrap()

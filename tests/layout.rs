@@ -205,12 +205,32 @@ fn gradients() {
 }
 
 #[test]
-fn copies_do_not_alias() {
-    // permute/narrow/cat copy: changing the source afterwards leaves them alone.
+fn views_share_and_copies_do_not() {
+    // transpose/narrow/expand/reshape are views: an in-place update of the source shows
+    // through them. contiguous() of a view and cat copy: they keep the old values.
     let x = t64(&[1.0, 2.0, 3.0, 4.0], &[2, 2]).to_variable();
     let p = x.transpose(0, 1).unwrap();
     let n = x.narrow(0, 1, 1).unwrap();
-    x.set_data(&t64(&[0.0; 4], &[2, 2])).unwrap();
-    assert_vals(&p, &[1.0, 3.0, 2.0, 4.0]);
-    assert_vals(&n, &[3.0, 4.0]);
+    let e = x
+        .narrow(0, 0, 1)
+        .unwrap()
+        .broadcast_as(&[3, 2].into())
+        .unwrap();
+    let r = x.reshape(vec![4]).unwrap();
+    let pc = p.contiguous().unwrap();
+    let c = Tensor::cat(&[&x, &x], 0).unwrap();
+    assert!(p.same_storage(&x) && n.same_storage(&x) && e.same_storage(&x));
+    assert!(!pc.same_storage(&x));
+    x.set_data(&t64(&[5.0, 6.0, 7.0, 8.0], &[2, 2])).unwrap();
+    assert_vals(&p, &[5.0, 7.0, 6.0, 8.0]);
+    assert_vals(&n, &[7.0, 8.0]);
+    assert_vals(&e, &[5.0, 6.0, 5.0, 6.0, 5.0, 6.0]);
+    assert_vals(&r, &[5.0, 6.0, 7.0, 8.0]);
+    assert_vals(&pc, &[1.0, 3.0, 2.0, 4.0]);
+    assert_vals(&c, &[1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]);
+    // Replacing the buffer of a view would change what its siblings see: refused.
+    let v = n.to_variable();
+    let err = v.set_data(&t64(&[0.0, 0.0], &[1, 2])).unwrap_err();
+    assert!(format!("{err}").contains("view"), "{err}");
+    assert_vals(&x, &[5.0, 6.0, 7.0, 8.0]);
 }

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use super::Op;
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Shape, Tensor};
 
 /// Replaces the gradient flowing into a tensor (`Some`) or leaves it (`None`).
 pub type GradHook = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
@@ -51,13 +51,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Tensor {
     /// Registers `hook` to run when this tensor's gradient for a backward pass is complete; a
     /// returned tensor (same shape) replaces the gradient that flows on. Hooks run in
-    /// registration order.
+    /// registration order. On a computed tensor the hook belongs to the node that made it (it
+    /// runs even after this handle is dropped, as in PyTorch).
     pub fn register_hook(
         &self,
         hook: impl Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static,
     ) -> HookId {
         let id = HookId::next();
-        lock(&self.hooks_or_init().grad).push((id, Arc::new(hook)));
+        let hooks = match self.node() {
+            Some(n) => n.hooks_or_init(),
+            None => self.hooks_or_init(),
+        };
+        lock(&hooks.grad).push((id, Arc::new(hook)));
         id
     }
 
@@ -81,7 +86,19 @@ impl Tensor {
 
     /// Removes a hook registered on this tensor; false when there was none with this id.
     pub fn remove_hook(&self, id: HookId) -> bool {
-        let Some(h) = self.hooks() else { return false };
+        let own = self.hooks().map(|h| h.remove(id)).unwrap_or(false);
+        let node = self
+            .node()
+            .and_then(|n| n.hooks())
+            .map(|h| h.remove(id))
+            .unwrap_or(false);
+        own || node
+    }
+}
+
+impl Hooks {
+    fn remove(&self, id: HookId) -> bool {
+        let h = self;
         let mut removed = false;
         lock(&h.grad).retain(|(i, _)| {
             let keep = *i != id;
@@ -97,9 +114,10 @@ impl Tensor {
     }
 }
 
-/// The engine's first call for a tensor whose gradient is complete: its gradient hooks, in order.
-pub(crate) fn on_grad(t: &Tensor, mut g: Tensor) -> Result<Tensor> {
-    let Some(h) = t.hooks() else { return Ok(g) };
+/// The engine's first call for a node or variable whose gradient is complete: its gradient
+/// hooks, in order.
+pub(crate) fn on_grad(hooks: Option<&Hooks>, mut g: Tensor) -> Result<Tensor> {
+    let Some(h) = hooks else { return Ok(g) };
     // A snapshot, so that a hook may register or remove hooks.
     let hooks: Vec<GradHook> = lock(&h.grad).iter().map(|(_, f)| f.clone()).collect();
     for f in hooks {
@@ -191,40 +209,40 @@ impl Drop for BackwardScope {
 /// per input out.
 pub type CustomBackward = dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync;
 
-/// A node of a user-defined differentiable function.
+/// What a graph node of a user-defined differentiable function keeps: its backward closure
+/// and its inputs' shapes (the closure keeps whatever else it reads).
 pub(crate) struct CustomOp {
     pub(crate) name: &'static str,
-    pub(crate) inputs: Vec<Tensor>,
+    input_shapes: Vec<Shape>,
     backward: Box<CustomBackward>,
 }
 
 impl CustomOp {
-    /// Each input's gradient (for those that need one), checked against the input's shape.
-    pub(crate) fn backward(&self, g: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+    /// Each input's gradient where `needs` asks for it, checked against the input's shape.
+    pub(crate) fn backward(&self, g: &Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let grads = (self.backward)(g)?;
-        if grads.len() != self.inputs.len() {
+        if grads.len() != self.input_shapes.len() {
             return Err(Error::Backward(format!(
                 "{}: the backward returned {} gradients for {} inputs",
                 self.name,
                 grads.len(),
-                self.inputs.len()
+                self.input_shapes.len()
             )));
         }
-        let mut out = Vec::new();
-        for (x, gx) in self.inputs.iter().zip(grads) {
-            let Some(gx) = gx else { continue };
-            if !x.requires_grad() {
-                continue;
+        let mut out = Vec::with_capacity(grads.len());
+        for (i, (shape, gx)) in self.input_shapes.iter().zip(grads).enumerate() {
+            let gx = gx.filter(|_| needs.get(i).copied().unwrap_or(false));
+            if let Some(gx) = &gx {
+                if gx.shape() != shape {
+                    return Err(Error::Backward(format!(
+                        "{}: the backward returned shape {:?} for an input of shape {:?}",
+                        self.name,
+                        gx.dims(),
+                        shape.dims()
+                    )));
+                }
             }
-            if gx.shape() != x.shape() {
-                return Err(Error::Backward(format!(
-                    "{}: the backward returned shape {:?} for an input of shape {:?}",
-                    self.name,
-                    gx.dims(),
-                    x.dims()
-                )));
-            }
-            out.push((x.clone(), gx));
+            out.push(gx);
         }
         Ok(out)
     }
@@ -242,11 +260,11 @@ pub fn custom_function(
     output: &Tensor,
     backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
 ) -> Tensor {
-    let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+    let input_shapes: Vec<Shape> = inputs.iter().map(|t| t.shape().clone()).collect();
     output.with_op(inputs, move || {
         Op::Custom(Box::new(CustomOp {
             name,
-            inputs: owned,
+            input_shapes,
             backward: Box::new(backward),
         }))
     })

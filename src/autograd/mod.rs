@@ -1,23 +1,29 @@
 //! Define-by-run reverse-mode autograd.
 //!
-//! An op whose inputs need gradients records an [`Op`] on its output (when gradients are
-//! enabled on this thread). `backward` walks the graph once in reverse topological order,
-//! sums the gradients reaching each tensor, and adds the totals to the variables' `grad`
-//! (so gradients accumulate across backward calls until `zero_grad`). The backward pass itself
-//! records nothing: there are no higher-order gradients.
+//! An op whose inputs need gradients records a [`Node`] on its output (when gradients are
+//! enabled on this thread): the [`Op`] with what its backward formula reads, and an edge to each
+//! input's node (or variable). `backward` walks the nodes once in reverse topological order,
+//! sums the gradients reaching each, releases each node's saved tensors once used (unless the
+//! graph is retained), and adds the totals to the variables' `grad` (so gradients accumulate
+//! across backward calls until `zero_grad`). The backward pass itself records nothing: there are
+//! no higher-order gradients.
+//!
+//! Memory: a tensor's buffer lives while a handle to it does — the user's, or a node's saved
+//! copy — never because the graph passes through it (PyTorch's rule).
 
 pub mod hooks;
 mod op;
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 pub(crate) use hooks::Hooks;
 pub use hooks::{custom_function, queue_callback, HookId};
 pub(crate) use op::Op;
 
 use crate::error::{Error, Result};
-use crate::tensor::{Tensor, TensorId};
+use crate::tensor::{DType, Tensor, TensorId};
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
@@ -56,33 +62,158 @@ pub fn with_no_grad<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Post-order of the graph under `root` (inputs before the tensors computed from them).
-fn topo_order(root: &Tensor) -> Vec<Tensor> {
-    let mut order = Vec::new();
-    let mut seen: HashSet<TensorId> = HashSet::new();
-    // Iterative DFS: (tensor, children pushed?)
-    let mut stack = vec![(root.clone(), false)];
-    while let Some((t, expanded)) = stack.pop() {
-        if expanded {
-            order.push(t);
-            continue;
+/// A recorded op: what its backward formula needs (`op`, released by the backward pass that
+/// uses it unless the graph is retained) and an edge to each input that needs a gradient.
+/// A tensor computed by a recorded op holds its node; the node holds its inputs' nodes, never
+/// their buffers.
+pub(crate) struct Node {
+    op: Mutex<Option<Op>>,
+    name: &'static str,
+    /// One per input the op recorded, in its order; `None` where no gradient flows.
+    edges: Vec<Option<Edge>>,
+    /// The dtype of the tensor the node made: gradients reaching it are cast to it.
+    dtype: DType,
+    /// Gradient hooks of the tensor the node made (autograd::hooks), allocated at the first.
+    hooks: std::sync::OnceLock<Box<Hooks>>,
+}
+
+/// Where an input's gradient goes: the node that computed it, or the variable itself.
+pub(crate) enum Edge {
+    Node(Arc<Node>),
+    Leaf(Tensor),
+}
+
+impl Node {
+    /// The node of an op on `inputs` producing a `dtype` tensor, when one is recorded now.
+    pub(crate) fn record(
+        inputs: &[&Tensor],
+        dtype: DType,
+        op: impl FnOnce() -> Op,
+    ) -> Option<Arc<Node>> {
+        if !records(inputs) {
+            return None;
         }
-        if !seen.insert(t.id()) {
-            continue;
-        }
-        stack.push((t.clone(), true));
-        if let Some(op) = t.op() {
-            for input in op.inputs() {
-                if input.requires_grad() && !seen.contains(&input.id()) {
-                    stack.push((input.clone(), false));
+        let edges = inputs
+            .iter()
+            .map(|t| {
+                if let Some(n) = t.node() {
+                    Some(Edge::Node(n.clone()))
+                } else if t.requires_grad() {
+                    Some(Edge::Leaf((*t).clone()))
+                } else {
+                    None
                 }
+            })
+            .collect();
+        let op = op();
+        Some(Arc::new(Node {
+            name: op.name(),
+            op: Mutex::new(Some(op)),
+            edges,
+            dtype,
+            hooks: std::sync::OnceLock::new(),
+        }))
+    }
+
+    pub(crate) fn hooks(&self) -> Option<&Hooks> {
+        self.hooks.get().map(|h| &**h)
+    }
+
+    pub(crate) fn hooks_or_init(&self) -> &Hooks {
+        self.hooks.get_or_init(Box::default)
+    }
+
+    fn key(self: &Arc<Node>) -> Key {
+        Key::Node(Arc::as_ptr(self) as usize)
+    }
+}
+
+impl Drop for Node {
+    /// Dropping the last handle to a long chain (a loss summed over many steps, an unrolled
+    /// recurrence) would recurse once per node: nodes this one owns alone are unlinked here with
+    /// an explicit stack instead.
+    fn drop(&mut self) {
+        let mut pending: Vec<Arc<Node>> = take_node_edges(&mut self.edges);
+        while let Some(n) = pending.pop() {
+            // Err: someone else still holds the node; it lives on (or drops there, iteratively).
+            if let Ok(mut inner) = Arc::try_unwrap(n) {
+                pending.extend(take_node_edges(&mut inner.edges));
+            }
+        }
+    }
+}
+
+fn take_node_edges(edges: &mut Vec<Option<Edge>>) -> Vec<Arc<Node>> {
+    edges
+        .drain(..)
+        .filter_map(|e| match e {
+            Some(Edge::Node(n)) => Some(n),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A vertex of the backward walk: a node, or a variable collecting its gradient.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Key {
+    Node(usize),
+    Leaf(TensorId),
+}
+
+enum Vertex {
+    Node(Arc<Node>),
+    Leaf(Tensor),
+}
+
+impl Vertex {
+    fn key(&self) -> Key {
+        match self {
+            Vertex::Node(n) => n.key(),
+            Vertex::Leaf(t) => Key::Leaf(t.id()),
+        }
+    }
+}
+
+/// Post-order of the graph under `root` (inputs before what was computed from them).
+fn topo_order(root: &Arc<Node>) -> Vec<Vertex> {
+    let mut order = Vec::new();
+    let mut seen: HashSet<Key> = HashSet::new();
+    // Iterative DFS: (vertex, children pushed?)
+    let mut stack = vec![(Vertex::Node(root.clone()), false)];
+    while let Some((v, expanded)) = stack.pop() {
+        if expanded {
+            order.push(v);
+            continue;
+        }
+        if !seen.insert(v.key()) {
+            continue;
+        }
+        let children: Vec<Vertex> = match &v {
+            Vertex::Node(n) => n
+                .edges
+                .iter()
+                .flatten()
+                .map(|e| match e {
+                    Edge::Node(n) => Vertex::Node(n.clone()),
+                    Edge::Leaf(t) => Vertex::Leaf(t.clone()),
+                })
+                .collect(),
+            Vertex::Leaf(_) => Vec::new(),
+        };
+        stack.push((v, true));
+        for c in children {
+            if !seen.contains(&c.key()) {
+                stack.push((c, false));
             }
         }
     }
     order
 }
 
-pub(crate) fn backward(root: &Tensor) -> Result<()> {
+/// Computes the gradients of the one-element `root` and adds them to the variables' `grad`.
+/// Unless `retain_graph`, each node's saved tensors are released once its formula has run (as
+/// PyTorch does), so a second backward through the same graph is an error.
+pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
     if root.elem_count() != 1 {
         return Err(Error::Backward(format!(
             "backward needs a single-element tensor (a loss); got shape {:?}",
@@ -98,32 +229,72 @@ pub(crate) fn backward(root: &Tensor) -> Result<()> {
     // cast cache is dropped (apex clears it when the loss is scaled) and autocast suspended.
     crate::amp::autocast::clear_cache();
     let _autocast = crate::amp::autocast::suspend();
-    let order = topo_order(root);
     let _guard = no_grad();
     let mut scope = hooks::BackwardScope::enter();
-    let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
-    grads.insert(root.id(), root.ones_like()?);
-    for node in order.iter().rev() {
-        let Some(g) = grads.remove(&node.id()) else {
+    let seed = root.ones_like()?;
+    let Some(root_node) = root.node().cloned() else {
+        // A variable on its own.
+        let seed = hooks::on_grad(root.hooks(), seed)?;
+        root.accumulate_grad(&seed)?;
+        hooks::after_accumulate(root)?;
+        return scope.finish();
+    };
+    let order = topo_order(&root_node);
+    let mut grads: HashMap<Key, Tensor> = HashMap::new();
+    grads.insert(root_node.key(), seed);
+    drop(root_node);
+    for v in order.into_iter().rev() {
+        let Some(g) = grads.remove(&v.key()) else {
             continue;
         };
-        let g = hooks::on_grad(node, g)?;
-        if node.is_variable() {
-            node.accumulate_grad(&g)?;
-            hooks::after_accumulate(node)?;
-        }
-        let Some(op) = node.op() else { continue };
-        for (input, gi) in op.backward(node, &g)? {
-            let gi = if gi.dtype() != input.dtype() {
-                gi.to_dtype(input.dtype())?
+        let node = match v {
+            Vertex::Leaf(t) => {
+                // Read now: a variable frozen after recording gets nothing.
+                if t.requires_grad() {
+                    let g = hooks::on_grad(t.hooks(), g)?;
+                    t.accumulate_grad(&g)?;
+                    hooks::after_accumulate(&t)?;
+                }
+                continue;
+            }
+            Vertex::Node(n) => n,
+        };
+        let g = hooks::on_grad(node.hooks(), g)?;
+        let needs: Vec<bool> = node.edges.iter().map(|e| e.is_some()).collect();
+        let input_grads = {
+            let mut slot = node.op.lock().unwrap_or_else(|e| e.into_inner());
+            let op = slot.as_ref().ok_or_else(|| {
+                Error::Backward(format!(
+                    "backward through {} a second time: its saved tensors were released by the \
+                     first backward (use backward_retain_graph for the first one)",
+                    node.name
+                ))
+            })?;
+            let r = op.backward(&g, &needs)?;
+            if !retain_graph {
+                *slot = None;
+            }
+            r
+        };
+        drop(g);
+        for (edge, gi) in node.edges.iter().zip(input_grads) {
+            let (Some(edge), Some(gi)) = (edge, gi) else {
+                continue;
+            };
+            let (key, dtype) = match edge {
+                Edge::Node(n) => (n.key(), n.dtype),
+                Edge::Leaf(t) => (Key::Leaf(t.id()), t.dtype()),
+            };
+            let gi = if gi.dtype() != dtype {
+                gi.to_dtype(dtype)?
             } else {
                 gi
             };
-            let total = match grads.remove(&input.id()) {
+            let total = match grads.remove(&key) {
                 Some(prev) => prev.add(&gi)?,
                 None => gi,
             };
-            grads.insert(input.id(), total);
+            grads.insert(key, total);
         }
     }
     scope.finish()

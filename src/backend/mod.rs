@@ -3,16 +3,17 @@
 //! backend must agree with it (tests/cuda.rs).
 //!
 //! Invariants every implementation relies on:
-//! - storage is contiguous, row-major; shapes travel as arguments;
-//! - per-dimension ops describe their operand as `(outer, len, inner)` (see [`crate::Shape::split_at_dim`]);
+//! - every operand travels with its [`Layout`] (shape, strides, offset); what layouts each op
+//!   accepts is on [`BackendStorage`];
 //! - half types (F16, BF16) compute in f32 and round once on store; F64 computes in f64;
-//! - binary ops receive operands of one dtype (the tensor layer promotes first).
+//! - binary ops receive operands of one dtype (the tensor layer promotes first);
+//! - arguments were validated by the tensor layer.
 
 pub mod cpu;
 pub mod cuda;
 
 use crate::error::Result;
-use crate::tensor::{DType, Shape};
+use crate::tensor::{DType, Layout, MemoryFormat, Shape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UnaryOp {
@@ -102,6 +103,8 @@ pub struct Conv2dParams {
     pub padding: (usize, usize),
     pub dilation: (usize, usize),
     pub groups: usize,
+    /// How x, y (and their gradients) and the weight are stored: NCHW/KCRS, or NHWC/KRSC.
+    pub format: MemoryFormat,
 }
 
 impl Conv2dParams {
@@ -126,6 +129,8 @@ pub struct Pool2dParams {
     pub padding: (usize, usize),
     /// Average pooling only: count padded cells in the divisor (PyTorch's default, true).
     pub count_include_pad: bool,
+    /// How input and output are stored (NCHW or NHWC).
+    pub format: MemoryFormat,
 }
 
 impl Pool2dParams {
@@ -147,109 +152,184 @@ pub struct AdaptivePoolParams {
     pub w: usize,
     pub out_h: usize,
     pub out_w: usize,
+    /// How input and output are stored (NCHW or NHWC).
+    pub format: MemoryFormat,
 }
 
-/// Batch normalisation over `[n, c, spatial]` (NCHW with H·W flattened), statistics per channel.
+/// Batch normalisation over `[n, c, spatial]` (H·W flattened), statistics per channel.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BatchNormParams {
     pub n: usize,
     pub c: usize,
     pub spatial: usize,
+    /// Contiguous: `[n, c, spatial]` in memory; ChannelsLast: `[n, spatial, c]`.
+    pub format: MemoryFormat,
     pub eps: f64,
     /// Running-statistics momentum (PyTorch's convention: new = (1-m)·old + m·batch).
     pub momentum: f64,
+    /// Fused epilogue: a residual is added after the normalisation (`y = bn(x) + r`) ...
+    pub residual: bool,
+    /// ... then ReLU (`y = relu(bn(x) [+ r])`).
+    pub relu: bool,
 }
 
-/// What a device computes. Storage types are owned buffers of one dtype on one device.
+/// What the batch-norm backward returns: the gradients of the input, weight and bias, and of the
+/// residual when the forward added one (the gradient through the ReLU).
+#[derive(Debug)]
+pub struct BatchNormGrads<S> {
+    pub input: S,
+    pub weight: S,
+    pub bias: S,
+    pub residual: Option<S>,
+}
+
+/// What a device computes. Storage types are owned buffers of one dtype on one device; every
+/// operand comes with its [`Layout`] (shape, strides, offset into the buffer).
 ///
-/// Tensors of half dtype are converted to f32 inside kernels and rounded once on store.
+/// Which layouts an op accepts (the tensor layer makes the one copy an op cannot take):
+/// - elementwise ops (`to_dtype`, `unary`, `affine`, `powf`, `relu_backward`): dense layouts
+///   ([`Layout::is_dense`]; `relu_backward`'s two operands with equal strides), computed over the
+///   span, the result keeping the input's strides at offset 0;
+/// - `binary` and `copy_strided`: any strides (broadcast views have stride 0), the result in the
+///   dense layout `out` the caller gives;
+/// - convolution, batch norm and pooling: contiguous, or channels_last where
+///   [`BackendStorage::channels_last_native`] says so (the params carry the format);
+/// - everything else: contiguous layouts (any offset).
+///
+/// Arguments are validated by the tensor layer (shapes, dtypes, devices, geometry): backends
+/// trust them.
 pub trait BackendStorage: Sized {
     fn dtype(&self) -> DType;
+    /// Elements in the buffer (at least the span of any layout used with it).
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// Same buffer contents in another dtype (floats round to nearest even; float → i64 truncates).
-    fn to_dtype(&self, dtype: DType) -> Result<Self>;
+    /// Whether convolution, batch norm and pooling run on channels_last operands here (else the
+    /// tensor layer hands them contiguous copies and converts the result back).
+    fn channels_last_native(&self) -> bool;
 
-    fn unary(&self, op: UnaryOp) -> Result<Self>;
+    /// The elements of `src` laid out as `dst` (dense, offset 0) in a new buffer: the one copy
+    /// every view materialises through (contiguous(), memory-format changes, expand).
+    fn copy_strided(&self, src: &Layout, dst: &Layout) -> Result<Self>;
+
+    /// Same values in another dtype (floats round to nearest even; float → i64 truncates).
+    fn to_dtype(&self, l: &Layout, dtype: DType) -> Result<Self>;
+
+    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self>;
     /// `x·mul + add`.
-    fn affine(&self, mul: f64, add: f64) -> Result<Self>;
+    fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self>;
     /// `x^e`.
-    fn powf(&self, e: f64) -> Result<Self>;
-    /// Elementwise op with numpy broadcasting of both operands to `out`.
+    fn powf(&self, l: &Layout, e: f64) -> Result<Self>;
+    /// Elementwise op of two operands viewed with the shape of `out` (broadcast operands have
+    /// stride-0 layouts), written in the dense layout `out`.
     fn binary(
         &self,
+        l: &Layout,
         rhs: &Self,
+        rl: &Layout,
         op: BinaryOp,
-        lhs_shape: &Shape,
-        rhs_shape: &Shape,
-        out: &Shape,
+        out: &Layout,
     ) -> Result<Self>;
     /// `grad · (x > 0)`: the ReLU backward mask, called on `grad`.
-    fn relu_backward(&self, x: &Self) -> Result<Self>;
-    /// Copy of `self` (of shape `src`) broadcast to `dst`.
-    fn broadcast_to(&self, src: &Shape, dst: &Shape) -> Result<Self>;
+    fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self>;
 
-    /// Reduces the middle dimension: `(outer, len, inner) → (outer, inner)`. Half inputs accumulate in f32.
-    fn reduce(&self, op: ReduceOp, split: DimSplit) -> Result<Self>;
-    /// Index (I64) of the maximum along the middle dimension (first one on ties).
-    fn argmax(&self, split: DimSplit) -> Result<Self>;
-    /// `out[o, j, i] = self[o, idx[o, j, i], i]`, idx of shape `(outer, idx_len, inner)`.
-    fn gather(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self>;
-    /// Inverse of gather: zeros of `(outer, len, inner)` with `self[o, j, i]` added at `idx[o, j, i]`.
-    fn scatter_add(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self>;
+    /// Reduces dim `dim`. Half inputs accumulate in f32.
+    fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self>;
+    /// Index (I64) of the maximum along `dim` (first one on ties).
+    fn argmax(&self, l: &Layout, dim: usize) -> Result<Self>;
+    /// `out[.., j, ..] = self[.., idx[.., j, ..], ..]` along `dim`; the output has idx's shape.
+    fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Result<Self>;
+    /// Inverse of gather: zeros of shape `out` with `self[.., j, ..]` added at
+    /// `idx[.., j, ..]` along `dim` (`self` and `idx` share a shape).
+    fn scatter_add(
+        &self,
+        l: &Layout,
+        idx: &Self,
+        il: &Layout,
+        dim: usize,
+        out: &Shape,
+    ) -> Result<Self>;
+    /// Concatenates along `dim` (every other dim equal).
+    fn cat(parts: &[(&Self, &Layout)], dim: usize) -> Result<Self>;
 
-    /// `out` has the dims of `shape` permuted by `perm`.
-    fn permute(&self, shape: &Shape, perm: &[usize]) -> Result<Self>;
-    /// `(outer, len, inner) → (outer, count, inner)` starting at `start`.
-    fn narrow(&self, split: DimSplit, start: usize, count: usize) -> Result<Self>;
-    /// Concatenates along the middle dimension; part `i` is `(outer, lens[i], inner)`.
-    fn cat(parts: &[&Self], outer: usize, lens: &[usize], inner: usize) -> Result<Self>;
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self>;
 
-    fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self>;
-
-    fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
+    fn conv2d(&self, l: &Layout, weight: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self>;
     /// Gradient w.r.t. the input, called on the output gradient.
-    fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self>;
+    fn conv2d_backward_input(
+        &self,
+        l: &Layout,
+        weight: &Self,
+        wl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self>;
     /// Gradient w.r.t. the weight, called on the output gradient.
-    fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self>;
+    fn conv2d_backward_weight(
+        &self,
+        l: &Layout,
+        input: &Self,
+        il: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self>;
 
-    /// Training-mode batch norm. `weight`, `bias`, running statistics are F32 of length `c`;
-    /// the running statistics are updated in place (unbiased variance, as PyTorch).
-    /// Returns `(y, saved_mean, saved_invstd)`, the saved statistics F32.
+    /// Training-mode batch norm, with the fused epilogue `p.residual` / `p.relu` asks for
+    /// (`residual` laid out as the input). `weight`, `bias`, running statistics are F32 of length
+    /// `c` (contiguous, offset 0); the running statistics are updated in place (unbiased
+    /// variance, as PyTorch). Returns `(y, saved_mean, saved_invstd)`, y in `l`'s format.
+    #[allow(clippy::too_many_arguments)]
     fn batch_norm_train(
         &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
         weight: &Self,
         bias: &Self,
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)>;
-    /// Called on the output gradient; returns `(grad_input, grad_weight, grad_bias)`.
+    /// Called on the output gradient; `y` is the forward output, which the fused ReLU's
+    /// backward reads (`p.relu`).
+    #[allow(clippy::too_many_arguments)]
     fn batch_norm_backward(
         &self,
+        l: &Layout,
         x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
         weight: &Self,
         saved_mean: &Self,
         saved_invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)>;
+    ) -> Result<BatchNormGrads<Self>>;
 
     /// Returns `(out, argmax)` where argmax (I64) is the flat `h·w` index of each maximum.
-    fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)>;
+    fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)>;
     /// Called on the output gradient.
-    fn max_pool2d_backward(&self, argmax: &Self, p: &Pool2dParams) -> Result<Self>;
-    fn avg_pool2d(&self, p: &Pool2dParams) -> Result<Self>;
-    fn avg_pool2d_backward(&self, p: &Pool2dParams) -> Result<Self>;
-    fn adaptive_avg_pool2d(&self, p: &AdaptivePoolParams) -> Result<Self>;
-    fn adaptive_avg_pool2d_backward(&self, p: &AdaptivePoolParams) -> Result<Self>;
+    fn max_pool2d_backward(
+        &self,
+        l: &Layout,
+        argmax: &Self,
+        al: &Layout,
+        p: &Pool2dParams,
+    ) -> Result<Self>;
+    fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self>;
+    fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self>;
+    fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self>;
+    fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self>;
 
-    /// Softmax (or log-softmax) over the middle dimension, computed in f32 (f64 for F64).
-    fn softmax(&self, split: DimSplit, log: bool) -> Result<Self>;
+    /// Softmax (or log-softmax) over `dim`, computed in f32 (f64 for F64).
+    fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self>;
     /// Called on the output gradient with the forward output `y`.
-    fn softmax_backward(&self, y: &Self, split: DimSplit, log: bool) -> Result<Self>;
+    fn softmax_backward(
+        &self,
+        l: &Layout,
+        y: &Self,
+        yl: &Layout,
+        dim: usize,
+        log: bool,
+    ) -> Result<Self>;
 }
 
 // ---- multi-tensor kernels -------------------------------------------------------------------

@@ -313,6 +313,23 @@ impl ProcessGroup {
                 rhs: self.inner.device,
             });
         }
+        // Collectives read and write the buffer itself: the tensor must be all of it, in order.
+        let l = t.layout();
+        if !(l.is_contiguous() && l.offset() == 0 && t.storage().len() == t.elem_count()) {
+            return Err(Error::invalid_arg(
+                op,
+                "tensor",
+                format!(
+                    "a view (shape {:?}, strides {:?}, offset {}) of a buffer of {} elements",
+                    l.dims(),
+                    l.strides(),
+                    l.offset(),
+                    t.storage().len()
+                ),
+                "a row-major tensor that is its whole buffer (pass a copy: `t.contiguous()` of a \
+                 view, or `Tensor::cat` of the parts)",
+            ));
+        }
         Ok(())
     }
 

@@ -11,10 +11,11 @@
 //! its averaged gradient. So anything that runs after backward (AMP's overflow check, the
 //! optimizer) reads the reduced gradients, on every rank the same.
 //!
-//! The buckets are copies: a gradient is cut out of its bucket with `narrow` after the
-//! reduction. When tensors become strided views (the `Layout` work), `unflatten` is where a
-//! gradient becomes a view of the bucket instead, and `flatten` where the copy in disappears
-//! (gradients accumulated into persistent bucket storage): nothing else here changes.
+//! The buckets are copies: gradients are packed with `cat`, and after the reduction each is cut
+//! out of its bucket (a view) and copied into a buffer of its own, because the fused
+//! optimizers' multi-tensor kernels take whole buffers. When they take views, `unflatten` keeps
+//! the view (gradients as views of the bucket, PyTorch's `gradient_as_bucket_view`), and `launch`
+//! is where persistent bucket storage would replace the `cat`: nothing else here changes.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -369,7 +370,14 @@ impl Reducer {
         for &i in &bucket.params {
             let p = &self.params[i];
             let n = p.elem_count();
-            let g = flat.narrow(0, at, n)?.reshape(p.shape().clone())?;
+            // A view of the bucket, then a buffer of the gradient's own laid out as its
+            // parameter (channels_last included): the fused optimizers take whole buffers, not
+            // views. When they take views, `owned` goes and the gradient stays in the bucket.
+            let g = flat
+                .narrow(0, at, n)?
+                .reshape(p.shape().clone())?
+                .laid_out_like(p)?;
+            let g = if g.same_storage(&flat) { g.owned()? } else { g };
             p.set_grad(Some(g));
             at += n;
         }

@@ -74,7 +74,7 @@ fn group_of(weight: &Tensor) -> Result<Option<ProcessGroup>> {
 
 /// A copy of `t` summed over the ranks, whose gradient is summed over the ranks too.
 fn all_reduce_sum(group: &ProcessGroup, t: &Tensor) -> Result<Tensor> {
-    let value = crate::with_no_grad(|| t.detach().affine(1.0, 0.0))?;
+    let value = crate::with_no_grad(|| t.detach().owned())?;
     group.all_reduce(&value, ReduceOp::Sum)?;
     let g = group.clone();
     Ok(custom_function(
@@ -83,7 +83,7 @@ fn all_reduce_sum(group: &ProcessGroup, t: &Tensor) -> Result<Tensor> {
         &value,
         move |grad| {
             // A copy: the incoming gradient may be shared with other nodes.
-            let total = grad.detach().affine(1.0, 0.0)?;
+            let total = grad.detach().owned()?.contiguous()?;
             g.all_reduce(&total, ReduceOp::Sum)?;
             Ok(vec![Some(total)])
         },

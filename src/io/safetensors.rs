@@ -153,6 +153,8 @@ fn header_bytes(
 
 /// Writes `t`'s values little-endian, in blocks (the host copy of a device tensor is made once).
 fn write_data(w: &mut dyn Write, t: &Tensor) -> Result<()> {
+    // Files hold logical (row-major) tensors, whatever the memory format.
+    let t = t.compact()?;
     let guard = t.storage();
     let host;
     let cpu = match &*guard {

@@ -70,10 +70,34 @@ impl BatchNorm2d {
     }
 }
 
-impl Module for BatchNorm2d {
-    /// Training mode normalises with the batch statistics, updates the running statistics and
-    /// counts the batch; eval mode uses the running statistics.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl BatchNorm2d {
+    /// `relu(bn(x))` in one fused op (what a ResNet block's `bn → relu` runs).
+    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        self.run(
+            x,
+            |x, w, b, rm, rv, cfg| x.batch_norm_relu(w, b, rm, rv, cfg),
+            |y| y.relu(),
+        )
+    }
+
+    /// `relu(bn(x) + residual)` in one fused op (the end of a ResNet block).
+    pub fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.run(
+            x,
+            |x, w, b, rm, rv, cfg| x.batch_norm_add_relu(residual, w, b, rm, rv, cfg),
+            |y| y.add(residual)?.relu(),
+        )
+    }
+
+    /// Checks the input, runs `op` with this module's tensors and settings, and counts a
+    /// training batch. A layer converted to SyncBatchNorm normalises over every rank's batch in
+    /// training instead, then applies `unfused` (what `op` fuses after the normalisation).
+    fn run(
+        &self,
+        x: &Tensor,
+        op: impl FnOnce(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, BatchNormConfig) -> Result<Tensor>,
+        unfused: impl FnOnce(Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         if x.rank() != 4 {
             return Err(Error::invalid_shape(
                 "BatchNorm2d",
@@ -82,15 +106,15 @@ impl Module for BatchNorm2d {
             ));
         }
         let training = self.training.get();
-        // A layer converted to SyncBatchNorm normalises over every rank's batch in training.
         let synced = if training {
             crate::distributed::sync_batch_norm::forward(self, x)?
         } else {
             None
         };
         let y = match synced {
-            Some(y) => y,
-            None => x.batch_norm(
+            Some(y) => unfused(y)?,
+            None => op(
+                x,
                 &self.weight,
                 &self.bias,
                 &self.running_mean,
@@ -109,6 +133,18 @@ impl Module for BatchNorm2d {
             self.num_batches_tracked.set_data(&next)?;
         }
         Ok(y)
+    }
+}
+
+impl Module for BatchNorm2d {
+    /// Training mode normalises with the batch statistics, updates the running statistics and
+    /// counts the batch; eval mode uses the running statistics.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.run(
+            x,
+            |x, w, b, rm, rv, cfg| x.batch_norm(w, b, rm, rv, cfg),
+            Ok,
+        )
     }
 
     fn visit_own(&self, f: &mut dyn FnMut(&TensorInfo)) {

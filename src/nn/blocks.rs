@@ -134,7 +134,8 @@ fn downsample_for(
     }
 }
 
-/// `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`.
+/// `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`; each `bn → (+ shortcut) → relu` is
+/// one fused op.
 #[derive(Debug)]
 pub struct BasicBlock {
     pub conv1: Conv2d,
@@ -179,20 +180,26 @@ impl BasicBlock {
     }
 }
 
-/// `relu(out + shortcut(x))`, the shortcut being `x` itself or the downsample branch.
-fn add_shortcut(out: &Tensor, x: &Tensor, downsample: Option<&Downsample>) -> Result<Tensor> {
+/// `relu(bn(out) + shortcut(x))` in one fused op, the shortcut being `x` itself or the
+/// downsample branch.
+fn bn_add_shortcut(
+    bn: &BatchNorm2d,
+    out: &Tensor,
+    x: &Tensor,
+    downsample: Option<&Downsample>,
+) -> Result<Tensor> {
     let identity = match downsample {
         Some(d) => d.forward(x)?,
         None => x.clone(),
     };
-    out.add(&identity)?.relu()
+    bn.forward_add_relu(out, &identity)
 }
 
 impl Module for BasicBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let out = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
-        let out = self.bn2.forward(&self.conv2.forward(&out)?)?;
-        add_shortcut(&out, x, self.downsample.as_ref())
+        let out = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
+        let out = self.conv2.forward(&out)?;
+        bn_add_shortcut(&self.bn2, &out, x, self.downsample.as_ref())
     }
 
     fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
@@ -262,10 +269,10 @@ impl Bottleneck {
 
 impl Module for Bottleneck {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let out = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
-        let out = self.bn2.forward(&self.conv2.forward(&out)?)?.relu()?;
-        let out = self.bn3.forward(&self.conv3.forward(&out)?)?;
-        add_shortcut(&out, x, self.downsample.as_ref())
+        let out = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
+        let out = self.bn2.forward_relu(&self.conv2.forward(&out)?)?;
+        let out = self.conv3.forward(&out)?;
+        bn_add_shortcut(&self.bn3, &out, x, self.downsample.as_ref())
     }
 
     fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {

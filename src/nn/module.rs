@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::{Error, Mismatch, Result};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, MemoryFormat, Tensor};
 
 /// Whether a tensor is trained (a parameter) or state that is saved but not trained (a buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -216,6 +216,22 @@ pub trait Module: Send + Sync {
         result
     }
 
+    /// Lays every 4-D parameter and buffer (convolution weights) out in `format`, in place, with
+    /// its gradient (PyTorch's `model.to(memory_format=...)`). With channels_last weights and
+    /// inputs, convolutions, batch norm and pooling run NHWC end to end on the GPU. Call it
+    /// before creating the optimizer or `amp::initialize`: their state takes each parameter's
+    /// layout when it is made. State dicts and checkpoints hold logical tensors whatever the
+    /// format.
+    fn to_memory_format(&self, format: MemoryFormat) -> Result<()> {
+        let mut result = Ok(());
+        self.visit("", &mut |i| {
+            if result.is_ok() && i.tensor.rank() == 4 {
+                result = i.tensor.to_memory_format_(format);
+            }
+        });
+        result
+    }
+
     /// Switches this module and its descendants to training (`true`) or eval (`false`) mode.
     fn set_training(&self, training: bool) {
         if let Some(f) = self.training_flag() {
@@ -318,8 +334,7 @@ fn state_copy(t: &Tensor) -> Result<Tensor> {
     if t.dtype().is_half() {
         return t.to_dtype(DType::F32);
     }
-    let storage = t.storage().try_clone()?;
-    Ok(Tensor::from_storage(storage, t.shape().clone()))
+    t.owned()
 }
 
 fn cast_with_grad(t: &Tensor, dtype: DType) -> Result<()> {

@@ -283,7 +283,7 @@ impl Module for ResNet {
                 format!("input must be [n, {}, h, w]", self.config.in_channels),
             ));
         }
-        let mut y = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
+        let mut y = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
         if let Some(mp) = &self.maxpool {
             y = mp.forward(&y)?;
         }

@@ -112,7 +112,7 @@ impl<C> Core<C> {
             let Some(grad) = p.grad() else { continue };
             let st = self.state[gi][idx].get_or_insert_with(Vec::new);
             while st.len() < n_state {
-                st.push(Tensor::zeros(p.shape().clone(), DType::F32, self.device)?);
+                st.push(state_zeros(p)?);
             }
             out.push(Active { idx, grad });
         }
@@ -388,7 +388,10 @@ impl<C> Core<C> {
                             format!("state `{name}` of parameter {pos}"),
                         ));
                     }
-                    owned_copy(&t.to_device(self.device)?, DType::F32)
+                    // Laid out as the parameter (a channels_last weight's state is too).
+                    owned_copy(&t.to_device(self.device)?, DType::F32)?
+                        .laid_out_like(p)
+                        .map(|t| t.detach())
                 };
                 if let Some(k) = names.iter().position(|n| n == name) {
                     bufs[k] = Some(full(t)?);
@@ -438,7 +441,7 @@ impl<C> Core<C> {
                     .into_iter()
                     .map(|b| match b {
                         Some(b) => Ok(b),
-                        None => Tensor::zeros(p.shape().clone(), DType::F32, self.device),
+                        None => state_zeros(p),
                     })
                     .collect::<Result<Vec<_>>>()?;
                 state[gi][idx] = Some(bufs);
@@ -700,4 +703,12 @@ pub(crate) fn beta3(grad_averaging: bool, beta1: f64) -> f32 {
     } else {
         1.0
     }
+}
+
+/// An F32 state buffer of zeros for `p`, laid out as `p` (the fused kernels walk a parameter,
+/// its gradient and its state in one order).
+fn state_zeros(p: &Tensor) -> Result<Tensor> {
+    Ok(Tensor::zeros(p.shape().clone(), DType::F32, p.device())?
+        .laid_out_like(p)?
+        .detach())
 }

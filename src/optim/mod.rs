@@ -289,6 +289,5 @@ pub(crate) fn owned_copy(t: &Tensor, dtype: DType) -> Result<Tensor> {
     if t.dtype() != dtype {
         return t.to_dtype(dtype);
     }
-    let s = t.storage().try_clone()?;
-    Ok(Tensor::from_storage(s, t.shape().clone()))
+    t.owned()
 }

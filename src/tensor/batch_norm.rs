@@ -2,7 +2,8 @@
 //!
 //! Training mode normalises with the batch statistics (one backend kernel, which also updates
 //! the running statistics in place); eval mode is an affine map per channel built from the
-//! running statistics, composed from elementwise ops.
+//! running statistics, composed from elementwise ops. The fused variants end in a residual add
+//! and a ReLU in the same kernel (ResNet's `bn → relu` and `bn → + identity → relu`).
 
 use super::{DType, Shape, Tensor};
 use crate::autograd::Op;
@@ -27,6 +28,14 @@ impl Default for BatchNormConfig {
     }
 }
 
+/// What follows the normalisation in one kernel: `y = relu(bn(x) + residual)`, each part
+/// optional.
+#[derive(Clone, Copy)]
+struct Epilogue<'a> {
+    residual: Option<&'a Tensor>,
+    relu: bool,
+}
+
 impl Tensor {
     /// `y = (x − mean)/√(var + eps)·weight + bias` per channel. In training, batch statistics
     /// are used and `running_mean`/`running_var` updated (unbiased variance); in eval, the
@@ -40,7 +49,76 @@ impl Tensor {
         running_var: &Tensor,
         cfg: BatchNormConfig,
     ) -> Result<Tensor> {
-        let op = "batch_norm";
+        let epi = Epilogue {
+            residual: None,
+            relu: false,
+        };
+        self.batch_norm_impl(epi, weight, bias, running_mean, running_var, cfg)
+    }
+
+    /// `relu(batch_norm(x))` as one op: one pass writes the activation, and the backward reads
+    /// the saved output for the ReLU's mask (ResNet's `bn → relu`).
+    pub fn batch_norm_relu(
+        &self,
+        weight: &Tensor,
+        bias: &Tensor,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        cfg: BatchNormConfig,
+    ) -> Result<Tensor> {
+        let epi = Epilogue {
+            residual: None,
+            relu: true,
+        };
+        self.batch_norm_impl(epi, weight, bias, running_mean, running_var, cfg)
+    }
+
+    /// `relu(batch_norm(x) + residual)` as one op (the end of a ResNet block): the residual has
+    /// this tensor's shape; its gradient is the one through the ReLU.
+    pub fn batch_norm_add_relu(
+        &self,
+        residual: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        cfg: BatchNormConfig,
+    ) -> Result<Tensor> {
+        let epi = Epilogue {
+            residual: Some(residual),
+            relu: true,
+        };
+        self.batch_norm_impl(epi, weight, bias, running_mean, running_var, cfg)
+    }
+
+    /// The epilogue composed from separate ops (eval mode, and what the fused kernels do not
+    /// cover: f64 on CUDA, a residual of another dtype).
+    fn batch_norm_then(&self, y: Tensor, epi: Epilogue<'_>) -> Result<Tensor> {
+        let y = match epi.residual {
+            Some(r) => y.add(r)?,
+            None => y,
+        };
+        if epi.relu {
+            y.relu()
+        } else {
+            Ok(y)
+        }
+    }
+
+    fn batch_norm_impl(
+        &self,
+        epi: Epilogue<'_>,
+        weight: &Tensor,
+        bias: &Tensor,
+        running_mean: &Tensor,
+        running_var: &Tensor,
+        cfg: BatchNormConfig,
+    ) -> Result<Tensor> {
+        let op = match (epi.residual.is_some(), epi.relu) {
+            (true, _) => "batch_norm_add_relu",
+            (false, true) => "batch_norm_relu",
+            _ => "batch_norm",
+        };
         self.float_only(op)?;
         if self.rank() < 2 {
             return Err(Error::invalid_shape(
@@ -61,6 +139,17 @@ impl Tensor {
                 ));
             }
         }
+        if let Some(r) = epi.residual {
+            self.same_device(op, r)?;
+            if r.shape() != self.shape() {
+                return Err(Error::shape_mismatch(
+                    op,
+                    self.shape(),
+                    r.shape(),
+                    "the residual must have the input's shape",
+                ));
+            }
+        }
         // Written so that NaN fails too.
         let eps_ok = cfg.eps > 0.0;
         if !eps_ok || !(0.0..=1.0).contains(&cfg.momentum) {
@@ -77,7 +166,19 @@ impl Tensor {
             DType::F32
         };
         if !cfg.training {
-            return self.batch_norm_eval(weight, bias, running_mean, running_var, cfg.eps, acc);
+            let y = self.batch_norm_eval(weight, bias, running_mean, running_var, cfg.eps, acc)?;
+            return self.batch_norm_then(y, epi);
+        }
+        // The CUDA fused kernels cover f16/bf16/f32; a residual of another dtype promotes.
+        let fusable = (self.device().is_cpu() || self.dtype() != DType::F64)
+            && epi.residual.is_none_or(|r| r.dtype() == self.dtype());
+        if (epi.relu || epi.residual.is_some()) && !fusable {
+            let plain = Epilogue {
+                residual: None,
+                relu: false,
+            };
+            let y = self.batch_norm_impl(plain, weight, bias, running_mean, running_var, cfg)?;
+            return self.batch_norm_then(y, epi);
         }
         let n = self.dims()[0];
         let spatial = self.elem_count() / (n * c).max(1);
@@ -88,55 +189,84 @@ impl Tensor {
                 "training needs more than one value per channel",
             ));
         }
+        let (run, keep) = self.op_formats();
         let p = BatchNormParams {
             n,
             c,
             spatial,
             eps: cfg.eps,
             momentum: cfg.momentum,
+            format: run,
+            residual: epi.residual.is_some(),
+            relu: epi.relu,
         };
+        let x = self.packed_as(run)?;
+        let res = epi.residual.map(|r| r.packed_as(run)).transpose()?;
         // The kernel takes parameters in the accumulation type; a cast is recorded so that the
         // gradient returns in the parameters' own dtype (O3 keeps BatchNorm in half).
-        let (w, b) = (weight.to_dtype(acc)?, bias.to_dtype(acc)?);
-        let stats_in_acc = running_mean.dtype() == acc && running_var.dtype() == acc;
-        let (y, mean, invstd) = if stats_in_acc {
+        let (w, b) = (
+            weight.to_dtype(acc)?.compact()?,
+            bias.to_dtype(acc)?.compact()?,
+        );
+        let in_place = |t: &Tensor| {
+            let l = t.layout();
+            t.dtype() == acc && l.offset() == 0 && t.storage().len() == c
+        };
+        let res_storage = res.as_ref().map(|r| r.storage());
+        let res_layout = res.as_ref().map(|r| r.layout());
+        let res_arg = res_storage.as_deref().zip(res_layout.as_deref());
+        let (y, mean, invstd) = if in_place(running_mean) && in_place(running_var) {
             let mut rm = running_mean.storage_mut();
             let mut rv = running_var.storage_mut();
-            self.storage()
-                .batch_norm_train(&w.storage(), &b.storage(), &mut rm, &mut rv, &p)?
-        } else {
-            // Statistics kept in half (O3): update a wide copy, then store it back rounded.
-            let mut rm = running_mean.storage().to_dtype(acc)?;
-            let mut rv = running_var.storage().to_dtype(acc)?;
-            let out = self.storage().batch_norm_train(
+            x.storage().batch_norm_train(
+                &x.layout(),
+                res_arg,
                 &w.storage(),
                 &b.storage(),
                 &mut rm,
                 &mut rv,
                 &p,
+            )?
+        } else {
+            // Statistics kept in half (O3), or views: update a wide copy, then store it back.
+            let (rm_acc, rv_acc) = (
+                running_mean.detach().to_dtype(acc)?.compact()?,
+                running_var.detach().to_dtype(acc)?.compact()?,
+            );
+            let (rm_acc, rv_acc) = (rm_acc.owned()?, rv_acc.owned()?);
+            let out = x.storage().batch_norm_train(
+                &x.layout(),
+                res_arg,
+                &w.storage(),
+                &b.storage(),
+                &mut rm_acc.storage_mut(),
+                &mut rv_acc.storage_mut(),
+                &p,
             )?;
-            *running_mean.storage_mut() = rm.to_dtype(running_mean.dtype())?;
-            *running_var.storage_mut() = rv.to_dtype(running_var.dtype())?;
+            running_mean.set_data(&rm_acc.to_dtype(running_mean.dtype())?)?;
+            running_var.set_data(&rv_acc.to_dtype(running_var.dtype())?)?;
             out
         };
+        drop(res_storage);
         let cs = Shape::new(vec![c]);
         let (mean, invstd) = (
             Tensor::from_storage(mean, cs.clone()),
             Tensor::from_storage(invstd, cs),
         );
-        Ok(Tensor::from_op(
-            y,
-            self.shape().clone(),
-            &[self, &w, &b],
-            || Op::BatchNorm {
-                x: self.clone(),
-                w: w.clone(),
-                b: b.clone(),
+        let mut inputs = vec![self, &w, &b];
+        if let Some(r) = epi.residual {
+            inputs.push(r);
+        }
+        let y =
+            Tensor::from_op_with_output(y, x.layout().dense_like(), &inputs, |y| Op::BatchNorm {
+                x: x.detach(),
+                w: w.detach(),
+                y: p.relu.then_some(y),
                 mean,
                 invstd,
                 p,
-            },
-        ))
+            });
+        y.to_memory_format(keep)
     }
 
     fn batch_norm_eval(

@@ -10,9 +10,10 @@ impl Tensor {
         if self.dtype() == dtype {
             return Ok(self.clone());
         }
-        let s = self.storage().to_dtype(dtype)?;
-        Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
-            Op::ToDType(self.clone())
+        let x = self.dense()?;
+        let s = x.storage().to_dtype(&x.layout(), dtype)?;
+        Ok(Tensor::from_op(s, x.layout().dense_like(), &[self], || {
+            Op::ToDType { from: self.dtype() }
         }))
     }
 
@@ -20,9 +21,18 @@ impl Tensor {
         if self.device() == device {
             return Ok(self.clone());
         }
-        let s = self.storage().to_device(device)?;
-        Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
-            Op::ToDevice(self.clone())
+        // Whole buffers move: a dense tensor over exactly its buffer keeps its strides.
+        let l = self.layout();
+        let x = if l.is_dense() && l.offset() == 0 && self.storage().len() == l.elem_count() {
+            self.clone()
+        } else {
+            self.compact()?
+        };
+        let s = x.storage().to_device(device)?;
+        Ok(Tensor::from_op(s, (*x.layout()).clone(), &[self], || {
+            Op::ToDevice {
+                from: self.device(),
+            }
         }))
     }
 }

@@ -1,6 +1,7 @@
-//! 2-D convolution (NCHW).
+//! 2-D convolution over logical `[n, c, h, w]` tensors, contiguous (NCHW) or channels_last
+//! (NHWC, with KRSC weights): the result keeps the input's format.
 
-use super::{Shape, Tensor};
+use super::{Layout, MemoryFormat, Shape, Tensor};
 use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::Conv2dParams;
@@ -83,6 +84,7 @@ impl Tensor {
             padding: cfg.padding,
             dilation: cfg.dilation,
             groups: g,
+            format: MemoryFormat::Contiguous,
         };
         let eff = |k: usize, d: usize| d * (k.max(1) - 1) + 1;
         if x[2] + 2 * cfg.padding.0 < eff(w[2], cfg.dilation.0)
@@ -97,13 +99,23 @@ impl Tensor {
                 "the (padded) input is smaller than the kernel",
             ));
         }
-        let s = self.storage().conv2d(&weight.storage(), &p)?;
+        let (run, keep) = self.op_formats();
+        let p = Conv2dParams { format: run, ..p };
+        let (xr, wr) = (self.packed_as(run)?, weight.packed_as(run)?);
+        let s = xr
+            .storage()
+            .conv2d(&xr.layout(), &wr.storage(), &wr.layout(), &p)?;
         let shape = Shape::new(vec![p.n, p.c_out, p.out_h(), p.out_w()]);
-        let y = Tensor::from_op(s, shape, &[self, weight], || Op::Conv2d {
-            x: self.clone(),
-            w: weight.clone(),
-            p,
+        let y = Tensor::from_op(s, Layout::with_format(shape, run), &[self, weight], || {
+            Op::Conv2d {
+                x: weight.requires_grad().then(|| xr.detach()),
+                w: self.requires_grad().then(|| wr.detach()),
+                x_shape: self.shape().clone(),
+                w_shape: weight.shape().clone(),
+                p,
+            }
         });
+        let y = y.to_memory_format(keep)?;
         match bias {
             None => Ok(y),
             Some(b) => {

@@ -1,6 +1,8 @@
-//! Elementwise ops: unary, scalar, and binary with broadcasting and type promotion.
+//! Elementwise ops: unary, scalar, and binary with broadcasting and type promotion. Dense
+//! inputs (contiguous, channels_last, any dense permutation) keep their strides; binary
+//! operands are read through their (possibly broadcast) strides.
 
-use super::{Shape, Tensor};
+use super::{Layout, Tensor};
 use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::{BinaryOp, UnaryOp};
@@ -12,14 +14,18 @@ impl Tensor {
             return x.unary_op(op);
         }
         self.float_only(op.name())?;
-        let s = self.storage().unary(op)?;
+        let x = self.dense()?;
+        let s = x.storage().unary(&x.layout(), op)?;
         Ok(Tensor::from_op_with_output(
             s,
-            self.shape().clone(),
+            x.layout().dense_like(),
             &[self],
             |y| Op::Unary {
-                x: self.clone(),
-                y,
+                saved: match op {
+                    UnaryOp::Neg => None,
+                    UnaryOp::Relu | UnaryOp::Exp | UnaryOp::Sqrt => Some(y),
+                    UnaryOp::Log | UnaryOp::Sqr | UnaryOp::Abs => Some(self.detach()),
+                },
                 op,
             },
         ))
@@ -50,12 +56,10 @@ impl Tensor {
     /// `self·mul + add`.
     pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
         self.float_only("affine")?;
-        let s = self.storage().affine(mul, add)?;
-        Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
-            Op::Affine {
-                x: self.clone(),
-                mul,
-            }
+        let x = self.dense()?;
+        let s = x.storage().affine(&x.layout(), mul, add)?;
+        Ok(Tensor::from_op(s, x.layout().dense_like(), &[self], || {
+            Op::Affine { mul }
         }))
     }
 
@@ -72,9 +76,13 @@ impl Tensor {
             return x.powf(e);
         }
         self.float_only("powf")?;
-        let s = self.storage().powf(e)?;
-        Ok(Tensor::from_op(s, self.shape().clone(), &[self], || {
-            Op::Powf { x: self.clone(), e }
+        let x = self.dense()?;
+        let s = x.storage().powf(&x.layout(), e)?;
+        Ok(Tensor::from_op(s, x.layout().dense_like(), &[self], || {
+            Op::Powf {
+                x: self.detach(),
+                e,
+            }
         }))
     }
 
@@ -90,12 +98,27 @@ impl Tensor {
         // Promotion as PyTorch's: the narrower operand is cast (and the cast is differentiable).
         let dt = super::DType::promote(self.dtype(), rhs.dtype());
         let (a, b) = (self.to_dtype(dt)?, rhs.to_dtype(dt)?);
+        // Same shape and the same dense strides: the result keeps them (a channels_last sum
+        // stays channels_last); otherwise it is row-major.
+        let out_layout = if a.shape() == b.shape()
+            && a.layout().is_dense()
+            && a.layout().strides() == b.layout().strides()
+        {
+            a.layout().dense_like()
+        } else {
+            Layout::contiguous(out.clone())
+        };
+        let (la, lb) = (a.layout().expand(&out), b.layout().expand(&out));
         let s = a
             .storage()
-            .binary(&b.storage(), op, a.shape(), b.shape(), &out)?;
-        Ok(Tensor::from_op(s, out, &[&a, &b], || Op::Binary {
-            lhs: a.clone(),
-            rhs: b.clone(),
+            .binary(&la, &b.storage(), &lb, op, &out_layout)?;
+        Ok(Tensor::from_op(s, out_layout, &[&a, &b], || Op::Binary {
+            operands: match op {
+                BinaryOp::Add | BinaryOp::Sub => None,
+                _ => Some((a.detach(), b.detach())),
+            },
+            lhs_shape: a.shape().clone(),
+            rhs_shape: b.shape().clone(),
             op,
         }))
     }
@@ -119,30 +142,24 @@ impl Tensor {
         self.binary_op(rhs, BinaryOp::Minimum)
     }
 
-    /// `grad · (x > 0)`, the ReLU derivative (not recorded: used by backward passes).
+    /// `grad · (x > 0)`, the ReLU derivative (not recorded: used by backward passes). The
+    /// result has `x`'s layout when `x` is dense.
     pub(crate) fn relu_backward(&self, x: &Tensor) -> Result<Tensor> {
-        let s = self.storage().relu_backward(&x.storage())?;
-        Ok(Tensor::from_storage(s, self.shape().clone()))
+        let x = x.dense()?;
+        let g = self.laid_out_like(&x)?;
+        let s = g
+            .storage()
+            .relu_backward(&g.layout(), &x.storage(), &x.layout())?;
+        Ok(Tensor::from_storage(s, x.layout().dense_like()))
     }
 
-    /// This tensor broadcast (numpy rules) to `shape`.
-    pub fn broadcast_as(&self, shape: &Shape) -> Result<Tensor> {
-        if self.shape() == shape {
-            return Ok(self.clone());
+    /// This tensor when its layout is dense (elementwise kernels run over its span), else a
+    /// contiguous copy.
+    pub(crate) fn dense(&self) -> Result<Tensor> {
+        if self.layout().is_dense() {
+            Ok(self.clone())
+        } else {
+            self.contiguous()
         }
-        super::check_size("broadcast_as", shape, self.dtype())?;
-        let b = self.shape().broadcast_with("broadcast_as", shape)?;
-        if &b != shape {
-            return Err(crate::Error::shape_mismatch(
-                "broadcast_as",
-                self.shape(),
-                shape,
-                "cannot broadcast to the target",
-            ));
-        }
-        let s = self.storage().broadcast_to(self.shape(), shape)?;
-        Ok(Tensor::from_op(s, shape.clone(), &[self], || {
-            Op::BroadcastTo(self.clone())
-        }))
     }
 }

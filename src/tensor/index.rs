@@ -27,15 +27,15 @@ impl Tensor {
                 format!("index must match the input in every dim but {d}"),
             ));
         }
-        let idx_len = index.dims()[d];
-        let s = self
+        let (x, index) = (self.contiguous()?, index.contiguous()?);
+        let s = x
             .storage()
-            .gather(&index.storage(), self.shape().split_at_dim(d), idx_len)?;
+            .gather(&x.layout(), &index.storage(), &index.layout(), d)?;
         Ok(Tensor::from_op(s, index.shape().clone(), &[self], || {
             Op::Gather {
-                x: self.clone(),
+                from: self.shape().clone(),
                 dim: d,
-                index: index.clone(),
+                index: index.detach(),
             }
         }))
     }
@@ -48,12 +48,11 @@ impl Tensor {
         dim: usize,
         shape: &Shape,
     ) -> Result<Tensor> {
-        let g = self.reshape(index.shape().clone())?;
-        let s = g.storage().scatter_add(
-            &index.storage(),
-            shape.split_at_dim(dim),
-            index.dims()[dim],
-        )?;
+        let g = self.reshape(index.shape().clone())?.contiguous()?;
+        let index = index.contiguous()?;
+        let s =
+            g.storage()
+                .scatter_add(&g.layout(), &index.storage(), &index.layout(), dim, shape)?;
         Ok(Tensor::from_storage(s, shape.clone()))
     }
 }

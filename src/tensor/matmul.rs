@@ -89,10 +89,13 @@ impl Tensor {
         let (dims, shape) = matmul_dims(self.shape(), rhs.shape(), trans_a, trans_b)?;
         // [m, 0]·[0, n] can ask for more than exists.
         super::check_size("matmul", &shape, self.dtype())?;
-        let s = self.storage().matmul(&rhs.storage(), &dims)?;
+        let (a, b) = (self.contiguous()?, rhs.contiguous()?);
+        let s = a
+            .storage()
+            .matmul(&a.layout(), &b.storage(), &b.layout(), &dims)?;
         Ok(Tensor::from_op(s, shape, &[self, rhs], || Op::Matmul {
-            lhs: self.clone(),
-            rhs: rhs.clone(),
+            lhs: a.detach(),
+            rhs: b.detach(),
             dims,
         }))
     }

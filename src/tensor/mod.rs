@@ -1,9 +1,11 @@
-//! `Tensor`: a cheap handle (Arc) to a buffer on a device, with a shape, a runtime dtype and,
+//! `Tensor`: a cheap handle (Arc) to a buffer on a device, with a layout (shape, strides,
+//! offset: see [`Layout`]), a runtime dtype and,
 //! when it was computed from tensors that need gradients, the autograd node that made it.
 //!
 //! Invariants:
-//! - storage is contiguous row-major; `shape.elem_count() == storage.len()`;
-//! - shape and device never change; the dtype and contents of a *variable* (a parameter or a
+//! - the layout addresses elements inside the storage (`layout.storage_end() <= storage.len()`);
+//!   views (reshape, permute, narrow, expand) share the storage with another layout;
+//! - shape and device never change; the dtype, layout and contents of a *variable* (a parameter or a
 //!   buffer) may be replaced in place by optimizers and AMP (`set_data`, `cast_in_place`), which is
 //!   how a parameter keeps its identity while an optimizer or `amp::initialize` holds it;
 //! - every op checks its operands and returns an `Error` naming them; none panics on user input.
@@ -23,6 +25,7 @@ mod reduce;
 mod shape;
 mod softmax;
 pub(crate) mod storage;
+mod view;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -31,10 +34,11 @@ pub use batch_norm::BatchNormConfig;
 pub use conv::Conv2dConfig;
 pub use device::Device;
 pub use dtype::{DType, WithDType};
+pub use layout::{Layout, MemoryFormat};
 pub use shape::Shape;
 pub use storage::Storage;
 
-use crate::autograd::{self, Op};
+use crate::autograd::{self, Node, Op};
 use crate::backend::cpu::CpuStorage;
 use crate::error::{Error, Result};
 
@@ -51,36 +55,20 @@ impl TensorId {
 
 pub(crate) struct TensorInner {
     id: TensorId,
+    /// The logical shape (also in `layout`; kept apart so that `shape()` borrows).
     shape: Shape,
+    /// Replaced only by `to_memory_format_` on a variable that owns its buffer.
+    layout: RwLock<Arc<Layout>>,
     device: Device,
     storage: Arc<RwLock<Storage>>,
-    /// The op that computed this tensor, when it is part of an autograd graph.
-    op: Option<Op>,
+    /// The graph node of the op that computed this tensor, when one was recorded.
+    node: Option<Arc<Node>>,
     /// Leaves that collect gradients (parameters, inputs of gradient checks).
     is_variable: bool,
     requires_grad: AtomicBool,
     grad: Mutex<Option<Tensor>>,
     /// Backward hooks (autograd::hooks), allocated at the first registration.
     hooks: OnceLock<Box<autograd::Hooks>>,
-}
-
-impl Drop for TensorInner {
-    /// Each node's op owns its inputs, so the default (recursive) drop of a long graph — a loss
-    /// summed over many steps, an unrolled recurrence — overflows the stack. Nodes this one owns
-    /// alone are unlinked here with an explicit stack instead.
-    fn drop(&mut self) {
-        let Some(op) = self.op.take() else { return };
-        let mut pending: Vec<Tensor> = op.inputs().into_iter().cloned().collect();
-        drop(op);
-        while let Some(t) = pending.pop() {
-            // Err: someone else still holds the node; it lives on (or drops there, iteratively).
-            if let Ok(mut inner) = Arc::try_unwrap(t.0) {
-                if let Some(op) = inner.op.take() {
-                    pending.extend(op.inputs().into_iter().cloned());
-                }
-            }
-        }
-    }
 }
 
 #[derive(Clone)]
@@ -101,24 +89,27 @@ impl std::fmt::Debug for Tensor {
 impl Tensor {
     // ---- construction -------------------------------------------------------------------------
 
-    pub(crate) fn from_storage(storage: Storage, shape: Shape) -> Tensor {
-        debug_assert_eq!(storage.len(), shape.elem_count());
-        Self::build(Arc::new(RwLock::new(storage)), shape, None, false)
+    /// A tensor over a new buffer laid out as `layout` (a [`Shape`] means contiguous).
+    pub(crate) fn from_storage(storage: Storage, layout: impl Into<Layout>) -> Tensor {
+        let layout = layout.into();
+        debug_assert!(layout.storage_end() <= storage.len().max(layout.offset()));
+        Self::build(Arc::new(RwLock::new(storage)), layout, None, false)
     }
 
     fn build(
         storage: Arc<RwLock<Storage>>,
-        shape: Shape,
-        op: Option<Op>,
+        layout: Layout,
+        node: Option<Arc<Node>>,
         is_variable: bool,
     ) -> Tensor {
         let device = storage.read().unwrap_or_else(|e| e.into_inner()).device();
         Tensor(Arc::new(TensorInner {
             id: TensorId::new(),
-            shape,
+            shape: layout.shape().clone(),
+            layout: RwLock::new(Arc::new(layout)),
             device,
             storage,
-            op,
+            node,
             is_variable,
             requires_grad: AtomicBool::new(is_variable),
             grad: Mutex::new(None),
@@ -129,37 +120,49 @@ impl Tensor {
     /// A tensor sharing this one's buffer whose graph node is `op` when an input records
     /// (`autograd::custom_function`).
     pub(crate) fn with_op(&self, inputs: &[&Tensor], op: impl FnOnce() -> Op) -> Tensor {
-        let op = autograd::records(inputs).then(op);
-        Self::build(self.0.storage.clone(), self.shape().clone(), op, false)
+        let node = Node::record(inputs, self.dtype(), op);
+        Self::build(
+            self.0.storage.clone(),
+            (*self.layout()).clone(),
+            node,
+            false,
+        )
     }
 
     /// The result of an op: records `op` in the graph when gradients are enabled and any input
-    /// needs them.
+    /// needs them (`op` is only built then).
     pub(crate) fn from_op(
         storage: Storage,
-        shape: Shape,
+        layout: impl Into<Layout>,
         inputs: &[&Tensor],
         op: impl FnOnce() -> Op,
     ) -> Tensor {
-        Self::from_op_with_output(storage, shape, inputs, |_| op())
+        let node = Node::record(inputs, storage.dtype(), op);
+        Self::build(Arc::new(RwLock::new(storage)), layout.into(), node, false)
     }
 
     /// As [`Tensor::from_op`], for ops whose backward reads the output: `op` receives a detached
     /// handle to it (sharing the buffer, so no cycle and no copy).
     pub(crate) fn from_op_with_output(
         storage: Storage,
-        shape: Shape,
+        layout: impl Into<Layout>,
         inputs: &[&Tensor],
         op: impl FnOnce(Tensor) -> Op,
     ) -> Tensor {
+        let layout = layout.into();
+        let dtype = storage.dtype();
         let storage = Arc::new(RwLock::new(storage));
-        let track = autograd::records(inputs);
-        let op = if track {
-            Some(op(Self::build(storage.clone(), shape.clone(), None, false)))
-        } else {
-            None
-        };
-        Self::build(storage, shape, op, false)
+        let node = Node::record(inputs, dtype, || {
+            op(Self::build(storage.clone(), layout.clone(), None, false))
+        });
+        Self::build(storage, layout, node, false)
+    }
+
+    /// A view: a handle sharing this tensor's buffer with another `layout`, whose node is `op`
+    /// when this tensor records.
+    pub(crate) fn view_with_op(&self, layout: Layout, op: impl FnOnce() -> Op) -> Tensor {
+        let node = Node::record(&[self], self.dtype(), op);
+        Self::build(self.0.storage.clone(), layout, node, false)
     }
 
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
@@ -191,12 +194,26 @@ impl Tensor {
         Ok(Self::from_storage(storage, shape))
     }
 
+    /// Zeros with this tensor's shape, dtype, device and memory format (PyTorch's
+    /// `preserve_format`: a dense layout keeps its strides).
     pub fn zeros_like(&self) -> Result<Tensor> {
-        Self::zeros(self.shape().clone(), self.dtype(), self.device())
+        self.full_like(0.0)
     }
 
+    /// Ones, as [`Tensor::zeros_like`].
     pub fn ones_like(&self) -> Result<Tensor> {
-        Self::ones(self.shape().clone(), self.dtype(), self.device())
+        self.full_like(1.0)
+    }
+
+    fn full_like(&self, v: f64) -> Result<Tensor> {
+        let t = Self::full(self.shape().clone(), v, self.dtype(), self.device())?;
+        Ok(if self.layout().is_dense() {
+            // A constant is the same in every order: only the strides change.
+            let storage = t.0.storage.clone();
+            Self::build(storage, self.layout().dense_like(), None, false)
+        } else {
+            t
+        })
     }
 
     /// A tensor holding `data` with `shape`; the dtype is `T`'s.
@@ -339,6 +356,15 @@ impl Tensor {
         &self.0.shape
     }
 
+    /// Shape, strides and offset of the elements in the buffer.
+    pub fn layout(&self) -> Arc<Layout> {
+        self.0
+            .layout
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     pub fn dims(&self) -> &[usize] {
         self.0.shape.dims()
     }
@@ -368,6 +394,13 @@ impl Tensor {
         self.0.storage.write().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// How many tensor handles share this tensor's buffer (this one included): a diagnostic for
+    /// tests of what the autograd graph keeps alive.
+    #[doc(hidden)]
+    pub fn storage_handle_count(&self) -> usize {
+        Arc::strong_count(&self.0.storage)
+    }
+
     /// Whether this tensor and `other` share one buffer (a reshape of the other, say).
     pub fn same_storage(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.0.storage, &other.0.storage)
@@ -379,8 +412,8 @@ impl Tensor {
         Arc::as_ptr(&self.0.storage) as usize
     }
 
-    pub(crate) fn op(&self) -> Option<&Op> {
-        self.0.op.as_ref()
+    pub(crate) fn node(&self) -> Option<&Arc<Node>> {
+        self.0.node.as_ref()
     }
 
     pub(crate) fn hooks(&self) -> Option<&autograd::Hooks> {
@@ -396,7 +429,8 @@ impl Tensor {
     /// Whether gradients flow to this tensor: a variable with `requires_grad`, or the result of
     /// an op recorded in the graph.
     pub fn requires_grad(&self) -> bool {
-        self.0.op.is_some() || (self.0.is_variable && self.0.requires_grad.load(Ordering::Relaxed))
+        self.0.node.is_some()
+            || (self.0.is_variable && self.0.requires_grad.load(Ordering::Relaxed))
     }
 
     pub fn is_variable(&self) -> bool {
@@ -405,7 +439,7 @@ impl Tensor {
 
     /// A variable (a leaf that collects gradients) sharing this tensor's buffer.
     pub fn to_variable(&self) -> Tensor {
-        Self::build(self.0.storage.clone(), self.shape().clone(), None, true)
+        Self::build(self.0.storage.clone(), (*self.layout()).clone(), None, true)
     }
 
     /// Freezes (false) or unfreezes a variable; no effect on other tensors.
@@ -415,7 +449,12 @@ impl Tensor {
 
     /// The same values, cut from the graph: no gradient flows through the result.
     pub fn detach(&self) -> Tensor {
-        Self::build(self.0.storage.clone(), self.shape().clone(), None, false)
+        Self::build(
+            self.0.storage.clone(),
+            (*self.layout()).clone(),
+            None,
+            false,
+        )
     }
 
     /// The accumulated gradient of a variable, in the variable's dtype.
@@ -444,6 +483,9 @@ impl Tensor {
         } else {
             g.clone()
         };
+        // A gradient is laid out as its variable (a channels_last weight gets a channels_last
+        // gradient), so the fused optimizers can walk both buffers in one order.
+        let g = g.laid_out_like(self)?;
         let mut slot = self.0.grad.lock().unwrap_or_else(|e| e.into_inner());
         *slot = Some(match slot.take() {
             None => g.detach(),
@@ -453,9 +495,17 @@ impl Tensor {
     }
 
     /// Computes the gradients of this scalar with respect to every variable it depends on and
-    /// adds them to the variables' `grad`.
+    /// adds them to the variables' `grad`. The graph's saved tensors are released as the pass
+    /// goes (PyTorch's default), so the same graph cannot be walked again: see
+    /// [`Tensor::backward_retain_graph`].
     pub fn backward(&self) -> Result<()> {
-        autograd::backward(self)
+        autograd::backward(self, false)
+    }
+
+    /// As [`Tensor::backward`], keeping the graph's saved tensors for another backward through
+    /// it (PyTorch's `retain_graph=True`).
+    pub fn backward_retain_graph(&self) -> Result<()> {
+        autograd::backward(self, true)
     }
 
     // ---- in-place updates of variables --------------------------------------------------------
@@ -478,10 +528,15 @@ impl Tensor {
                 rhs: src.device(),
             });
         }
-        if self.same_storage(src) {
+        if self.same_storage(src) && *self.layout() == *src.layout() {
             return Ok(());
         }
-        let new = src.storage().try_clone()?;
+        self.owns_whole_storage("set_data")?;
+        // The new values in this tensor's layout, so every view of the buffer stays valid.
+        let new = {
+            let src_storage = src.storage();
+            src_storage.copy_strided(&src.layout(), &self.layout().dense_like())?
+        };
         *self.storage_mut() = new;
         Ok(())
     }
@@ -491,16 +546,77 @@ impl Tensor {
         if self.dtype() == dtype {
             return Ok(());
         }
-        let new = self.storage().to_dtype(dtype)?;
+        self.owns_whole_storage("cast_in_place")?;
+        let new = {
+            let s = self.storage();
+            let whole = Layout::contiguous(Shape::new(vec![s.len()]));
+            s.to_dtype(&whole, dtype)?
+        };
         *self.storage_mut() = new;
         Ok(())
+    }
+
+    /// A handle to a copy of this tensor's values in a buffer of its own (same layout when
+    /// dense): what a caller that writes in place takes so as not to write through a shared
+    /// buffer.
+    pub(crate) fn owned(&self) -> Result<Tensor> {
+        let x = self.detach().dense()?;
+        let s = x
+            .storage()
+            .copy_strided(&x.layout(), &x.layout().dense_like())?;
+        Ok(Tensor::from_storage(s, x.layout().dense_like()))
+    }
+
+    /// Re-lays this variable's values out in `format`, in place (PyTorch's
+    /// `param.data = param.data.to(memory_format=...)`): every handle to it (an optimizer's, the
+    /// model's) sees the new strides. Its gradient, if any, follows. A view is refused, as in
+    /// [`Tensor::set_data`]. Convert a model before creating its optimizer or AMP state, whose
+    /// buffers take the parameters' layout when they are made.
+    pub fn to_memory_format_(&self, format: MemoryFormat) -> Result<()> {
+        let target = Layout::with_format(self.shape().clone(), format);
+        if self.layout().strides() == target.strides() {
+            return Ok(());
+        }
+        self.owns_whole_storage("to_memory_format_")?;
+        let mut storage = self.storage_mut();
+        let mut layout = self.0.layout.write().unwrap_or_else(|e| e.into_inner());
+        *storage = storage.copy_strided(&layout, &target)?;
+        *layout = Arc::new(target);
+        drop((storage, layout));
+        if let Some(g) = self.grad() {
+            self.set_grad(Some(g.to_memory_format(format)?.detach()));
+        }
+        Ok(())
+    }
+
+    /// In-place replacement of a buffer is only defined for a tensor that is all of it: a
+    /// dense layout at offset 0 over exactly its elements. A view of part of a buffer is
+    /// refused (replacing the whole buffer would change the elements other views see).
+    fn owns_whole_storage(&self, op: &'static str) -> Result<()> {
+        let l = self.layout();
+        if l.offset() == 0 && l.is_dense() && self.storage().len() == l.elem_count() {
+            Ok(())
+        } else {
+            Err(Error::invalid_arg(
+                op,
+                "self",
+                format!(
+                    "a view (shape {:?}, strides {:?}, offset {}) of a buffer of {} elements",
+                    l.dims(),
+                    l.strides(),
+                    l.offset(),
+                    self.storage().len()
+                ),
+                "a tensor that is its whole buffer (not a narrowed or expanded view)",
+            ))
+        }
     }
 
     // ---- reading values -----------------------------------------------------------------------
 
     /// The values, row-major, when `T` is the tensor's dtype (an error names both otherwise).
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
-        let cpu = self.storage().to_cpu()?;
+        let cpu = self.compact()?.storage().to_cpu()?;
         cpu.to_vec::<T>().ok_or(Error::DTypeMismatch {
             op: "to_vec",
             lhs: self.dtype(),
@@ -515,7 +631,7 @@ impl Tensor {
 
     /// The values converted to f64, whatever the dtype.
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
-        Ok(self.storage().to_cpu()?.to_f64_vec())
+        Ok(self.compact()?.storage().to_cpu()?.to_f64_vec())
     }
 
     /// The one value of a single-element tensor, as f64.

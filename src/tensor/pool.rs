@@ -1,6 +1,6 @@
 //! Max, average and adaptive average pooling over NCHW.
 
-use super::{Shape, Tensor};
+use super::{Layout, MemoryFormat, Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::{AdaptivePoolParams, Pool2dParams};
 use crate::error::{Error, Result};
@@ -55,6 +55,7 @@ impl Tensor {
             stride,
             padding,
             count_include_pad: true,
+            format: MemoryFormat::Contiguous,
         })
     }
 
@@ -65,15 +66,19 @@ impl Tensor {
         stride: (usize, usize),
         padding: (usize, usize),
     ) -> Result<Tensor> {
-        let p = self.pool_params("max_pool2d", kernel, stride, padding)?;
-        let (s, argmax) = self.storage().max_pool2d(&p)?;
-        let shape = Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]);
-        let argmax = Tensor::from_storage(argmax, shape.clone());
-        Ok(Tensor::from_op(s, shape, &[self], || Op::MaxPool2d {
-            x: self.clone(),
+        let mut p = self.pool_params("max_pool2d", kernel, stride, padding)?;
+        let (run, keep) = self.op_formats();
+        p.format = run;
+        let x = self.packed_as(run)?;
+        let (s, argmax) = x.storage().max_pool2d(&x.layout(), &p)?;
+        let out = Layout::with_format(Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]), run);
+        let argmax = Tensor::from_storage(argmax, out.clone());
+        Tensor::from_op(s, out, &[self], || Op::MaxPool2d {
+            from: self.shape().clone(),
             argmax,
             p,
-        }))
+        })
+        .to_memory_format(keep)
     }
 
     /// Average pooling (floor mode); with `count_include_pad` the divisor is always kh·kw.
@@ -86,12 +91,16 @@ impl Tensor {
     ) -> Result<Tensor> {
         let mut p = self.pool_params("avg_pool2d", kernel, stride, padding)?;
         p.count_include_pad = count_include_pad;
-        let s = self.storage().avg_pool2d(&p)?;
-        let shape = Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]);
-        Ok(Tensor::from_op(s, shape, &[self], || Op::AvgPool2d {
-            x: self.clone(),
+        let (run, keep) = self.op_formats();
+        p.format = run;
+        let x = self.packed_as(run)?;
+        let s = x.storage().avg_pool2d(&x.layout(), &p)?;
+        let out = Layout::with_format(Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]), run);
+        Tensor::from_op(s, out, &[self], || Op::AvgPool2d {
+            from: self.shape().clone(),
             p,
-        }))
+        })
+        .to_memory_format(keep)
     }
 
     /// Average pooling to a fixed output size (PyTorch's AdaptiveAvgPool2d).
@@ -121,11 +130,17 @@ impl Tensor {
             w: d[3],
             out_h,
             out_w,
+            format: MemoryFormat::Contiguous,
         };
-        let s = self.storage().adaptive_avg_pool2d(&p)?;
-        let shape = Shape::new(vec![p.n, p.c, out_h, out_w]);
-        Ok(Tensor::from_op(s, shape, &[self], || {
-            Op::AdaptiveAvgPool2d { x: self.clone(), p }
-        }))
+        let (run, keep) = self.op_formats();
+        let p = AdaptivePoolParams { format: run, ..p };
+        let x = self.packed_as(run)?;
+        let s = x.storage().adaptive_avg_pool2d(&x.layout(), &p)?;
+        let out = Layout::with_format(Shape::new(vec![p.n, p.c, out_h, out_w]), run);
+        Tensor::from_op(s, out, &[self], || Op::AdaptiveAvgPool2d {
+            from: self.shape().clone(),
+            p,
+        })
+        .to_memory_format(keep)
     }
 }

@@ -24,15 +24,14 @@ impl Tensor {
         }
         self.float_only("sum")?;
         let d = self.shape().dim("sum", dim)?;
-        let s = self
-            .storage()
-            .reduce(ReduceOp::Sum, self.shape().split_at_dim(d))?;
+        let x = self.contiguous()?;
+        let s = x.storage().reduce(&x.layout(), ReduceOp::Sum, d)?;
         Ok(Tensor::from_op(
             s,
             self.reduced_shape(d, keepdim),
             &[self],
             || Op::Sum {
-                x: self.clone(),
+                from: self.shape().clone(),
                 dim: d,
             },
         ))
@@ -107,25 +106,26 @@ impl Tensor {
                 format!("{name} over an empty dimension {d}"),
             ));
         }
-        let split = self.shape().split_at_dim(d);
-        let s = self.storage().reduce(op, split)?;
+        let x = self.contiguous()?;
+        let (xs, xl) = (x.storage(), &x.layout());
+        let s = xs.reduce(xl, op, d)?;
         let shape = self.reduced_shape(d, keepdim);
         if !crate::autograd::records(&[self]) {
             return Ok(Tensor::from_storage(s, shape));
         }
         // The position chosen in each lane, for the backward scatter.
         let index = match op {
-            ReduceOp::Max => self.storage().argmax(split)?,
-            _ => self
-                .storage()
-                .unary(crate::backend::UnaryOp::Neg)?
-                .argmax(split)?,
+            ReduceOp::Max => xs.argmax(xl, d)?,
+            _ => xs
+                .unary(xl, crate::backend::UnaryOp::Neg)?
+                .argmax(&xl.dense_like(), d)?,
         };
+        drop(xs);
         let mut kd = self.dims().to_vec();
         kd[d] = 1;
         let index = Tensor::from_storage(index, Shape::new(kd));
         Ok(Tensor::from_op(s, shape, &[self], || Op::MaxMin {
-            x: self.clone(),
+            from: self.shape().clone(),
             dim: d,
             index,
         }))
@@ -150,7 +150,8 @@ impl Tensor {
                 format!("argmax over an empty dimension {d}"),
             ));
         }
-        let s = self.storage().argmax(self.shape().split_at_dim(d))?;
+        let x = self.contiguous()?;
+        let s = x.storage().argmax(&x.layout(), d)?;
         Ok(Tensor::from_storage(s, self.reduced_shape(d, keepdim)))
     }
 

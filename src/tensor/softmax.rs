@@ -13,17 +13,13 @@ impl Tensor {
         }
         self.float_only(name)?;
         let d = self.shape().dim(name, dim)?;
-        let s = self.storage().softmax(self.shape().split_at_dim(d), log)?;
+        let x = self.contiguous()?;
+        let s = x.storage().softmax(&x.layout(), d, log)?;
         Ok(Tensor::from_op_with_output(
             s,
             self.shape().clone(),
             &[self],
-            |y| Op::Softmax {
-                x: self.clone(),
-                y,
-                dim: d,
-                log,
-            },
+            |y| Op::Softmax { y, dim: d, log },
         ))
     }
 

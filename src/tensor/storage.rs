@@ -3,13 +3,13 @@
 //! operands, so the mismatch arms here are a second line of defence.
 
 use crate::backend::cpu::CpuStorage;
-use crate::backend::cuda::CudaStorage;
+use crate::backend::cuda::{CudaStorage, OpTimer};
 use crate::backend::{
-    AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, DimSplit,
+    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams,
     MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Device, Shape};
+use crate::tensor::{DType, Device, Layout, Shape};
 
 #[derive(Debug)]
 pub enum Storage {
@@ -19,10 +19,13 @@ pub enum Storage {
 
 /// Dispatches a unary backend call: `dispatch!(self, |s| s.method(args))`.
 macro_rules! dispatch {
-    ($self:expr, |$s:ident| $call:expr) => {
+    ($op:expr, $self:expr, |$s:ident| $call:expr) => {
         match $self {
             Storage::Cpu($s) => Storage::Cpu($call?),
-            Storage::Cuda($s) => Storage::Cuda($call?),
+            Storage::Cuda($s) => {
+                let _t = timer($s, $op);
+                Storage::Cuda($call?)
+            }
         }
     };
 }
@@ -32,7 +35,10 @@ macro_rules! dispatch2 {
     ($op:expr, $a:expr, $b:expr, |$x:ident, $y:ident| $call:expr) => {
         match ($a, $b) {
             (Storage::Cpu($x), Storage::Cpu($y)) => Storage::Cpu($call?),
-            (Storage::Cuda($x), Storage::Cuda($y)) => Storage::Cuda($call?),
+            (Storage::Cuda($x), Storage::Cuda($y)) => {
+                let _t = timer($x, $op);
+                Storage::Cuda($call?)
+            }
             #[allow(unreachable_patterns)]
             (a, b) => {
                 return Err(Error::DeviceMismatch {
@@ -43,6 +49,21 @@ macro_rules! dispatch2 {
             }
         }
     };
+}
+
+/// Times a CUDA op when op profiling is on (`backend::cuda::set_op_profiling`).
+fn timer(s: &CudaStorage, op: &'static str) -> OpTimer {
+    OpTimer::start(s.device(), op, || format!("{} x{}", s.dtype(), s.len()))
+}
+
+/// As [`timer`], with the op's own description (a convolution's geometry, say).
+fn timer_with(s: &Storage, op: &'static str, detail: impl FnOnce() -> String) -> Option<OpTimer> {
+    match s {
+        Storage::Cuda(c) => Some(OpTimer::start(c.device(), op, || {
+            format!("{} {}", c.dtype(), detail())
+        })),
+        Storage::Cpu(_) => None,
+    }
 }
 
 impl Storage {
@@ -107,118 +128,144 @@ impl Storage {
     }
 
     pub fn try_clone(&self) -> Result<Self> {
+        let _t = timer_with(self, "copy", || format!("x{}", self.len()));
         self.to_device(self.device())
     }
 
-    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.to_dtype(dtype)))
+    pub fn channels_last_native(&self) -> bool {
+        match self {
+            Storage::Cpu(s) => s.channels_last_native(),
+            Storage::Cuda(s) => s.channels_last_native(),
+        }
     }
-    pub fn unary(&self, op: UnaryOp) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.unary(op)))
+    pub fn copy_strided(&self, src: &Layout, dst: &Layout) -> Result<Self> {
+        Ok(dispatch!("copy_strided", self, |s| s.copy_strided(src, dst)))
     }
-    pub fn affine(&self, mul: f64, add: f64) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.affine(mul, add)))
+    pub fn to_dtype(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        Ok(dispatch!("to_dtype", self, |s| s.to_dtype(l, dtype)))
     }
-    pub fn powf(&self, e: f64) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.powf(e)))
+    pub fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        Ok(dispatch!("unary", self, |s| s.unary(l, op)))
+    }
+    pub fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
+        Ok(dispatch!("affine", self, |s| s.affine(l, mul, add)))
+    }
+    pub fn powf(&self, l: &Layout, e: f64) -> Result<Self> {
+        Ok(dispatch!("powf", self, |s| s.powf(l, e)))
     }
     pub fn binary(
         &self,
+        l: &Layout,
         rhs: &Self,
+        rl: &Layout,
         op: BinaryOp,
-        ls: &Shape,
-        rs: &Shape,
+        out: &Layout,
+    ) -> Result<Self> {
+        Ok(dispatch2!(op.name(), self, rhs, |a, b| a.binary(l, b, rl, op, out)))
+    }
+    pub fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self> {
+        Ok(dispatch2!("relu_backward", self, x, |g, x| g.relu_backward(l, x, xl)))
+    }
+    pub fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self> {
+        Ok(dispatch!("reduce", self, |s| s.reduce(l, op, dim)))
+    }
+    pub fn argmax(&self, l: &Layout, dim: usize) -> Result<Self> {
+        Ok(dispatch!("argmax", self, |s| s.argmax(l, dim)))
+    }
+    pub fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        Ok(dispatch2!("gather", self, idx, |s, i| s.gather(l, i, il, dim)))
+    }
+    pub fn scatter_add(
+        &self,
+        l: &Layout,
+        idx: &Self,
+        il: &Layout,
+        dim: usize,
         out: &Shape,
     ) -> Result<Self> {
-        Ok(dispatch2!(op.name(), self, rhs, |a, b| a.binary(b, op, ls, rs, out)))
-    }
-    pub fn relu_backward(&self, x: &Self) -> Result<Self> {
-        Ok(dispatch2!("relu_backward", self, x, |g, x| g.relu_backward(x)))
-    }
-    pub fn broadcast_to(&self, src: &Shape, dst: &Shape) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.broadcast_to(src, dst)))
-    }
-    pub fn reduce(&self, op: ReduceOp, split: DimSplit) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.reduce(op, split)))
-    }
-    pub fn argmax(&self, split: DimSplit) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.argmax(split)))
-    }
-    pub fn gather(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
-        Ok(dispatch2!("gather", self, idx, |s, i| s.gather(i, split, idx_len)))
-    }
-    pub fn scatter_add(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
         Ok(dispatch2!("scatter_add", self, idx, |s, i| s
-            .scatter_add(i, split, idx_len)))
+            .scatter_add(l, i, il, dim, out)))
     }
-    pub fn permute(&self, shape: &Shape, perm: &[usize]) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.permute(shape, perm)))
-    }
-    pub fn narrow(&self, split: DimSplit, start: usize, count: usize) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.narrow(split, start, count)))
-    }
-    pub fn cat(parts: &[&Self], outer: usize, lens: &[usize], inner: usize) -> Result<Self> {
-        let first = parts
+    pub fn cat(parts: &[(&Self, &Layout)], dim: usize) -> Result<Self> {
+        let (first, _) = parts
             .first()
             .ok_or_else(|| Error::invalid_shape("cat", &Shape::scalar(), "no tensors"))?;
+        let mismatch = |other: &Storage| Error::DeviceMismatch {
+            op: "cat",
+            lhs: first.device(),
+            rhs: other.device(),
+        };
         match first {
             Storage::Cpu(_) => {
                 let mut cpu = Vec::with_capacity(parts.len());
-                for p in parts {
+                for (p, l) in parts {
                     match p {
-                        Storage::Cpu(s) => cpu.push(s),
+                        Storage::Cpu(s) => cpu.push((s, *l)),
                         #[allow(unreachable_patterns)]
-                        other => {
-                            return Err(Error::DeviceMismatch {
-                                op: "cat",
-                                lhs: first.device(),
-                                rhs: other.device(),
-                            })
-                        }
+                        other => return Err(mismatch(other)),
                     }
                 }
-                Ok(Storage::Cpu(CpuStorage::cat(&cpu, outer, lens, inner)?))
+                Ok(Storage::Cpu(CpuStorage::cat(&cpu, dim)?))
             }
             Storage::Cuda(_) => {
                 let mut gpu = Vec::with_capacity(parts.len());
-                for p in parts {
+                for (p, l) in parts {
                     match p {
-                        Storage::Cuda(s) => gpu.push(s),
-                        other => {
-                            return Err(Error::DeviceMismatch {
-                                op: "cat",
-                                lhs: first.device(),
-                                rhs: other.device(),
-                            })
-                        }
+                        Storage::Cuda(s) => gpu.push((s, *l)),
+                        other => return Err(mismatch(other)),
                     }
                 }
-                Ok(Storage::Cuda(CudaStorage::cat(&gpu, outer, lens, inner)?))
+                Ok(Storage::Cuda(CudaStorage::cat(&gpu, dim)?))
             }
         }
     }
-    pub fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self> {
-        Ok(dispatch2!("matmul", self, rhs, |a, b| a.matmul(b, dims)))
+    pub fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
+        let _t = timer_with(self, "matmul", || format!("{dims:?}"));
+        Ok(dispatch2!("matmul", self, rhs, |a, b| a.matmul(l, b, rl, dims)))
     }
-    pub fn conv2d(&self, w: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(dispatch2!("conv2d", self, w, |x, w| x.conv2d(w, p)))
+    pub fn conv2d(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
+        let _t = timer_with(self, "conv2d", || conv_detail(p));
+        Ok(dispatch2!("conv2d", self, w, |x, w| x.conv2d(l, w, wl, p)))
     }
-    pub fn conv2d_backward_input(&self, w: &Self, p: &Conv2dParams) -> Result<Self> {
+    pub fn conv2d_backward_input(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        let _t = timer_with(self, "conv2d_backward_input", || conv_detail(p));
         Ok(dispatch2!("conv2d_backward_input", self, w, |g, w| g
-            .conv2d_backward_input(w, p)))
+            .conv2d_backward_input(l, w, wl, p)))
     }
-    pub fn conv2d_backward_weight(&self, x: &Self, p: &Conv2dParams) -> Result<Self> {
+    pub fn conv2d_backward_weight(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        let _t = timer_with(self, "conv2d_backward_weight", || conv_detail(p));
         Ok(dispatch2!("conv2d_backward_weight", self, x, |g, x| g
-            .conv2d_backward_weight(x, p)))
+            .conv2d_backward_weight(l, x, xl, p)))
     }
+    #[allow(clippy::too_many_arguments)]
     pub fn batch_norm_train(
         &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
         weight: &Self,
         bias: &Self,
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
     ) -> Result<(Self, Self, Self)> {
+        let _t = timer_with(self, "batch_norm", || bn_detail(p));
+        let mismatch = |other: &Storage| Error::DeviceMismatch {
+            op: "batch_norm",
+            lhs: self.device(),
+            rhs: other.device(),
+        };
         match (self, weight, bias, running_mean, running_var) {
             (
                 Storage::Cpu(x),
@@ -227,7 +274,13 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(v),
             ) => {
-                let (y, mean, invstd) = x.batch_norm_train(w, b, m, v, p)?;
+                let r = match residual {
+                    None => None,
+                    Some((Storage::Cpu(r), rl)) => Some((r, rl)),
+                    #[allow(unreachable_patterns)]
+                    Some((other, _)) => return Err(mismatch(other)),
+                };
+                let (y, mean, invstd) = x.batch_norm_train(l, r, w, b, m, v, p)?;
                 Ok((Storage::Cpu(y), Storage::Cpu(mean), Storage::Cpu(invstd)))
             }
             (
@@ -237,24 +290,35 @@ impl Storage {
                 Storage::Cuda(m),
                 Storage::Cuda(v),
             ) => {
-                let (y, mean, invstd) = x.batch_norm_train(w, b, m, v, p)?;
+                let r = match residual {
+                    None => None,
+                    Some((Storage::Cuda(r), rl)) => Some((r, rl)),
+                    Some((other, _)) => return Err(mismatch(other)),
+                };
+                let (y, mean, invstd) = x.batch_norm_train(l, r, w, b, m, v, p)?;
                 Ok((Storage::Cuda(y), Storage::Cuda(mean), Storage::Cuda(invstd)))
             }
-            (x, w, _, _, _) => Err(Error::DeviceMismatch {
-                op: "batch_norm",
-                lhs: x.device(),
-                rhs: w.device(),
-            }),
+            (_, w, _, _, _) => Err(mismatch(w)),
         }
     }
+    #[allow(clippy::too_many_arguments)]
     pub fn batch_norm_backward(
         &self,
+        l: &Layout,
         x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
         weight: &Self,
         mean: &Self,
         invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
+    ) -> Result<BatchNormGrads<Self>> {
+        let _t = timer_with(self, "batch_norm_backward", || bn_detail(p));
+        let mismatch = |other: &Storage| Error::DeviceMismatch {
+            op: "batch_norm_backward",
+            lhs: self.device(),
+            rhs: other.device(),
+        };
         match (self, x, weight, mean, invstd) {
             (
                 Storage::Cpu(g),
@@ -263,8 +327,19 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(s),
             ) => {
-                let (dx, dw, db) = g.batch_norm_backward(x, w, m, s, p)?;
-                Ok((Storage::Cpu(dx), Storage::Cpu(dw), Storage::Cpu(db)))
+                let y = match y {
+                    None => None,
+                    Some((Storage::Cpu(y), yl)) => Some((y, yl)),
+                    #[allow(unreachable_patterns)]
+                    Some((other, _)) => return Err(mismatch(other)),
+                };
+                let r = g.batch_norm_backward(l, x, xl, y, w, m, s, p)?;
+                Ok(BatchNormGrads {
+                    input: Storage::Cpu(r.input),
+                    weight: Storage::Cpu(r.weight),
+                    bias: Storage::Cpu(r.bias),
+                    residual: r.residual.map(Storage::Cpu),
+                })
             }
             (
                 Storage::Cuda(g),
@@ -273,49 +348,98 @@ impl Storage {
                 Storage::Cuda(m),
                 Storage::Cuda(s),
             ) => {
-                let (dx, dw, db) = g.batch_norm_backward(x, w, m, s, p)?;
-                Ok((Storage::Cuda(dx), Storage::Cuda(dw), Storage::Cuda(db)))
+                let y = match y {
+                    None => None,
+                    Some((Storage::Cuda(y), yl)) => Some((y, yl)),
+                    Some((other, _)) => return Err(mismatch(other)),
+                };
+                let r = g.batch_norm_backward(l, x, xl, y, w, m, s, p)?;
+                Ok(BatchNormGrads {
+                    input: Storage::Cuda(r.input),
+                    weight: Storage::Cuda(r.weight),
+                    bias: Storage::Cuda(r.bias),
+                    residual: r.residual.map(Storage::Cuda),
+                })
             }
-            (g, x, _, _, _) => Err(Error::DeviceMismatch {
-                op: "batch_norm_backward",
-                lhs: g.device(),
-                rhs: x.device(),
-            }),
+            (_, x, _, _, _) => Err(mismatch(x)),
         }
     }
-    pub fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
+    pub fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
+        let _t = timer_with(self, "max_pool2d", || format!("{p:?}"));
         match self {
             Storage::Cpu(x) => {
-                let (o, i) = x.max_pool2d(p)?;
+                let (o, i) = x.max_pool2d(l, p)?;
                 Ok((Storage::Cpu(o), Storage::Cpu(i)))
             }
             Storage::Cuda(x) => {
-                let (o, i) = x.max_pool2d(p)?;
+                let (o, i) = x.max_pool2d(l, p)?;
                 Ok((Storage::Cuda(o), Storage::Cuda(i)))
             }
         }
     }
-    pub fn max_pool2d_backward(&self, argmax: &Self, p: &Pool2dParams) -> Result<Self> {
+    pub fn max_pool2d_backward(
+        &self,
+        l: &Layout,
+        argmax: &Self,
+        al: &Layout,
+        p: &Pool2dParams,
+    ) -> Result<Self> {
         Ok(dispatch2!("max_pool2d_backward", self, argmax, |g, i| g
-            .max_pool2d_backward(i, p)))
+            .max_pool2d_backward(l, i, al, p)))
     }
-    pub fn avg_pool2d(&self, p: &Pool2dParams) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.avg_pool2d(p)))
+    pub fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        Ok(dispatch!("avg_pool2d", self, |s| s.avg_pool2d(l, p)))
     }
-    pub fn avg_pool2d_backward(&self, p: &Pool2dParams) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.avg_pool2d_backward(p)))
+    pub fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        Ok(dispatch!("avg_pool2d_backward", self, |s| s.avg_pool2d_backward(l, p)))
     }
-    pub fn adaptive_avg_pool2d(&self, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.adaptive_avg_pool2d(p)))
+    pub fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        Ok(dispatch!("adaptive_avg_pool2d", self, |s| s.adaptive_avg_pool2d(l, p)))
     }
-    pub fn adaptive_avg_pool2d_backward(&self, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.adaptive_avg_pool2d_backward(p)))
+    pub fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        Ok(dispatch!("adaptive_avg_pool2d_backward", self, |s| s
+            .adaptive_avg_pool2d_backward(l, p)))
     }
-    pub fn softmax(&self, split: DimSplit, log: bool) -> Result<Self> {
-        Ok(dispatch!(self, |s| s.softmax(split, log)))
+    pub fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self> {
+        Ok(dispatch!("softmax", self, |s| s.softmax(l, dim, log)))
     }
-    pub fn softmax_backward(&self, y: &Self, split: DimSplit, log: bool) -> Result<Self> {
+    pub fn softmax_backward(
+        &self,
+        l: &Layout,
+        y: &Self,
+        yl: &Layout,
+        dim: usize,
+        log: bool,
+    ) -> Result<Self> {
         Ok(dispatch2!("softmax_backward", self, y, |g, y| g
-            .softmax_backward(y, split, log)))
+            .softmax_backward(l, y, yl, dim, log)))
     }
+}
+
+fn bn_detail(p: &BatchNormParams) -> String {
+    format!(
+        "{}x{}x{} {}{}{}",
+        p.n,
+        p.c,
+        p.spatial,
+        p.format.name(),
+        if p.residual { " +add" } else { "" },
+        if p.relu { " +relu" } else { "" }
+    )
+}
+
+/// A convolution's geometry as the profiler shows it: `n×c×h×w -> c_out kh×kw /stride`.
+fn conv_detail(p: &Conv2dParams) -> String {
+    format!(
+        "{}x{}x{}x{} -> {} {}x{}/{} {}",
+        p.n,
+        p.c_in,
+        p.h,
+        p.w,
+        p.c_out,
+        p.kh,
+        p.kw,
+        p.stride.0,
+        p.format.name()
+    )
 }

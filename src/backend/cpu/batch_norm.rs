@@ -51,8 +51,13 @@ fn runs<'a, T>(x: &'a [T], p: &BatchNormParams, c: usize) -> impl Iterator<Item 
     rows(x, p, c).flat_map(|r| r.chunks(RUN))
 }
 
+/// `y = bn(x)`, or with the fused epilogue `relu(bn(x) + residual)` (`residual` laid out as x),
+/// rounded once to `T`.
+#[allow(clippy::too_many_arguments)]
 pub fn forward_train<T: Elem>(
     x: &[T],
+    residual: Option<&[T]>,
+    relu: bool,
     w: &[T::Acc],
     b: &[T::Acc],
     rm: &mut [T::Acc],
@@ -104,8 +109,17 @@ pub fn forward_train<T: Elem>(
         // y = x·scale + shift with scale = w·invstd, shift = b − mean·scale.
         let scale = w[c] * invstd[c];
         let shift = b[c] - mean[c] * scale;
-        for (d, v) in row.iter_mut().zip(&x[start..start + p.spatial]) {
-            *d = T::from_acc(v.to_acc() * scale + shift);
+        let zero = T::Acc::zero();
+        for (k, (d, v)) in row.iter_mut().zip(&x[start..start + p.spatial]).enumerate() {
+            let mut t = v.to_acc() * scale + shift;
+            if let Some(r) = residual {
+                t += r[start + k].to_acc();
+            }
+            // NaN maps to 0, as the unfused relu and the GPU kernel (`!(v > 0)`) do.
+            if relu && t.partial_cmp(&zero) != Some(std::cmp::Ordering::Greater) {
+                t = zero;
+            }
+            *d = T::from_acc(t);
         }
     });
     (y, mean, invstd)
@@ -151,4 +165,19 @@ pub fn backward<T: Elem>(
         });
     }
     (dx, dgamma, dbeta)
+}
+
+/// `g·(y > 0)`: the gradient through the fused ReLU (from its output, which is saved).
+pub fn relu_mask<T: Elem>(g: &[T], y: &[T]) -> Vec<T> {
+    let zero = T::Acc::zero();
+    g.iter()
+        .zip(y)
+        .map(|(gv, yv)| {
+            if yv.to_acc() > zero {
+                *gv
+            } else {
+                T::from_acc(zero)
+            }
+        })
+        .collect()
 }

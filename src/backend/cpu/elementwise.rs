@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use super::{Elem, PAR_THRESHOLD};
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::tensor::Shape;
+use crate::tensor::Layout;
 
 /// Elements per block of the blocked maps: widened blocks stay in L1.
 const BLOCK: usize = 2048;
@@ -108,44 +108,40 @@ fn apply<A: Float>(op: BinaryOp, a: A, b: A) -> A {
     }
 }
 
-/// Binary op with numpy broadcasting. Rows of the last output dimension are the unit of work:
-/// each row computes its two base offsets once, then walks with stride 0 or 1.
-pub fn binary<T: Elem>(
-    a: &[T],
-    b: &[T],
-    op: BinaryOp,
-    sa: &Shape,
-    sb: &Shape,
-    out: &Shape,
-) -> Vec<T> {
-    let n = out.elem_count();
-    if sa == sb {
-        return zip_map(a, b, |x, y| apply(op, x, y));
-    }
+/// Binary op over two operands of one shape and one dense order (their spans), blocked.
+pub fn zip<T: Elem>(a: &[T], b: &[T], op: BinaryOp) -> Vec<T> {
+    zip_map(a, b, |x, y| apply(op, x, y))
+}
+
+/// Binary op of two operands read through their strides (`la`, `lb`: the output's shape,
+/// stride 0 along broadcast dims), written row-major. Rows of the last dimension are the unit
+/// of work: each computes its two base offsets once, then walks with the last strides.
+pub fn binary_strided<T: Elem>(a: &[T], la: &Layout, b: &[T], lb: &Layout, op: BinaryOp) -> Vec<T> {
+    let n = la.elem_count();
     if n == 0 {
         return Vec::new();
     }
-    let (stra, strb) = (sa.broadcast_strides(out), sb.broadcast_strides(out));
-    let dims = out.dims();
+    let dims = la.dims();
     let rank = dims.len();
+    let (sa, sb) = (la.strides(), lb.strides());
     let last = if rank == 0 { 1 } else { dims[rank - 1] };
-    let (la, lb) = if rank == 0 {
+    let (ja, jb) = if rank == 0 {
         (0, 0)
     } else {
-        (stra[rank - 1], strb[rank - 1])
+        (sa[rank - 1], sb[rank - 1])
     };
     let mut res = vec![T::default(); n];
     let row = |(r, dst): (usize, &mut [T])| {
         // Decompose the row index into the leading coordinates.
-        let (mut oa, mut ob, mut rem) = (0usize, 0usize, r);
+        let (mut oa, mut ob, mut rem) = (la.offset(), lb.offset(), r);
         for d in (0..rank.saturating_sub(1)).rev() {
             let c = rem % dims[d];
             rem /= dims[d];
-            oa += c * stra[d];
-            ob += c * strb[d];
+            oa += c * sa[d];
+            ob += c * sb[d];
         }
         for (j, o) in dst.iter_mut().enumerate() {
-            *o = T::from_acc(apply(op, a[oa + j * la].to_acc(), b[ob + j * lb].to_acc()));
+            *o = T::from_acc(apply(op, a[oa + j * ja].to_acc(), b[ob + j * jb].to_acc()));
         }
     };
     if n >= PAR_THRESHOLD {

@@ -15,14 +15,16 @@ mod pool;
 mod reduce;
 mod softmax;
 
+use std::borrow::Cow;
+
 use half::{bf16, f16};
 
 use super::{
-    AdaptivePoolParams, BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, DimSplit,
+    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams,
     MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Shape, WithDType};
+use crate::tensor::{DType, Layout, MemoryFormat, Shape, WithDType};
 
 /// Element types the float kernels are generic over.
 pub trait Elem: WithDType + Default {
@@ -220,6 +222,18 @@ macro_rules! acc_slice_mut {
 }
 
 impl CpuStorage {
+    /// The elements a dense layout covers (`offset .. offset + elem_count`): the buffer itself
+    /// when that is all of it, else a copy of the range.
+    pub(crate) fn span(&self, l: &Layout) -> Cow<'_, CpuStorage> {
+        let (start, n) = (l.offset(), l.elem_count());
+        if start == 0 && n == self.len() {
+            return Cow::Borrowed(self);
+        }
+        let end = (start + n).min(self.len());
+        let start = start.min(end);
+        Cow::Owned(map_any!(self, |v| v[start..end].to_vec()))
+    }
+
     /// The address of the first element (for multi-tensor kernels, which hold the lock).
     pub(crate) fn addr_mut(&mut self) -> u64 {
         match self {
@@ -316,53 +330,80 @@ impl BackendStorage for CpuStorage {
         }
     }
 
-    fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        Ok(cast::to_dtype(self, dtype))
+    fn channels_last_native(&self) -> bool {
+        // The reference computes on contiguous copies; the tensor layer converts.
+        false
     }
 
-    fn unary(&self, op: UnaryOp) -> Result<Self> {
-        Ok(map_float!(self, op.name(), |v| elementwise::unary(v, op)))
+    fn copy_strided(&self, src: &Layout, dst: &Layout) -> Result<Self> {
+        Ok(map_any!(self, |v| layout::copy_strided(v, src, dst)))
     }
 
-    fn affine(&self, mul: f64, add: f64) -> Result<Self> {
-        Ok(map_float!(self, "affine", |v| elementwise::affine(
-            v, mul, add
+    fn to_dtype(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        Ok(cast::to_dtype(&self.span(l), dtype))
+    }
+
+    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        Ok(map_float!(&*self.span(l), op.name(), |v| {
+            elementwise::unary(v, op)
+        }))
+    }
+
+    fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
+        Ok(map_float!(&*self.span(l), "affine", |v| {
+            elementwise::affine(v, mul, add)
+        }))
+    }
+
+    fn powf(&self, l: &Layout, e: f64) -> Result<Self> {
+        Ok(map_float!(&*self.span(l), "powf", |v| elementwise::powf(
+            v, e
         )))
-    }
-
-    fn powf(&self, e: f64) -> Result<Self> {
-        Ok(map_float!(self, "powf", |v| elementwise::powf(v, e)))
     }
 
     fn binary(
         &self,
+        l: &Layout,
         rhs: &Self,
+        rl: &Layout,
         op: BinaryOp,
-        lhs_shape: &Shape,
-        rhs_shape: &Shape,
-        out: &Shape,
+        out: &Layout,
     ) -> Result<Self> {
-        Ok(map_float2!(self, rhs, op.name(), |a, b| {
-            elementwise::binary(a, b, op, lhs_shape, rhs_shape, out)
-        }))
+        // Same dense strides on all three: one walk over the spans.
+        if l.is_dense() && l.strides() == rl.strides() && l.strides() == out.strides() {
+            let (a, b) = (self.span(l), rhs.span(rl));
+            return Ok(map_float2!(&*a, &*b, op.name(), |x, y| {
+                elementwise::zip(x, y, op)
+            }));
+        }
+        let flat = Layout::contiguous(out.shape().clone());
+        let res = map_float2!(self, rhs, op.name(), |a, b| {
+            elementwise::binary_strided(a, l, b, rl, op)
+        });
+        if out.is_contiguous() {
+            Ok(res)
+        } else {
+            res.copy_strided(&flat, out)
+        }
     }
 
-    fn relu_backward(&self, x: &Self) -> Result<Self> {
-        Ok(map_float2!(self, x, "relu_backward", |g, x| {
+    fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self> {
+        let (g, x) = (self.span(l), x.span(xl));
+        Ok(map_float2!(&*g, &*x, "relu_backward", |g, x| {
             elementwise::relu_backward(g, x)
         }))
     }
 
-    fn broadcast_to(&self, src: &Shape, dst: &Shape) -> Result<Self> {
-        Ok(map_any!(self, |v| layout::broadcast_to(v, src, dst)))
+    fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        Ok(map_float!(&*self.span(l), "reduce", |v| reduce::reduce(
+            v, op, split
+        )))
     }
 
-    fn reduce(&self, op: ReduceOp, split: DimSplit) -> Result<Self> {
-        Ok(map_float!(self, "reduce", |v| reduce::reduce(v, op, split)))
-    }
-
-    fn argmax(&self, split: DimSplit) -> Result<Self> {
-        Ok(CpuStorage::I64(match self {
+    fn argmax(&self, l: &Layout, dim: usize) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        Ok(CpuStorage::I64(match &*self.span(l) {
             CpuStorage::F16(v) => reduce::argmax(v, split),
             CpuStorage::BF16(v) => reduce::argmax(v, split),
             CpuStorage::F32(v) => reduce::argmax(v, split),
@@ -371,35 +412,45 @@ impl BackendStorage for CpuStorage {
         }))
     }
 
-    fn gather(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
+    fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        let idx_len = il.dims()[dim];
+        let idx = idx.span(il);
         let idx = idx.as_i64("gather")?;
-        Ok(map_any!(self, |v| index::gather(v, idx, split, idx_len)?))
-    }
-
-    fn scatter_add(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
-        let idx = idx.as_i64("scatter_add")?;
-        Ok(map_float!(self, "scatter_add", |v| index::scatter_add(
+        Ok(map_any!(&*self.span(l), |v| index::gather(
             v, idx, split, idx_len
         )?))
     }
 
-    fn permute(&self, shape: &Shape, perm: &[usize]) -> Result<Self> {
-        Ok(map_any!(self, |v| layout::permute(v, shape, perm)))
+    fn scatter_add(
+        &self,
+        l: &Layout,
+        idx: &Self,
+        il: &Layout,
+        dim: usize,
+        out: &Shape,
+    ) -> Result<Self> {
+        let split = out.split_at_dim(dim);
+        let idx_len = il.dims()[dim];
+        let idx = idx.span(il);
+        let idx = idx.as_i64("scatter_add")?;
+        Ok(map_float!(&*self.span(l), "scatter_add", |v| {
+            index::scatter_add(v, idx, split, idx_len)?
+        }))
     }
 
-    fn narrow(&self, split: DimSplit, start: usize, count: usize) -> Result<Self> {
-        Ok(map_any!(self, |v| layout::narrow(v, split, start, count)))
-    }
-
-    fn cat(parts: &[&Self], outer: usize, lens: &[usize], inner: usize) -> Result<Self> {
-        let first = parts
+    fn cat(parts: &[(&Self, &Layout)], dim: usize) -> Result<Self> {
+        let (first, fl) = parts
             .first()
             .ok_or_else(|| Error::invalid_shape("cat", &Shape::scalar(), "no tensors"))?;
+        let (outer, _, inner) = fl.shape().split_at_dim(dim);
+        let lens: Vec<usize> = parts.iter().map(|(_, l)| l.dims()[dim]).collect();
+        let spans: Vec<_> = parts.iter().map(|(p, l)| p.span(l)).collect();
         macro_rules! cat_as {
             ($variant:ident) => {{
                 let mut slices = Vec::with_capacity(parts.len());
-                for p in parts {
-                    match p {
+                for p in &spans {
+                    match &**p {
                         CpuStorage::$variant(v) => slices.push(v.as_slice()),
                         other => {
                             return Err(Error::DTypeMismatch {
@@ -410,7 +461,7 @@ impl BackendStorage for CpuStorage {
                         }
                     }
                 }
-                CpuStorage::$variant(layout::cat(&slices, outer, lens, inner))
+                CpuStorage::$variant(layout::cat(&slices, outer, &lens, inner))
             }};
         }
         Ok(match first {
@@ -422,32 +473,51 @@ impl BackendStorage for CpuStorage {
         })
     }
 
-    fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self> {
-        Ok(map_float2!(self, rhs, "matmul", |a, b| matmul::matmul(
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
+        let (a, b) = (self.span(l), rhs.span(rl));
+        Ok(map_float2!(&*a, &*b, "matmul", |a, b| matmul::matmul(
             a, b, dims
         )))
     }
 
-    fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_conv!(self, weight, "conv2d", |x, w| conv::conv2d(
-            x, w, p
-        )))
+    fn conv2d(&self, l: &Layout, weight: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
+        contiguous_only("conv2d", p.format)?;
+        let (x, w) = (self.span(l), weight.span(wl));
+        Ok(map_conv!(&*x, &*w, "conv2d", |x, w| conv::conv2d(x, w, p)))
     }
 
-    fn conv2d_backward_input(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_conv!(self, weight, "conv2d_backward_input", |g, w| {
+    fn conv2d_backward_input(
+        &self,
+        l: &Layout,
+        weight: &Self,
+        wl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        contiguous_only("conv2d_backward_input", p.format)?;
+        let (g, w) = (self.span(l), weight.span(wl));
+        Ok(map_conv!(&*g, &*w, "conv2d_backward_input", |g, w| {
             conv::conv2d_backward_input(g, w, p)
         }))
     }
 
-    fn conv2d_backward_weight(&self, input: &Self, p: &Conv2dParams) -> Result<Self> {
-        Ok(map_conv!(self, input, "conv2d_backward_weight", |g, x| {
+    fn conv2d_backward_weight(
+        &self,
+        l: &Layout,
+        input: &Self,
+        il: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        contiguous_only("conv2d_backward_weight", p.format)?;
+        let (g, x) = (self.span(l), input.span(il));
+        Ok(map_conv!(&*g, &*x, "conv2d_backward_weight", |g, x| {
             conv::conv2d_backward_weight(g, x, p)
         }))
     }
 
     fn batch_norm_train(
         &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
         weight: &Self,
         bias: &Self,
         running_mean: &mut Self,
@@ -458,15 +528,16 @@ impl BackendStorage for CpuStorage {
         // (the gradient checks run in f64).
         // Half inputs run the f32 kernel on a bulk-widened copy (same arithmetic, see
         // `cast::via_f32`) and are rounded back once.
+        // The fused epilogue (residual add, ReLU) runs on the wide value before the one rounding.
         macro_rules! arm {
-            ($x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
+            ($x:expr, $r:expr, $in:ident, $acc:ident, $narrow:expr) => {{
                 let (w, b) = (
                     acc_slice!(weight, $acc, "batch_norm"),
                     acc_slice!(bias, $acc, "batch_norm"),
                 );
                 let rm = acc_slice_mut!(running_mean, $acc, "batch_norm");
                 let rv = acc_slice_mut!(running_var, $acc, "batch_norm");
-                let (y, mean, invstd) = batch_norm::forward_train($x, w, b, rm, rv, p);
+                let (y, mean, invstd) = batch_norm::forward_train($x, $r, p.relu, w, b, rm, rv, p);
                 (
                     CpuStorage::$in($narrow(y)),
                     CpuStorage::$acc(mean),
@@ -474,11 +545,39 @@ impl BackendStorage for CpuStorage {
                 )
             }};
         }
-        Ok(match self {
-            CpuStorage::F16(x) => arm!(&cast::widen(x), F16, F32, narrow_vec),
-            CpuStorage::BF16(x) => arm!(&cast::widen(x), BF16, F32, narrow_vec),
-            CpuStorage::F32(x) => arm!(x, F32, F32, std::convert::identity),
-            CpuStorage::F64(x) => arm!(x, F64, F64, std::convert::identity),
+        contiguous_only("batch_norm", p.format)?;
+        let res = residual.map(|(r, rl)| r.span(rl));
+        let res = res.as_deref();
+        // The residual as the arm computes: widened for half inputs.
+        let wide = match res {
+            Some(CpuStorage::F16(r)) => Some(cast::widen(r)),
+            Some(CpuStorage::BF16(r)) => Some(cast::widen(r)),
+            _ => None,
+        };
+        let mismatch = |got: DType| Error::DTypeMismatch {
+            op: "batch_norm",
+            lhs: self.dtype(),
+            rhs: got,
+        };
+        Ok(match &*self.span(l) {
+            CpuStorage::F16(x) => arm!(&cast::widen(x), wide.as_deref(), F16, F32, narrow_vec),
+            CpuStorage::BF16(x) => arm!(&cast::widen(x), wide.as_deref(), BF16, F32, narrow_vec),
+            CpuStorage::F32(x) => {
+                let r = match res {
+                    None => None,
+                    Some(CpuStorage::F32(r)) => Some(r.as_slice()),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                arm!(x, r, F32, F32, std::convert::identity)
+            }
+            CpuStorage::F64(x) => {
+                let r = match res {
+                    None => None,
+                    Some(CpuStorage::F64(r)) => Some(r.as_slice()),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                arm!(x, r, F64, F64, std::convert::identity)
+            }
             CpuStorage::I64(_) => {
                 return Err(Error::UnsupportedDType {
                     op: "batch_norm",
@@ -491,12 +590,15 @@ impl BackendStorage for CpuStorage {
 
     fn batch_norm_backward(
         &self,
+        l: &Layout,
         x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
         weight: &Self,
         saved_mean: &Self,
         saved_invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
+    ) -> Result<BatchNormGrads<Self>> {
         let op = "batch_norm_backward";
         macro_rules! arm {
             ($g:expr, $x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
@@ -513,7 +615,33 @@ impl BackendStorage for CpuStorage {
                 )
             }};
         }
-        Ok(match (self, x) {
+        contiguous_only(op, p.format)?;
+        let (g, x) = (self.span(l), x.span(xl));
+        // Through the fused ReLU: g' = g·(y > 0); g' is also the residual's gradient.
+        let masked = match (p.relu, y) {
+            (true, Some((ys, yl))) => Some(map_float2!(&*g, &*ys.span(yl), op, |g, y| {
+                batch_norm::relu_mask(g, y)
+            })),
+            (true, None) => {
+                return Err(Error::invalid_arg(
+                    op,
+                    "y",
+                    "none",
+                    "the forward output, for the fused ReLU",
+                ))
+            }
+            _ => None,
+        };
+        let g = match &masked {
+            Some(m) => std::borrow::Cow::Borrowed(m),
+            None => g,
+        };
+        let residual = if p.residual {
+            Some(g.clone().into_owned())
+        } else {
+            None
+        };
+        let (input, weight, bias) = match (&*g, &*x) {
             (CpuStorage::F16(g), CpuStorage::F16(x)) => {
                 let (g, x) = (cast::widen(g), cast::widen(x));
                 arm!(&g, &x, F16, F32, narrow_vec)
@@ -535,12 +663,19 @@ impl BackendStorage for CpuStorage {
                     rhs: x.dtype(),
                 })
             }
+        };
+        Ok(BatchNormGrads {
+            input,
+            weight,
+            bias,
+            residual,
         })
     }
 
-    fn max_pool2d(&self, p: &Pool2dParams) -> Result<(Self, Self)> {
+    fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
+        contiguous_only("max_pool2d", p.format)?;
         let argmax;
-        let out = map_float!(self, "max_pool2d", |x| {
+        let out = map_float!(&*self.span(l), "max_pool2d", |x| {
             let (out, idx) = pool::max_pool2d(x, p);
             argmax = idx;
             out
@@ -548,44 +683,84 @@ impl BackendStorage for CpuStorage {
         Ok((out, CpuStorage::I64(argmax)))
     }
 
-    fn max_pool2d_backward(&self, argmax: &Self, p: &Pool2dParams) -> Result<Self> {
-        let idx = argmax.as_i64("max_pool2d_backward")?;
-        Ok(map_float!(self, "max_pool2d_backward", |g| {
+    fn max_pool2d_backward(
+        &self,
+        l: &Layout,
+        argmax: &Self,
+        al: &Layout,
+        p: &Pool2dParams,
+    ) -> Result<Self> {
+        contiguous_only("max_pool2d_backward", p.format)?;
+        let idx = argmax.span(al);
+        let idx = idx.as_i64("max_pool2d_backward")?;
+        Ok(map_float!(&*self.span(l), "max_pool2d_backward", |g| {
             pool::max_pool2d_backward(g, idx, p)
         }))
     }
 
-    fn avg_pool2d(&self, p: &Pool2dParams) -> Result<Self> {
-        Ok(map_float!(self, "avg_pool2d", |x| pool::avg_pool2d(x, p)))
+    fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        contiguous_only("avg_pool2d", p.format)?;
+        Ok(map_float!(&*self.span(l), "avg_pool2d", |x| {
+            pool::avg_pool2d(x, p)
+        }))
     }
 
-    fn avg_pool2d_backward(&self, p: &Pool2dParams) -> Result<Self> {
-        Ok(map_float!(self, "avg_pool2d_backward", |g| {
+    fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        contiguous_only("avg_pool2d_backward", p.format)?;
+        Ok(map_float!(&*self.span(l), "avg_pool2d_backward", |g| {
             pool::avg_pool2d_backward(g, p)
         }))
     }
 
-    fn adaptive_avg_pool2d(&self, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(map_float!(self, "adaptive_avg_pool2d", |x| {
+    fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        contiguous_only("adaptive_avg_pool2d", p.format)?;
+        Ok(map_float!(&*self.span(l), "adaptive_avg_pool2d", |x| {
             pool::adaptive_avg_pool2d(x, p)
         }))
     }
 
-    fn adaptive_avg_pool2d_backward(&self, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(map_float!(self, "adaptive_avg_pool2d_backward", |g| {
-            pool::adaptive_avg_pool2d_backward(g, p)
-        }))
+    fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        contiguous_only("adaptive_avg_pool2d_backward", p.format)?;
+        Ok(map_float!(
+            &*self.span(l),
+            "adaptive_avg_pool2d_backward",
+            |g| pool::adaptive_avg_pool2d_backward(g, p)
+        ))
     }
 
-    fn softmax(&self, split: DimSplit, log: bool) -> Result<Self> {
-        Ok(map_float!(self, "softmax", |x| softmax::softmax(
+    fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        Ok(map_float!(&*self.span(l), "softmax", |x| softmax::softmax(
             x, split, log
         )))
     }
 
-    fn softmax_backward(&self, y: &Self, split: DimSplit, log: bool) -> Result<Self> {
-        Ok(map_float2!(self, y, "softmax_backward", |g, y| {
+    fn softmax_backward(
+        &self,
+        l: &Layout,
+        y: &Self,
+        yl: &Layout,
+        dim: usize,
+        log: bool,
+    ) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        let (g, y) = (self.span(l), y.span(yl));
+        Ok(map_float2!(&*g, &*y, "softmax_backward", |g, y| {
             softmax::softmax_backward(g, y, split, log)
         }))
+    }
+}
+
+/// The reference kernels of convolution, batch norm and pooling are NCHW only (the tensor
+/// layer converts channels_last operands first: `channels_last_native` is false).
+fn contiguous_only(op: &'static str, format: MemoryFormat) -> Result<()> {
+    match format {
+        MemoryFormat::Contiguous => Ok(()),
+        MemoryFormat::ChannelsLast => Err(Error::invalid_arg(
+            op,
+            "format",
+            format.name(),
+            "contiguous (the CPU backend computes channels_last operands on contiguous copies)",
+        )),
     }
 }

@@ -25,11 +25,10 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::cudnn_graph::ConvPlan;
 use super::device::{allow_tf32, cuda_err, CudaDevice};
-use super::ops::check_len;
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::tensor::{DType, Layout};
 
 /// The most workspace the legacy heuristics' untimed choice may ask for.
 const WORKSPACE_LIMIT: usize = 1 << 30;
@@ -474,7 +473,7 @@ fn run(
     let out = CudaStorage::alloc(dev, dtype, out_len)?;
     if out_len == 0 || a.is_empty() || b.is_empty() {
         if out_len > 0 {
-            super::ops::fill(&out, 0.0)?;
+            super::cast::fill(&out, 0.0)?;
         }
         return Ok(out);
     }
@@ -799,29 +798,72 @@ fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<
         Dir::BackwardData => (ny, "the output gradient", nw, "the weight", nx),
         Dir::BackwardFilter => (ny, "the output gradient", nx, "the input", nw),
     };
-    check_len(op, a, na, a_what)?;
-    check_len(op, b, nb, b_what)?;
+    for (s, n, what) in [(a, na, a_what), (b, nb, b_what)] {
+        if s.len() != n {
+            return Err(Error::invalid_arg(
+                op,
+                "len",
+                s.len(),
+                format!("{what} must have {n} elements"),
+            ));
+        }
+    }
     run(&a.dev, dir, p, a.dtype(), a, b, n_out)
 }
 
-pub(crate) fn conv2d(x: &CudaStorage, w: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+/// The operands of a convolution are packed in the params' format at offset 0 (the tensor
+/// layer's `packed_as`), which is what cuDNN's descriptors describe.
+fn packed(op: &'static str, s: &CudaStorage, l: &Layout) -> Result<()> {
+    if l.offset() != 0 || l.elem_count() != s.len() {
+        return Err(Error::invalid_arg(
+            op,
+            "layout",
+            format!(
+                "offset {} over {} of {} elements",
+                l.offset(),
+                l.elem_count(),
+                s.len()
+            ),
+            "a packed operand (offset 0, the whole buffer)",
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn conv2d(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    p: &Conv2dParams,
+) -> Result<CudaStorage> {
+    packed("conv2d", x, lx)?;
+    packed("conv2d", w, lw)?;
     conv(Dir::Forward, x, w, p)
 }
 
 /// `g` is the output gradient; returns the input gradient.
 pub(crate) fn conv2d_backward_input(
     g: &CudaStorage,
+    lg: &Layout,
     w: &CudaStorage,
+    lw: &Layout,
     p: &Conv2dParams,
 ) -> Result<CudaStorage> {
+    packed("conv2d_backward_input", g, lg)?;
+    packed("conv2d_backward_input", w, lw)?;
     conv(Dir::BackwardData, g, w, p)
 }
 
 /// `g` is the output gradient; returns the weight gradient.
 pub(crate) fn conv2d_backward_weight(
     g: &CudaStorage,
+    lg: &Layout,
     x: &CudaStorage,
+    lx: &Layout,
     p: &Conv2dParams,
 ) -> Result<CudaStorage> {
+    packed("conv2d_backward_weight", g, lg)?;
+    packed("conv2d_backward_weight", x, lx)?;
     conv(Dir::BackwardFilter, g, x, p)
 }

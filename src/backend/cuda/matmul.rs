@@ -17,7 +17,7 @@ use super::device::{allow_tf32, cuda_err, CudaDevice};
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, MatmulDims};
 use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::tensor::{DType, Layout};
 
 /// cuBLAS's recommended workspace for Hopper (32 MiB; 4 MiB before).
 fn workspace_bytes(arch: (i32, i32)) -> usize {
@@ -73,8 +73,16 @@ fn to_i32(what: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid_arg("matmul", what, v, "at most 2^31-1 for cuBLAS"))
 }
 
-pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, d: &MatmulDims) -> Result<CudaStorage> {
+pub(crate) fn matmul(
+    a: &CudaStorage,
+    la: &Layout,
+    b: &CudaStorage,
+    lb: &Layout,
+    d: &MatmulDims,
+) -> Result<CudaStorage> {
     let dtype = a.dtype();
+    // Contiguous operands (the tensor layer's promise), possibly at an offset.
+    let (pa, pb) = (a.ptr_at(la)?, b.ptr_at(lb)?);
     let (dt, compute) = match dtype {
         DType::F16 => (
             bsys::cudaDataType_t::CUDA_R_16F,
@@ -133,7 +141,7 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, d: &MatmulDims) -> Result
         return Ok(out);
     }
     if k == 0 {
-        super::ops::fill(&out, 0.0)?;
+        super::cast::fill(&out, 0.0)?;
         return Ok(out);
     }
     // Column-major view: C (m×n row-major) is Cᵀ (n×m col-major) = op(B)ᵀ · op(A)ᵀ.
@@ -183,11 +191,11 @@ pub(crate) fn matmul(a: &CudaStorage, b: &CudaStorage, d: &MatmulDims) -> Result
             ni,
             ki,
             alpha,
-            b.ptr() as *const c_void,
+            pb as *const c_void,
             dt,
             ldai,
             d.b_batch_stride as i64,
-            a.ptr() as *const c_void,
+            pa as *const c_void,
             dt,
             ldbi,
             d.a_batch_stride as i64,

@@ -155,6 +155,26 @@ pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
     Ok(image)
 }
 
+/// Compiles every kernel family for compute capability `arch` with NVRTC, bypassing the caches:
+/// a check of the kernel sources that needs libnvrtc but no GPU or driver (tests/kernels.rs runs
+/// it wherever NVRTC loads, CI included). Returns the families compiled; an error carries the
+/// NVRTC log, or says that libnvrtc is missing.
+pub fn compile_all_for(arch: (i32, i32)) -> Result<usize> {
+    // SAFETY: loading libnvrtc runs its initialisers, as cudarc's own loading would.
+    let present =
+        std::panic::catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false);
+    if !present {
+        return Err(Error::Cuda(format!(
+            "NVRTC not found (searched {})",
+            cudarc::get_lib_name_candidates("nvrtc").join(", ")
+        )));
+    }
+    for f in Family::ALL {
+        super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))?;
+    }
+    Ok(Family::ALL.len())
+}
+
 fn nvrtc_err(kernel: &str, what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Compile {
         kernel: kernel.to_string(),

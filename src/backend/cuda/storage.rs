@@ -1,5 +1,7 @@
 //! `CudaStorage`: a buffer of one dtype on one device, allocated from the device's stream-ordered
-//! pool on its stream, plus host ↔ device copies. The ops are in `ops.rs`.
+//! pool on its stream, plus host ↔ device copies, and [`BackendStorage`] for it: one line per op,
+//! into the op family's file (`cast.rs`, `elementwise.rs`, `layout.rs`, `reduce.rs`,
+//! `index.rs`, `softmax.rs`, `matmul.rs`, `conv.rs`, `batch_norm.rs`, `pool.rs`).
 
 use std::sync::Arc;
 
@@ -10,8 +12,12 @@ use half::{bf16, f16};
 use super::device::{self, cuda_err, poison_allocations, CudaDevice};
 use crate::backend::cpu::CpuStorage;
 use crate::backend::BackendStorage;
+use crate::backend::{
+    AdaptivePoolParams, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
+    Pool2dParams, ReduceOp, UnaryOp,
+};
 use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::tensor::{DType, Layout, Shape};
 
 pub struct CudaStorage {
     buf: CudaSlice<u8>,
@@ -90,6 +96,37 @@ impl CudaStorage {
         p
     }
 
+    /// The device address of the first element of `l`, after checking that every element `l`
+    /// addresses lies in this buffer: the one bounds check between a layout and a kernel.
+    pub(crate) fn ptr_at(&self, l: &Layout) -> Result<u64> {
+        if l.storage_end() > self.len {
+            return Err(Error::invalid_arg(
+                "cuda op",
+                "layout",
+                format!(
+                    "shape {:?} strides {:?} offset {}",
+                    l.dims(),
+                    l.strides(),
+                    l.offset()
+                ),
+                format!("elements inside the buffer of {} elements", self.len),
+            ));
+        }
+        Ok(self.ptr() + (l.offset() * self.dtype.size_in_bytes()) as u64)
+    }
+
+    /// Copies `n` elements from the device address `src` (same dtype) to the start of this
+    /// buffer, on the stream.
+    pub(crate) fn copy_from_device(&self, src: u64, n: usize) -> Result<()> {
+        let bytes = n * self.dtype.size_in_bytes();
+        if bytes > 0 {
+            // SAFETY: the caller's source holds `n` elements; this buffer holds at least `n`.
+            unsafe { cur::memcpy_dtod_async(self.ptr(), src, bytes, self.dev.stream.cu_stream()) }
+                .map_err(|e| cuda_err("copying device → device", e))?;
+        }
+        Ok(())
+    }
+
     pub fn ordinal(&self) -> usize {
         self.dev.ordinal
     }
@@ -103,7 +140,7 @@ impl CudaStorage {
         let dev = device::get(ordinal)?;
         let out = Self::alloc(&dev, dtype, len)?;
         if len > 0 {
-            super::ops::fill(&out, v)?;
+            super::cast::fill(&out, v)?;
         }
         Ok(out)
     }
@@ -141,7 +178,7 @@ impl CudaStorage {
                 .map_err(|e| cuda_err("copying device → host", e))?;
             }
             s.dev.synchronize()?;
-            super::ops::check_index_flag(&s.dev)?;
+            super::index::check_index_flag(&s.dev)?;
             Ok(v)
         }
         Ok(match self.dtype {
@@ -166,12 +203,164 @@ impl CudaStorage {
         }
         Ok(out)
     }
+}
 
-    pub(crate) fn dtype_(&self) -> DType {
+impl BackendStorage for CudaStorage {
+    fn dtype(&self) -> DType {
         self.dtype
     }
-
-    pub(crate) fn len_(&self) -> usize {
+    fn len(&self) -> usize {
         self.len
+    }
+    fn channels_last_native(&self) -> bool {
+        false
+    }
+    fn copy_strided(&self, src: &Layout, dst: &Layout) -> Result<Self> {
+        super::layout::copy_strided(self, src, dst)
+    }
+    fn to_dtype(&self, l: &Layout, dtype: DType) -> Result<Self> {
+        super::cast::to_dtype(self, l, dtype)
+    }
+    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        super::elementwise::unary(self, l, op)
+    }
+    fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
+        super::elementwise::affine(self, l, mul, add)
+    }
+    fn powf(&self, l: &Layout, e: f64) -> Result<Self> {
+        super::elementwise::powf(self, l, e)
+    }
+    fn binary(
+        &self,
+        l: &Layout,
+        rhs: &Self,
+        rl: &Layout,
+        op: BinaryOp,
+        out: &Layout,
+    ) -> Result<Self> {
+        super::elementwise::binary(self, l, rhs, rl, op, out)
+    }
+    fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self> {
+        super::elementwise::relu_backward(self, l, x, xl)
+    }
+    fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self> {
+        super::reduce::reduce(self, l, op, dim)
+    }
+    fn argmax(&self, l: &Layout, dim: usize) -> Result<Self> {
+        super::reduce::argmax(self, l, dim)
+    }
+    fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        super::index::gather(self, l, idx, il, dim)
+    }
+    fn scatter_add(
+        &self,
+        l: &Layout,
+        idx: &Self,
+        il: &Layout,
+        dim: usize,
+        out: &Shape,
+    ) -> Result<Self> {
+        super::index::scatter_add(self, l, idx, il, dim, out)
+    }
+    fn cat(parts: &[(&Self, &Layout)], dim: usize) -> Result<Self> {
+        if parts.is_empty() {
+            return Err(Error::invalid_shape("cat", &Shape::scalar(), "no tensors"));
+        }
+        super::layout::cat(parts, dim)
+    }
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
+        super::matmul::matmul(self, l, rhs, rl, dims)
+    }
+    fn conv2d(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
+        super::conv::conv2d(self, l, w, wl, p)
+    }
+    fn conv2d_backward_input(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        super::conv::conv2d_backward_input(self, l, w, wl, p)
+    }
+    fn conv2d_backward_weight(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        super::conv::conv2d_backward_weight(self, l, x, xl, p)
+    }
+    fn batch_norm_train(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)> {
+        super::batch_norm::forward_train(
+            self,
+            l,
+            residual,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            p,
+        )
+    }
+    fn batch_norm_backward(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        saved_mean: &Self,
+        saved_invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<BatchNormGrads<Self>> {
+        super::batch_norm::backward(self, l, x, xl, y, weight, saved_mean, saved_invstd, p)
+    }
+    fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
+        super::pool::max_pool2d(self, l, p)
+    }
+    fn max_pool2d_backward(
+        &self,
+        l: &Layout,
+        argmax: &Self,
+        al: &Layout,
+        p: &Pool2dParams,
+    ) -> Result<Self> {
+        super::pool::max_pool2d_backward(self, l, argmax, al, p)
+    }
+    fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        super::pool::avg_pool2d(self, l, p)
+    }
+    fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        super::pool::avg_pool2d_backward(self, l, p)
+    }
+    fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        super::pool::adaptive_avg_pool2d(self, l, p)
+    }
+    fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        super::pool::adaptive_avg_pool2d_backward(self, l, p)
+    }
+    fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self> {
+        super::softmax::softmax(self, l, dim, log)
+    }
+    fn softmax_backward(
+        &self,
+        l: &Layout,
+        y: &Self,
+        yl: &Layout,
+        dim: usize,
+        log: bool,
+    ) -> Result<Self> {
+        super::softmax::softmax_backward(self, l, y, yl, dim, log)
     }
 }

@@ -1,0 +1,102 @@
+"""PyTorch's side of benches/train_throughput.rs: the same networks, batch, data, optimizer and
+step, one configuration per process, one JSON line out (the same fields).
+
+    python3 benches/torch_train_throughput.py --net resnet50|resnet18-cifar \
+        --mode fp32|fp16|bf16 [--layout nchw|cl] [--steps 20] [--warmup 5] [--lr 0.001] [--compile]
+
+A step: zero_grad(set_to_none), forward under autocast (fp16/bf16), cross-entropy, GradScaler
+backward (fp16), fused SGD momentum through scaler.step, scaler.update. cudnn.benchmark on, TF32
+off (f32 means f32, as in mixprec). Skipped steps are counted from the scaler's scale: a step is
+skipped exactly when update() lowers the scale.
+"""
+import argparse, json, time
+
+t_start = time.perf_counter()
+import torch, torch.nn as nn, torchvision
+
+p = argparse.ArgumentParser()
+p.add_argument("--net", default="resnet50", choices=["resnet50", "resnet18-cifar"])
+p.add_argument("--mode", default="fp16", choices=["fp32", "fp16", "bf16"])
+p.add_argument("--layout", default="nchw", choices=["nchw", "cl"])
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--warmup", type=int, default=5)
+p.add_argument("--lr", type=float, default=0.001)
+p.add_argument("--compile", action="store_true")
+a = p.parse_args()
+
+dev = "cuda"
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cudnn.benchmark = True
+batch, hw, classes = (256, 224, 1000) if a.net == "resnet50" else (512, 32, 10)
+torch.manual_seed(0)
+if a.net == "resnet50":
+    m = torchvision.models.resnet50(num_classes=classes)
+else:
+    m = torchvision.models.resnet18(num_classes=classes)
+    m.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+    m.maxpool = nn.Identity()
+m = m.to(dev)
+cl = a.layout == "cl"
+if cl:
+    m = m.to(memory_format=torch.channels_last)
+opt = torch.optim.SGD(m.parameters(), lr=a.lr, momentum=0.9, fused=True)
+x = torch.randn(batch, 3, hw, hw, device=dev)
+if cl:
+    x = x.to(memory_format=torch.channels_last)
+y = (torch.arange(batch, device=dev) * 7919) % classes
+half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(a.mode)
+scaler = torch.amp.GradScaler("cuda", enabled=(a.mode == "fp16"))
+fwd = torch.compile(m) if a.compile else m
+skipped = 0
+
+def step():
+    global skipped
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=half or torch.float32, enabled=half is not None):
+        loss = nn.functional.cross_entropy(fwd(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    before = scaler.get_scale() if scaler.is_enabled() else None
+    scaler.update()
+    return loss, before
+
+def count_skip(before):
+    # get_scale() syncs: only used outside the timed loop.
+    global skipped
+    if before is not None and scaler.get_scale() < before:
+        skipped += 1
+
+loss, before = step(); torch.cuda.synchronize(); count_skip(before)
+first_step_s = time.perf_counter() - t_start
+for _ in range(1, a.warmup):
+    loss, before = step(); count_skip(before)
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+# Timed steps: the scale is read once per step into a device list, compared after the sync.
+scales = []
+prev = scaler.get_scale() if scaler.is_enabled() else None
+t = time.perf_counter()
+for _ in range(a.steps):
+    loss, _ = step()
+    if scaler.is_enabled():
+        scales.append(scaler._scale.clone())
+enqueue_s = time.perf_counter() - t
+torch.cuda.synchronize()
+wall_s = time.perf_counter() - t
+for s in scales:
+    v = s.item()
+    if prev is not None and v < prev:
+        skipped += 1
+    prev = v
+free, total = torch.cuda.mem_get_info()
+print(json.dumps({
+    "side": "torch" + ("-compile" if a.compile else ""), "net": a.net, "mode": a.mode,
+    "layout": a.layout, "batch": batch, "steps": a.steps, "total_steps": a.warmup + a.steps,
+    "img_per_s": round(batch * a.steps / wall_s, 1), "step_ms": round(wall_s * 1e3 / a.steps, 3),
+    "enqueue_ms": round(enqueue_s * 1e3 / a.steps, 3), "first_step_s": round(first_step_s, 2),
+    "device_used_mib": round((total - free) / 2**20),
+    "pool_used_high_mib": round(torch.cuda.max_memory_allocated() / 2**20),
+    "pool_reserved_high_mib": round(torch.cuda.max_memory_reserved() / 2**20),
+    "skipped": skipped, "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0,
+    "final_loss": round(loss.item(), 4), "torch": torch.__version__}), flush=True)

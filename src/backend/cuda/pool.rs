@@ -1,0 +1,193 @@
+//! Max, average and adaptive average pooling and their backward (`kernels/pool.cu`), NCHW or
+//! NHWC.
+
+use super::common::float_sfx;
+use super::launch::{launch, Grid};
+use super::registry::Family;
+use super::storage::CudaStorage;
+use crate::backend::BackendStorage;
+use crate::backend::{AdaptivePoolParams, Pool2dParams};
+use crate::error::Result;
+use crate::tensor::{DType, Layout, MemoryFormat};
+
+/// Mirrors `PoolP` in pool.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PoolP {
+    n: i64,
+    c: i64,
+    h: i64,
+    w: i64,
+    kh: i64,
+    kw: i64,
+    sh: i64,
+    sw: i64,
+    ph: i64,
+    pw: i64,
+    oh: i64,
+    ow: i64,
+    count_include_pad: i64,
+    /// 1: NHWC, 0: NCHW.
+    nhwc: i64,
+}
+
+fn pool_p(p: &Pool2dParams) -> PoolP {
+    PoolP {
+        n: p.n as i64,
+        c: p.c as i64,
+        h: p.h as i64,
+        w: p.w as i64,
+        kh: p.kh as i64,
+        kw: p.kw as i64,
+        sh: p.stride.0 as i64,
+        sw: p.stride.1 as i64,
+        ph: p.padding.0 as i64,
+        pw: p.padding.1 as i64,
+        oh: p.out_h() as i64,
+        ow: p.out_w() as i64,
+        count_include_pad: p.count_include_pad as i64,
+        nhwc: (p.format == MemoryFormat::ChannelsLast) as i64,
+    }
+}
+
+fn adaptive_p(p: &AdaptivePoolParams) -> PoolP {
+    PoolP {
+        n: p.n as i64,
+        c: p.c as i64,
+        h: p.h as i64,
+        w: p.w as i64,
+        kh: 0,
+        kw: 0,
+        sh: 1,
+        sw: 1,
+        ph: 0,
+        pw: 0,
+        oh: p.out_h as i64,
+        ow: p.out_w as i64,
+        count_include_pad: 0,
+        nhwc: (p.format == MemoryFormat::ChannelsLast) as i64,
+    }
+}
+
+pub(crate) fn max_pool2d(
+    x: &CudaStorage,
+    l: &Layout,
+    p: &Pool2dParams,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let s = float_sfx("max_pool2d", x.dtype())?;
+    let src = x.ptr_at(l)?;
+    let n = p.n * p.c * p.out_h() * p.out_w();
+    let out = CudaStorage::alloc(&x.dev, x.dtype(), n)?;
+    let arg = CudaStorage::alloc(&x.dev, DType::I64, n)?;
+    if n > 0 {
+        launch!(x.dev, Family::Pool, format!("max_pool_{s}"), Grid::for_items(&x.dev, n);
+            pool_p(p), src, out.ptr(), arg.ptr());
+    }
+    Ok((out, arg))
+}
+
+pub(crate) fn max_pool2d_backward(
+    g: &CudaStorage,
+    l: &Layout,
+    argmax: &CudaStorage,
+    al: &Layout,
+    p: &Pool2dParams,
+) -> Result<CudaStorage> {
+    let s = float_sfx("max_pool2d_backward", g.dtype())?;
+    let (pg, pa) = (g.ptr_at(l)?, argmax.ptr_at(al)?);
+    let n = p.n * p.c * p.h * p.w;
+    let dx = CudaStorage::alloc(&g.dev, g.dtype(), n)?;
+    if n > 0 {
+        launch!(g.dev, Family::Pool, format!("max_pool_backward_{s}"), Grid::for_items(&g.dev, n);
+            pool_p(p), pg, pa, dx.ptr());
+    }
+    Ok(dx)
+}
+
+pub(crate) fn avg_pool2d(x: &CudaStorage, l: &Layout, p: &Pool2dParams) -> Result<CudaStorage> {
+    let s = float_sfx("avg_pool2d", x.dtype())?;
+    let src = x.ptr_at(l)?;
+    let n = p.n * p.c * p.out_h() * p.out_w();
+    let out = CudaStorage::alloc(&x.dev, x.dtype(), n)?;
+    if n > 0 {
+        launch!(x.dev, Family::Pool, format!("avg_pool_{s}"), Grid::for_items(&x.dev, n);
+            pool_p(p), src, out.ptr());
+    }
+    Ok(out)
+}
+
+pub(crate) fn avg_pool2d_backward(
+    g: &CudaStorage,
+    l: &Layout,
+    p: &Pool2dParams,
+) -> Result<CudaStorage> {
+    let s = float_sfx("avg_pool2d_backward", g.dtype())?;
+    let src = g.ptr_at(l)?;
+    let n = p.n * p.c * p.h * p.w;
+    let dx = CudaStorage::alloc(&g.dev, g.dtype(), n)?;
+    if n > 0 {
+        launch!(g.dev, Family::Pool, format!("avg_pool_backward_{s}"), Grid::for_items(&g.dev, n);
+            pool_p(p), src, dx.ptr());
+    }
+    Ok(dx)
+}
+
+pub(crate) fn adaptive_avg_pool2d(
+    x: &CudaStorage,
+    l: &Layout,
+    p: &AdaptivePoolParams,
+) -> Result<CudaStorage> {
+    let s = float_sfx("adaptive_avg_pool2d", x.dtype())?;
+    let src = x.ptr_at(l)?;
+    let n = p.n * p.c * p.out_h * p.out_w;
+    let out = CudaStorage::alloc(&x.dev, x.dtype(), n)?;
+    if n > 0 {
+        launch!(x.dev, Family::Pool, format!("adaptive_pool_{s}"), Grid::for_items(&x.dev, n);
+            adaptive_p(p), src, out.ptr());
+    }
+    Ok(out)
+}
+
+pub(crate) fn adaptive_avg_pool2d_backward(
+    g: &CudaStorage,
+    l: &Layout,
+    p: &AdaptivePoolParams,
+) -> Result<CudaStorage> {
+    let s = float_sfx("adaptive_avg_pool2d_backward", g.dtype())?;
+    let src = g.ptr_at(l)?;
+    let n = p.n * p.c * p.h * p.w;
+    let dx = CudaStorage::alloc(&g.dev, g.dtype(), n)?;
+    if n > 0 {
+        launch!(g.dev, Family::Pool, format!("adaptive_pool_backward_{s}"), Grid::for_items(&g.dev, n);
+            adaptive_p(p), src, dx.ptr());
+    }
+    Ok(dx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_params_match_the_kernel_struct() {
+        let p = Pool2dParams {
+            n: 2,
+            c: 3,
+            h: 9,
+            w: 7,
+            kh: 3,
+            kw: 2,
+            stride: (2, 1),
+            padding: (1, 0),
+            count_include_pad: true,
+            format: MemoryFormat::Contiguous,
+        };
+        let k = pool_p(&p);
+        assert_eq!((k.oh, k.ow), (p.out_h() as i64, p.out_w() as i64));
+        assert_eq!(
+            (k.sh, k.sw, k.ph, k.pw, k.count_include_pad),
+            (2, 1, 1, 0, 1)
+        );
+        assert_eq!(std::mem::size_of::<PoolP>(), 14 * 8);
+    }
+}
