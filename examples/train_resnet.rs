@@ -8,6 +8,10 @@
 //! metrics, a plot, checkpoints and the final weights under `runs/train_resnet/`.
 //! `--help` lists the options; a run config (`--config configs/run_*.toml`) holds the same
 //! settings, and flags override it. The loop itself is `mixprec::train::trainer`.
+//!
+//! Several GPUs: `--nproc-per-node N` starts N processes (one per GPU) and supervises them; the
+//! same binary also runs unchanged under `torchrun --no-python` and `srun` (README: "Several
+//! GPUs").
 
 use std::path::PathBuf;
 
@@ -82,6 +86,16 @@ struct Cli {
     /// bar (terminal), lines (logs) or off; default: bar on a terminal, else lines.
     #[arg(long, value_parser = ["bar", "lines", "off"])]
     progress: Option<String>,
+    /// Data-parallel training: start N processes on this machine, one per GPU (cuda:0 ..
+    /// cuda:N-1; N CPU processes without a GPU), and supervise them. --batch-size is per process.
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<usize>,
+    /// The rendezvous port of --nproc-per-node (default: a free one).
+    #[arg(long, value_name = "PORT", requires = "nproc_per_node")]
+    master_port: Option<u16>,
+    /// With several processes: batch-norm statistics over every process's batch.
+    #[arg(long)]
+    sync_batchnorm: bool,
 }
 
 impl Cli {
@@ -126,14 +140,49 @@ impl Cli {
 }
 
 fn main() -> std::process::ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    match train(Cli::parse()) {
+    // Ranks other than 0 log warnings and errors only (rank 0 reports for the run).
+    let rank0 = std::env::var("RANK").map_or(true, |r| r.trim() == "0");
+    let level = if rank0 { "info" } else { "warn" };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level)).init();
+    let cli = Cli::parse();
+    // Under a launcher (ours, torchrun, srun) this process is one rank: it trains.
+    let launched = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
+    let result = match cli.nproc_per_node {
+        Some(n) if !launched => spawn_ranks(n, cli.master_port),
+        _ => train(cli),
+    };
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("train_resnet: {e}");
+            match std::env::var("RANK") {
+                Ok(r) if launched => eprintln!("train_resnet (rank {r}): {e}"),
+                _ => eprintln!("train_resnet: {e}"),
+            }
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// `--nproc-per-node N`: this program N times, with the same arguments but that one, as ranks
+/// 0..N of one run on this machine; the first failure ends the run (see
+/// `mixprec::distributed::launch`).
+fn spawn_ranks(n: usize, port: Option<u16>) -> mixprec::Result<()> {
+    use mixprec::distributed::launch::{launch, LaunchConfig};
+    let mut args = Vec::new();
+    let mut it = std::env::args_os().skip(1);
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        if s == "--nproc-per-node" || s == "--master-port" {
+            it.next();
+        } else if !(s.starts_with("--nproc-per-node=") || s.starts_with("--master-port=")) {
+            args.push(a);
+        }
+    }
+    let exe = std::env::current_exe()
+        .map_err(|e| mixprec::Error::io("finding this program to start the ranks", e))?;
+    let mut cfg = LaunchConfig::new(n, exe, args);
+    cfg.master_port = port;
+    launch(&cfg).map(|_| ())
 }
 
 fn train(cli: Cli) -> mixprec::Result<()> {
@@ -167,16 +216,24 @@ fn train(cli: Cli) -> mixprec::Result<()> {
             resume: cli.resume.clone(),
             progress,
             stop_after: cli.stop_after,
+            sync_batch_norm: cli.sync_batchnorm,
         },
     )?;
+    if summary.rank != 0 {
+        return Ok(());
+    }
     if let Some(last) = summary.last() {
         println!(
-            "done: test accuracy {:.2}% after {} epochs, final train loss {}, {:.1} s on {}",
+            "done: test accuracy {:.2}% after {} epochs, final train loss {}, {:.1} s on {}{}",
             100.0 * last.test_accuracy,
             last.epoch,
             last.train_loss,
             summary.seconds,
-            summary.device
+            summary.device,
+            match summary.world_size {
+                1 => String::new(),
+                n => format!(" (rank 0 of {n} processes)"),
+            }
         );
     }
     println!(

@@ -109,6 +109,17 @@ pub enum Error {
     #[error("{op}: not supported: {detail}")]
     Unsupported { op: &'static str, detail: String },
 
+    /// A distributed run failed: a peer process died or hung, the rendezvous failed, the ranks
+    /// disagree (models, dtypes, collectives), or a launch setting is wrong. `rank` is the
+    /// process reporting it; `culprit`, when known, the rank that caused it.
+    #[error("distributed (rank {rank} of {world_size}): {detail}")]
+    Distributed {
+        rank: usize,
+        world_size: usize,
+        culprit: Option<usize>,
+        detail: String,
+    },
+
     /// A state dict (a weights file, a checkpoint) does not fit the module or optimizer it is
     /// loaded into: every problem at once, each naming the tensor and both shapes/dtypes.
     #[error("{context}: does not match ({} problem(s)): {}", .problems.len(), join_problems(.problems))]

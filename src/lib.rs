@@ -6,6 +6,7 @@ pub mod amp;
 pub mod autograd;
 pub mod backend;
 pub mod data;
+pub mod distributed;
 pub mod error;
 pub mod graph;
 pub mod io;

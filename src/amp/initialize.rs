@@ -518,6 +518,13 @@ impl<O: Optimizer> ScaledBackward for AmpOptimizer<O> {
             return self.stash_persistent(factor.as_ref());
         }
         self.stash.clear();
+        // With one scaler and no rescale, gradients accumulate in place as in PyTorch: nothing
+        // to attribute to another loss, and a data-parallel wrapper then averages the totals
+        // (gradients set aside here would escape its averaging under `no_sync`).
+        if set.len() == 1 && factor.is_none() {
+            self.pending = Some(loss_id);
+            return Ok(());
+        }
         for p in self.inner.params() {
             if let Some(g) = p.grad() {
                 let g = match &factor {

@@ -11,12 +11,15 @@
 //! Memory: a tensor's buffer lives while a handle to it does — the user's, or a node's saved
 //! copy — never because the graph passes through it (PyTorch's rule).
 
+pub mod hooks;
 mod op;
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
+pub(crate) use hooks::Hooks;
+pub use hooks::{custom_function, queue_callback, HookId};
 pub(crate) use op::Op;
 
 use crate::error::{Error, Result};
@@ -70,6 +73,8 @@ pub(crate) struct Node {
     edges: Vec<Option<Edge>>,
     /// The dtype of the tensor the node made: gradients reaching it are cast to it.
     dtype: DType,
+    /// Gradient hooks of the tensor the node made (autograd::hooks), allocated at the first.
+    hooks: std::sync::OnceLock<Box<Hooks>>,
 }
 
 /// Where an input's gradient goes: the node that computed it, or the variable itself.
@@ -106,7 +111,16 @@ impl Node {
             op: Mutex::new(Some(op)),
             edges,
             dtype,
+            hooks: std::sync::OnceLock::new(),
         }))
+    }
+
+    pub(crate) fn hooks(&self) -> Option<&Hooks> {
+        self.hooks.get().map(|h| &**h)
+    }
+
+    pub(crate) fn hooks_or_init(&self) -> &Hooks {
+        self.hooks.get_or_init(Box::default)
     }
 
     fn key(self: &Arc<Node>) -> Key {
@@ -216,10 +230,14 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
     crate::amp::autocast::clear_cache();
     let _autocast = crate::amp::autocast::suspend();
     let _guard = no_grad();
+    let mut scope = hooks::BackwardScope::enter();
     let seed = root.ones_like()?;
     let Some(root_node) = root.node().cloned() else {
         // A variable on its own.
-        return root.accumulate_grad(&seed);
+        let seed = hooks::on_grad(root.hooks(), seed)?;
+        root.accumulate_grad(&seed)?;
+        hooks::after_accumulate(root)?;
+        return scope.finish();
     };
     let order = topo_order(&root_node);
     let mut grads: HashMap<Key, Tensor> = HashMap::new();
@@ -233,12 +251,15 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
             Vertex::Leaf(t) => {
                 // Read now: a variable frozen after recording gets nothing.
                 if t.requires_grad() {
+                    let g = hooks::on_grad(t.hooks(), g)?;
                     t.accumulate_grad(&g)?;
+                    hooks::after_accumulate(&t)?;
                 }
                 continue;
             }
             Vertex::Node(n) => n,
         };
+        let g = hooks::on_grad(node.hooks(), g)?;
         let needs: Vec<bool> = node.edges.iter().map(|e| e.is_some()).collect();
         let input_grads = {
             let mut slot = node.op.lock().unwrap_or_else(|e| e.into_inner());
@@ -276,5 +297,5 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
             grads.insert(key, total);
         }
     }
-    Ok(())
+    scope.finish()
 }

@@ -117,6 +117,8 @@ pub(crate) enum Op {
         dim: usize,
         log: bool,
     },
+    /// A user-defined function (`autograd::custom_function`).
+    Custom(Box<super::hooks::CustomOp>),
 }
 
 impl Op {
@@ -147,6 +149,7 @@ impl Op {
             Op::AvgPool2d { .. } => "avg_pool2d",
             Op::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
             Op::Softmax { .. } => "softmax",
+            Op::Custom(f) => f.name,
         }
     }
 
@@ -429,6 +432,7 @@ impl Op {
                 )?;
                 Ok(Tensor::from_storage(s, y.shape().clone()))
             }),
+            Op::Custom(f) => f.backward(g, needs),
         }
     }
 }

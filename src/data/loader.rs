@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::data::dataset::Dataset;
+use crate::data::sampler::DistributedSampler;
 use crate::data::transforms::Augment;
 use crate::error::{Error, Result};
 use crate::tensor::random::{philox4x32, SeedStream};
@@ -36,6 +37,8 @@ pub struct DataLoader {
     drop_last: bool,
     augment: Option<Augment>,
     prefetch: usize,
+    /// Data-parallel runs: this rank's shard of every epoch.
+    sampler: Option<DistributedSampler>,
 }
 
 impl std::fmt::Debug for DataLoader {
@@ -48,6 +51,7 @@ impl std::fmt::Debug for DataLoader {
             .field("drop_last", &self.drop_last)
             .field("augment", &self.augment)
             .field("prefetch", &self.prefetch)
+            .field("sampler", &self.sampler)
             .finish()
     }
 }
@@ -69,7 +73,15 @@ impl DataLoader {
             drop_last: false,
             augment: None,
             prefetch: 2,
+            sampler: None,
         }
+    }
+
+    /// Serve only this rank's shard of each epoch (see [`DistributedSampler`]); batching and
+    /// `drop_last` apply to the shard.
+    pub fn sampler(mut self, sampler: DistributedSampler) -> Self {
+        self.sampler = Some(sampler);
+        self
     }
 
     /// Shuffle every epoch; epoch `e`'s order depends only on `(seed, e)`.
@@ -105,9 +117,13 @@ impl DataLoader {
         self.batch_size
     }
 
-    /// Number of batches per epoch.
+    /// Number of batches per epoch (of this rank's shard, with a sampler).
     pub fn num_batches(&self) -> usize {
-        let (n, b) = (self.dataset.len(), self.batch_size);
+        let n = match &self.sampler {
+            Some(s) => s.num_samples(self.dataset.len()),
+            None => self.dataset.len(),
+        };
+        let b = self.batch_size;
         if b == 0 {
             0
         } else if self.drop_last {
@@ -117,8 +133,8 @@ impl DataLoader {
         }
     }
 
-    /// The dataset indices of epoch `epoch`, in the order they are served (all of them, before
-    /// batching and `drop_last`).
+    /// The dataset indices of epoch `epoch`, in the order they are served (all of them, or this
+    /// rank's shard with a sampler; before batching and `drop_last`).
     pub fn epoch_order(&self, epoch: usize) -> Vec<usize> {
         let n = self.dataset.len();
         let mut order: Vec<usize> = (0..n).collect();
@@ -133,7 +149,10 @@ impl DataLoader {
                 order.swap(i, rng.below(i + 1));
             }
         }
-        order
+        match &self.sampler {
+            Some(s) => s.shard(&order),
+            None => order,
+        }
     }
 
     fn check(&self) -> Result<()> {

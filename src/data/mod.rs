@@ -26,11 +26,13 @@ pub mod dataset;
 pub mod fashion_mnist;
 pub mod idx;
 pub mod loader;
+pub mod sampler;
 pub mod synthetic;
 pub mod transforms;
 
 pub use dataset::{Dataset, First, ItemShape};
 pub use fashion_mnist::{DataSource, FashionMnist, Split};
 pub use loader::{Batch, DataLoader, EpochIter};
+pub use sampler::DistributedSampler;
 pub use synthetic::SyntheticDataset;
 pub use transforms::{Augment, AugmentDraw};

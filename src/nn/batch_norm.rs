@@ -73,24 +73,30 @@ impl BatchNorm2d {
 impl BatchNorm2d {
     /// `relu(bn(x))` in one fused op (what a ResNet block's `bn → relu` runs).
     pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
-        self.run(x, |x, w, b, rm, rv, cfg| {
-            x.batch_norm_relu(w, b, rm, rv, cfg)
-        })
+        self.run(
+            x,
+            |x, w, b, rm, rv, cfg| x.batch_norm_relu(w, b, rm, rv, cfg),
+            |y| y.relu(),
+        )
     }
 
     /// `relu(bn(x) + residual)` in one fused op (the end of a ResNet block).
     pub fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        self.run(x, |x, w, b, rm, rv, cfg| {
-            x.batch_norm_add_relu(residual, w, b, rm, rv, cfg)
-        })
+        self.run(
+            x,
+            |x, w, b, rm, rv, cfg| x.batch_norm_add_relu(residual, w, b, rm, rv, cfg),
+            |y| y.add(residual)?.relu(),
+        )
     }
 
     /// Checks the input, runs `op` with this module's tensors and settings, and counts a
-    /// training batch.
+    /// training batch. A layer converted to SyncBatchNorm normalises over every rank's batch in
+    /// training instead, then applies `unfused` (what `op` fuses after the normalisation).
     fn run(
         &self,
         x: &Tensor,
         op: impl FnOnce(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, BatchNormConfig) -> Result<Tensor>,
+        unfused: impl FnOnce(Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         if x.rank() != 4 {
             return Err(Error::invalid_shape(
@@ -100,18 +106,26 @@ impl BatchNorm2d {
             ));
         }
         let training = self.training.get();
-        let y = op(
-            x,
-            &self.weight,
-            &self.bias,
-            &self.running_mean,
-            &self.running_var,
-            BatchNormConfig {
-                training,
-                momentum: self.momentum,
-                eps: self.eps,
-            },
-        )?;
+        let synced = if training {
+            crate::distributed::sync_batch_norm::forward(self, x)?
+        } else {
+            None
+        };
+        let y = match synced {
+            Some(y) => unfused(y)?,
+            None => op(
+                x,
+                &self.weight,
+                &self.bias,
+                &self.running_mean,
+                &self.running_var,
+                BatchNormConfig {
+                    training,
+                    momentum: self.momentum,
+                    eps: self.eps,
+                },
+            )?,
+        };
         if training {
             // A host counter: inside a CUDA-graph capture it counts at every replay instead.
             let count = self.num_batches_tracked.clone();
@@ -127,7 +141,11 @@ impl Module for BatchNorm2d {
     /// Training mode normalises with the batch statistics, updates the running statistics and
     /// counts the batch; eval mode uses the running statistics.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.run(x, |x, w, b, rm, rv, cfg| x.batch_norm(w, b, rm, rv, cfg))
+        self.run(
+            x,
+            |x, w, b, rm, rv, cfg| x.batch_norm(w, b, rm, rv, cfg),
+            Ok,
+        )
     }
 
     fn visit_own(&self, f: &mut dyn FnMut(&TensorInfo)) {

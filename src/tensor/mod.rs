@@ -29,7 +29,7 @@ pub(crate) mod storage;
 mod view;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use batch_norm::BatchNormConfig;
 pub use conv::Conv2dConfig;
@@ -68,6 +68,8 @@ pub(crate) struct TensorInner {
     is_variable: bool,
     requires_grad: AtomicBool,
     grad: Mutex<GradSlot>,
+    /// Backward hooks (autograd::hooks), allocated at the first registration.
+    hooks: OnceLock<Box<autograd::Hooks>>,
 }
 
 /// A variable's gradient, and whether its buffer is this slot's own (made by
@@ -121,7 +123,20 @@ impl Tensor {
             is_variable,
             requires_grad: AtomicBool::new(is_variable),
             grad: Mutex::new(GradSlot::default()),
+            hooks: OnceLock::new(),
         }))
+    }
+
+    /// A tensor sharing this one's buffer whose graph node is `op` when an input records
+    /// (`autograd::custom_function`).
+    pub(crate) fn with_op(&self, inputs: &[&Tensor], op: impl FnOnce() -> Op) -> Tensor {
+        let node = Node::record(inputs, self.dtype(), op);
+        Self::build(
+            self.0.storage.clone(),
+            (*self.layout()).clone(),
+            node,
+            false,
+        )
     }
 
     /// The result of an op: records `op` in the graph when gradients are enabled and any input
@@ -409,6 +424,14 @@ impl Tensor {
 
     pub(crate) fn node(&self) -> Option<&Arc<Node>> {
         self.0.node.as_ref()
+    }
+
+    pub(crate) fn hooks(&self) -> Option<&autograd::Hooks> {
+        self.0.hooks.get().map(|h| &**h)
+    }
+
+    pub(crate) fn hooks_or_init(&self) -> &autograd::Hooks {
+        self.0.hooks.get_or_init(Box::default)
     }
 
     // ---- autograd -----------------------------------------------------------------------------

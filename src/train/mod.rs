@@ -4,6 +4,7 @@
 //! display (`progress`).
 
 pub mod config;
+pub mod distributed;
 pub mod metrics;
 pub mod plot;
 pub mod progress;

@@ -14,10 +14,14 @@
 //! warms up and captures again, so checkpoints and `--resume` stay exact either way.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::amp::{self, AmpModel, CapturedStep, LossScale, Properties};
-use crate::data::{Augment, DataLoader, DataSource, Dataset, FashionMnist, First, Split};
+use crate::data::{
+    Augment, DataLoader, DataSource, Dataset, DistributedSampler, FashionMnist, First, Split,
+};
+use crate::distributed::{convert_sync_batchnorm, DdpConfig, DistributedDataParallel};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
 use crate::io::weights::save_weights;
@@ -30,6 +34,7 @@ use crate::optim::{
 use crate::tensor::{Device, Tensor};
 
 use super::config::{parse_device, RunConfig};
+use super::distributed::Ranks;
 use super::metrics::{EpochRecord, MetricsWriter};
 use super::plot::plot_history;
 use super::progress::{EpochProgress, ProgressMode};
@@ -42,6 +47,8 @@ pub struct RunOptions {
     pub progress: Option<ProgressMode>,
     /// Stop after this many epochs in total (an interrupted run, for tests and experiments).
     pub stop_after: Option<usize>,
+    /// With several processes: batch-norm statistics over every rank's batch (SyncBatchNorm).
+    pub sync_batch_norm: bool,
 }
 
 /// What a finished run produced.
@@ -56,6 +63,9 @@ pub struct RunSummary {
     pub weights: PathBuf,
     pub device: Device,
     pub seconds: f64,
+    /// The processes that trained (1 without a launcher); only rank 0 wrote files.
+    pub world_size: usize,
+    pub rank: usize,
 }
 
 impl RunSummary {
@@ -200,12 +210,9 @@ fn describe(p: &Properties) -> String {
     parts.join(", ")
 }
 
-/// Test loss and accuracy, in eval mode, recording no graph.
-fn evaluate<M: Module>(
-    model: &AmpModel<M>,
-    test: &DataLoader,
-    device: Device,
-) -> Result<(f64, f64)> {
+/// The test loss summed over the samples, the number classified correctly and the number of
+/// samples (of this rank's shard), in eval mode, recording no graph.
+fn evaluate<M: Module>(model: &AmpModel<M>, test: &DataLoader, device: Device) -> Result<[f64; 3]> {
     let _no_grad = crate::no_grad();
     model.eval();
     let (mut correct, mut total) = (0usize, 0usize);
@@ -223,8 +230,7 @@ fn evaluate<M: Module>(
         total += n;
     }
     model.set_training(true);
-    let total = total.max(1) as f64;
-    Ok((loss_sum / total, correct as f64 / total))
+    Ok([loss_sum, correct as f64, total as f64])
 }
 
 fn checkpoint_path(out: &Path, name: &str) -> PathBuf {
@@ -235,8 +241,19 @@ fn checkpoint_path(out: &Path, name: &str) -> PathBuf {
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     cfg.validate("run config")?;
     let run_start = Instant::now();
-    let device = select_device(&cfg.device)?;
-    let mode = opts.progress.unwrap_or_else(ProgressMode::detect);
+    let mut ranks = Ranks::from_env()?;
+    let main = ranks.is_main();
+    let world = ranks.world_size();
+    let device = ranks.device(&cfg.device)?;
+    ranks.join(device)?;
+    // Rank 0 alone reports; the others train silently.
+    let mode = match main {
+        true => opts.progress.unwrap_or_else(ProgressMode::detect),
+        false => ProgressMode::Off,
+    };
+    macro_rules! say {
+        ($($t:tt)*) => { if main { println!($($t)*); } };
+    }
 
     let source = data_source(&cfg.data.dir)?;
     let train = limited(
@@ -247,11 +264,17 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         FashionMnist::load_from(&source, Split::Test)?,
         cfg.data.test_limit,
     );
-    println!(
+    say!(
         "data: {source}; training on {} images, testing on {}",
         train.len(),
         test.len()
     );
+    if world > 1 {
+        say!(
+            "distributed: {world} processes ({:?} backend), each on its shard of every epoch",
+            crate::distributed::Backend::for_device(device)
+        );
+    }
 
     let model = ResNet::new(
         &ResNetConfig {
@@ -270,7 +293,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         },
         &device,
     )?;
-    println!(
+    say!(
         "model: ResNet ({} blocks {:?}, widths {:?}), {} parameters, on {device}",
         cfg.model.block,
         cfg.model.blocks,
@@ -280,20 +303,21 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let opt = build_optimizer(cfg, model.parameters())?;
     let policy = cfg.policy()?;
     let props = policy.properties()?;
-    println!(
+    say!(
         "amp: {} ({}): {}",
         policy.opt_level,
         policy.source,
         describe(&props)
     );
     if device == Device::Cpu && (props.cast_model_type.is_some() || props.autocast) {
-        println!(
+        say!(
             "note: on the CPU, half precision is emulated (each op computes in f32 and rounds), \
              so {} is slower than O0 there; it behaves as it will on a GPU",
             policy.opt_level
         );
     }
     let (model, mut opt) = amp::initialize(model, opt, policy)?;
+    let model = Arc::new(model);
 
     let mut train_loader = DataLoader::new(train, cfg.data.batch_size)
         .shuffle(cfg.seed)
@@ -302,7 +326,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     if cfg.data.augment {
         train_loader = train_loader.augment(Augment::crop_flip(2, cfg.seed));
     }
-    let test_loader = DataLoader::new(test, cfg.data.eval_batch_size).prefetch(2);
+    let mut test_loader = DataLoader::new(test, cfg.data.eval_batch_size).prefetch(2);
+    if world > 1 {
+        // The same shuffle on every rank, cut into shards; every test image counted once.
+        let rank = ranks.rank();
+        train_loader = train_loader.sampler(DistributedSampler::new(rank, world)?);
+        test_loader = test_loader.sampler(DistributedSampler::uneven(rank, world)?);
+    }
     let steps_per_epoch = train_loader.num_batches() as u64;
     if steps_per_epoch == 0 {
         return Err(Error::invalid_arg(
@@ -318,41 +348,82 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         ..Default::default()
     };
 
-    std::fs::create_dir_all(cfg.out.join("checkpoints"))
-        .map_err(|e| Error::io(format!("creating {}", cfg.out.display()), e))?;
-    let config_toml = cfg.out.join("config.toml");
-    super::write_atomic(&config_toml, cfg.to_toml().as_bytes())?;
+    if main {
+        std::fs::create_dir_all(cfg.out.join("checkpoints"))
+            .map_err(|e| Error::io(format!("creating {}", cfg.out.display()), e))?;
+        let config_toml = cfg.out.join("config.toml");
+        super::write_atomic(&config_toml, cfg.to_toml().as_bytes())?;
+    }
 
     let (mut start_epoch, mut step) = (0usize, 0u64);
-    let mut metrics = match &opts.resume {
-        None => MetricsWriter::create(&cfg.out)?,
-        Some(path) => {
-            let ckpt = Checkpoint::load(path)?;
-            ckpt.restore(&model, &mut opt)?;
-            start_epoch = ckpt.progress.epoch;
-            step = ckpt.progress.step;
-            let history: Vec<EpochRecord> = serde_json::from_value(ckpt.extra["history"].clone())
-                .map_err(|e| Error::Config {
-                file: path.display().to_string(),
-                key: "extra.history".into(),
-                value: e.to_string(),
-                allowed: "the metrics history a mixprec trainer saved".into(),
-            })?;
-            println!(
-                "resumed from {} after epoch {start_epoch} (step {step})",
-                path.display()
+    let mut history = Vec::new();
+    if let Some(path) = &opts.resume {
+        // Every rank restores (the file must be readable by all); the wrap below then copies
+        // rank 0's model to the others anyway.
+        let ckpt = Checkpoint::load(path)?;
+        ckpt.restore(&model, &mut opt)?;
+        start_epoch = ckpt.progress.epoch;
+        step = ckpt.progress.step;
+        let saved_world = ckpt.extra["world_size"].as_u64().unwrap_or(1) as usize;
+        if saved_world != world {
+            // Another number of processes cuts an epoch into another number of steps: the
+            // schedule continues from this epoch's first step at the new count.
+            step = start_epoch as u64 * steps_per_epoch;
+            say!(
+                "resuming a {saved_world}-process run with {world} process(es): the schedule continues \
+                 at step {step} (epoch {start_epoch} of {steps_per_epoch} steps)"
             );
-            MetricsWriter::resume(&cfg.out, &history)?
         }
+        history = {
+            let h: Vec<EpochRecord> = serde_json::from_value(ckpt.extra["history"].clone())
+                .map_err(|e| Error::Config {
+                    file: path.display().to_string(),
+                    key: "extra.history".into(),
+                    value: e.to_string(),
+                    allowed: "the metrics history a mixprec trainer saved".into(),
+                })?;
+            h
+        };
+        say!(
+            "resumed from {} after epoch {start_epoch} (step {step})",
+            path.display()
+        );
+    }
+    let mut metrics = match (main, &opts.resume) {
+        (false, _) => None,
+        (true, None) => Some(MetricsWriter::create(&cfg.out)?),
+        (true, Some(_)) => Some(MetricsWriter::resume(&cfg.out, &history)?),
+    };
+    // With several processes the training forward goes through DistributedDataParallel.
+    let ddp = match &ranks.group {
+        Some(g) => {
+            if opts.sync_batch_norm {
+                convert_sync_batchnorm(&*model, g)?;
+            }
+            Some(DistributedDataParallel::new(
+                model.clone(),
+                g,
+                DdpConfig::default(),
+            )?)
+        }
+        None => None,
+    };
+    let train_model: &dyn Module = match &ddp {
+        Some(d) => d,
+        None => &*model,
     };
 
     let end_epoch = opts.stop_after.unwrap_or(cfg.epochs).min(cfg.epochs);
-    let body = |x: &Tensor, y: &Tensor| cross_entropy_with(&model.forward(x)?, y, loss_cfg);
-    let mut train_step = if cfg.cuda_graph && device.is_cuda() {
-        println!("step: captured into a CUDA graph after 2 warm-up steps (--no-cuda-graph: eager)");
-        CapturedStep::new(&model, &mut opt, body)?
+    let body = |x: &Tensor, y: &Tensor| cross_entropy_with(&train_model.forward(x)?, y, loss_cfg);
+    // A data-parallel step's collectives are not captured: several processes run eagerly.
+    let mut train_step = if cfg.cuda_graph && device.is_cuda() && world == 1 {
+        say!("step: captured into a CUDA graph after 2 warm-up steps (--no-cuda-graph: eager)");
+        CapturedStep::new(&*model, &mut opt, body)?
     } else {
-        CapturedStep::eager(&model, &mut opt, body)?
+        if cfg.cuda_graph && device.is_cuda() {
+            say!("step: eager (a data-parallel step is not captured into a CUDA graph)");
+        }
+        CapturedStep::eager(&*model, &mut opt, body)?
     };
     for epoch in start_epoch..end_epoch {
         let start = Instant::now();
@@ -388,7 +459,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
                 st.replays
             );
         }
-        let (test_loss, test_accuracy) = evaluate(&model, &test_loader, device)?;
+        let local = evaluate(&model, &test_loader, device)?;
+        // Every rank ran the same number of steps: the mean of the ranks' means.
+        let sums = ranks.sum(&[local[0], local[1], local[2], train_loss])?;
+        let (test_loss, test_accuracy) = (sums[0] / sums[2].max(1.0), sums[1] / sums[2].max(1.0));
+        let train_loss = sums[3] / world as f64;
+        let images = images * world;
         let opt = train_step.optimizer();
         let scaler = opt.stats()?[0];
         let record = EpochRecord {
@@ -404,7 +480,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             loss_scale: scaler.scale,
             skipped_steps: scaler.skipped_total,
         };
-        println!(
+        say!(
             "epoch {:>3}/{}  train loss {:.4}  test loss {:.4}  test accuracy {:.2}%  {:.0} images/s  lr {:.4}  loss scale {}  skipped {}  ({:.1} s)",
             record.epoch,
             cfg.epochs,
@@ -417,19 +493,27 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             record.skipped_steps,
             record.epoch_seconds
         );
+        let Some(metrics) = metrics.as_mut() else {
+            continue;
+        };
         metrics.append(&record)?;
+        let device_label = match world {
+            1 => device.to_string(),
+            n => format!("{n} x {device}"),
+        };
         plot_history(
             metrics.history(),
             &cfg.out.join("metrics.png"),
-            &format!("train_resnet ({}, {device})", cfg.amp_label()),
+            &format!("train_resnet ({}, {device_label})", cfg.amp_label()),
         )?;
 
         let extra = serde_json::json!({
             "config": cfg,
             "history": metrics.history(),
+            "world_size": world,
         });
         let ckpt = Checkpoint::capture(
-            &model,
+            &*model,
             opt,
             TrainProgress {
                 epoch: epoch + 1,
@@ -449,14 +533,18 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     drop(train_step);
 
     let weights = cfg.out.join("model.safetensors");
-    save_weights(&model, &weights)?;
+    if main {
+        save_weights(&*model, &weights)?;
+    }
     Ok(RunSummary {
-        history: metrics.history().to_vec(),
+        history: metrics.map(|m| m.history().to_vec()).unwrap_or_default(),
         out: cfg.out.clone(),
         last_checkpoint: checkpoint_path(&cfg.out, "last"),
         weights,
         device,
         seconds: run_start.elapsed().as_secs_f64(),
+        world_size: world,
+        rank: ranks.rank(),
     })
 }
 

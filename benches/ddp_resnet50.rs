@@ -1,0 +1,176 @@
+//! GPU benchmark (exits quietly without a GPU): the ResNet-50 O2 training step (batch 256 by
+//! default, synthetic 224x224 images on the device, fused SGD with momentum, dynamic loss
+//! scaling) unwrapped and wrapped in DistributedDataParallel over NCCL at world size 1 — the
+//! rendezvous, the communicator, every gradient through the bucketed all-reduce on the
+//! communication stream. The issue's bound: DDP within 3% of the unwrapped step.
+//!
+//! The two models are timed in alternating rounds (drift in clocks or temperature hits both),
+//! one synchronisation per round; the medians are compared. Host synchronisations inside the
+//! timed DDP steps are counted (the target is none). One JSON line with the figures, then a
+//! PASS/FAIL line. PyTorch's side: `torchrun --standalone --nproc_per_node=1
+//! benches/torch_ddp_resnet50.py` (see benches/gpu_ddp.sh, which runs both).
+//!
+//! Environment: BATCH (256), ROUNDS (7), STEPS per round (6), WARMUP steps (5).
+
+mod common;
+
+use std::time::Instant;
+
+use mixprec::amp::{self, AmpModel, AmpOptimizer, OptLevel, Policy};
+use mixprec::backend::cuda::{device, host_sync_count};
+use mixprec::distributed::{Backend, DdpConfig, DistributedDataParallel, GroupOptions};
+use mixprec::distributed::{LaunchEnv, ProcessGroup};
+use mixprec::nn::{cross_entropy, Module, ResNet};
+use mixprec::optim::{FusedSgd, SgdConfig};
+use mixprec::{DType, Device, Tensor};
+
+fn main() {
+    common::main_with(run)
+}
+
+fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+type Pair = (AmpModel<ResNet>, AmpOptimizer<FusedSgd>);
+
+fn build(dev: Device) -> mixprec::Result<Pair> {
+    let model = ResNet::resnet50(1000, &dev, 0)?;
+    let opt = FusedSgd::new(
+        model.parameters(),
+        SgdConfig {
+            lr: 0.01,
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )?;
+    amp::initialize(
+        model,
+        opt,
+        Policy::opt_level(OptLevel::O2).with_report_interval(0),
+    )
+}
+
+fn step(
+    model: &dyn Module,
+    opt: &mut AmpOptimizer<FusedSgd>,
+    x: &Tensor,
+    y: &Tensor,
+) -> mixprec::Result<()> {
+    let loss = cross_entropy(&model.forward(x)?, y)?;
+    opt.zero_grad()?;
+    opt.backward(&loss)?;
+    opt.step()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn run() -> mixprec::Result<()> {
+    let dev = Device::Cuda(0);
+    let cuda = device(0)?;
+    let batch = env_usize("BATCH", 256);
+    let rounds = env_usize("ROUNDS", 7);
+    let steps = env_usize("STEPS", 6);
+    let warmup = env_usize("WARMUP", 5);
+    let (ma, mi) = cuda.compute_capability();
+    println!(
+        "device cuda:0 sm_{ma}{mi}; ResNet-50 O2, batch {batch}, {rounds} rounds of {steps} steps"
+    );
+
+    let x = Tensor::randn([batch, 3, 224, 224], 0.0, 1.0, 1, DType::F32, dev)?;
+    let labels: Vec<i64> = (0..batch).map(|i| (i * 37 % 1000) as i64).collect();
+    let y = Tensor::from_vec(labels, [batch], dev)?;
+
+    let (plain, mut plain_opt) = build(dev)?;
+    let group = ProcessGroup::new(&LaunchEnv::single(), &GroupOptions::new(Backend::Nccl))?;
+    let (wrapped, mut ddp_opt) = build(dev)?;
+    let ddp = DistributedDataParallel::new(wrapped, &group, DdpConfig::default())?;
+    println!(
+        "ddp: {} buckets (dtype, elements, parameters): {:?}",
+        ddp.buckets().len(),
+        ddp.buckets()
+    );
+
+    for _ in 0..warmup {
+        step(&plain, &mut plain_opt, &x, &y)?;
+        step(&ddp, &mut ddp_opt, &x, &y)?;
+    }
+    cuda.synchronize()?;
+
+    let (mut t_plain, mut t_ddp) = (Vec::new(), Vec::new());
+    let mut ddp_syncs = 0;
+    for round in 0..rounds {
+        // Alternate which goes first, so that neither always follows the other's tail.
+        let order = if round % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for wrapped in order {
+            let t = Instant::now();
+            let before = host_sync_count();
+            for _ in 0..steps {
+                if wrapped {
+                    step(&ddp, &mut ddp_opt, &x, &y)?;
+                } else {
+                    step(&plain, &mut plain_opt, &x, &y)?;
+                }
+            }
+            if wrapped {
+                ddp_syncs += host_sync_count() - before;
+            }
+            cuda.synchronize()?;
+            let per_step = t.elapsed().as_secs_f64() / steps as f64;
+            if wrapped {
+                t_ddp.push(per_step);
+            } else {
+                t_plain.push(per_step);
+            }
+        }
+    }
+    let (p, d) = (median(t_plain.clone()), median(t_ddp.clone()));
+    let ratio = d / p;
+    let stats = ddp.last_reduction();
+    let (sp, sd) = (plain_opt.stats()?[0], ddp_opt.stats()?[0]);
+    println!(
+        "{{\"check\": \"mixprec-ddp-world1\", \"batch\": {batch}, \"unwrapped_ms\": {:.2}, \
+         \"ddp_ms\": {:.2}, \"ratio\": {ratio:.4}, \"unwrapped_img_per_s\": {:.1}, \
+         \"ddp_img_per_s\": {:.1}, \"buckets\": {}, \"launched_during_backward\": {}, \
+         \"ddp_host_syncs_in_timed_steps\": {ddp_syncs}, \"skipped_steps\": [{}, {}], \
+         \"rounds_ms\": {{\"unwrapped\": {:?}, \"ddp\": {:?}}}}}",
+        1e3 * p,
+        1e3 * d,
+        batch as f64 / p,
+        batch as f64 / d,
+        stats.buckets,
+        stats.launched_during_backward,
+        sp.skipped_total,
+        sd.skipped_total,
+        t_plain
+            .iter()
+            .map(|t| (1e5 * t).round() / 100.0)
+            .collect::<Vec<_>>(),
+        t_ddp
+            .iter()
+            .map(|t| (1e5 * t).round() / 100.0)
+            .collect::<Vec<_>>(),
+    );
+    let ok = ratio <= 1.03 && ddp_syncs == 0 && stats.launched_during_backward > 0;
+    println!(
+        "{}: DDP (NCCL, world size 1) step {:.2} ms vs unwrapped {:.2} ms = {:.1}% slower \
+         (bound 3%), {ddp_syncs} host syncs, {} of {} buckets started during backward",
+        if ok { "PASS" } else { "FAIL" },
+        1e3 * d,
+        1e3 * p,
+        100.0 * (ratio - 1.0),
+        stats.launched_during_backward,
+        stats.buckets
+    );
+    Ok(())
+}

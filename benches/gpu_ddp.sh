@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Data-parallel GPU checks on one GPU (issue 17's acceptance), in one call on the GPU machine:
+#   1. tests/cuda_distributed.rs: NCCL at world size 1 for real (rendezvous, unique id,
+#      communicator, every collective on the communication stream), a DDP step bitwise equal to
+#      the unwrapped one with no host sync and buckets launched during backward, the overflow
+#      check reading the reduced gradients (and two ranks on two GPUs when there are two);
+#   2. the ResNet-50 O2 step (batch 256) unwrapped vs in DDP at world size 1 (bound: 3%);
+#   3. PyTorch's DDP at world size 1 beside it (torchrun --standalone --nproc_per_node=1).
+# Stage here:  ../shared/tools/gpu-stage --bench ddp_resnet50
+# Run there:   bash benches/gpu_ddp.sh     (logs go under $OUT)
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/mixprec-ddp}
+mkdir -p "$out"
+# NCCL: the system's libnccl.so.2 when there is one, else the one PyTorch's wheel ships.
+nccl_dir=$(python3 -c 'import os, nvidia.nccl as m; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)
+if [ -n "$nccl_dir" ] && [ -d "$nccl_dir" ]; then
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$nccl_dir"
+  echo "NCCL fallback directory: $nccl_dir"
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+echo "== 1. tests/cuda_distributed.rs"
+OUT=$out bash .gpu/run.sh cuda_distributed -- --nocapture 2>&1 | tail -40
+cp "$out/gpu-tests.log" "$out/cuda_distributed.log" 2>/dev/null || true
+
+echo "== 2. ResNet-50 O2: mixprec unwrapped vs DDP (NCCL, world size 1)"
+.gpu/bin/bench-ddp_resnet50 2>&1 | tee "$out/mixprec_ddp.log"
+
+echo "== 3. the same step in PyTorch: unwrapped vs DDP (world size 1)"
+python3 -m torch.distributed.run --standalone --nproc_per_node=1 benches/torch_ddp_resnet50.py 2>&1 \
+  | grep -v "^W" | tee "$out/torch_ddp.log"

@@ -1,0 +1,34 @@
+//! Data-parallel training over several processes, one per device (PyTorch's
+//! `torch.distributed` + `DistributedDataParallel`, apex's DDP): a process group from the
+//! launcher's environment, collectives on tensors through NCCL (GPUs) or a CPU backend (tests
+//! and development), and the model wrapper that averages gradients in buckets while backward
+//! runs.
+//!
+//! - `env.rs`: the launcher's variables (torchrun, Slurm, `train_resnet --nproc-per-node`);
+//! - `rendezvous.rs`, `wire.rs`: rank 0's TCP rendezvous and the frames on mixprec's links;
+//! - `control.rs`: the control plane: dead and hung ranks, fault relay, host-side gathers;
+//! - `group.rs`: `ProcessGroup` and its collectives; `cpu.rs` and `nccl.rs`: the backends;
+//! - `ddp.rs`, `reducer.rs`: `DistributedDataParallel` and its gradient buckets;
+//! - `sync_batch_norm.rs`: batch statistics over every rank;
+//! - `launch.rs`: spawning and supervising the rank processes of one machine.
+//!
+//! A dead or hung rank is an [`Error::Distributed`](crate::Error::Distributed) on every other
+//! rank within a bounded time, naming the rank; README.md ("Several GPUs") shows each fault.
+
+mod control;
+mod cpu;
+pub mod ddp;
+pub mod env;
+mod group;
+pub mod launch;
+mod nccl;
+mod reducer;
+mod rendezvous;
+pub mod sync_batch_norm;
+mod wire;
+
+pub use ddp::{DdpConfig, DistributedDataParallel, NoSyncGuard};
+pub use env::{LaunchEnv, Launcher};
+pub use group::{default_timeout, Backend, GroupOptions, ProcessGroup, ReduceOp, Work};
+pub use reducer::ReductionStats;
+pub use sync_batch_norm::convert_sync_batchnorm;

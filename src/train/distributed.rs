@@ -1,0 +1,99 @@
+//! The trainer's side of data parallelism: under a launcher (`train_resnet --nproc-per-node N`,
+//! `torchrun`, `srun`) each process is one rank: it trains on `cuda:LOCAL_RANK` (or the CPU),
+//! joins the process group, and reads its shard of every epoch; rank 0 alone prints, writes
+//! metrics, plots and checkpoints. Without a launcher nothing changes: one process, no group.
+
+use crate::distributed::{Backend, GroupOptions, LaunchEnv, ProcessGroup};
+use crate::error::{Error, Result};
+use crate::tensor::Device;
+
+use super::config::parse_device;
+
+/// This process's place in the run.
+pub struct Ranks {
+    pub env: LaunchEnv,
+    pub group: Option<ProcessGroup>,
+}
+
+impl Ranks {
+    /// Reads the launcher's variables (a single process when there are none).
+    pub fn from_env() -> Result<Ranks> {
+        Ok(Ranks {
+            env: LaunchEnv::from_env()?,
+            group: None,
+        })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    /// Rank 0: the one that prints and writes files.
+    pub fn is_main(&self) -> bool {
+        self.env.rank == 0
+    }
+
+    /// The device for `spec` (`auto`, `cpu`, `cuda`, `cuda:N`): with several ranks, `auto` and
+    /// `cuda` mean `cuda:LOCAL_RANK` (`cuda:0` when each process sees one GPU), and naming one
+    /// GPU for all of them is an error.
+    pub fn device(&self, spec: &str) -> Result<Device> {
+        if !self.env.is_distributed() {
+            return super::trainer::select_device(spec);
+        }
+        let local = self.env.cuda_ordinal();
+        Ok(match parse_device(spec)? {
+            None => Device::cuda_if_available(local),
+            Some(None) => Device::Cpu,
+            Some(Some(_)) if spec == "cuda" => Device::cuda(local)?,
+            Some(Some(n)) => {
+                return Err(Error::invalid_arg(
+                    "train",
+                    "device",
+                    format!("cuda:{n} (with {} processes)", self.env.world_size),
+                    "auto, cuda or cpu: each process trains on cuda:LOCAL_RANK",
+                ))
+            }
+        })
+    }
+
+    /// Joins the process group (NCCL on a GPU, the CPU backend on the CPU).
+    pub fn join(&mut self, device: Device) -> Result<()> {
+        if !self.env.is_distributed() {
+            return Ok(());
+        }
+        let mut opts = GroupOptions::new(Backend::for_device(device));
+        opts.device = Some(device);
+        self.group = Some(ProcessGroup::new(&self.env, &opts)?);
+        Ok(())
+    }
+
+    /// The element-wise sum of every rank's `values` (host values, through the control plane).
+    pub fn sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+        let Some(g) = &self.group else {
+            return Ok(values.to_vec());
+        };
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let all = g.all_gather_bytes(&bytes)?;
+        let mut out = vec![0.0; values.len()];
+        for b in &all {
+            if b.len() != bytes.len() {
+                return Err(g.abort(
+                    None,
+                    format!(
+                        "the ranks report {} and {} metric values",
+                        b.len() / 8,
+                        values.len()
+                    ),
+                ));
+            }
+            for (o, c) in out.iter_mut().zip(b.chunks_exact(8)) {
+                *o += f64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,344 @@
+//! GPU tests of data parallelism over NCCL (src/distributed), ignored without a GPU: on one GPU
+//! the NCCL path runs for real at world size 1 — the rendezvous (rank 0 listening, the unique id
+//! handed out), the non-blocking communicator, every collective on the communication stream,
+//! DDP's buckets launched during backward, AMP's overflow check after the all-reduce — and a
+//! step through the wrapper equals the unwrapped step bit for bit, with no host synchronisation.
+//! With two GPUs, two ranks train and must end bitwise equal (skipped on one GPU, saying so).
+//!
+//! Run on a GPU machine (see benches/gpu_ddp.sh): `bash .gpu/run.sh cuda_distributed`.
+//! NCCL must be loadable (libnccl.so.2 on the library path; benches/gpu_ddp.sh adds PyTorch's).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use mixprec::amp::{self, LossScale, OptLevel, Policy};
+use mixprec::backend::cuda::host_sync_count;
+use mixprec::distributed::launch::{launch, LaunchConfig};
+use mixprec::distributed::{
+    Backend, DdpConfig, DistributedDataParallel, GroupOptions, LaunchEnv, ProcessGroup, ReduceOp,
+};
+use mixprec::nn::{cross_entropy, Module, ResNet};
+use mixprec::optim::{Sgd, SgdConfig};
+use mixprec::{DType, Device, Error, Result, Tensor};
+
+const GPU: Device = Device::Cuda(0);
+
+fn nccl_group() -> ProcessGroup {
+    Device::cuda(0).expect("these tests need a CUDA GPU");
+    match ProcessGroup::new(&LaunchEnv::single(), &GroupOptions::new(Backend::Nccl)) {
+        Ok(g) => g,
+        Err(e) => panic!(
+            "NCCL group at world size 1 failed: {e}\n(is libnccl.so.2 on LD_LIBRARY_PATH? \
+             benches/gpu_ddp.sh adds PyTorch's)"
+        ),
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+/// Rendezvous, unique id, communicator; every collective and dtype at world size 1 (where each
+/// is the identity, bit for bit), queued without a host synchronisation.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nccl_world_size_one_collectives() {
+    let g = nccl_group();
+    assert_eq!((g.rank(), g.world_size(), g.device()), (0, 1, GPU));
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        let src = Tensor::randn([1000], 0.0, 1.0, 7, dtype, GPU).unwrap();
+        let want = bits(&src);
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let t = mixprec::with_no_grad(|| src.affine(1.0, 0.0)).unwrap();
+            let before = host_sync_count();
+            let w = g.all_reduce_async(&t, op).unwrap();
+            w.wait().unwrap();
+            assert_eq!(
+                host_sync_count(),
+                before,
+                "{dtype} {op:?}: the queue synchronised"
+            );
+            assert!(
+                bits(&t) == want,
+                "{dtype} {op:?}: not the identity at world size 1"
+            );
+        }
+        let t = mixprec::with_no_grad(|| src.affine(1.0, 0.0)).unwrap();
+        g.broadcast(&t, 0).unwrap();
+        assert!(bits(&t) == want, "{dtype} broadcast");
+        let all = g.all_gather(&src).unwrap();
+        assert_eq!(all.dims(), [1, 1000]);
+        assert!(
+            bits(&all.flatten_all().unwrap()) == want,
+            "{dtype} all_gather"
+        );
+    }
+    let t = Tensor::from_vec(vec![3i64, -4], [2], GPU).unwrap();
+    g.all_reduce(&t, ReduceOp::Sum).unwrap();
+    assert_eq!(t.to_vec::<i64>().unwrap(), vec![3, -4]);
+    g.barrier().unwrap();
+    let cpu = Tensor::ones([2], DType::F32, Device::Cpu).unwrap();
+    assert!(matches!(
+        g.all_reduce(&cpu, ReduceOp::Sum),
+        Err(Error::DeviceMismatch { .. })
+    ));
+    println!("nccl world size 1: every collective and dtype OK");
+}
+
+fn tiny_resnet() -> ResNet {
+    ResNet::cifar_style(&[1, 1], 1, 10, &GPU).unwrap()
+}
+
+fn sgd() -> SgdConfig {
+    SgdConfig {
+        lr: 0.05,
+        momentum: 0.9,
+        ..Default::default()
+    }
+}
+
+fn batch(step: usize) -> (Tensor, Tensor) {
+    let x = Tensor::randn([16, 1, 28, 28], 0.0, 1.0, 30 + step as u64, DType::F32, GPU).unwrap();
+    let y: Vec<i64> = (0..16).map(|i| ((i + step) % 10) as i64).collect();
+    (x, Tensor::from_vec(y, [16], GPU).unwrap())
+}
+
+/// Largest |a − b| / max|b| over the state dicts' tensors.
+fn worst(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
+    let mut w = (0.0f64, String::new());
+    for ((n, ta), (_, tb)) in a.iter().zip(b) {
+        let (x, y) = (ta.to_vec_f64().unwrap(), tb.to_vec_f64().unwrap());
+        let scale = y.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+        let d = x
+            .iter()
+            .zip(&y)
+            .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()))
+            / scale;
+        if d > w.0 || d.is_nan() {
+            w = (d, n.clone());
+        }
+    }
+    w
+}
+
+/// Four O2 steps of the small ResNet, unwrapped.
+fn plain_run() -> (Vec<(String, Tensor)>, amp::ScalerStats) {
+    let plain = tiny_resnet();
+    let opt = Sgd::new(plain.parameters(), sgd()).unwrap();
+    let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
+    let (plain, mut opt) = amp::initialize(plain, opt, policy).unwrap();
+    for step in 0..4 {
+        let (x, y) = batch(step);
+        let loss = cross_entropy(&plain.forward(&x).unwrap(), &y).unwrap();
+        opt.zero_grad().unwrap();
+        opt.backward(&loss).unwrap();
+        opt.step().unwrap();
+    }
+    (plain.state_dict().unwrap(), opt.stats().unwrap()[0])
+}
+
+/// O2 through DDP at world size 1 equals the unwrapped O2 step bit for bit (the all-reduce of
+/// one rank is the identity) — or, should two unwrapped runs differ on this GPU (kernels that
+/// are not deterministic), by no more than they do — the buckets start while backward runs,
+/// and the steps make no host synchronisation.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ddp_nccl_step_equals_the_unwrapped_step_with_no_host_sync() {
+    let g = nccl_group();
+    let policy = || Policy::opt_level(OptLevel::O2).with_report_interval(0);
+    let (plain_a, stats_a) = plain_run();
+    let (plain_b, _) = plain_run();
+    let (noise, noise_at) = worst(&plain_b, &plain_a);
+    println!("two unwrapped runs differ by {noise:e} ({noise_at})");
+    let wrapped = tiny_resnet();
+    let opt = Sgd::new(wrapped.parameters(), sgd()).unwrap();
+    let (wrapped, mut opt) = amp::initialize(wrapped, opt, policy()).unwrap();
+    let cfg = DdpConfig {
+        bucket_cap_mb: 0.05,
+        first_bucket_mb: 0.01,
+        ..Default::default()
+    };
+    let ddp = DistributedDataParallel::new(wrapped, &g, cfg).unwrap();
+    println!("buckets: {:?}", ddp.buckets());
+    assert!(ddp.buckets().len() >= 3, "{:?}", ddp.buckets());
+    let mut syncs = 0;
+    for step in 0..4 {
+        let (x, y) = batch(step);
+        let before = host_sync_count();
+        let loss = cross_entropy(&ddp.forward(&x).unwrap(), &y).unwrap();
+        opt.zero_grad().unwrap();
+        opt.backward(&loss).unwrap();
+        opt.step().unwrap();
+        if step > 0 {
+            syncs += host_sync_count() - before;
+        }
+    }
+    assert_eq!(syncs, 0, "{syncs} host synchronisations in 3 DDP steps");
+    let stats = ddp.last_reduction();
+    assert!(
+        stats.launched_during_backward > 0,
+        "no bucket started before the end of backward: {stats:?}"
+    );
+    let got = ddp.state_dict().unwrap();
+    let (d, at) = worst(&got, &plain_a);
+    if noise == 0.0 {
+        for ((n, ta), (_, tb)) in got.iter().zip(&plain_a) {
+            assert!(
+                bits(ta) == bits(tb),
+                "{n}: DDP at world size 1 differs from the plain step"
+            );
+        }
+    } else {
+        assert!(
+            d <= 2.0 * noise,
+            "DDP at world size 1 differs from the plain step by {d:e} ({at}); two plain runs \
+             by {noise:e}"
+        );
+    }
+    assert_eq!(stats_a, opt.stats().unwrap()[0]);
+    println!(
+        "DDP world size 1: {} the plain O2 step (difference {d:e}), 0 host syncs, {} of {} \
+         buckets launched during backward",
+        if d == 0.0 {
+            "bitwise equal to"
+        } else {
+            "as close as two plain runs to"
+        },
+        stats.launched_during_backward,
+        stats.buckets
+    );
+}
+
+/// AMP's overflow check reads the all-reduced gradients: a pre-division so small that the f16
+/// buckets overflow (while every local gradient is finite) skips the step, on the device.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ddp_nccl_overflow_check_reads_the_reduced_gradients() {
+    let g = nccl_group();
+    let model = tiny_resnet();
+    let opt = Sgd::new(model.parameters(), sgd()).unwrap();
+    let policy = Policy::opt_level(OptLevel::O2)
+        .with_loss_scale(LossScale::Dynamic)
+        .with_report_interval(0);
+    let (model, mut opt) = amp::initialize(model, opt, policy).unwrap();
+    let cfg = DdpConfig {
+        gradient_predivide_factor: Some(1e-30),
+        ..Default::default()
+    };
+    let ddp = DistributedDataParallel::new(model, &g, cfg).unwrap();
+    let before = ddp.state_dict().unwrap();
+    let (x, y) = batch(0);
+    let loss = cross_entropy(&ddp.forward(&x).unwrap(), &y).unwrap();
+    assert!(loss.item().unwrap().is_finite());
+    opt.zero_grad().unwrap();
+    opt.backward(&loss).unwrap();
+    opt.step().unwrap();
+    let st = opt.stats().unwrap()[0];
+    assert_eq!(
+        st.skipped_total, 1,
+        "the overflowed reduction did not skip the step: {st:?}"
+    );
+    assert_eq!(st.scale, 32768.0);
+    for ((n, a), (_, b)) in before.iter().zip(&ddp.state_dict().unwrap()) {
+        if !n.contains("running") && !n.contains("num_batches") {
+            assert!(bits(a) == bits(b), "{n} changed in a skipped step");
+        }
+    }
+    println!("DDP world size 1: an overflow in the reduced gradients skips the step");
+}
+
+// ---- two GPUs: two ranks (skipped on a machine with one) ----------------------------------------
+
+/// The rank processes of `ddp_nccl_two_ranks_agree` (a no-op unless launched by it).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nccl_rank_entry() {
+    let Ok(out) = std::env::var("MIXPREC_TEST_OUT") else {
+        return;
+    };
+    let out = PathBuf::from(out);
+    let r = (|| -> Result<()> {
+        let env = LaunchEnv::from_env()?;
+        let g = ProcessGroup::new(&env, &GroupOptions::new(Backend::Nccl))?;
+        let dev = g.device();
+        let model = ResNet::cifar_style(&[1, 1], 1, 10, &dev)?;
+        let opt = Sgd::new(model.parameters(), sgd())?;
+        let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
+        let (model, mut opt) = amp::initialize(model, opt, policy)?;
+        let ddp = DistributedDataParallel::new(model, &g, DdpConfig::default())?;
+        for step in 0..3 {
+            let x = Tensor::randn(
+                [8, 1, 28, 28],
+                0.0,
+                1.0,
+                50 + 10 * env.rank as u64 + step,
+                DType::F32,
+                dev,
+            )?;
+            let y = Tensor::from_vec(
+                (0..8).map(|i| (i % 10) as i64).collect::<Vec<_>>(),
+                [8],
+                dev,
+            )?;
+            let loss = cross_entropy(&ddp.forward(&x)?, &y)?;
+            opt.zero_grad()?;
+            opt.backward(&loss)?;
+            opt.step()?;
+        }
+        mixprec::io::safetensors::write(
+            &out.join(format!("rank{}.safetensors", env.rank)),
+            &ddp.state_dict()?,
+            &Default::default(),
+        )
+    })();
+    if let Err(e) = r {
+        eprintln!("nccl rank: {e}");
+        std::process::exit(3);
+    }
+    std::process::exit(0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ddp_nccl_two_ranks_agree() {
+    Device::cuda(0).expect("these tests need a CUDA GPU");
+    if Device::cuda(1).is_err() {
+        println!("ddp_nccl_two_ranks_agree: skipped, this machine has one GPU");
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("mixprec-nccl2-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let mut cfg = LaunchConfig::new(
+        2,
+        std::env::current_exe().unwrap(),
+        [
+            "nccl_rank_entry",
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+        ]
+        .iter()
+        .map(Into::into)
+        .collect(),
+    );
+    cfg.env = vec![
+        ("MIXPREC_TEST_OUT".into(), out.display().to_string()),
+        ("MIXPREC_DIST_TIMEOUT".into(), "120".into()),
+    ];
+    cfg.grace = Duration::from_secs(20);
+    launch(&cfg).unwrap();
+    let read = |r: usize| {
+        mixprec::io::safetensors::read(&out.join(format!("rank{r}.safetensors")))
+            .unwrap()
+            .0
+    };
+    let (a, b) = (read(0), read(1));
+    for ((n, ta), (_, tb)) in a.iter().zip(&b) {
+        assert!(bits(ta) == bits(tb), "{n}: the two ranks differ");
+    }
+    println!("two NCCL ranks on two GPUs: bitwise equal after 3 O2 steps");
+}
