@@ -26,7 +26,8 @@ use crate::tensor::DType;
 
 /// The version of this file format and of the choice rules behind the entries: a change to
 /// either makes older entries stale.
-pub(super) const FORMAT: u32 = 1;
+/// 2: Winograd and FFT refused for f32 without TF32.
+pub(super) const FORMAT: u32 = 2;
 
 /// What was chosen, enough to rebuild it without timing.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

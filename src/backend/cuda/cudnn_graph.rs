@@ -182,7 +182,9 @@ pub(super) struct EngineRules {
 
 /// The engine's notes (for logs), and whether they refuse it. It must compute what the dtype
 /// promises: no inputs converted down, no reduction in reduced precision (half inputs accumulate
-/// in f32), f32 on tensor cores (TF32) only when allowed (f64 tensor cores compute in f64).
+/// in f32), f32 on tensor cores (TF32) only when allowed (f64 tensor cores compute in f64), and
+/// f32 without Winograd or FFT transforms unless TF32 is allowed (measured on H200: a CIFAR
+/// ResNet-18's f32 gradients 4e-4 from f64 through Winograd in layer4, against PyTorch's 3e-6).
 /// Engines that compile kernels at run time are refused unless `rules` admit them: each costs
 /// seconds of NVRTC at plan build, for every shape of a network, in every process (the plan
 /// cache stores the choice, not the compiled kernel).
@@ -206,10 +208,20 @@ fn engine_notes(engine: &Desc, rules: EngineRules) -> Result<(bool, String)> {
     let has = |notes: &[u32], v: u32| notes.contains(&v);
     let tf32_used =
         rules.dtype == DType::F32 && has(numerical, N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE as u32);
+    let transform = [
+        N::CUDNN_NUMERICAL_NOTE_FFT,
+        N::CUDNN_NUMERICAL_NOTE_WINOGRAD,
+        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4,
+        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6,
+        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_13x13,
+    ]
+    .iter()
+    .any(|&t| has(numerical, t as u32));
     let refused = has(
         numerical,
         N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS as u32,
-    ) || has(
+    ) || (transform && rules.dtype == DType::F32 && !rules.tf32)
+        || has(
         numerical,
         N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION as u32,
     ) || (tf32_used && !rules.tf32)

@@ -60,6 +60,36 @@ pub(super) enum Algo {
 }
 
 impl Algo {
+    /// Whether it computes through a Winograd or FFT transform (refused for f32 without TF32:
+    /// see `cudnn_graph::engine_notes`).
+    pub(super) fn is_transform(self) -> bool {
+        use dsys::cudnnConvolutionBwdDataAlgo_t as D;
+        use dsys::cudnnConvolutionBwdFilterAlgo_t as W;
+        use dsys::cudnnConvolutionFwdAlgo_t as F;
+        match self {
+            Algo::Fwd(a) => matches!(
+                a,
+                F::CUDNN_CONVOLUTION_FWD_ALGO_FFT
+                    | F::CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING
+                    | F::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD
+                    | F::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED
+            ),
+            Algo::BwdData(a) => matches!(
+                a,
+                D::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT
+                    | D::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING
+                    | D::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD
+                    | D::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED
+            ),
+            Algo::BwdFilter(a) => matches!(
+                a,
+                W::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT
+                    | W::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING
+                    | W::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED
+            ),
+        }
+    }
+
     /// cuDNN's number for it (what the plan cache stores).
     pub(super) fn code(self) -> i64 {
         match self {
@@ -294,6 +324,12 @@ impl LegacyConv {
                     continue;
                 }
             };
+            if self.dtype == DType::F32 && !tf32 && algo.is_transform() {
+                skipped.push(format!(
+                    "{algo:?}: Winograd/FFT transforms lose f32 accuracy (allowed with TF32)"
+                ));
+                continue;
+            }
             if out.iter().any(|c| c.algo == algo && c.math == math) {
                 continue;
             }
