@@ -63,13 +63,108 @@ fn bad_keys_and_values_name_the_key() {
         ("[schedule]\nkind = \"linear\"", "schedule.kind"),
         ("[amp]\nopt_level = \"O4\"", "amp.opt_level"),
         ("model = 3", "model"),
-        ("epochs = ", "(syntax)"),
+        ("out = \"\"", "out"),
+        ("[optimizer]\nlr = 1e9", "optimizer.lr"),
+        ("[optimizer]\nlr = nan", "optimizer.lr"),
+        ("[optimizer]\nbetas = [0.9, 1]", "optimizer.betas"),
+        ("[data]\ntrain_limit = -1", "data.train_limit"),
+        ("[amp]\npolicy = \"\"", "amp.policy"),
     ];
     for (text, key) in cases {
         let (got, allowed) = config_err(text);
         assert_eq!(got, key, "{text:?}");
         assert!(!allowed.is_empty());
     }
+}
+
+/// Every error names the file, the line and column, the key, the value as written and what is
+/// allowed; numbers print as people write them.
+#[test]
+fn config_errors_say_where_and_what() {
+    let e =
+        RunConfig::from_toml_str("epochs = 3\n[optimizer]\nlr = 1e9\n", "run.toml").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "config run.toml:3:6: key `optimizer.lr` = 1e9: a number > 0 and <= 1000"
+    );
+    let e = RunConfig::from_toml_str("[optimizer]\n  lr = nan", "run.toml").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "config run.toml:2:8: key `optimizer.lr` = nan: a number > 0 and <= 1000"
+    );
+    let e = RunConfig::from_toml_str("[optimizer]\nnmae = \"adam\"", "r.toml").unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with("config r.toml:2:1: key `optimizer.nmae` = \"adam\": not a known key"),
+        "{msg}"
+    );
+    assert!(msg.contains("`name`") && msg.contains("`lr`"), "{msg}");
+    let e = RunConfig::from_toml_str("[data]\nbatch_size = \"big\"", "r.toml").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "config r.toml:2:14: key `data.batch_size` = \"big\": an integer >= 1"
+    );
+    // A default that disagrees with a key the file sets names the key, without a place.
+    let e = RunConfig::from_toml_str("[model]\nwidths = [8, 16]", "r.toml").unwrap_err();
+    assert!(
+        matches!(&e, Error::Config { key, at: Some(_), .. } if key == "model.widths"),
+        "{e}"
+    );
+    // Syntax errors have a place too.
+    match RunConfig::from_toml_str("epochs = 3\nseed = 1\nepochs = 4\n", "r.toml") {
+        Err(e @ Error::ConfigSyntax { at: Some(at), .. }) => {
+            assert_eq!((at.line, at.column), (3, 1), "{e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("duplicate key") && msg.contains("epochs"),
+                "{msg}"
+            );
+            assert!(msg.starts_with("config r.toml:3:1: TOML syntax: "), "{msg}");
+        }
+        other => panic!("expected a syntax error, got {other:?}"),
+    }
+    assert!(matches!(
+        RunConfig::from_toml_str("epochs = ", "r.toml"),
+        Err(Error::ConfigSyntax { at: Some(_), .. })
+    ));
+    // Integers are numbers: betas = [0, 0.999] is two numbers.
+    let c = RunConfig::from_toml_str("[optimizer]\nbetas = [0, 0.999]\nlr = 1", "r.toml").unwrap();
+    assert_eq!(c.optimizer.betas, (0.0, 0.999));
+    assert_eq!(c.optimizer.lr, 1.0);
+}
+
+/// A flag is held to the limits of its key (one validation for both).
+#[test]
+fn flags_and_keys_share_their_limits() {
+    for (set, key) in [
+        (
+            (|c: &mut RunConfig| c.optimizer.lr = 1e9) as fn(&mut RunConfig),
+            "optimizer.lr",
+        ),
+        (|c| c.optimizer.lr = -1.0, "optimizer.lr"),
+        (|c| c.optimizer.lr = f64::NAN, "optimizer.lr"),
+        (|c| c.epochs = 0, "epochs"),
+        (|c| c.out = PathBuf::new(), "out"),
+        (|c| c.model.widths = vec![8], "model.widths"),
+        (|c| c.data.batch_size = 0, "data.batch_size"),
+        (|c| c.optimizer.momentum = 2.0, "optimizer.momentum"),
+    ] {
+        let mut c = RunConfig::default();
+        set(&mut c);
+        match c.validate("command line") {
+            Err(Error::Config { key: k, value, .. }) => {
+                assert_eq!(k, key);
+                assert!(value.len() < 30, "{value}");
+            }
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    let mut c = RunConfig::default();
+    c.optimizer.lr = f64::MIN_POSITIVE;
+    assert!(c.validate("x").is_ok());
+    c.optimizer.lr = -f64::MIN_POSITIVE;
+    let msg = c.validate("x").unwrap_err().to_string();
+    assert!(msg.len() < 120, "{msg}");
 }
 
 fn tiny(out: PathBuf, opt_level: &str, optimizer: &str) -> RunConfig {

@@ -61,11 +61,13 @@ impl RunSummary {
 
 /// The run config stored in a checkpoint (to resume with the same settings).
 pub fn checkpoint_config(ckpt: &Checkpoint) -> Result<RunConfig> {
-    serde_json::from_value(ckpt.extra["config"].clone()).map_err(|e| Error::Config {
-        file: "checkpoint JSON".into(),
-        key: "extra.config".into(),
-        value: e.to_string(),
-        allowed: "the run config a mixprec trainer saved".into(),
+    serde_json::from_value(ckpt.extra["config"].clone()).map_err(|e| {
+        Error::config(
+            "checkpoint JSON",
+            "extra.config",
+            e.to_string(),
+            "the run config a mixprec trainer saved",
+        )
     })
 }
 
@@ -327,11 +329,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             start_epoch = ckpt.progress.epoch;
             step = ckpt.progress.step;
             let history: Vec<EpochRecord> = serde_json::from_value(ckpt.extra["history"].clone())
-                .map_err(|e| Error::Config {
-                file: path.display().to_string(),
-                key: "extra.history".into(),
-                value: e.to_string(),
-                allowed: "the metrics history a mixprec trainer saved".into(),
+                .map_err(|e| {
+                Error::config(
+                    path.display().to_string(),
+                    "extra.history",
+                    e.to_string(),
+                    "the metrics history a mixprec trainer saved",
+                )
             })?;
             println!(
                 "resumed from {} after epoch {start_epoch} (step {step})",
