@@ -933,6 +933,52 @@ fn bad_geometry_is_an_error() {
         .is_err());
 }
 
+/// Geometries where whole kernel rows or columns see only padding (input 1x1, kernel 3x3,
+/// padding 2, dilation 2: PyTorch gives 1x1); the CPU backend panicked on them before issue 19.
+/// cuDNN must take them too and agree with the CPU in every direction.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv2d_padding_only_kernel_cells_match_cpu() {
+    gpu();
+    let mut odd = mk(1, 2, 1, 4, 2, 3, 1, 1, 2, 2);
+    odd.kh = 2;
+    odd.padding = (1, 3);
+    odd.dilation = (2, 3);
+    for p in [
+        mk(1, 1, 1, 1, 1, 3, 1, 2, 2, 1),
+        mk(2, 2, 2, 3, 2, 3, 2, 3, 3, 1),
+        odd,
+    ] {
+        for d in DTYPES {
+            let x = randn(p.n * p.c_in * p.h * p.w, d);
+            let w = randn(p.c_out * (p.c_in / p.groups) * p.kh * p.kw, d);
+            let y = x.conv2d(&w, &p).unwrap();
+            assert_eq!(y.len(), p.n * p.c_out * p.out_h() * p.out_w(), "{p:?}");
+            let y_gpu = up(&x)
+                .conv2d(&up(&w), &p)
+                .unwrap_or_else(|e| panic!("conv2d {d} {p:?}: {e}"));
+            check(&format!("conv2d {d} {p:?}"), &y_gpu, &y, tol_gemm(d));
+            let g = randn(y.len(), d);
+            let dx = up(&g).conv2d_backward_input(&up(&w), &p).unwrap();
+            let want = g.conv2d_backward_input(&w, &p).unwrap();
+            check(
+                &format!("conv2d_backward_input {d} {p:?}"),
+                &dx,
+                &want,
+                tol_gemm(d),
+            );
+            let dw = up(&g).conv2d_backward_weight(&up(&x), &p).unwrap();
+            let want = g.conv2d_backward_weight(&x, &p).unwrap();
+            check(
+                &format!("conv2d_backward_weight {d} {p:?}"),
+                &dw,
+                &want,
+                tol_gemm(d) * 2.0,
+            );
+        }
+    }
+}
+
 // ---- the tensor layer: autograd through the GPU backend -----------------------------------
 
 /// A two-layer MLP with log-softmax + gather (cross-entropy): forward and backward on the GPU
