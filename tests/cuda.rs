@@ -207,7 +207,11 @@ fn round_trip_and_fill() {
                 .unwrap();
             check_exact(&format!("round trip {d} {n}"), &up(&c), &c);
             let f = CudaStorage::full(0, d, n, 0.3).unwrap();
-            check_exact(&format!("full {d} {n}"), &f, &CpuStorage::full(d, n, 0.3));
+            check_exact(
+                &format!("full {d} {n}"),
+                &f,
+                &CpuStorage::full(d, n, 0.3).unwrap(),
+            );
         }
     }
 }
@@ -977,6 +981,31 @@ fn conv2d_padding_only_kernel_cells_match_cpu() {
             );
         }
     }
+}
+
+/// A buffer larger than the GPU (2^45 bytes) is `Error::OutOfMemory` naming the op, the bytes
+/// and the device, not a generic CUDA error; the device keeps working afterwards.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn allocation_beyond_device_memory_is_out_of_memory() {
+    gpu();
+    let dev = Device::Cuda(0);
+    match Tensor::zeros([1usize << 43], DType::F32, dev) {
+        Err(
+            e @ mixprec::Error::OutOfMemory {
+                op: "zeros",
+                bytes,
+                device: Device::Cuda(0),
+                ..
+            },
+        ) => {
+            assert_eq!(bytes, 1u128 << 45, "{e}");
+            println!("as expected: {e}");
+        }
+        other => panic!("expected OutOfMemory for 2^45 bytes, got {other:?}"),
+    }
+    let ones = Tensor::ones([1000], DType::F32, dev).unwrap();
+    assert_eq!(ones.sum_all().unwrap().item().unwrap(), 1000.0);
 }
 
 // ---- the tensor layer: autograd through the GPU backend -----------------------------------

@@ -3,6 +3,7 @@
 //! Half values are stored as `half::f16`/`bf16`; kernels compute in `Elem::Acc` (f32 for the
 //! half types and f32, f64 for F64) and round once on store, as the CUDA kernels do.
 
+pub(crate) mod alloc;
 mod batch_norm;
 mod cast;
 mod conv;
@@ -231,18 +232,21 @@ impl CpuStorage {
         }
     }
 
-    pub fn zeros(dtype: DType, len: usize) -> Self {
+    /// `len` zeros; [`Error::OutOfMemory`] when the host cannot hold them.
+    pub fn zeros(dtype: DType, len: usize) -> Result<Self> {
         Self::full(dtype, len, 0.0)
     }
 
-    pub fn full(dtype: DType, len: usize, v: f64) -> Self {
-        match dtype {
-            DType::F16 => CpuStorage::F16(vec![f16::from_f64(v); len]),
-            DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(v); len]),
-            DType::F32 => CpuStorage::F32(vec![v as f32; len]),
-            DType::F64 => CpuStorage::F64(vec![v; len]),
-            DType::I64 => CpuStorage::I64(vec![v as i64; len]),
-        }
+    /// `len` copies of `v`; [`Error::OutOfMemory`] when the host cannot hold them.
+    pub fn full(dtype: DType, len: usize, v: f64) -> Result<Self> {
+        use alloc::try_filled;
+        Ok(match dtype {
+            DType::F16 => CpuStorage::F16(try_filled("full", len, f16::from_f64(v))?),
+            DType::BF16 => CpuStorage::BF16(try_filled("full", len, bf16::from_f64(v))?),
+            DType::F32 => CpuStorage::F32(try_filled("full", len, v as f32)?),
+            DType::F64 => CpuStorage::F64(try_filled("full", len, v)?),
+            DType::I64 => CpuStorage::I64(try_filled("full", len, v as i64)?),
+        })
     }
 
     pub fn from_vec<T: WithDType>(v: Vec<T>) -> Self {
@@ -342,6 +346,7 @@ impl BackendStorage for CpuStorage {
         rhs_shape: &Shape,
         out: &Shape,
     ) -> Result<Self> {
+        alloc::probe_output(op.name(), out.elem_count(), self.dtype())?;
         Ok(map_float2!(self, rhs, op.name(), |a, b| {
             elementwise::binary(a, b, op, lhs_shape, rhs_shape, out)
         }))
@@ -354,6 +359,7 @@ impl BackendStorage for CpuStorage {
     }
 
     fn broadcast_to(&self, src: &Shape, dst: &Shape) -> Result<Self> {
+        alloc::probe_output("broadcast_to", dst.elem_count(), self.dtype())?;
         Ok(map_any!(self, |v| layout::broadcast_to(v, src, dst)))
     }
 
@@ -372,6 +378,8 @@ impl BackendStorage for CpuStorage {
     }
 
     fn gather(&self, idx: &Self, split: DimSplit, idx_len: usize) -> Result<Self> {
+        let elems = split.0.saturating_mul(idx_len).saturating_mul(split.2);
+        alloc::probe_output("gather", elems, self.dtype())?;
         let idx = idx.as_i64("gather")?;
         Ok(map_any!(self, |v| index::gather(v, idx, split, idx_len)?))
     }
@@ -423,12 +431,19 @@ impl BackendStorage for CpuStorage {
     }
 
     fn matmul(&self, rhs: &Self, dims: &MatmulDims) -> Result<Self> {
+        let elems = dims.batch.saturating_mul(dims.m).saturating_mul(dims.n);
+        alloc::probe_output("matmul", elems, self.dtype())?;
         Ok(map_float2!(self, rhs, "matmul", |a, b| matmul::matmul(
             a, b, dims
         )))
     }
 
     fn conv2d(&self, weight: &Self, p: &Conv2dParams) -> Result<Self> {
+        let elems = [p.n, p.c_out, p.out_h(), p.out_w()]
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .unwrap_or(usize::MAX);
+        alloc::probe_output("conv2d", elems, self.dtype())?;
         Ok(map_conv!(self, weight, "conv2d", |x, w| conv::conv2d(
             x, w, p
         )))
