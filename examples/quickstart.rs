@@ -10,7 +10,7 @@ use mixprec::{amp, Device};
 fn main() -> mixprec::Result<()> {
     let dev = Device::cuda_if_available(0); // the CPU when there is no GPU or driver (logged)
     let (train, _) = FashionMnist::load(Split::Train)?;
-    let loader = DataLoader::new(train, 64).shuffle(0).drop_last(true);
+    let loader = DataLoader::new(train, 64)?.shuffle(0).drop_last(true);
 
     let model = nn::resnet::ResNet::cifar_style(&[2, 2, 2, 2], 1, 10, &dev)?;
     let opt = FusedSgd::new(

@@ -54,22 +54,29 @@ impl std::fmt::Debug for DataLoader {
 
 impl DataLoader {
     /// A loader in dataset order, no augmentation, keeping the last partial batch, prefetching
-    /// 2 batches in a background thread. A `batch_size` of 0 is reported as an error by the
-    /// first item of every epoch.
-    pub fn new(dataset: impl Dataset + 'static, batch_size: usize) -> Self {
+    /// 2 batches in a background thread. A `batch_size` of 0 is an error (as PyTorch's).
+    pub fn new(dataset: impl Dataset + 'static, batch_size: usize) -> Result<Self> {
         Self::from_arc(Arc::new(dataset), batch_size)
     }
 
     /// Like `new`, for a dataset that is shared with other code.
-    pub fn from_arc(dataset: Arc<dyn Dataset>, batch_size: usize) -> Self {
-        DataLoader {
+    pub fn from_arc(dataset: Arc<dyn Dataset>, batch_size: usize) -> Result<Self> {
+        if batch_size == 0 {
+            return Err(Error::invalid_arg(
+                "DataLoader",
+                "batch_size",
+                0,
+                "at least 1",
+            ));
+        }
+        Ok(DataLoader {
             dataset,
             batch_size,
             shuffle_seed: None,
             drop_last: false,
             augment: None,
             prefetch: 2,
-        }
+        })
     }
 
     /// Shuffle every epoch; epoch `e`'s order depends only on `(seed, e)`.
@@ -108,9 +115,7 @@ impl DataLoader {
     /// Number of batches per epoch.
     pub fn num_batches(&self) -> usize {
         let (n, b) = (self.dataset.len(), self.batch_size);
-        if b == 0 {
-            0
-        } else if self.drop_last {
+        if self.drop_last {
             n / b
         } else {
             n.div_ceil(b)
@@ -137,14 +142,6 @@ impl DataLoader {
     }
 
     fn check(&self) -> Result<()> {
-        if self.batch_size == 0 {
-            return Err(Error::invalid_arg(
-                "DataLoader",
-                "batch_size",
-                0,
-                "at least 1",
-            ));
-        }
         let [c, h, w] = self.dataset.item_shape();
         let item = c.checked_mul(h).and_then(|v| v.checked_mul(w));
         if item.is_none_or(|v| {

@@ -292,14 +292,14 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     }
     let (model, mut opt) = amp::initialize(model, opt, policy)?;
 
-    let mut train_loader = DataLoader::new(train, cfg.data.batch_size)
+    let mut train_loader = DataLoader::new(train, cfg.data.batch_size)?
         .shuffle(cfg.seed)
         .drop_last(true)
         .prefetch(2);
     if cfg.data.augment {
         train_loader = train_loader.augment(Augment::crop_flip(2, cfg.seed));
     }
-    let test_loader = DataLoader::new(test, cfg.data.eval_batch_size).prefetch(2);
+    let test_loader = DataLoader::new(test, cfg.data.eval_batch_size)?.prefetch(2);
     let steps_per_epoch = train_loader.num_batches() as u64;
     if steps_per_epoch == 0 {
         return Err(Error::invalid_arg(
