@@ -111,6 +111,25 @@ fn toml_overrides_apply() {
     assert!(p.properties().unwrap().autocast);
 }
 
+/// Properties print as a sentence (logs and the main job's summary), not as a Rust struct.
+#[test]
+fn properties_print_as_people_read_them() {
+    let say = |l| Policy::opt_level(l).properties().unwrap().to_string();
+    assert_eq!(say(OptLevel::O0), "FP32 weights, no loss scaling");
+    assert_eq!(
+        say(OptLevel::O1),
+        "FP32 weights, autocast to f16, dynamic loss scale"
+    );
+    assert_eq!(
+        say(OptLevel::O2),
+        "f16 weights and activations, FP32 batch norm, FP32 master weights, dynamic loss scale"
+    );
+    assert_eq!(
+        say(OptLevel::O3),
+        "f16 weights and activations, no loss scaling"
+    );
+}
+
 /// The error's (file, key, value) or a panic naming what came back.
 #[track_caller]
 fn config_err(r: Result<Policy>) -> (String, String, String, String) {

@@ -110,6 +110,33 @@ pub struct Properties {
     pub half_dtype: DType,
 }
 
+impl std::fmt::Display for Properties {
+    /// What the level does, in one line: `f16 weights and activations, FP32 batch norm, FP32
+    /// master weights, dynamic loss scale`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        match self.cast_model_type {
+            Some(t) if t.is_half() => parts.push(format!("{t} weights and activations")),
+            _ => parts.push("FP32 weights".to_string()),
+        }
+        if self.autocast {
+            parts.push(format!("autocast to {}", self.half_dtype));
+        }
+        if self.cast_model_type.is_some_and(|t| t.is_half()) && self.keep_batchnorm_fp32 {
+            parts.push("FP32 batch norm".into());
+        }
+        if self.master_weights {
+            parts.push("FP32 master weights".into());
+        }
+        parts.push(match self.loss_scale {
+            LossScale::Dynamic => "dynamic loss scale".into(),
+            LossScale::Static(1.0) => "no loss scaling".into(),
+            LossScale::Static(s) => format!("static loss scale {}", fmt_number(s)),
+        });
+        f.write_str(&parts.join(", "))
+    }
+}
+
 /// An AMP policy: an opt level, apex's overrides on top of it, and the scaler settings.
 ///
 /// Override fields are `None` when not given (the level's default applies); see
@@ -138,7 +165,8 @@ pub struct Policy {
     pub max_loss_scale: f64,
     /// The number of losses, each with its own scaler (1).
     pub num_losses: usize,
-    /// 0: silent; 1: one info line per report interval and the policy at initialize; 2: more.
+    /// 0: silent; 1: one info line per report interval with skipped steps (debug otherwise) and
+    /// the policy at initialize at debug level; 2: the policy at info level too.
     pub verbosity: u8,
     /// Steps between scaler reports (0: never). A report reads the scaler state to the host.
     pub report_interval: u64,

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::amp::{self, AmpModel, LossScale, Properties};
+use crate::amp::{self, AmpModel};
 use crate::data::{Augment, DataLoader, DataSource, Dataset, FashionMnist, First, Split};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
@@ -172,31 +172,6 @@ fn schedule(cfg: &RunConfig, steps_per_epoch: u64) -> LrSchedule {
     }
 }
 
-/// What a level does, in one line: `f16 weights and activations, FP32 batch norm, FP32 masters,
-/// dynamic loss scale`.
-fn describe(p: &Properties) -> String {
-    let mut parts = Vec::new();
-    match p.cast_model_type {
-        Some(t) => parts.push(format!("{t} weights and activations")),
-        None => parts.push("FP32 weights".to_string()),
-    }
-    if p.autocast {
-        parts.push(format!("autocast to {}", p.half_dtype));
-    }
-    if p.cast_model_type.is_some() && p.keep_batchnorm_fp32 {
-        parts.push("FP32 batch norm".into());
-    }
-    if p.master_weights {
-        parts.push("FP32 master weights".into());
-    }
-    parts.push(match p.loss_scale {
-        LossScale::Dynamic => "dynamic loss scale".into(),
-        LossScale::Static(1.0) => "no loss scaling".into(),
-        LossScale::Static(s) => format!("static loss scale {s}"),
-    });
-    parts.join(", ")
-}
-
 /// Test loss and accuracy, in eval mode, recording no graph.
 fn evaluate<M: Module>(
     model: &AmpModel<M>,
@@ -277,13 +252,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let opt = build_optimizer(cfg, model.parameters())?;
     let policy = cfg.policy()?;
     let props = policy.properties()?;
-    println!(
-        "amp: {} ({}): {}",
-        policy.opt_level,
-        policy.source,
-        describe(&props)
-    );
-    if device == Device::Cpu && (props.cast_model_type.is_some() || props.autocast) {
+    println!("amp: {} ({}): {}", policy.opt_level, policy.source, props);
+    let half = props.cast_model_type.is_some_and(|t| t.is_half()) || props.autocast;
+    if device == Device::Cpu && half {
         println!(
             "note: on the CPU, half precision is emulated (each op computes in f32 and rounds), \
              so {} is slower than O0 there; it behaves as it will on a GPU",
