@@ -1,6 +1,7 @@
 //! The main job's loop: a small-image ResNet on Fashion-MNIST under an AMP policy, with a
-//! progress display, one summary line per epoch, metrics + plot, checkpoints every epoch and an
-//! exact `--resume`.
+//! progress display, one summary line per epoch, metrics + plot, checkpoints every epoch, an
+//! exact `--resume`, a locked run directory that no other run writes into (`run_dir`) and a
+//! stop with an error when the run diverges (`divergence`).
 //!
 //! Exactness of a resumed run rests on three facts: the data order and augmentation of epoch `e`
 //! depend only on `(seed, e)` (data::loader), the learning rate only on the step index
@@ -13,7 +14,7 @@ use std::time::Instant;
 
 use crate::amp::{self, AmpModel};
 use crate::data::{Augment, DataLoader, DataSource, Dataset, FashionMnist, First, Split};
-use crate::error::{Error, Result};
+use crate::error::{fmt_number, Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
 use crate::io::weights::save_weights;
 use crate::nn::loss::{cross_entropy_with, CrossEntropyConfig};
@@ -25,18 +26,34 @@ use crate::optim::{
 use crate::tensor::{Device, Tensor};
 
 use super::config::{parse_device, RunConfig};
-use super::metrics::{EpochRecord, MetricsWriter};
+use super::divergence::DivergenceWatch;
+use super::metrics::{EpochRecord, MetricsWriter, CSV_FILE, JSONL_FILE};
 use super::plot::plot_history;
 use super::progress::{EpochProgress, ProgressMode};
+use super::run_dir::{RunDir, Use, CHECKPOINT_DIR};
+
+/// What a run continues from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resume {
+    /// The newest checkpoint that loads and verifies in the run's own directory (`out`); a
+    /// new run when there is none (`--resume auto`: the same command continues a run after a
+    /// crash, and starts it the first time).
+    Auto,
+    /// A checkpoint file, or a directory (a run directory or its `checkpoints/`) whose newest
+    /// checkpoint that loads and verifies is taken (see [`find_checkpoint`]).
+    From(PathBuf),
+}
 
 /// How to run, beyond the configuration.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {
-    /// Continue from this checkpoint (its model, optimizer, scaler, epoch and step).
-    pub resume: Option<PathBuf>,
+    pub resume: Option<Resume>,
     pub progress: Option<ProgressMode>,
     /// Stop after this many epochs in total (an interrupted run, for tests and experiments).
     pub stop_after: Option<usize>,
+    /// Start over in a non-empty output directory, deleting the earlier run's files (see
+    /// [`super::run_dir`]).
+    pub overwrite: bool,
 }
 
 /// What a finished run produced.
@@ -45,11 +62,16 @@ pub struct RunSummary {
     /// Every epoch's record, including those before a resume.
     pub history: Vec<EpochRecord>,
     pub out: PathBuf,
-    /// The latest checkpoint (`checkpoints/last.safetensors`).
-    pub last_checkpoint: PathBuf,
-    /// The final weights, torchvision names, FP32 (`model.safetensors`).
-    pub weights: PathBuf,
+    /// The latest checkpoint (`checkpoints/last.safetensors`), when this call trained an epoch.
+    pub last_checkpoint: Option<PathBuf>,
+    /// The final weights, torchvision names, FP32 (`model.safetensors`), when this call
+    /// trained an epoch.
+    pub weights: Option<PathBuf>,
+    /// Every file this call wrote, relative to `out`.
+    pub written: Vec<PathBuf>,
     pub device: Device,
+    /// What it trained on (the data source's description).
+    pub data: String,
     pub seconds: f64,
 }
 
@@ -71,22 +93,112 @@ pub fn checkpoint_config(ckpt: &Checkpoint) -> Result<RunConfig> {
     })
 }
 
-pub fn select_device(spec: &str) -> Result<Device> {
+/// A checkpoint to continue from, loaded and verified.
+#[derive(Debug)]
+pub struct Found {
+    pub path: PathBuf,
+    pub checkpoint: Checkpoint,
+}
+
+/// The checkpoint `path` names: the file itself, or the newest checkpoint that loads and
+/// verifies in a directory (a run directory's `checkpoints/`, or the directory itself). Each
+/// newer one that was skipped is printed with the reason; a directory with none that loads is
+/// an error listing them all.
+pub fn find_checkpoint(path: &Path) -> Result<Found> {
+    if !path.is_dir() {
+        return Ok(Found {
+            path: path.to_path_buf(),
+            checkpoint: Checkpoint::load(path)?,
+        });
+    }
+    let sub = path.join(CHECKPOINT_DIR);
+    let dir = if sub.is_dir() {
+        sub
+    } else {
+        path.to_path_buf()
+    };
+    match crate::io::checkpoint::latest(&dir)? {
+        Some(l) => {
+            for (p, e) in &l.skipped {
+                println!("resume: skipped {}: {e}", p.display());
+            }
+            Ok(Found {
+                path: l.path,
+                checkpoint: l.checkpoint,
+            })
+        }
+        None => Err(Error::io(
+            format!("resume: no checkpoint in {}", dir.display()),
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no *.safetensors file"),
+        )),
+    }
+}
+
+/// What `--resume auto` continues from in the run directory `out`: its newest checkpoint that
+/// loads and verifies (each newer one skipped is printed with the reason), or `None` when it
+/// holds no checkpoint file (a new run).
+pub fn auto_checkpoint(out: &Path) -> Result<Option<Found>> {
+    let l = crate::io::checkpoint::latest(&out.join(CHECKPOINT_DIR))?;
+    Ok(l.map(|l| {
+        for (p, e) in &l.skipped {
+            println!("resume: skipped {}: {e}", p.display());
+        }
+        Found {
+            path: l.path,
+            checkpoint: l.checkpoint,
+        }
+    }))
+}
+
+/// The device a run asked for, and a note saying why `auto` chose it.
+pub fn select_device(spec: &str) -> Result<(Device, String)> {
     Ok(match parse_device(spec)? {
-        None => Device::cuda_if_available(0),
-        Some(None) => Device::Cpu,
-        Some(Some(n)) => Device::cuda(n)?,
+        None => match Device::cuda(0) {
+            Ok(d) => (d, " (auto: the first GPU)".into()),
+            Err(e) => {
+                // The first clause says what is missing; the rest is for RUST_LOG=debug.
+                let why = e.to_string();
+                let why = why.trim_start_matches("cuda: ");
+                let why = why.split(" (RUST_LOG").next().unwrap_or(why).to_string();
+                (Device::Cpu, format!(" (auto: no usable GPU: {why})"))
+            }
+        },
+        Some(None) => (Device::Cpu, String::new()),
+        Some(Some(n)) => (Device::cuda(n)?, String::new()),
     })
 }
 
-fn data_source(dir: &str) -> Result<DataSource> {
-    match dir {
-        "auto" => DataSource::locate(),
-        "bundled" => Ok(DataSource::Bundled(
-            crate::data::fashion_mnist::bundled_dir(),
-        )),
-        d => Ok(DataSource::Env(d.into())),
-    }
+/// Where the data comes from, the value `data.dir` resolves to (recorded in the run's
+/// config.toml), and a note on the choice. `auto` is `$FASHION_MNIST_DIR` when set; else, on a
+/// GPU, the full set when installed; else the bundled subset, so that the main command ends in
+/// minutes on a CPU whatever is installed.
+fn data_source(dir: &str, device: Device) -> Result<(DataSource, String, String)> {
+    let bundled = || DataSource::Bundled(crate::data::fashion_mnist::bundled_dir());
+    Ok(match dir {
+        "auto" if std::env::var_os(crate::data::fashion_mnist::ENV_VAR).is_some() => {
+            let s = DataSource::locate()?;
+            let key = s.dir().display().to_string();
+            (s, key, String::new())
+        }
+        "auto" if device.is_cuda() => {
+            let s = DataSource::locate()?;
+            let key = if s.is_bundled() { "bundled" } else { "full" };
+            (s, key.into(), String::new())
+        }
+        "auto" => {
+            let note = match DataSource::full() {
+                Ok(full) => format!(
+                    " (auto on a CPU; --data full trains on the 60k images at {})",
+                    full.dir().display()
+                ),
+                Err(_) => " (auto on a CPU)".into(),
+            };
+            (bundled(), "bundled".into(), note)
+        }
+        "bundled" => (bundled(), "bundled".into(), String::new()),
+        "full" => (DataSource::full()?, "full".into(), String::new()),
+        d => (DataSource::dir_given(d)?, d.into(), String::new()),
+    })
 }
 
 fn limited(d: FashionMnist, limit: usize) -> Box<dyn Dataset> {
@@ -200,17 +312,32 @@ fn evaluate<M: Module>(
 }
 
 fn checkpoint_path(out: &Path, name: &str) -> PathBuf {
-    out.join("checkpoints").join(format!("{name}.safetensors"))
+    out.join(CHECKPOINT_DIR).join(format!("{name}.safetensors"))
 }
 
 /// Trains per `cfg`; see the module doc.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     cfg.validate("run config")?;
     let run_start = Instant::now();
-    let device = select_device(&cfg.device)?;
     let mode = opts.progress.unwrap_or_else(ProgressMode::detect);
-
-    let source = data_source(&cfg.data.dir)?;
+    // What to continue from, verified.
+    let resumed = match &opts.resume {
+        None => None,
+        Some(Resume::From(p)) => Some(find_checkpoint(p)?),
+        Some(Resume::Auto) => {
+            let found = auto_checkpoint(&cfg.out)?;
+            if found.is_none() {
+                println!(
+                    "resume auto: no checkpoint in {}: starting the run",
+                    cfg.out.join(CHECKPOINT_DIR).display()
+                );
+            }
+            found
+        }
+    };
+    let (device, device_note) = select_device(&cfg.device)?;
+    println!("device: {device}{device_note}");
+    let (source, data_key, data_note) = data_source(&cfg.data.dir, device)?;
     let train = limited(
         FashionMnist::load_from(&source, Split::Train)?,
         cfg.data.train_limit,
@@ -220,10 +347,30 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         cfg.data.test_limit,
     );
     println!(
-        "data: {source}; training on {} images, testing on {}",
+        "data: {source}; training on {} images, testing on {}{data_note}",
         train.len(),
         test.len()
     );
+    // Nothing is written before the directory is locked and checked.
+    let _run_dir = RunDir::open(
+        &cfg.out,
+        match (&resumed, &opts.resume) {
+            (Some(r), _) => Use::Resume {
+                checkpoint: &r.path,
+                overwrite: opts.overwrite,
+            },
+            (None, Some(Resume::Auto)) if !opts.overwrite => Use::Restart,
+            (None, _) => Use::Fresh {
+                overwrite: opts.overwrite,
+            },
+        },
+    )?;
+
+    // The run's record says what was used, not what was asked for (`auto`).
+    let mut cfg = cfg.clone();
+    cfg.device = device.to_string();
+    cfg.data.dir = data_key;
+    let cfg = &cfg;
 
     let model = ResNet::new(
         &ResNetConfig {
@@ -277,7 +424,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             "train",
             "data.batch_size",
             cfg.data.batch_size.to_string(),
-            "at most the number of training images",
+            format!(
+                "at most the number of training images ({}; the last partial batch is dropped)",
+                train_loader.dataset().len()
+            ),
         ));
     }
     let lr_schedule = schedule(cfg, steps_per_epoch);
@@ -286,16 +436,19 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         ..Default::default()
     };
 
-    std::fs::create_dir_all(cfg.out.join("checkpoints"))
-        .map_err(|e| Error::io(format!("creating {}", cfg.out.display()), e))?;
-    let config_toml = cfg.out.join("config.toml");
-    super::write_atomic(&config_toml, cfg.to_toml().as_bytes())?;
+    let mut written: Vec<PathBuf> = Vec::new();
+    super::write_atomic(&cfg.out.join("config.toml"), cfg.to_toml().as_bytes())?;
+    written.push("config.toml".into());
 
     let (mut start_epoch, mut step) = (0usize, 0u64);
-    let mut metrics = match &opts.resume {
+    // The newest checkpoint from before any trouble (named when the run diverges).
+    let mut last_good: Option<(PathBuf, usize)> = None;
+    let mut metrics = match &resumed {
         None => MetricsWriter::create(&cfg.out)?,
-        Some(path) => {
-            let ckpt = Checkpoint::load(path)?;
+        Some(Found {
+            path,
+            checkpoint: ckpt,
+        }) => {
             ckpt.restore(&model, &mut opt)?;
             start_epoch = ckpt.progress.epoch;
             step = ckpt.progress.step;
@@ -312,11 +465,41 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
                 "resumed from {} after epoch {start_epoch} (step {step})",
                 path.display()
             );
+            last_good = Some((path.clone(), start_epoch));
             MetricsWriter::resume(&cfg.out, &history)?
+        }
+    };
+    written.extend([CSV_FILE.into(), JSONL_FILE.into()]);
+    let mut watch = DivergenceWatch::new(
+        cfg.divergence_steps,
+        step,
+        opt.stats()?.first().map_or(0, |s| s.skipped_total),
+    );
+    let diverged = |why: String, step: u64, last_good: &Option<(PathBuf, usize)>| {
+        let advice = "lower the learning rate (--lr), or try --opt-level O1 or a bf16 policy \
+                      (--policy configs/O2_bf16.toml) if f16 overflows";
+        Error::Diverged {
+            step,
+            detail: match last_good {
+                Some((p, e)) => format!(
+                    "{why}. The last checkpoint from before it: {} (epoch {e}); resume from it \
+                     (--resume {}) and {advice}",
+                    p.display(),
+                    p.display()
+                ),
+                None => format!("{why}. No checkpoint from before it was kept; {advice}"),
+            },
         }
     };
 
     let end_epoch = opts.stop_after.unwrap_or(cfg.epochs).min(cfg.epochs);
+    if end_epoch <= start_epoch {
+        println!(
+            "nothing to train: {} epoch(s) done, stopping after epoch {end_epoch}",
+            start_epoch
+        );
+    }
+    let last_path = checkpoint_path(&cfg.out, "last");
     for epoch in start_epoch..end_epoch {
         let start = Instant::now();
         let mut progress = EpochProgress::new(epoch + 1, cfg.epochs, steps_per_epoch, mode);
@@ -341,6 +524,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             images += n;
             step += 1;
             progress.tick(n);
+            if watch.due(step) {
+                let s = opt.stats()?[0];
+                if let Some(why) = watch.observe(step, s.skipped_total, s.scale) {
+                    progress.finish();
+                    return Err(diverged(why, step, &last_good));
+                }
+            }
         }
         let train_loss = match epoch_loss {
             Some(l) => l.item()? / steps_per_epoch as f64,
@@ -348,8 +538,11 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         };
         let train_seconds = start.elapsed().as_secs_f64();
         progress.finish();
-        let (test_loss, test_accuracy) = evaluate(&model, &test_loader, device)?;
         let scaler = opt.stats()?[0];
+        if let Some(why) = watch.observe(step, scaler.skipped_total, scaler.scale) {
+            return Err(diverged(why, step, &last_good));
+        }
+        let (test_loss, test_accuracy) = evaluate(&model, &test_loader, device)?;
         let record = EpochRecord {
             epoch: epoch + 1,
             step,
@@ -372,7 +565,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             100.0 * record.test_accuracy,
             record.images_per_s,
             record.lr,
-            record.loss_scale,
+            fmt_number(record.loss_scale),
             record.skipped_steps,
             record.epoch_seconds
         );
@@ -397,23 +590,47 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             },
             extra,
         )?;
-        ckpt.save(&checkpoint_path(&cfg.out, "last"))?;
+        let good = train_loss.is_finite() && test_loss.is_finite();
+        ckpt.save(&last_path)?;
+        // `last` now holds this epoch, good or not.
+        last_good = last_good.filter(|(p, _)| *p != last_path);
+        if good {
+            last_good = Some((last_path.clone(), epoch + 1));
+        }
         if cfg.checkpoint_every > 0 && (epoch + 1) % cfg.checkpoint_every == 0 {
-            ckpt.save(&checkpoint_path(
-                &cfg.out,
-                &format!("epoch-{:03}", epoch + 1),
-            ))?;
+            let kept = checkpoint_path(&cfg.out, &format!("epoch-{:03}", epoch + 1));
+            ckpt.save(&kept)?;
+            if good {
+                last_good = Some((kept.clone(), epoch + 1));
+            }
+            written.push(kept.strip_prefix(&cfg.out).unwrap_or(&kept).to_path_buf());
         }
     }
 
-    let weights = cfg.out.join("model.safetensors");
-    save_weights(&model, &weights)?;
+    let trained = end_epoch > start_epoch;
+    let weights = if trained {
+        let w = cfg.out.join("model.safetensors");
+        save_weights(&model, &w)?;
+        written.extend([
+            "metrics.png".into(),
+            last_path
+                .strip_prefix(&cfg.out)
+                .unwrap_or(&last_path)
+                .to_path_buf(),
+            "model.safetensors".into(),
+        ]);
+        Some(w)
+    } else {
+        None
+    };
     Ok(RunSummary {
         history: metrics.history().to_vec(),
         out: cfg.out.clone(),
-        last_checkpoint: checkpoint_path(&cfg.out, "last"),
+        last_checkpoint: trained.then_some(last_path),
         weights,
+        written,
         device,
+        data: source.to_string(),
         seconds: run_start.elapsed().as_secs_f64(),
     })
 }
