@@ -1052,6 +1052,38 @@ fn a_save_that_fails_at_any_step_leaves_a_verified_checkpoint() {
     }
 }
 
+/// A checkpoint whose values are not finite (a diverged run saved it; its checksums are
+/// right) is refused by `restore`, naming the tensors, and skipped by `latest`.
+#[test]
+fn checkpoints_of_nan_weights_are_refused() {
+    let dir = scratch("ckpt_nan");
+    let (m, mut o, good) = small_checkpoint();
+    good.save(&dir.join("epoch-001.safetensors")).unwrap();
+    let mut nan = good.clone();
+    nan.progress.step += 1;
+    let (name, t) = nan.model[0].clone();
+    let mut v = t.to_vec_f64().unwrap();
+    v[0] = f64::NAN;
+    nan.model[0].1 = Tensor::from_vec(v, t.dims().to_vec(), CPU)
+        .unwrap()
+        .to_dtype(t.dtype())
+        .unwrap();
+    nan.save(&dir.join("last.safetensors")).unwrap();
+    let loaded = Checkpoint::load(&dir.join("last.safetensors")).unwrap();
+    let e = loaded.restore(&m, &mut o).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::NonFinite { .. }), "{msg}");
+    assert!(msg.contains(&format!("`model.{name}`")), "{msg}");
+    let l = io::latest(&dir).unwrap().unwrap();
+    assert_eq!(l.path, dir.join("epoch-001.safetensors"));
+    assert_eq!(l.skipped.len(), 1);
+    assert!(
+        l.skipped[0].1.to_string().contains("Inf or NaN"),
+        "{:?}",
+        l.skipped
+    );
+}
+
 /// `latest` takes the newest checkpoint that verifies (by progress, not by name or time),
 /// naming each newer one it skipped and why.
 #[test]

@@ -386,12 +386,18 @@ impl Checkpoint {
     /// Every tensor that does not fit (missing, unexpected, another shape, an integer where a
     /// float belongs) and every layout difference (number of groups, of parameters per group, of
     /// scalers; masters saved for an optimizer that keeps none) is reported at once in an
-    /// [`Error::StateMismatch`] naming the checkpoint's tensors; nothing changes then.
+    /// [`Error::StateMismatch`] naming the checkpoint's tensors; nothing changes then. A
+    /// checkpoint holding Inf or NaN values (a diverged run's state) is an [`Error::NonFinite`]
+    /// naming the tensors: training cannot continue from it.
     pub fn restore<M: Module, O: Optimizer>(
         &self,
         model: &AmpModel<M>,
         opt: &mut AmpOptimizer<O>,
     ) -> Result<()> {
+        let bad = self.non_finite_tensors()?;
+        if !bad.is_empty() {
+            return Err(non_finite_error(&bad));
+        }
         let mut problems: Vec<Mismatch> = state_dict_mismatches(model, &self.model)?
             .into_iter()
             .map(|p| prefixed(p, MODEL_PREFIX))
@@ -413,6 +419,25 @@ impl Checkpoint {
             return Err(e);
         }
         Ok(())
+    }
+
+    /// The names (as in the file) of the floating tensors that hold an Inf or a NaN.
+    pub fn non_finite_tensors(&self) -> Result<Vec<String>> {
+        let model = self
+            .model
+            .iter()
+            .map(|(n, t)| (format!("{MODEL_PREFIX}{n}"), t));
+        let state = self.optimizer.optimizer.state.iter().flat_map(|(pos, e)| {
+            e.iter()
+                .map(move |(n, t)| (format!("{STATE_PREFIX}{pos}.{n}"), t))
+        });
+        let mut bad = Vec::new();
+        for (name, t) in model.chain(state) {
+            if t.dtype().is_float() && t.to_vec_f64()?.iter().any(|x| !x.is_finite()) {
+                bad.push(name);
+            }
+        }
+        Ok(bad)
     }
 
     /// The optimizer part of [`Checkpoint::restore`]'s check.
@@ -496,6 +521,23 @@ impl Checkpoint {
             }
         }
         problems
+    }
+}
+
+fn non_finite_error(bad: &[String]) -> Error {
+    let shown: Vec<String> = bad.iter().take(5).map(|n| format!("`{n}`")).collect();
+    Error::NonFinite {
+        op: "Checkpoint::restore",
+        detail: format!(
+            "the checkpoint holds Inf or NaN values in {}{} (the state of a diverged run): \
+             continue from an earlier checkpoint",
+            shown.join(", "),
+            if bad.len() > 5 {
+                format!(" and {} more tensors", bad.len() - 5)
+            } else {
+                String::new()
+            }
+        ),
     }
 }
 
@@ -645,8 +687,8 @@ pub struct Latest {
 }
 
 /// The newest checkpoint in `dir` (`*.safetensors`, ordered by their progress: step, then
-/// epoch) that loads and verifies; `Ok(None)` when `dir` holds no checkpoint file at all, an
-/// error listing every file and its reason when none loads.
+/// epoch) that loads, verifies and holds only finite values; `Ok(None)` when `dir` holds no
+/// checkpoint file at all, an error listing every file and its reason when none qualifies.
 pub fn latest(dir: &Path) -> Result<Option<Latest>> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
@@ -679,7 +721,13 @@ pub fn latest(dir: &Path) -> Result<Option<Latest>> {
     let ranked = ranked.into_iter().map(|(g, _, p)| (g, p));
     let mut skipped = Vec::new();
     for (_, path) in ranked {
-        match Checkpoint::load(&path) {
+        // A checkpoint that verifies but holds Inf/NaN (a diverged run saved it) cannot be
+        // continued from either.
+        let loaded = Checkpoint::load(&path).and_then(|c| match c.non_finite_tensors()? {
+            bad if bad.is_empty() => Ok(c),
+            bad => Err(non_finite_error(&bad)),
+        });
+        match loaded {
             Ok(checkpoint) => {
                 return Ok(Some(Latest {
                     path,
