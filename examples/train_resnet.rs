@@ -231,7 +231,7 @@ fn main() -> std::process::ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let cli = Cli::from_arg_matches(&command().get_matches()).unwrap_or_else(|e| e.exit());
     match train(cli) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(_) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("train_resnet: {e}");
             std::process::ExitCode::FAILURE
@@ -281,7 +281,7 @@ fn changed_keys(a: &RunConfig, b: &RunConfig) -> Vec<String> {
     keys
 }
 
-fn train(cli: Cli) -> mixprec::Result<()> {
+fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
     // A config file is read (and checked) whatever else is given.
     let file_cfg = cli
         .config
@@ -400,5 +400,152 @@ fn train(cli: Cli) -> mixprec::Result<()> {
         )),
     }
     println!("wrote {}: {}", summary.out.display(), files.join(", "));
-    Ok(())
+    Ok(summary)
+}
+
+/// The command line as a user types it (CI runs these: `cargo test --all-targets` builds the
+/// example's tests).
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        let argv = std::iter::once("train_resnet").chain(args.iter().copied());
+        Cli::from_arg_matches(&command().try_get_matches_from(argv).unwrap()).unwrap()
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("mixprec-cli-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn version_and_help_with_defaults() {
+        let cmd = command();
+        assert_eq!(cmd.get_version(), Some(env!("CARGO_PKG_VERSION")));
+        let help = command().render_help().to_string();
+        for want in [
+            "--epochs <N>",
+            "[default: 10]",
+            "[default: 0.1]",
+            "[default: runs/train_resnet]",
+            "[default: auto]",
+            "--resume <auto|DIR|CKPT>",
+            "--overwrite",
+            "--divergence-steps <N>",
+        ] {
+            assert!(help.contains(want), "{want} not in:\n{help}");
+        }
+    }
+
+    /// Flags are held to their keys' limits and words; a negative number reaches the check
+    /// instead of being taken for a flag. Nothing is written.
+    #[test]
+    fn bad_flags_are_the_keys_errors() {
+        let out = scratch("flags").join("out");
+        let out_s = out.to_str().unwrap();
+        for (args, want) in [
+            (
+                &["--lr", "-1"][..],
+                "config command line --lr: key `optimizer.lr` = -1: a number > 0 and <= 1000",
+            ),
+            (
+                &["--lr", "1e9"],
+                "config command line --lr: key `optimizer.lr` = 1e9: a number > 0 and <= 1000",
+            ),
+            (
+                &["--epochs", "0"],
+                "config command line --epochs: key `epochs` = 0: an integer >= 1",
+            ),
+            (
+                &["--batch-size", "-3"],
+                "config command line --batch-size: key `data.batch_size` = -3: an integer >= 1",
+            ),
+            (
+                &["--widths", "8,x"],
+                "config command line --widths: key `model.widths` = x",
+            ),
+            (
+                &["--device", "gpu"],
+                "config command line --device: key `device` = \"gpu\"",
+            ),
+        ] {
+            let msg = train(cli(&[args, &["--out", out_s]].concat()))
+                .unwrap_err()
+                .to_string();
+            assert!(msg.contains(want), "{args:?}: {msg}");
+        }
+        assert!(!out.exists());
+    }
+
+    /// A `--config` given with `--resume` is read and checked (it was ignored, even when
+    /// invalid).
+    #[test]
+    fn a_config_is_checked_with_resume_too() {
+        let dir = scratch("config-resume");
+        let bad = dir.join("bad.toml");
+        std::fs::write(&bad, "epochs = 3\n[optimizer]\nlr = 1e9\n").unwrap();
+        let msg = train(cli(&[
+            "--config",
+            bad.to_str().unwrap(),
+            "--resume",
+            "auto",
+            "--out",
+            dir.join("out").to_str().unwrap(),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains(&format!(
+                "config {}:3:6: key `optimizer.lr` = 1e9",
+                bad.display()
+            )),
+            "{msg}"
+        );
+    }
+
+    /// `--data DIR` is reported as that directory (not as FASHION_MNIST_DIR); a run that trains
+    /// nothing (`--stop-after 0`) lists only the files it wrote, and a second run into the
+    /// directory is refused.
+    #[test]
+    fn data_dir_and_an_honest_list_of_files() {
+        let dir = scratch("data");
+        let out = dir.join("out");
+        let out_s = out.to_str().unwrap();
+        let msg = train(cli(&[
+            "--data", "/nowhere", "--device", "cpu", "--out", out_s,
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains("/nowhere does not hold the Fashion-MNIST files")
+                && msg.contains("train-images-idx3-ubyte[.gz] not found")
+                && !msg.contains("FASHION_MNIST_DIR"),
+            "{msg}"
+        );
+        let bundled = mixprec::data::fashion_mnist::bundled_dir();
+        let s = train(cli(&[
+            "--data",
+            bundled.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--stop-after",
+            "0",
+            "--out",
+            out_s,
+            "--progress",
+            "off",
+        ]))
+        .unwrap();
+        assert_eq!(s.data, format!("Fashion-MNIST from {}", bundled.display()));
+        let written: Vec<String> = s.written.iter().map(|p| p.display().to_string()).collect();
+        assert_eq!(written, ["config.toml", "metrics.csv", "metrics.jsonl"]);
+        assert!(!out.join("model.safetensors").exists());
+        let msg = train(cli(&["--device", "cpu", "--out", out_s]))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("is not empty"), "{msg}");
+    }
 }

@@ -150,9 +150,12 @@ impl DataSource {
         }
     }
 
-    /// The full set at the system location; an error saying how to install it when it is not
-    /// there.
+    /// The full set: `$FASHION_MNIST_DIR` when set, else the system location; an error saying
+    /// how to install it when it is not there.
     pub fn full() -> Result<DataSource> {
+        if std::env::var_os(ENV_VAR).is_some_and(|v| !v.is_empty()) {
+            return Self::locate();
+        }
         let system = PathBuf::from(SYSTEM_DIR);
         match first_missing(&system) {
             None => Ok(DataSource::Full(system)),
