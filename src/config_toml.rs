@@ -215,9 +215,10 @@ fn location(text: &str, pos: usize) -> Location {
     let pos = pos.min(text.len());
     let before = text.get(..pos).unwrap_or(text);
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     Location {
-        line: before.matches('\n').count() + 1,
-        column: before[line_start..].chars().count() + 1,
+        line: clamp(before.matches('\n').count() + 1),
+        column: clamp(before[line_start..].chars().count() + 1),
     }
 }
 

@@ -114,7 +114,8 @@ pub enum Error {
     #[error("{op}: out of memory on {device}: {} requested ({detail})", fmt_bytes(*.bytes))]
     OutOfMemory {
         op: &'static str,
-        bytes: u128,
+        /// Saturates at `u64::MAX` for sizes past the address space.
+        bytes: u64,
         device: Device,
         detail: String,
     },
@@ -144,8 +145,8 @@ pub enum Error {
 /// A place in a text file: 1-based line and column (in characters).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Location {
-    pub line: usize,
-    pub column: usize,
+    pub line: u32,
+    pub column: u32,
 }
 
 impl std::fmt::Display for Location {
@@ -155,7 +156,7 @@ impl std::fmt::Display for Location {
 }
 
 /// Bytes for people: `4.0 TiB (4398046511104 bytes)`.
-pub fn fmt_bytes(bytes: u128) -> String {
+pub fn fmt_bytes(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     if bytes < 1024 {
         return format!("{bytes} bytes");

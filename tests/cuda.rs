@@ -1005,7 +1005,7 @@ fn allocation_beyond_device_memory_is_out_of_memory() {
                 ..
             },
         ) => {
-            assert_eq!(bytes, 1u128 << 45, "{e}");
+            assert_eq!(bytes, 1u64 << 45, "{e}");
             println!("as expected: {e}");
         }
         other => panic!("expected OutOfMemory for 2^45 bytes, got {other:?}"),

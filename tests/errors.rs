@@ -389,7 +389,7 @@ fn random_samples_need_a_float_dtype() {
 /// machine's memory, which the default heuristic overcommit refuses.
 #[test]
 fn allocations_the_host_cannot_hold_are_errors() {
-    let oom = |r: Result<Tensor>, op: &str, bytes: u128| match r {
+    let oom = |r: Result<Tensor>, op: &str, bytes: u64| match r {
         Err(e @ Error::OutOfMemory { .. }) => {
             let msg = e.to_string();
             assert!(
@@ -401,7 +401,7 @@ fn allocations_the_host_cannot_hold_are_errors() {
         other => panic!("{op}: expected OutOfMemory, got {other:?}"),
     };
     let huge = [1usize << 20, 1 << 25];
-    let bytes = 4u128 << 45;
+    let bytes = 4u64 << 45;
     oom(Tensor::zeros(huge, DType::F32, CPU), "zeros", bytes);
     oom(Tensor::ones(huge, DType::F32, CPU), "ones", bytes);
     oom(Tensor::full(huge, 2.0, DType::F32, CPU), "full", bytes);
@@ -431,7 +431,7 @@ fn allocations_the_host_cannot_hold_are_errors() {
         oom(
             Tensor::zeros([1usize << 40], DType::F32, CPU),
             "zeros",
-            4u128 << 40,
+            4u64 << 40,
         );
     }
     // Nothing was lost: small tensors still work.

@@ -709,16 +709,12 @@ pub fn latest(dir: &Path) -> Result<Option<Latest>> {
     files.sort();
     // Newest first (`last` before an epoch file of the same progress); an unreadable header
     // sorts last (it is tried, and reported, all the same).
-    let mut ranked: Vec<(Option<(u64, usize)>, bool, PathBuf)> = files
-        .into_iter()
-        .map(|p| {
-            let progress = Checkpoint::peek(&p).ok().map(|g| (g.step, g.epoch));
-            let last = p.file_stem().is_some_and(|s| s == "last");
-            (progress, last, p)
-        })
-        .collect();
-    ranked.sort_by(|a, b| (&b.0, b.1).cmp(&(&a.0, a.1)));
-    let ranked = ranked.into_iter().map(|(g, _, p)| (g, p));
+    let rank = |p: &Path| {
+        let progress = Checkpoint::peek(p).ok().map(|g| (g.step, g.epoch));
+        (progress, p.file_stem().is_some_and(|s| s == "last"))
+    };
+    let mut ranked: Vec<_> = files.into_iter().map(|p| (rank(&p), p)).collect();
+    ranked.sort_by_key(|(r, _)| std::cmp::Reverse(*r));
     let mut skipped = Vec::new();
     for (_, path) in ranked {
         // A checkpoint that verifies but holds Inf/NaN (a diverged run saved it) cannot be

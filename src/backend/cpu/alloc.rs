@@ -9,7 +9,7 @@ use crate::tensor::{DType, Device};
 /// it, a failure is as unlikely as any other small allocation's, and the probe would cost).
 const PROBE_BYTES: usize = 64 << 20;
 
-fn oom(op: &'static str, bytes: u128, what: &str) -> Error {
+fn oom(op: &'static str, bytes: u64, what: &str) -> Error {
     Error::OutOfMemory {
         op,
         bytes,
@@ -24,7 +24,7 @@ pub(crate) fn try_filled<T: Clone>(op: &'static str, len: usize, value: T) -> Re
     v.try_reserve_exact(len).map_err(|_| {
         oom(
             op,
-            len as u128 * std::mem::size_of::<T>() as u128,
+            (len as u64).saturating_mul(std::mem::size_of::<T>() as u64),
             "the buffer",
         )
     })?;
@@ -43,7 +43,7 @@ pub(crate) fn try_collect<T>(
     v.try_reserve_exact(len).map_err(|_| {
         oom(
             op,
-            len as u128 * std::mem::size_of::<T>() as u128,
+            (len as u64).saturating_mul(std::mem::size_of::<T>() as u64),
             "the buffer",
         )
     })?;
@@ -56,8 +56,8 @@ pub(crate) fn try_collect<T>(
 /// (Another thread could take the memory between the probe and the kernel; the probe turns the
 /// shapes that can never fit into errors, which is what a user's typo needs.)
 pub(crate) fn probe_output(op: &'static str, elems: usize, dtype: DType) -> Result<()> {
-    let bytes = elems as u128 * dtype.size_in_bytes() as u128;
-    if bytes < PROBE_BYTES as u128 {
+    let bytes = (elems as u64).saturating_mul(dtype.size_in_bytes() as u64);
+    if bytes < PROBE_BYTES as u64 {
         return Ok(());
     }
     let len = usize::try_from(bytes).map_err(|_| oom(op, bytes, "the output"))?;

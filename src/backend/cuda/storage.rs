@@ -46,7 +46,7 @@ impl CudaStorage {
     /// [`super::set_poison_allocations`]). Sizes are rounded up to 16 bytes so vectorised kernels
     /// may read whole packs at the end.
     pub(crate) fn alloc(dev: &Arc<CudaDevice>, dtype: DType, len: usize) -> Result<Self> {
-        let oom = |bytes: u128, detail: &str| Error::OutOfMemory {
+        let oom = |bytes: u64, detail: &str| Error::OutOfMemory {
             op: "cuda alloc",
             bytes,
             device: crate::tensor::Device::Cuda(dev.ordinal),
@@ -57,7 +57,7 @@ impl CudaStorage {
             .and_then(|b| b.max(1).checked_next_multiple_of(16))
             .ok_or_else(|| {
                 oom(
-                    len as u128 * dtype.size_in_bytes() as u128,
+                    (len as u64).saturating_mul(dtype.size_in_bytes() as u64),
                     "more bytes than an address holds",
                 )
             })?;
@@ -68,7 +68,7 @@ impl CudaStorage {
         let buf = unsafe { dev.stream.alloc::<u8>(bytes) }.map_err(|e| {
             if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                 oom(
-                    bytes as u128,
+                    bytes as u64,
                     "CUDA_ERROR_OUT_OF_MEMORY from the device's allocator",
                 )
             } else {
