@@ -1,4 +1,6 @@
-//! The main job: train a small-image ResNet on Fashion-MNIST under an AMP policy.
+//! The main job: train a ResNet under an AMP policy on Fashion-MNIST (by default), CIFAR-10
+//! (`--data cifar10:DIR`) or your own images (`--data imagefolder:DIR`, class folders under
+//! DIR/train and DIR/val).
 //!
 //!     cargo run --release --example train_resnet [-- OPTIONS]
 //!
@@ -13,7 +15,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use mixprec::io::checkpoint::Checkpoint;
-use mixprec::train::config::{OPTIMIZERS, SCHEDULES};
+use mixprec::train::config::{ARCHS, OPTIMIZERS, SCHEDULES};
 use mixprec::train::progress::ProgressMode;
 use mixprec::train::trainer::checkpoint_config;
 use mixprec::train::{run, RunConfig, RunOptions};
@@ -21,7 +23,7 @@ use mixprec::train::{run, RunConfig, RunOptions};
 #[derive(Parser, Debug)]
 #[command(
     name = "train_resnet",
-    about = "Train a small-image ResNet on Fashion-MNIST with mixed precision (mixprec)"
+    about = "Train a ResNet on Fashion-MNIST, CIFAR-10 or an image folder with mixed precision (mixprec)"
 )]
 struct Cli {
     /// A run config (TOML; see configs/run_fashion_mnist.toml). Flags override its values.
@@ -33,9 +35,19 @@ struct Cli {
     /// apex's opt level with its defaults (default: O2).
     #[arg(long, value_name = "LEVEL", value_parser = ["O0", "O1", "O2", "O3"])]
     opt_level: Option<String>,
-    /// `bundled`, or a directory with the four Fashion-MNIST IDX files (default: auto).
-    #[arg(long, value_name = "DIR")]
+    /// Fashion-MNIST (`auto`, `bundled`, or a directory with its four IDX files),
+    /// `imagefolder:DIR` (class folders under DIR/train and DIR/val) or `cifar10:DIR`.
+    #[arg(long, value_name = "SPEC")]
     data: Option<String>,
+    /// auto (small ResNet below 64 px, else resnet50), small, resnet18, resnet34 or resnet50.
+    #[arg(long, value_parser = ARCHS)]
+    model: Option<String>,
+    /// Image folders: the side of the images the model sees (default 224).
+    #[arg(long, value_name = "PIXELS")]
+    image_size: Option<usize>,
+    /// Decoding threads (default: one per core for image folders, else 1).
+    #[arg(long)]
+    workers: Option<usize>,
     /// Epochs (the schedule spans them all).
     #[arg(long)]
     epochs: Option<usize>,
@@ -69,7 +81,8 @@ struct Cli {
     /// Residual blocks per stage, e.g. 1,1,1.
     #[arg(long, value_delimiter = ',')]
     blocks: Option<Vec<usize>>,
-    /// Random crop + horizontal flip of training images.
+    /// Training augmentation: random crop + horizontal flip (RandomResizedCrop + flip for
+    /// image folders of 64 px and more).
     #[arg(long)]
     augment: Option<bool>,
     /// Stop after this many epochs (the schedule still spans --epochs): an interrupted run.
@@ -93,6 +106,9 @@ impl Cli {
             };
         }
         set!(data, "--data", c.data.dir);
+        set!(model, "--model", c.model.arch);
+        set!(image_size, "--image-size", c.data.image_size);
+        set!(workers, "--workers", c.data.workers);
         set!(epochs, "--epochs", c.epochs);
         set!(batch_size, "--batch-size", c.data.batch_size);
         set!(lr, "--lr", c.optimizer.lr);
@@ -139,7 +155,7 @@ fn train(cli: Cli) -> mixprec::Result<()> {
     if cli.resume.is_some() {
         let changes: Vec<_> = given
             .iter()
-            .filter(|f| !matches!(**f, "--out" | "--device" | "--data"))
+            .filter(|f| !matches!(**f, "--out" | "--device" | "--data" | "--workers"))
             .collect();
         if !changes.is_empty() {
             log::warn!(

@@ -10,9 +10,13 @@ use serde::{Deserialize, Serialize};
 use crate::amp::{OptLevel, Policy};
 use crate::error::{Error, Result};
 
-/// The small-image ResNet trained by the main job.
+/// The ResNet trained by the main job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
+    /// `auto` (the small-image ResNet below for images under 64 pixels, else ResNet-50),
+    /// `small`, or torchvision's `resnet18`, `resnet34`, `resnet50` (ImageNet stem).
+    #[serde(default = "auto")]
+    pub arch: String,
     /// Residual blocks per stage.
     pub blocks: Vec<usize>,
     /// Channels per stage (one per entry of `blocks`).
@@ -21,10 +25,16 @@ pub struct ModelConfig {
     pub block: String,
 }
 
+fn auto() -> String {
+    "auto".into()
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DataConfig {
-    /// `auto` ($FASHION_MNIST_DIR, else the system's full set, else the bundled subset),
-    /// `bundled`, or a directory with the four IDX files.
+    /// Fashion-MNIST: `auto` ($FASHION_MNIST_DIR, else the system's full set, else the bundled
+    /// subset), `bundled`, or a directory with the four IDX files; `imagefolder:DIR` (class
+    /// folders under DIR/train and DIR/val, torchvision's ImageFolder layout) or `cifar10:DIR`
+    /// (the binary version's batches).
     pub dir: String,
     pub batch_size: usize,
     pub eval_batch_size: usize,
@@ -34,6 +44,25 @@ pub struct DataConfig {
     pub train_limit: usize,
     /// Evaluate on the first N test images only; 0 = all.
     pub test_limit: usize,
+    /// imagefolder: side of the square images the model sees; 0 = 224. At 64 and above:
+    /// RandomResizedCrop(size) + flip for training (with `augment`), Resize(size·256/224) +
+    /// CenterCrop(size) for evaluation; below: Resize(size) + CenterCrop(size).
+    #[serde(default)]
+    pub image_size: usize,
+    /// Threads decoding and augmenting; 0 = one per core for image folders, 1 otherwise.
+    #[serde(default)]
+    pub workers: usize,
+    /// imagefolder: serve one grey channel (`convert("L")`) instead of RGB.
+    #[serde(default)]
+    pub grayscale: bool,
+    /// imagefolder: Normalize's mean and std per channel; empty = ImageNet's.
+    #[serde(default)]
+    pub mean: Vec<f64>,
+    #[serde(default)]
+    pub std: Vec<f64>,
+    /// imagefolder: skip (and count) files that do not decode instead of stopping.
+    #[serde(default)]
+    pub skip_bad_files: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -100,6 +129,7 @@ impl Default for RunConfig {
             checkpoint_every: 1,
             label_smoothing: 0.0,
             model: ModelConfig {
+                arch: "auto".into(),
                 blocks: vec![1, 1, 1],
                 widths: vec![16, 32, 64],
                 block: "basic".into(),
@@ -111,6 +141,12 @@ impl Default for RunConfig {
                 augment: false,
                 train_limit: 0,
                 test_limit: 0,
+                image_size: 0,
+                workers: 0,
+                grayscale: false,
+                mean: Vec::new(),
+                std: Vec::new(),
+                skip_bad_files: false,
             },
             optimizer: OptimizerConfig {
                 name: "sgd".into(),
@@ -138,6 +174,7 @@ impl Default for RunConfig {
 pub const OPTIMIZERS: [&str; 4] = ["sgd", "adam", "adamw", "lamb"];
 pub const SCHEDULES: [&str; 4] = ["one-cycle", "cosine", "step", "constant"];
 pub const BLOCKS: [&str; 2] = ["basic", "bottleneck"];
+pub const ARCHS: [&str; 5] = ["auto", "small", "resnet18", "resnet34", "resnet50"];
 
 /// Reads typed values out of one TOML table, naming `section.key` in every error.
 struct Reader<'a> {
@@ -241,6 +278,24 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
+    /// A list of numbers, each in `[lo, hi]`.
+    fn f64_list(&self, k: &str, lo: f64, hi: f64, dst: &mut Vec<f64>) -> Result<()> {
+        if let Some(v) = self.table.get(k) {
+            let bad = || self.err(k, v, format!("an array of numbers in [{lo}, {hi}]"));
+            let arr = v.as_array().ok_or_else(bad)?;
+            *dst = arr
+                .iter()
+                .map(|e| {
+                    e.as_float()
+                        .or_else(|| e.as_integer().map(|i| i as f64))
+                        .filter(|x| (lo..=hi).contains(x))
+                        .ok_or_else(bad)
+                })
+                .collect::<Result<_>>()?;
+        }
+        Ok(())
+    }
+
     fn usize_list(&self, k: &str, dst: &mut Vec<usize>) -> Result<()> {
         if let Some(v) = self.table.get(k) {
             let bad = || self.err(k, v, "a non-empty array of positive integers");
@@ -302,7 +357,8 @@ impl RunConfig {
         top.f64("label_smoothing", 0.0, 1.0, &mut c.label_smoothing)?;
 
         if let Some(r) = top.sub("model")? {
-            r.only(&["blocks", "widths", "block"], &[])?;
+            r.only(&["arch", "blocks", "widths", "block"], &[])?;
+            r.string("arch", Some(&ARCHS), &mut c.model.arch)?;
             r.usize_list("blocks", &mut c.model.blocks)?;
             r.usize_list("widths", &mut c.model.widths)?;
             r.string("block", Some(&BLOCKS), &mut c.model.block)?;
@@ -316,6 +372,12 @@ impl RunConfig {
                     "augment",
                     "train_limit",
                     "test_limit",
+                    "image_size",
+                    "workers",
+                    "grayscale",
+                    "mean",
+                    "std",
+                    "skip_bad_files",
                 ],
                 &[],
             )?;
@@ -325,6 +387,12 @@ impl RunConfig {
             r.bool("augment", &mut c.data.augment)?;
             r.usize("train_limit", 0, &mut c.data.train_limit)?;
             r.usize("test_limit", 0, &mut c.data.test_limit)?;
+            r.usize("image_size", 0, &mut c.data.image_size)?;
+            r.usize("workers", 0, &mut c.data.workers)?;
+            r.bool("grayscale", &mut c.data.grayscale)?;
+            r.f64_list("mean", -1e3, 1e3, &mut c.data.mean)?;
+            r.f64_list("std", 1e-6, 1e3, &mut c.data.std)?;
+            r.bool("skip_bad_files", &mut c.data.skip_bad_files)?;
         }
         if let Some(r) = top.sub("optimizer")? {
             r.only(
@@ -397,10 +465,11 @@ impl RunConfig {
         }
         parse_device(&self.device)
             .map_err(|_| err("device", self.device.clone(), "auto, cpu, cuda or cuda:N"))?;
-        let checks: [(&str, &str, &[&str]); 4] = [
+        let checks: [(&str, &str, &[&str]); 5] = [
             ("optimizer.name", &self.optimizer.name, &OPTIMIZERS),
             ("schedule.kind", &self.schedule.kind, &SCHEDULES),
             ("model.block", &self.model.block, &BLOCKS),
+            ("model.arch", &self.model.arch, &ARCHS),
             (
                 "amp.opt_level",
                 &self.amp.opt_level,
@@ -421,6 +490,33 @@ impl RunConfig {
             if v == 0 {
                 return Err(err(key, "0".into(), "a positive integer"));
             }
+        }
+        if let Some(rest) = self.data.dir.split_once(':').filter(|(k, _)| {
+            !k.is_empty() && !k.contains('/') && *k != "imagefolder" && *k != "cifar10"
+        }) {
+            return Err(err(
+                "data.dir",
+                self.data.dir.clone(),
+                &format!(
+                    "auto, bundled, a Fashion-MNIST directory, imagefolder:DIR or cifar10:DIR \
+                     (`{}:` is not a kind of data)",
+                    rest.0
+                ),
+            ));
+        }
+        if self.data.image_size > 4096 {
+            return Err(err(
+                "data.image_size",
+                self.data.image_size.to_string(),
+                "0 (224) or a side in 1..=4096",
+            ));
+        }
+        if self.data.mean.len() != self.data.std.len() {
+            return Err(err(
+                "data.mean",
+                format!("{:?} with std {:?}", self.data.mean, self.data.std),
+                "as many values as data.std (one per channel, or both empty for ImageNet's)",
+            ));
         }
         if !self.optimizer.lr.is_finite() || self.optimizer.lr <= 0.0 {
             return Err(err(

@@ -1,5 +1,5 @@
-//! The main job's loop: a small-image ResNet on Fashion-MNIST under an AMP policy, with a
-//! progress display, one summary line per epoch, metrics + plot, checkpoints every epoch and an
+//! The main job's loop: a ResNet on Fashion-MNIST, CIFAR-10 or an image folder (see `data`)
+//! under an AMP policy, with a progress display, one summary line per epoch, metrics + plot, checkpoints every epoch and an
 //! exact `--resume`.
 //!
 //! Exactness of a resumed run rests on three facts: the data order and augmentation of epoch `e`
@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::amp::{self, AmpModel, LossScale, Properties};
-use crate::data::{Augment, DataLoader, DataSource, Dataset, FashionMnist, First, Split};
+use crate::data::DataLoader;
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
 use crate::io::weights::save_weights;
@@ -25,6 +25,7 @@ use crate::optim::{
 use crate::tensor::{Device, Tensor};
 
 use super::config::{parse_device, RunConfig};
+use super::data::LARGE_IMAGE;
 use super::metrics::{EpochRecord, MetricsWriter};
 use super::plot::plot_history;
 use super::progress::{EpochProgress, ProgressMode};
@@ -77,22 +78,46 @@ pub fn select_device(spec: &str) -> Result<Device> {
     })
 }
 
-fn data_source(dir: &str) -> Result<DataSource> {
-    match dir {
-        "auto" => DataSource::locate(),
-        "bundled" => Ok(DataSource::Bundled(
-            crate::data::fashion_mnist::bundled_dir(),
-        )),
-        d => Ok(DataSource::Env(d.into())),
-    }
-}
-
-fn limited(d: FashionMnist, limit: usize) -> Box<dyn Dataset> {
-    if limit > 0 && limit < d.len() {
-        Box::new(First::new(d, limit))
-    } else {
-        Box::new(d)
-    }
+/// The network `cfg.model` asks for, fitted to the data: `auto` is the small-image ResNet for
+/// images under 64 pixels and torchvision's ResNet-50 otherwise. Returns it with a description.
+pub fn model_config(
+    cfg: &RunConfig,
+    [channels, height, width]: [usize; 3],
+    num_classes: usize,
+) -> (ResNetConfig, String) {
+    let arch = match cfg.model.arch.as_str() {
+        "auto" if height.min(width) < LARGE_IMAGE => "small",
+        "auto" => "resnet50",
+        a => a,
+    };
+    let mut c = match arch {
+        "resnet18" => ResNetConfig::resnet18(num_classes, cfg.seed),
+        "resnet34" => ResNetConfig::resnet34(num_classes, cfg.seed),
+        "resnet50" => ResNetConfig::resnet50(num_classes, cfg.seed),
+        _ => ResNetConfig {
+            block: if cfg.model.block == "bottleneck" {
+                BlockKind::Bottleneck
+            } else {
+                BlockKind::Basic
+            },
+            blocks: cfg.model.blocks.clone(),
+            widths: cfg.model.widths.clone(),
+            in_channels: channels,
+            num_classes,
+            stem: Stem::Small,
+            zero_init_residual: false,
+            seed: cfg.seed,
+        },
+    };
+    c.in_channels = channels;
+    let text = match arch {
+        "small" => format!(
+            "ResNet ({} blocks {:?}, widths {:?})",
+            cfg.model.block, cfg.model.blocks, cfg.model.widths
+        ),
+        a => format!("torchvision {a} ({channels}x{height}x{width} inputs)"),
+    };
+    (c, text)
 }
 
 fn build_optimizer(cfg: &RunConfig, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>> {
@@ -233,43 +258,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let device = select_device(&cfg.device)?;
     let mode = opts.progress.unwrap_or_else(ProgressMode::detect);
 
-    let source = data_source(&cfg.data.dir)?;
-    let train = limited(
-        FashionMnist::load_from(&source, Split::Train)?,
-        cfg.data.train_limit,
-    );
-    let test = limited(
-        FashionMnist::load_from(&source, Split::Test)?,
-        cfg.data.test_limit,
-    );
-    println!(
-        "data: {source}; training on {} images, testing on {}",
-        train.len(),
-        test.len()
-    );
+    let data = super::data::build(cfg, device)?;
+    println!("data: {}", data.description);
 
-    let model = ResNet::new(
-        &ResNetConfig {
-            block: if cfg.model.block == "bottleneck" {
-                BlockKind::Bottleneck
-            } else {
-                BlockKind::Basic
-            },
-            blocks: cfg.model.blocks.clone(),
-            widths: cfg.model.widths.clone(),
-            in_channels: train.item_shape()[0],
-            num_classes: train.num_classes(),
-            stem: Stem::Small,
-            zero_init_residual: false,
-            seed: cfg.seed,
-        },
-        &device,
-    )?;
+    let (model_cfg, model_text) = model_config(cfg, data.item_shape, data.num_classes);
+    let model = ResNet::new(&model_cfg, &device)?;
     println!(
-        "model: ResNet ({} blocks {:?}, widths {:?}), {} parameters, on {device}",
-        cfg.model.block,
-        cfg.model.blocks,
-        cfg.model.widths,
+        "model: {model_text}, {} parameters, on {device}",
         model.num_parameters()
     );
     let opt = build_optimizer(cfg, model.parameters())?;
@@ -290,14 +285,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     }
     let (model, mut opt) = amp::initialize(model, opt, policy)?;
 
-    let mut train_loader = DataLoader::new(train, cfg.data.batch_size)
-        .shuffle(cfg.seed)
-        .drop_last(true)
-        .prefetch(2);
-    if cfg.data.augment {
-        train_loader = train_loader.augment(Augment::crop_flip(2, cfg.seed));
-    }
-    let test_loader = DataLoader::new(test, cfg.data.eval_batch_size).prefetch(2);
+    let (train_loader, test_loader) = (data.train, data.test);
     let steps_per_epoch = train_loader.num_batches() as u64;
     if steps_per_epoch == 0 {
         return Err(Error::invalid_arg(

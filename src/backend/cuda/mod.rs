@@ -2,7 +2,8 @@
 //! (`device.rs`), library probing (`probe.rs`), the NVRTC kernel registry with its on-disk cache
 //! (`registry.rs`), kernel launches (`launch.rs`), the buffer type (`storage.rs`) and its ops
 //! (`ops.rs`), cuBLAS matmul (`matmul.rs`) and cuDNN convolution (`conv.rs`, with the graph API in
-//! `cudnn_graph.rs`).
+//! `cudnn_graph.rs`), and pinned host buffers with asynchronous uploads for the data loader
+//! (`pinned.rs`).
 //! Kernels are in `kernels/*.cu` at the crate root.
 
 mod conv;
@@ -12,6 +13,7 @@ mod launch;
 mod matmul;
 mod multi_tensor;
 mod ops;
+mod pinned;
 mod probe;
 mod registry;
 mod storage;
@@ -23,6 +25,7 @@ pub use device::{
 pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };
+pub use pinned::PinnedBuffer;
 pub use probe::probe;
 pub use storage::CudaStorage;
 
