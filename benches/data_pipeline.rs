@@ -12,7 +12,9 @@
 //!    fed by the pipeline. The difference per step is time the GPU waited for data (its idle
 //!    time); the host's wait for each batch is reported too. If batch `--batch` does not fit,
 //!    it retries at half the batch and says so.
-//! 3. `--torch-json`: the result of `benches/torch_data_pipeline.py` on the same folder in the
+//! 3. One thread, per image: read + decode + transform (`ImageTransform::apply`) of the first
+//!    200 files, with colour JPEGs resampled in YCbCr (the default) and in RGB.
+//! 4. `--torch-json`: the result of `benches/torch_data_pipeline.py` on the same folder in the
 //!    same call, for the ratio.
 //!
 //! `benches/gpu_data_pipeline.sh` runs all of it on the GPU machine.
@@ -21,6 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use mixprec::data::image_transforms::TransformScratch;
 use mixprec::data::{DataLoader, Dataset, ImageFolder, ImageTransform};
 use mixprec::nn::resnet::ResNet;
 use mixprec::nn::Module;
@@ -102,6 +105,25 @@ fn pipeline(ds: &Arc<dyn Dataset>, a: &Args, workers: usize, dev: Device) -> mix
     }
     sync(dev)?;
     Ok(images as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Milliseconds per image on one thread, YCbCr-first and RGB-first.
+fn per_image(folder: &ImageFolder, t: &ImageTransform) -> mixprec::Result<(f64, f64)> {
+    let n = folder.len().min(200);
+    let files: Vec<Vec<u8>> = (0..n).map(|i| folder.read(i)).collect::<mixprec::Result<_>>()?;
+    let [c, h, w] = t.output_shape()?;
+    let mut out = vec![0f32; c * h * w];
+    let mut ms = [0.0; 2];
+    for (k, ycbcr) in [true, false].into_iter().enumerate() {
+        let mut scratch = TransformScratch::default();
+        scratch.ycbcr = ycbcr;
+        let start = Instant::now();
+        for (i, bytes) in files.iter().enumerate() {
+            t.apply(bytes, &folder.samples()[i].path, 0, i, &mut out, &mut scratch)?;
+        }
+        ms[k] = 1e3 * start.elapsed().as_secs_f64() / n as f64;
+    }
+    Ok((ms[0], ms[1]))
 }
 
 struct StepTimes {
@@ -196,6 +218,8 @@ fn run(a: &Args) -> mixprec::Result<()> {
         a.batch
     );
     let t = ImageTransform::imagenet_train(224, 0);
+    let (ms_ycc, ms_rgb) = per_image(&folder, &t)?;
+    println!("one thread: {ms_ycc:.2} ms per image (resampling in YCbCr), {ms_rgb:.2} ms (in RGB)");
     let ds: Arc<dyn Dataset> = Arc::new(folder.with_transform(t)?);
     let ours = pipeline(&ds, a, workers, dev)?;
     println!(

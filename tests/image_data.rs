@@ -300,7 +300,12 @@ fn decodes_rgb_grey_cmyk_jpegs_and_every_png_kind() {
 fn reduced_scale_jpeg_decoding_keeps_the_picture() {
     // 64x48 of smooth colour: decoded at 1/2, 1/4, 1/8 it is the full decode, shrunk.
     let (w, h) = (64, 48);
-    let rgb = pattern(w, h, 5);
+    let rgb: Vec<u8> = (0..w * h)
+        .flat_map(|i| {
+            let (x, y) = (i % w, i / w);
+            [(x * 4) as u8, (y * 5) as u8, ((x + y) * 2) as u8]
+        })
+        .collect();
     let bytes = jpeg(&rgb, w, h, jpeg_encoder::ColorType::Rgb, 95);
     let p = Path::new("big.jpg");
     let full = image::decode(&bytes, p, ColorMode::Rgb, 1, false).unwrap();
@@ -466,8 +471,10 @@ fn random_resized_crop_boxes() {
         assert!((0.74..=1.35).contains(&ratio), "{ratio}");
         areas.push(frac);
     }
+    // Draws above ~0.56 of a 4:3 image often do not fit at the drawn ratio and are redrawn,
+    // which pulls the mean below the uniform (0.08 + 1) / 2.
     let mean = areas.iter().sum::<f64>() / areas.len() as f64;
-    assert!((0.45..0.6).contains(&mean), "mean area fraction {mean}");
+    assert!((0.35..0.54).contains(&mean), "mean area fraction {mean}");
 
     // The fallback: no draw can fit (areas larger than the image), so the central crop at the
     // nearest allowed ratio. 100x10 is wider than 4/3: h = 10, w = round(10 * 4/3) = 13,
