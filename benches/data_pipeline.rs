@@ -110,7 +110,9 @@ fn pipeline(ds: &Arc<dyn Dataset>, a: &Args, workers: usize, dev: Device) -> mix
 /// Milliseconds per image on one thread, YCbCr-first and RGB-first.
 fn per_image(folder: &ImageFolder, t: &ImageTransform) -> mixprec::Result<(f64, f64)> {
     let n = folder.len().min(200);
-    let files: Vec<Vec<u8>> = (0..n).map(|i| folder.read(i)).collect::<mixprec::Result<_>>()?;
+    let files: Vec<Vec<u8>> = (0..n)
+        .map(|i| folder.read(i))
+        .collect::<mixprec::Result<_>>()?;
     let [c, h, w] = t.output_shape()?;
     let mut out = vec![0f32; c * h * w];
     let mut ms = [0.0; 2];
@@ -119,7 +121,14 @@ fn per_image(folder: &ImageFolder, t: &ImageTransform) -> mixprec::Result<(f64, 
         scratch.ycbcr = ycbcr;
         let start = Instant::now();
         for (i, bytes) in files.iter().enumerate() {
-            t.apply(bytes, &folder.samples()[i].path, 0, i, &mut out, &mut scratch)?;
+            t.apply(
+                bytes,
+                &folder.samples()[i].path,
+                0,
+                i,
+                &mut out,
+                &mut scratch,
+            )?;
         }
         ms[k] = 1e3 * start.elapsed().as_secs_f64() / n as f64;
     }

@@ -852,8 +852,8 @@ fn cifar10_binary_batches() {
         }
     }
     let pads = train.pad_values();
-    for c in 0..3 {
-        assert_eq!(pads[c], -cifar10::MEAN[c] / cifar10::STD[c]);
+    for (c, &pad) in pads.iter().enumerate() {
+        assert_eq!(pad, -cifar10::MEAN[c] / cifar10::STD[c]);
     }
     // Random crops pad each channel with its own normalised black.
     let aug = mixprec::data::transforms::Augment::crop_flip(4, 1);

@@ -333,7 +333,13 @@ fn decode_jpeg(
     };
     d.set_options(zune_options(out));
     let pixels = d.decode().map_err(|e| err(&e))?;
-    Ok(DecodedImage::new(w, h, color, pixels)?.into_mode(mode))
+    let img = DecodedImage::new(w, h, color, pixels)?;
+    // YCbCr was asked for: the caller converts after resampling.
+    Ok(if color == PixelColor::YCbCr {
+        img
+    } else {
+        img.into_mode(mode)
+    })
 }
 
 /// jpeg-decoder's DCT-scaled decode at the strongest reduction `r <= max_reduction` (2, 4, 8);

@@ -124,41 +124,51 @@ fn describe_geometry(g: &Geometry) -> String {
     }
 }
 
+/// What a kind of data contributes before the loaders are made.
+struct Chosen {
+    train: Box<dyn Dataset>,
+    test: Box<dyn Dataset>,
+    description: String,
+    augment: Option<Augment>,
+    /// The default number of worker threads.
+    workers: usize,
+}
+
 /// Builds the run's datasets and loaders.
 pub fn build(cfg: &RunConfig, device: Device) -> Result<JobData> {
     let d = &cfg.data;
     let seed = cfg.seed;
-    let (train, test, mut description, augment, workers): (
-        Box<dyn Dataset>,
-        Box<dyn Dataset>,
-        String,
-        Option<Augment>,
-        usize,
-    ) = match DataKind::parse(&d.dir) {
+    let Chosen {
+        train,
+        test,
+        mut description,
+        augment,
+        workers,
+    } = match DataKind::parse(&d.dir) {
         DataKind::FashionMnist(dir) => {
             let source = fashion_source(&dir)?;
             let train = FashionMnist::load_from(&source, Split::Train)?;
             let test = FashionMnist::load_from(&source, Split::Test)?;
             let aug = d.augment.then(|| Augment::crop_flip(2, seed));
-            (
-                limited(train, d.train_limit),
-                limited(test, d.test_limit),
-                format!("{source}"),
-                aug,
-                1,
-            )
+            Chosen {
+                train: limited(train, d.train_limit),
+                test: limited(test, d.test_limit),
+                description: format!("{source}"),
+                augment: aug,
+                workers: 1,
+            }
         }
         DataKind::Cifar10(dir) => {
             let train = Cifar10::load(&dir, Split::Train)?;
             let test = Cifar10::load(&dir, Split::Test)?;
             let aug = d.augment.then(|| Augment::crop_flip(4, seed));
-            (
-                limited(train, d.train_limit),
-                limited(test, d.test_limit),
-                format!("CIFAR-10 from {}", dir.display()),
-                aug,
-                1,
-            )
+            Chosen {
+                train: limited(train, d.train_limit),
+                test: limited(test, d.test_limit),
+                description: format!("CIFAR-10 from {}", dir.display()),
+                augment: aug,
+                workers: 1,
+            }
         }
         DataKind::ImageFolder(root) => {
             let side = if d.image_size == 0 {
@@ -243,13 +253,13 @@ pub fn build(cfg: &RunConfig, device: Device) -> Result<JobData> {
                 text.push_str(&format!("; {skipped} file(s) left out"));
             }
             let workers = default_workers().saturating_sub(1).max(1);
-            (
-                limited(train_folder.with_transform(train_t)?, d.train_limit),
-                limited(test_folder.with_transform(eval)?, d.test_limit),
-                text,
-                aug,
+            Chosen {
+                train: limited(train_folder.with_transform(train_t)?, d.train_limit),
+                test: limited(test_folder.with_transform(eval)?, d.test_limit),
+                description: text,
+                augment: aug,
                 workers,
-            )
+            }
         }
     };
     let workers = if d.workers == 0 { workers } else { d.workers };
