@@ -38,9 +38,11 @@ pub struct DataConfig {
     pub dir: String,
     pub batch_size: usize,
     pub eval_batch_size: usize,
-    /// Random 2-pixel crop and horizontal flip of training images.
+    /// Training augmentation: random crop (padding 2 up to 28 px, 4 above) + horizontal flip;
+    /// image folders of 64 px and more: RandomResizedCrop + flip.
     pub augment: bool,
-    /// Train on the first N images only (quick runs and tests); 0 = all.
+    /// Train on the first N images only (quick runs and tests; an image folder's first images
+    /// are its first classes'); 0 = all.
     pub train_limit: usize,
     /// Evaluate on the first N test images only; 0 = all.
     pub test_limit: usize,
