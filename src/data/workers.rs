@@ -25,7 +25,7 @@ use crate::backend::cuda::PinnedBuffer;
 use crate::data::dataset::{Dataset, ItemShape};
 use crate::data::transforms::Augment;
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Device, Storage, Tensor};
+use crate::tensor::{DType, Device, Shape, Storage, Tensor};
 
 /// One epoch's work, shared by the pool and the single-threaded path.
 pub(crate) struct EpochJob {
@@ -448,7 +448,7 @@ fn upload(
     let images = buf.upload(0, DType::F32, b * c * h * w)?;
     let labels = buf.upload(labels_at, DType::I64, b)?;
     Ok((
-        Tensor::from_storage(Storage::Cuda(images), vec![b, c, h, w].into()),
-        Tensor::from_storage(Storage::Cuda(labels), vec![b].into()),
+        Tensor::from_storage(Storage::Cuda(images), Shape::from(vec![b, c, h, w])),
+        Tensor::from_storage(Storage::Cuda(labels), Shape::from(vec![b])),
     ))
 }
