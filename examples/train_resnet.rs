@@ -1,4 +1,6 @@
-//! The main job: train a small-image ResNet on Fashion-MNIST under an AMP policy.
+//! The main job: train a ResNet under an AMP policy on Fashion-MNIST (by default), CIFAR-10
+//! (`--data cifar10:DIR`) or your own images (`--data imagefolder:DIR`, class folders under
+//! DIR/train and DIR/val).
 //!
 //!     cargo run --release --example train_resnet [-- OPTIONS]
 //!
@@ -29,7 +31,8 @@ use mixprec::Error;
 #[command(
     name = "train_resnet",
     version,
-    about = "Train a small-image ResNet on Fashion-MNIST with mixed precision (mixprec)",
+    about = "Train a ResNet on Fashion-MNIST, CIFAR-10 or an image folder with mixed precision \
+             (mixprec)",
     after_help = "Flags override the --config file (or, with --resume, the checkpoint's settings) \
                   and are held to the same limits as its keys."
 )]
@@ -43,10 +46,30 @@ struct Cli {
     /// apex's opt level with its defaults.
     #[arg(long, value_name = "LEVEL", value_parser = OPT_LEVELS)]
     opt_level: Option<String>,
-    /// auto, bundled (the 10k/2k subset), full (the installed 60k/10k set) or a directory with
-    /// the four IDX files.
-    #[arg(long, value_name = "auto|bundled|full|DIR")]
+    /// Fashion-MNIST: auto, bundled (the 10k/2k subset), full (the installed 60k/10k set) or a
+    /// directory with the four IDX files; imagefolder:DIR (class folders under DIR/train and
+    /// DIR/val) or cifar10:DIR (CIFAR-10's binary batches).
+    #[arg(long, value_name = "auto|bundled|full|DIR|imagefolder:DIR|cifar10:DIR")]
     data: Option<String>,
+    /// The network: auto (the small-image ResNet under 64 px, else ResNet-50), small, resnet18,
+    /// resnet34 or resnet50 (torchvision's).
+    #[arg(long, value_name = "ARCH")]
+    model: Option<String>,
+    /// imagefolder: side of the square images the model sees (0: 224).
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    image_size: Option<String>,
+    /// Threads decoding and augmenting (0: one per core for image folders, 1 otherwise).
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    workers: Option<String>,
+    /// auto (small ResNet below 64 px, else resnet50), small, resnet18, resnet34 or resnet50.
+    #[arg(long, value_parser = ARCHS)]
+    model: Option<String>,
+    /// Image folders: the side of the images the model sees (default 224).
+    #[arg(long, value_name = "PIXELS")]
+    image_size: Option<usize>,
+    /// Decoding threads (default: one per core for image folders, else 1).
+    #[arg(long)]
+    workers: Option<usize>,
     /// Epochs (the schedule spans them all).
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     epochs: Option<String>,
@@ -85,7 +108,8 @@ struct Cli {
     /// Residual blocks per stage, e.g. 1,1,1.
     #[arg(long, value_name = "LIST")]
     blocks: Option<String>,
-    /// Random crop + horizontal flip of training images.
+    /// Training augmentation: random crop + horizontal flip (RandomResizedCrop + flip for
+    /// image folders of 64 px and more).
     #[arg(long, value_name = "BOOL")]
     augment: Option<String>,
     /// Stop with an error after this many consecutive steps with a non-finite loss or
@@ -126,6 +150,9 @@ fn command() -> clap::Command {
     let defaults = [
         ("opt_level", d.amp.opt_level.clone()),
         ("data", d.data.dir.clone()),
+        ("model", d.model.arch.clone()),
+        ("image_size", d.data.image_size.to_string()),
+        ("workers", d.data.workers.to_string()),
         ("epochs", d.epochs.to_string()),
         ("batch_size", d.data.batch_size.to_string()),
         ("lr", fmt_number(d.optimizer.lr)),
@@ -181,6 +208,15 @@ impl Cli {
         }
         let text = |_: &str, _: &str, v: &String| -> mixprec::Result<String> { Ok(v.clone()) };
         set!(data, "--data", "data.dir", c.data.dir, text);
+        set!(model, "--model", "model.arch", c.model.arch, text);
+        set!(
+            image_size,
+            "--image-size",
+            "data.image_size",
+            c.data.image_size,
+            parse
+        );
+        set!(workers, "--workers", "data.workers", c.data.workers, parse);
         set!(epochs, "--epochs", "epochs", c.epochs, parse);
         set!(
             batch_size,
@@ -401,6 +437,7 @@ fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
             "out",
             "device",
             "data.dir",
+            "data.workers",
             "checkpoint_every",
             "divergence_steps",
         ];

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use mixprec::data::{FashionMnist, Split};
 use mixprec::train::progress::ProgressMode;
 use mixprec::train::{run, Resume, RunConfig, RunOptions};
 use mixprec::Error;
@@ -62,6 +63,10 @@ fn bad_keys_and_values_name_the_key() {
         ("device = \"gpu\"", "device"),
         ("[schedule]\nkind = \"linear\"", "schedule.kind"),
         ("[amp]\nopt_level = \"O4\"", "amp.opt_level"),
+        ("[model]\narch = \"vgg16\"", "model.arch"),
+        ("[data]\ndir = \"imagenet:/data\"", "data.dir"),
+        ("[data]\nmean = [0.5]", "data.mean"),
+        ("[data]\nstd = [0.0]", "data.std"),
         ("model = 3", "model"),
         ("out = \"\"", "out"),
         ("[optimizer]\nlr = 1e9", "optimizer.lr"),
@@ -501,4 +506,143 @@ fn a_diverging_run_stops_with_an_error() {
         .history
         .iter()
         .any(|r| !r.train_loss.is_finite() || r.skipped_steps > 0));
+}
+
+/// Writes the first `n` items of `ds`, sorted by (label, index) — the order an ImageFolder of
+/// them serves — as IDX files under `idx/` and as grey PNGs under `png/{split}/{label}/`.
+fn export_sorted(ds: &FashionMnist, n: usize, split: &str, root: &std::path::Path) {
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&i| (ds.labels()[i], i));
+    let mut pixels = Vec::new();
+    let mut labels = Vec::new();
+    for (pos, &i) in order.iter().enumerate() {
+        let img = ds.raw_image(i).unwrap();
+        pixels.extend_from_slice(img);
+        labels.push(ds.labels()[i]);
+        let dir = root
+            .join("png")
+            .join(split)
+            .join(ds.labels()[i].to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = std::fs::File::create(dir.join(format!("{pos:05}.png"))).unwrap();
+        let mut enc = png::Encoder::new(std::io::BufWriter::new(f), 28, 28);
+        enc.set_color(png::ColorType::Grayscale);
+        enc.write_header().unwrap().write_image_data(img).unwrap();
+    }
+    let (images, labels_file) = Split::file_names(if split == "train" {
+        Split::Train
+    } else {
+        Split::Test
+    });
+    std::fs::create_dir_all(root.join("idx")).unwrap();
+    let idx_images = mixprec::data::idx::IdxImages {
+        count: n,
+        rows: 28,
+        cols: 28,
+        pixels,
+    };
+    mixprec::data::idx::write_images(root.join("idx").join(images), &idx_images).unwrap();
+    mixprec::data::idx::write_labels(root.join("idx").join(labels_file), &labels).unwrap();
+}
+
+/// The main job on Fashion-MNIST exported as a PNG ImageFolder (grey, the IDX normalisation)
+/// trains exactly as on the IDX files holding the same images in the same order: the same
+/// batches, augmentation, losses and accuracy, bit for bit.
+#[test]
+fn png_image_folder_trains_exactly_as_the_idx_files() {
+    let dir = tempdir("imagefolder-vs-idx");
+    let bundled = mixprec::data::fashion_mnist::bundled_dir();
+    let train = FashionMnist::load_dir(&bundled, Split::Train).unwrap();
+    let test = FashionMnist::load_dir(&bundled, Split::Test).unwrap();
+    export_sorted(&train, 1280, "train", &dir);
+    export_sorted(&test, 400, "val", &dir);
+
+    let base = |out: &str, data: String| {
+        let mut c = tiny(dir.join(out), "O0", "sgd");
+        c.epochs = 2;
+        c.data.dir = data;
+        c.data.train_limit = 0;
+        c.data.test_limit = 0;
+        c
+    };
+    let idx = run(
+        &base("idx-run", dir.join("idx").display().to_string()),
+        &quiet(),
+    )
+    .unwrap();
+    let mut folder_cfg = base(
+        "png-run",
+        format!("imagefolder:{}", dir.join("png").display()),
+    );
+    folder_cfg.data.image_size = 28;
+    folder_cfg.data.grayscale = true;
+    folder_cfg.data.mean = vec![mixprec::data::fashion_mnist::MEAN as f64];
+    folder_cfg.data.std = vec![mixprec::data::fashion_mnist::STD as f64];
+    folder_cfg.data.workers = 3;
+    let png = run(&folder_cfg, &quiet()).unwrap();
+    assert_eq!(idx.history.len(), 2);
+    for (a, b) in idx.history.iter().zip(&png.history) {
+        assert_eq!(
+            a.train_loss.to_bits(),
+            b.train_loss.to_bits(),
+            "epoch {}",
+            a.epoch
+        );
+        assert_eq!(
+            a.test_loss.to_bits(),
+            b.test_loss.to_bits(),
+            "epoch {}",
+            a.epoch
+        );
+        assert_eq!(a.test_accuracy, b.test_accuracy, "epoch {}", a.epoch);
+    }
+    // It learned (10 classes: chance is 0.1).
+    assert!(png.history[1].test_accuracy > 0.2, "{:?}", png.history[1]);
+}
+
+/// `--data imagefolder:DIR` with an ImageNet-style model: torchvision's ResNet-18 on generated
+/// JPEGs at 64 px (RandomResizedCrop + flip), one epoch on the CPU, with its outputs.
+#[test]
+fn image_folder_trains_a_torchvision_resnet() {
+    let dir = tempdir("imagefolder-resnet18");
+    for (split, n) in [("train", 16), ("val", 4)] {
+        for i in 0..n {
+            let class = i % 2;
+            let (w, h) = (70 + i * 3, 60 + i * 2);
+            let mut px = Vec::new();
+            for y in 0..h {
+                for x in 0..w {
+                    let v = if class == 0 { x * 3 } else { y * 3 };
+                    px.extend_from_slice(&[(v % 256) as u8, 128, (255 - v % 256) as u8]);
+                }
+            }
+            let d = dir.join(split).join(format!("class{class}"));
+            std::fs::create_dir_all(&d).unwrap();
+            let mut bytes = Vec::new();
+            jpeg_encoder::Encoder::new(&mut bytes, 85)
+                .encode(&px, w as u16, h as u16, jpeg_encoder::ColorType::Rgb)
+                .unwrap();
+            std::fs::write(d.join(format!("{i}.jpg")), bytes).unwrap();
+        }
+    }
+    let mut c = tiny(dir.join("out"), "O0", "sgd");
+    c.epochs = 1;
+    c.data.dir = format!("imagefolder:{}", dir.display());
+    c.data.image_size = 64;
+    c.data.batch_size = 8;
+    c.data.eval_batch_size = 4;
+    c.data.train_limit = 0;
+    c.data.test_limit = 0;
+    c.model.arch = "resnet18".into();
+    let summary = run(&c, &quiet()).unwrap();
+    let last = summary.last().unwrap();
+    assert_eq!(last.step, 2);
+    assert!(last.train_loss.is_finite() && last.test_loss.is_finite());
+    assert!(summary.weights.as_ref().unwrap().is_file()
+            && summary.last_checkpoint.as_ref().unwrap().is_file());
+    let saved = std::fs::read_to_string(c.out.join("config.toml")).unwrap();
+    assert!(
+        saved.contains("resnet18") && saved.contains("imagefolder:"),
+        "{saved}"
+    );
 }

@@ -32,11 +32,25 @@ pub trait Dataset: Send + Sync {
     /// `Error`, never a panic.
     fn read_into(&self, index: usize, out: &mut [f32]) -> Result<i64>;
 
+    /// Like `read_into`, as served in epoch `epoch`: datasets that draw each item afresh every
+    /// epoch (random crops of image files) take their draws from the epoch and the index. The
+    /// default ignores the epoch. Loaders call this one.
+    fn read_item(&self, epoch: usize, index: usize, out: &mut [f32]) -> Result<i64> {
+        let _ = epoch;
+        self.read_into(index, out)
+    }
+
     /// The value that stands for "no signal" in this dataset's (normalised) images: what zero
     /// padding pads with. A dataset normalised with `(x - mean) / std` pads with `-mean / std`,
     /// the normalised black pixel, as padding before normalising (torchvision's order) would.
     fn pad_value(&self) -> f32 {
         0.0
+    }
+
+    /// `pad_value` per channel, for datasets normalised per channel (CIFAR-10, ImageNet-style
+    /// folders); the default repeats `pad_value`.
+    fn pad_values(&self) -> Vec<f32> {
+        vec![self.pad_value(); self.item_shape()[0]]
     }
 
     /// Image `index` as an owned CHW vector and its label (convenient, allocates; loaders use
@@ -62,8 +76,14 @@ impl<D: Dataset + ?Sized> Dataset for Arc<D> {
     fn read_into(&self, index: usize, out: &mut [f32]) -> Result<i64> {
         (**self).read_into(index, out)
     }
+    fn read_item(&self, epoch: usize, index: usize, out: &mut [f32]) -> Result<i64> {
+        (**self).read_item(epoch, index, out)
+    }
     fn pad_value(&self) -> f32 {
         (**self).pad_value()
+    }
+    fn pad_values(&self) -> Vec<f32> {
+        (**self).pad_values()
     }
 }
 
@@ -80,8 +100,14 @@ impl<D: Dataset + ?Sized> Dataset for Box<D> {
     fn read_into(&self, index: usize, out: &mut [f32]) -> Result<i64> {
         (**self).read_into(index, out)
     }
+    fn read_item(&self, epoch: usize, index: usize, out: &mut [f32]) -> Result<i64> {
+        (**self).read_item(epoch, index, out)
+    }
     fn pad_value(&self) -> f32 {
         (**self).pad_value()
+    }
+    fn pad_values(&self) -> Vec<f32> {
+        (**self).pad_values()
     }
 }
 
@@ -138,6 +164,9 @@ impl<D: Dataset> Dataset for First<D> {
         self.inner.num_classes()
     }
     fn read_into(&self, index: usize, out: &mut [f32]) -> Result<i64> {
+        self.read_item(0, index, out)
+    }
+    fn read_item(&self, epoch: usize, index: usize, out: &mut [f32]) -> Result<i64> {
         if index >= self.len {
             return Err(Error::invalid_arg(
                 "First::read_into",
@@ -146,9 +175,12 @@ impl<D: Dataset> Dataset for First<D> {
                 format!("below the subset's length {}", self.len),
             ));
         }
-        self.inner.read_into(index, out)
+        self.inner.read_item(epoch, index, out)
     }
     fn pad_value(&self) -> f32 {
         self.inner.pad_value()
+    }
+    fn pad_values(&self) -> Vec<f32> {
+        self.inner.pad_values()
     }
 }

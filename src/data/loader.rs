@@ -1,23 +1,23 @@
-//! `DataLoader`: shuffles, batches and (optionally) augments a `Dataset`, assembling batches in a
-//! background thread that stays `prefetch` batches ahead of the training loop.
+//! `DataLoader`: shuffles, batches and (optionally) augments a `Dataset`, reading items on a
+//! pool of worker threads that stays `prefetch` batches ahead of the training loop, and
+//! delivering batches on the training device (through pinned memory and an asynchronous copy
+//! when that is a GPU).
 //!
 //! Reproducibility: epoch `e`'s order is a Fisher–Yates shuffle driven by a `SeedStream` whose
-//! seed is derived from `(seed, e)` alone, and augmentation draws depend on `(seed, e, index)`;
-//! so a run resumed at epoch `e` sees exactly the batches an uninterrupted run would.
+//! seed is derived from `(seed, e)` alone, and augmentation draws (and a dataset's own random
+//! draws, `Dataset::read_item`) depend on `(seed, e, index)`; so a run resumed at epoch `e`
+//! sees exactly the batches an uninterrupted run would, whatever the number of workers.
 //!
-//! Threading: each `epoch()` call starts one producer thread that sends ready
-//! `(images, labels)` tensors through a bounded channel. Dropping the iterator closes the
-//! channel, which makes the producer's next `send` fail; the producer then exits and `Drop`
-//! joins it, so an early `break` neither hangs nor leaks a thread.
+//! Threading: each `epoch()` call starts `workers` threads (see `data::workers`); dropping the
+//! iterator stops and joins them, so an early `break` neither hangs nor leaks a thread.
+//! `prefetch(0)` reads every batch in the consumer's thread instead, on demand.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use crate::data::dataset::Dataset;
 use crate::data::sampler::DistributedSampler;
 use crate::data::transforms::Augment;
+use crate::data::workers::{EpochJob, Pool};
 use crate::error::{Error, Result};
 use crate::tensor::random::{philox4x32, SeedStream};
 use crate::tensor::{Device, Tensor};
@@ -25,7 +25,8 @@ use crate::tensor::{Device, Tensor};
 /// Distinguishes shuffle seeds from other Philox uses of the same seed.
 const SHUFFLE_TAG: u32 = 0x05f1_1e00;
 
-/// A batch: images `[B, C, H, W]` F32 and labels `[B]` I64, both on `Device::Cpu`.
+/// A batch: images `[B, C, H, W]` F32 and labels `[B]` I64, both on the loader's device
+/// (`Device::Cpu` unless [`DataLoader::device`] says otherwise).
 pub type Batch = (Tensor, Tensor);
 
 /// Batches a dataset; see the module documentation. Cheap to clone (the dataset is shared).
@@ -37,6 +38,8 @@ pub struct DataLoader {
     drop_last: bool,
     augment: Option<Augment>,
     prefetch: usize,
+    workers: usize,
+    device: Device,
     /// Data-parallel runs: this rank's shard of every epoch.
     sampler: Option<DistributedSampler>,
 }
@@ -51,6 +54,8 @@ impl std::fmt::Debug for DataLoader {
             .field("drop_last", &self.drop_last)
             .field("augment", &self.augment)
             .field("prefetch", &self.prefetch)
+            .field("workers", &self.workers)
+            .field("device", &self.device)
             .field("sampler", &self.sampler)
             .finish()
     }
@@ -58,7 +63,8 @@ impl std::fmt::Debug for DataLoader {
 
 impl DataLoader {
     /// A loader in dataset order, no augmentation, keeping the last partial batch, prefetching
-    /// 2 batches in a background thread. A `batch_size` of 0 is an error (as PyTorch's).
+    /// 2 batches with one worker thread, delivering on the CPU. A `batch_size` of 0 is an
+    /// error (as PyTorch's).
     pub fn new(dataset: impl Dataset + 'static, batch_size: usize) -> Result<Self> {
         Self::from_arc(Arc::new(dataset), batch_size)
     }
@@ -80,6 +86,8 @@ impl DataLoader {
             drop_last: false,
             augment: None,
             prefetch: 2,
+            workers: 1,
+            device: Device::Cpu,
             sampler: None,
         })
     }
@@ -109,11 +117,34 @@ impl DataLoader {
         self
     }
 
-    /// How many batches the background thread may have ready ahead of the consumer; 0 assembles
-    /// batches in the consumer's thread, on demand (no thread).
+    /// How many batches the workers may have ready ahead of the consumer; 0 assembles batches
+    /// in the consumer's thread, on demand (no thread).
     pub fn prefetch(mut self, batches: usize) -> Self {
         self.prefetch = batches;
         self
+    }
+
+    /// Threads that read items (decode, augment) in parallel, all filling the same batch; 0
+    /// means one per available core. Results do not depend on it.
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.workers = if workers == 0 {
+            default_workers()
+        } else {
+            workers
+        };
+        self
+    }
+
+    /// Deliver batches on `device`. For a GPU, workers write into page-locked host buffers and
+    /// each batch is copied with an asynchronous upload that overlaps the previous step's
+    /// kernels (torch's `pin_memory=True` plus `.to(device, non_blocking=True)`).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    pub fn num_workers(&self) -> usize {
+        self.workers
     }
 
     pub fn dataset(&self) -> &Arc<dyn Dataset> {
@@ -192,114 +223,87 @@ impl DataLoader {
                 remaining: 1,
             };
         }
-        let producer = Producer {
+        let job = EpochJob {
             dataset: self.dataset.clone(),
             order: self.epoch_order(epoch),
             batch_size: self.batch_size,
             num_batches: self.num_batches(),
             augment: self.augment,
             epoch,
-            next: 0,
-            scratch: Vec::new(),
+            device: self.device,
         };
-        let remaining = producer.num_batches;
+        let remaining = job.num_batches;
         if self.prefetch == 0 || remaining == 0 {
             return EpochIter {
-                inner: Inner::Sync(producer),
+                inner: Inner::Sync(Producer::new(job)),
                 remaining,
             };
         }
-        let (tx, rx) = sync_channel(self.prefetch);
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = stop.clone();
-        let spawned = std::thread::Builder::new()
-            .name("mixprec-data".into())
-            .spawn(move || {
-                let mut producer = producer;
-                while !thread_stop.load(Ordering::Relaxed) {
-                    let Some(batch) = producer.next_batch() else {
-                        break;
-                    };
-                    let failed = batch.is_err();
-                    // A send fails only when the consumer is gone: stop.
-                    if tx.send(batch).is_err() || failed {
-                        break;
-                    }
-                }
-            });
-        match spawned {
-            Ok(handle) => EpochIter {
-                inner: Inner::Threaded {
-                    rx: Some(rx),
-                    handle: Some(handle),
-                    stop,
-                },
+        match Pool::start(job, self.workers, self.prefetch) {
+            Ok(pool) => EpochIter {
+                inner: Inner::Pool(pool),
                 remaining,
             },
             Err(e) => EpochIter {
-                inner: Inner::Failed(Some(Error::io(
-                    "DataLoader: starting the prefetch thread",
-                    e,
-                ))),
+                inner: Inner::Failed(Some(e)),
                 remaining: 1,
             },
         }
     }
 }
 
-/// Assembles batches of one epoch.
+/// One worker per available core (at least 1).
+pub fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Assembles the batches of one epoch in the consumer's thread (`prefetch(0)`).
 struct Producer {
-    dataset: Arc<dyn Dataset>,
-    order: Vec<usize>,
-    batch_size: usize,
-    num_batches: usize,
-    augment: Option<Augment>,
-    epoch: usize,
+    job: EpochJob,
+    pads: Vec<f32>,
     next: usize,
     scratch: Vec<f32>,
 }
 
 impl Producer {
-    fn next_batch(&mut self) -> Option<Result<Batch>> {
-        if self.next >= self.num_batches {
-            return None;
+    fn new(job: EpochJob) -> Self {
+        let pads = job.dataset.pad_values();
+        Producer {
+            job,
+            pads,
+            next: 0,
+            scratch: Vec::new(),
         }
-        let start = self.next * self.batch_size;
-        let end = (start + self.batch_size).min(self.order.len());
-        self.next += 1;
-        Some(self.assemble(start, end))
     }
 
-    fn assemble(&mut self, start: usize, end: usize) -> Result<Batch> {
-        let shape = self.dataset.item_shape();
-        let [c, h, w] = shape;
-        let item = c * h * w;
-        let b = end - start;
+    fn next_batch(&mut self) -> Option<Result<Batch>> {
+        if self.next >= self.job.num_batches {
+            return None;
+        }
+        let k = self.next;
+        self.next += 1;
+        Some(self.assemble(k))
+    }
+
+    fn assemble(&mut self, k: usize) -> Result<Batch> {
+        let item = self.job.item_elems();
+        let b = self.job.batch_len(k);
+        let start = k * self.job.batch_size;
         let mut images = vec![0f32; b * item];
         let mut labels = Vec::with_capacity(b);
-        let pad = self.dataset.pad_value();
-        for (&idx, img) in self.order[start..end]
-            .iter()
-            .zip(images.chunks_exact_mut(item))
-        {
-            labels.push(self.dataset.read_into(idx, img)?);
-            if let Some(a) = &self.augment {
-                a.apply(self.epoch, idx, img, shape, pad, &mut self.scratch)?;
-            }
+        for (j, img) in images.chunks_exact_mut(item).enumerate() {
+            labels.push(
+                self.job
+                    .read(start + j, img, &self.pads, &mut self.scratch)?,
+            );
         }
-        let x = Tensor::from_vec(images, vec![b, c, h, w], Device::Cpu)?;
-        let y = Tensor::from_vec(labels, vec![b], Device::Cpu)?;
-        Ok((x, y))
+        self.job.host_batch(images, labels)
     }
 }
 
 enum Inner {
     Sync(Producer),
-    Threaded {
-        rx: Option<Receiver<Result<Batch>>>,
-        handle: Option<JoinHandle<()>>,
-        stop: Arc<AtomicBool>,
-    },
+    Pool(Pool),
     Failed(Option<Error>),
 }
 
@@ -319,15 +323,7 @@ impl Iterator for EpochIter {
         let item = match &mut self.inner {
             Inner::Sync(p) => p.next_batch(),
             Inner::Failed(e) => e.take().map(Err),
-            Inner::Threaded { rx, .. } => match rx.as_ref().map(|r| r.recv()) {
-                Some(Ok(batch)) => Some(batch),
-                // The producer ended before sending every batch: it panicked.
-                Some(Err(_)) => Some(Err(Error::Unsupported {
-                    op: "DataLoader",
-                    detail: "the prefetch thread stopped unexpectedly (a dataset panicked?)".into(),
-                })),
-                None => None,
-            },
+            Inner::Pool(pool) => pool.next_batch(),
         };
         self.remaining = match &item {
             Some(Ok(_)) => self.remaining - 1,
@@ -345,15 +341,10 @@ impl Iterator for EpochIter {
 }
 
 impl EpochIter {
-    /// Stops and joins the producer thread, if any.
+    /// Stops and joins the worker threads, if any.
     fn shutdown(&mut self) {
-        if let Inner::Threaded { rx, handle, stop } = &mut self.inner {
-            stop.store(true, Ordering::Relaxed);
-            // Closing the channel first unblocks a producer waiting in `send`.
-            drop(rx.take());
-            if let Some(h) = handle.take() {
-                let _ = h.join();
-            }
+        if let Inner::Pool(pool) = &mut self.inner {
+            pool.shutdown();
         }
     }
 }

@@ -1,5 +1,7 @@
-//! Data: the `Dataset` trait, a shuffling, augmenting, prefetching `DataLoader`, the IDX file
-//! format, Fashion-MNIST (full or the bundled subset) and a synthetic dataset.
+//! Data: the `Dataset` trait, a shuffling, augmenting `DataLoader` with a pool of worker threads
+//! (and pinned-memory uploads to a GPU), the IDX file format, Fashion-MNIST (full or the bundled
+//! subset), CIFAR-10 (binary version), torchvision's `ImageFolder` with JPEG/PNG decoding and
+//! its image transforms, and a synthetic dataset.
 //!
 //! ```no_run
 //! use mixprec::data::{Augment, DataLoader, FashionMnist, Split};
@@ -22,16 +24,27 @@
 //! # }
 //! ```
 
+pub mod cifar10;
 pub mod dataset;
 pub mod fashion_mnist;
 pub mod idx;
+pub mod image;
+pub mod image_folder;
+pub mod image_transforms;
 pub mod loader;
 pub mod sampler;
 pub mod synthetic;
 pub mod transforms;
+mod workers;
 
+pub use cifar10::Cifar10;
 pub use dataset::{Dataset, First, ItemShape};
 pub use fashion_mnist::{DataSource, FashionMnist, Split};
+pub use image::{ColorMode, DecodedImage};
+pub use image_folder::{BadFiles, ImageFolder, ImageFolderDataset};
+pub use image_transforms::{
+    CenterCrop, ImageTransform, RandomResizedCrop, Resize, IMAGENET_MEAN, IMAGENET_STD,
+};
 pub use loader::{Batch, DataLoader, EpochIter};
 pub use sampler::DistributedSampler;
 pub use synthetic::SyntheticDataset;

@@ -110,7 +110,29 @@ impl Augment {
         pad_value: f32,
         scratch: &mut Vec<f32>,
     ) -> Result<()> {
+        self.apply_padded(epoch, index, img, shape, &[pad_value], scratch)
+    }
+
+    /// `apply` with a pad value per channel (`pad_values[c]`; a single value serves every
+    /// channel): datasets normalised per channel pad each with its normalised black.
+    pub fn apply_padded(
+        &self,
+        epoch: usize,
+        index: usize,
+        img: &mut [f32],
+        shape: ItemShape,
+        pad_values: &[f32],
+        scratch: &mut Vec<f32>,
+    ) -> Result<()> {
         self.check(shape)?;
+        if pad_values.is_empty() {
+            return Err(Error::invalid_arg(
+                "Augment::apply",
+                "pad_values",
+                "[]",
+                "one value, or one per channel",
+            ));
+        }
         let [c, h, w] = shape;
         if Some(img.len()) != c.checked_mul(h).and_then(|v| v.checked_mul(w)) {
             return Err(Error::invalid_arg(
@@ -134,6 +156,7 @@ impl Augment {
         let x_lo = (-sx0).clamp(0, w as isize) as usize;
         let x_hi = (w as isize - sx0).clamp(0, w as isize) as usize;
         for ch in 0..c {
+            let pad_value = pad_values[ch.min(pad_values.len() - 1)];
             let src_plane = &scratch[ch * h * w..(ch + 1) * h * w];
             let dst_plane = &mut img[ch * h * w..(ch + 1) * h * w];
             for y in 0..h {

@@ -13,10 +13,13 @@ use crate::amp::{OptLevel, Policy};
 use crate::config_toml::ConfigText;
 use crate::error::{fmt_number, Error, Result};
 
-/// The small-image ResNet trained by the main job.
+/// The ResNet trained by the main job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
+    /// `auto` (the small-image ResNet below for images under 64 pixels, else ResNet-50),
+    /// `small`, or torchvision's `resnet18`, `resnet34`, `resnet50` (ImageNet stem).
+    pub arch: String,
     /// Residual blocks per stage.
     pub blocks: Vec<usize>,
     /// Channels per stage (one per entry of `blocks`).
@@ -28,18 +31,35 @@ pub struct ModelConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// `auto` (`$FASHION_MNIST_DIR`; else on a GPU the system's full set when installed; else
-    /// the bundled subset), `bundled`, `full` (the system's full set) or a directory with the
-    /// four IDX files.
+    /// Fashion-MNIST: `auto` (`$FASHION_MNIST_DIR`; else on a GPU the system's full set when
+    /// installed; else the bundled subset), `bundled`, `full` (the system's full set) or a
+    /// directory with the four IDX files; `imagefolder:DIR` (class folders under DIR/train and
+    /// DIR/val, torchvision's ImageFolder layout) or `cifar10:DIR` (the binary version's
+    /// batches).
     pub dir: String,
     pub batch_size: usize,
     pub eval_batch_size: usize,
-    /// Random 2-pixel crop and horizontal flip of training images.
+    /// Training augmentation: random crop (padding 2 up to 28 px, 4 above) + horizontal flip;
+    /// image folders of 64 px and more: RandomResizedCrop + flip.
     pub augment: bool,
-    /// Train on the first N images only (quick runs and tests); 0 = all.
+    /// Train on the first N images only (quick runs and tests; an image folder's first images
+    /// are its first classes'); 0 = all.
     pub train_limit: usize,
     /// Evaluate on the first N test images only; 0 = all.
     pub test_limit: usize,
+    /// imagefolder: side of the square images the model sees; 0 = 224. At 64 and above:
+    /// RandomResizedCrop(size) + flip for training (with `augment`), Resize(size·256/224) +
+    /// CenterCrop(size) for evaluation; below: Resize(size) + CenterCrop(size).
+    pub image_size: usize,
+    /// Threads decoding and augmenting; 0 = one per core for image folders, 1 otherwise.
+    pub workers: usize,
+    /// imagefolder: serve one grey channel (`convert("L")`) instead of RGB.
+    pub grayscale: bool,
+    /// imagefolder: Normalize's mean and std per channel; empty = ImageNet's.
+    pub mean: Vec<f64>,
+    pub std: Vec<f64>,
+    /// imagefolder: skip (and count) files that do not decode instead of stopping.
+    pub skip_bad_files: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -109,6 +129,7 @@ pub struct RunConfig {
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
+            arch: "auto".into(),
             blocks: vec![1, 1, 1],
             widths: vec![16, 32, 64],
             block: "basic".into(),
@@ -125,6 +146,12 @@ impl Default for DataConfig {
             augment: false,
             train_limit: 0,
             test_limit: 0,
+            image_size: 0,
+            workers: 0,
+            grayscale: false,
+            mean: Vec::new(),
+            std: Vec::new(),
+            skip_bad_files: false,
         }
     }
 }
@@ -193,6 +220,7 @@ pub const OPTIMIZERS: [&str; 4] = ["sgd", "adam", "adamw", "lamb"];
 pub const SCHEDULES: [&str; 4] = ["one-cycle", "cosine", "step", "constant"];
 pub const BLOCKS: [&str; 2] = ["basic", "bottleneck"];
 pub const OPT_LEVELS: [&str; 4] = ["O0", "O1", "O2", "O3"];
+pub const ARCHS: [&str; 5] = ["auto", "small", "resnet18", "resnet34", "resnet50"];
 
 /// The largest peak learning rate a run accepts (from a file or a flag).
 pub const MAX_LR: f64 = 1e3;
@@ -223,16 +251,38 @@ pub const KEYS: &[(&str, &str)] = &[
         "a non-empty array of integers >= 1, one per stage (as many as model.blocks)",
     ),
     ("model.block", "\"basic\" or \"bottleneck\""),
+    (
+        "model.arch",
+        "\"auto\", \"small\", \"resnet18\", \"resnet34\" or \"resnet50\"",
+    ),
     ("data", "a [data] table"),
     (
         "data.dir",
-        "\"auto\", \"bundled\", \"full\" or a directory holding the four IDX files",
+        "\"auto\", \"bundled\", \"full\", a directory holding the four IDX files, \
+         \"imagefolder:DIR\" or \"cifar10:DIR\"",
     ),
     ("data.batch_size", "an integer >= 1"),
     ("data.eval_batch_size", "an integer >= 1"),
     ("data.augment", "true or false"),
     ("data.train_limit", "an integer >= 0 (0: all)"),
     ("data.test_limit", "an integer >= 0 (0: all)"),
+    ("data.image_size", "an integer in [0, 4096] (0: 224)"),
+    (
+        "data.workers",
+        "an integer >= 0 (0: one per core for image folders, 1 otherwise)",
+    ),
+    ("data.grayscale", "true or false"),
+    (
+        "data.mean",
+        "an array of numbers in [-1000, 1000], one per channel, as many as data.std (empty: \
+         ImageNet's)",
+    ),
+    (
+        "data.std",
+        "an array of numbers in [1e-6, 1000], one per channel, as many as data.mean (empty: \
+         ImageNet's)",
+    ),
+    ("data.skip_bad_files", "true or false"),
     ("optimizer", "an [optimizer] table"),
     ("optimizer.name", "\"sgd\", \"adam\", \"adamw\" or \"lamb\""),
     ("optimizer.lr", "a number > 0 and <= 1000"),
@@ -318,9 +368,31 @@ impl RunConfig {
             );
         }
         one_of("model.block", &m.block, &BLOCKS)?;
+        one_of("model.arch", &m.arch, &ARCHS)?;
         let d = &self.data;
         if d.dir.is_empty() {
             return bad("data.dir", "\"\"".into());
+        }
+        // `kind:rest` names a kind of data; a path with a colon in it is still a directory.
+        if let Some((kind, _)) = d.dir.split_once(':') {
+            if !kind.is_empty() && !kind.contains('/') && kind != "imagefolder" && kind != "cifar10"
+            {
+                return bad("data.dir", format!("{:?}", d.dir));
+            }
+        }
+        if d.image_size > 4096 {
+            return bad("data.image_size", d.image_size.to_string());
+        }
+        if d.mean.iter().any(|m| !(m.is_finite() && (-1e3..=1e3).contains(m)))
+            || d.mean.len() != d.std.len()
+        {
+            return bad(
+                "data.mean",
+                format!("{:?} with std {:?}", d.mean, d.std),
+            );
+        }
+        if d.std.iter().any(|s| !(s.is_finite() && (1e-6..=1e3).contains(s))) {
+            return bad("data.std", format!("{:?}", d.std));
         }
         if d.batch_size == 0 {
             return bad("data.batch_size", "0".into());

@@ -1,10 +1,11 @@
 //! The main training job behind `examples/train_resnet.rs`: the run configuration (`config`:
-//! TOML + flags), the loop with checkpoints and exact resume (`trainer`), its output directory
-//! and lock (`run_dir`), the divergence stop (`divergence`), and its reports: per-epoch metrics
-//! files (`metrics`), the loss and accuracy plot (`plot`) and the progress display
-//! (`progress`).
+//! TOML + flags), its datasets and loaders (`data`), the loop with checkpoints and exact resume
+//! (`trainer`), its output directory and lock (`run_dir`), the divergence stop (`divergence`),
+//! and its reports: per-epoch metrics files (`metrics`), the loss and accuracy plot (`plot`) and
+//! the progress display (`progress`).
 
 pub mod config;
+pub mod data;
 pub mod distributed;
 pub mod divergence;
 pub mod metrics;

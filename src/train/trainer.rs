@@ -1,7 +1,7 @@
-//! The main job's loop: a small-image ResNet on Fashion-MNIST under an AMP policy, with a
-//! progress display, one summary line per epoch, metrics + plot, checkpoints every epoch, an
-//! exact `--resume`, a locked run directory that no other run writes into (`run_dir`) and a
-//! stop with an error when the run diverges (`divergence`).
+//! The main job's loop: a ResNet on Fashion-MNIST, CIFAR-10 or an image folder (see `data`)
+//! under an AMP policy, with a progress display, one summary line per epoch, metrics + plot,
+//! checkpoints every epoch, an exact `--resume`, a locked run directory that no other run writes
+//! into (`run_dir`) and a stop with an error when the run diverges (`divergence`).
 //!
 //! Exactness of a resumed run rests on three facts: the data order and augmentation of epoch `e`
 //! depend only on `(seed, e)` (data::loader), the learning rate only on the step index
@@ -19,9 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::amp::{self, AmpModel, CapturedStep};
-use crate::data::{
-    Augment, DataLoader, DataSource, Dataset, DistributedSampler, FashionMnist, First, Split,
-};
+use crate::data::DataLoader;
 use crate::distributed::{convert_sync_batchnorm, DdpConfig, DistributedDataParallel};
 use crate::error::{fmt_number, Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
@@ -35,6 +33,7 @@ use crate::optim::{
 use crate::tensor::{Device, Tensor};
 
 use super::config::{parse_device, RunConfig};
+use super::data::LARGE_IMAGE;
 use super::distributed::Ranks;
 use super::divergence::DivergenceWatch;
 use super::metrics::{EpochRecord, MetricsWriter, CSV_FILE, JSONL_FILE};
@@ -183,45 +182,46 @@ pub fn select_device(spec: &str) -> Result<(Device, String)> {
     })
 }
 
-/// Where the data comes from, the value `data.dir` resolves to (recorded in the run's
-/// config.toml), and a note on the choice. `auto` is `$FASHION_MNIST_DIR` when set; else, on a
-/// GPU, the full set when installed; else the bundled subset, so that the main command ends in
-/// minutes on a CPU whatever is installed.
-fn data_source(dir: &str, device: Device) -> Result<(DataSource, String, String)> {
-    let bundled = || DataSource::Bundled(crate::data::fashion_mnist::bundled_dir());
-    Ok(match dir {
-        "auto" if std::env::var_os(crate::data::fashion_mnist::ENV_VAR).is_some() => {
-            let s = DataSource::locate()?;
-            let key = s.dir().display().to_string();
-            (s, key, String::new())
-        }
-        "auto" if device.is_cuda() => {
-            let s = DataSource::locate()?;
-            let key = if s.is_bundled() { "bundled" } else { "full" };
-            (s, key.into(), String::new())
-        }
-        "auto" => {
-            let note = match DataSource::full() {
-                Ok(full) => format!(
-                    " (auto on a CPU; --data full trains on the 60k images at {})",
-                    full.dir().display()
-                ),
-                Err(_) => " (auto on a CPU)".into(),
-            };
-            (bundled(), "bundled".into(), note)
-        }
-        "bundled" => (bundled(), "bundled".into(), String::new()),
-        "full" => (DataSource::full()?, "full".into(), String::new()),
-        d => (DataSource::dir_given(d)?, d.into(), String::new()),
-    })
-}
-
-fn limited(d: FashionMnist, limit: usize) -> Box<dyn Dataset> {
-    if limit > 0 && limit < d.len() {
-        Box::new(First::new(d, limit))
-    } else {
-        Box::new(d)
-    }
+/// The network `cfg.model` asks for, fitted to the data: `auto` is the small-image ResNet for
+/// images under 64 pixels and torchvision's ResNet-50 otherwise. Returns it with a description.
+pub fn model_config(
+    cfg: &RunConfig,
+    [channels, height, width]: [usize; 3],
+    num_classes: usize,
+) -> (ResNetConfig, String) {
+    let arch = match cfg.model.arch.as_str() {
+        "auto" if height.min(width) < LARGE_IMAGE => "small",
+        "auto" => "resnet50",
+        a => a,
+    };
+    let mut c = match arch {
+        "resnet18" => ResNetConfig::resnet18(num_classes, cfg.seed),
+        "resnet34" => ResNetConfig::resnet34(num_classes, cfg.seed),
+        "resnet50" => ResNetConfig::resnet50(num_classes, cfg.seed),
+        _ => ResNetConfig {
+            block: if cfg.model.block == "bottleneck" {
+                BlockKind::Bottleneck
+            } else {
+                BlockKind::Basic
+            },
+            blocks: cfg.model.blocks.clone(),
+            widths: cfg.model.widths.clone(),
+            in_channels: channels,
+            num_classes,
+            stem: Stem::Small,
+            zero_init_residual: false,
+            seed: cfg.seed,
+        },
+    };
+    c.in_channels = channels;
+    let text = match arch {
+        "small" => format!(
+            "ResNet ({} blocks {:?}, widths {:?})",
+            cfg.model.block, cfg.model.blocks, cfg.model.widths
+        ),
+        a => format!("torchvision {a} ({channels}x{height}x{width} inputs)"),
+    };
+    (c, text)
 }
 
 fn build_optimizer(cfg: &RunConfig, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>> {
@@ -361,20 +361,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let (device, device_note) = ranks.device(&cfg.device)?;
     ranks.join(device)?;
     say!("device: {device}{device_note}");
-    let (source, data_key, data_note) = data_source(&cfg.data.dir, device)?;
-    let train = limited(
-        FashionMnist::load_from(&source, Split::Train)?,
-        cfg.data.train_limit,
-    );
-    let test = limited(
-        FashionMnist::load_from(&source, Split::Test)?,
-        cfg.data.test_limit,
-    );
-    say!(
-        "data: {source}; training on {} images, testing on {}{data_note}",
-        train.len(),
-        test.len()
-    );
+    let data = super::data::build(cfg, device, Some((ranks.rank(), world)))?;
+    say!("data: {}", data.description);
     if world > 1 {
         say!(
             "distributed: {world} processes ({:?} backend), each on its shard of every epoch",
@@ -404,31 +392,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     // The run's record says what was used, not what was asked for (`auto`).
     let mut cfg = cfg.clone();
     cfg.device = device.to_string();
-    cfg.data.dir = data_key;
+    cfg.data.dir = data.dir_used.clone();
     let cfg = &cfg;
 
-    let model = ResNet::new(
-        &ResNetConfig {
-            block: if cfg.model.block == "bottleneck" {
-                BlockKind::Bottleneck
-            } else {
-                BlockKind::Basic
-            },
-            blocks: cfg.model.blocks.clone(),
-            widths: cfg.model.widths.clone(),
-            in_channels: train.item_shape()[0],
-            num_classes: train.num_classes(),
-            stem: Stem::Small,
-            zero_init_residual: false,
-            seed: cfg.seed,
-        },
-        &device,
-    )?;
+    let (model_cfg, model_text) = model_config(cfg, data.item_shape, data.num_classes);
+    let model = ResNet::new(&model_cfg, &device)?;
     say!(
-        "model: ResNet ({} blocks {:?}, widths {:?}), {} parameters, on {device}",
-        cfg.model.block,
-        cfg.model.blocks,
-        cfg.model.widths,
+        "model: {model_text}, {} parameters, on {device}",
         model.num_parameters()
     );
     let opt = build_optimizer(cfg, model.parameters())?;
@@ -446,20 +416,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let (model, mut opt) = amp::initialize(model, opt, policy)?;
     let model = Arc::new(model);
 
-    let mut train_loader = DataLoader::new(train, cfg.data.batch_size)?
-        .shuffle(cfg.seed)
-        .drop_last(true)
-        .prefetch(2);
-    if cfg.data.augment {
-        train_loader = train_loader.augment(Augment::crop_flip(2, cfg.seed));
-    }
-    let mut test_loader = DataLoader::new(test, cfg.data.eval_batch_size)?.prefetch(2);
-    if world > 1 {
-        // The same shuffle on every rank, cut into shards; every test image counted once.
-        let rank = ranks.rank();
-        train_loader = train_loader.sampler(DistributedSampler::new(rank, world)?);
-        test_loader = test_loader.sampler(DistributedSampler::uneven(rank, world)?);
-    }
+    let (train_loader, test_loader) = (data.train, data.test);
     let steps_per_epoch = train_loader.num_batches() as u64;
     if steps_per_epoch == 0 {
         return Err(Error::invalid_arg(
@@ -736,7 +693,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         weights,
         written,
         device,
-        data: source.to_string(),
+        data: data.description.clone(),
         seconds: run_start.elapsed().as_secs_f64(),
         world_size: world,
         rank: ranks.rank(),

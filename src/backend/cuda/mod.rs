@@ -8,7 +8,8 @@
 //! `cudnn_graph.rs` and `cudnn_legacy.rs`, the timer in `conv_tune.rs`, the on-disk plan cache in
 //! `conv_cache.rs`), `multi_tensor.rs`; `common.rs` holds what they share. In-place updates of a
 //! buffer that keeps its address are `in_place.rs`; CUDA-graph capture (refusals, graph memory,
-//! pinned buffers, replay hooks) is `graph.rs`.
+//! pinned buffers, replay hooks) is `graph.rs`; pinned host buffers with asynchronous uploads for
+//! the data loader are `pinned.rs`.
 //!
 //! [`BackendStorage`]: crate::backend::BackendStorage
 
@@ -29,6 +30,7 @@ mod launch;
 mod layout;
 mod matmul;
 pub(crate) mod multi_tensor;
+mod pinned;
 mod pool;
 mod probe;
 mod profile;
@@ -48,6 +50,7 @@ pub use graph::Graph;
 pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };
+pub use pinned::PinnedBuffer;
 pub use probe::probe;
 pub(crate) use profile::OpTimer;
 pub use profile::{
