@@ -503,7 +503,7 @@ fn worker_mismatch(env: &LaunchEnv, role: &str) -> Result<()> {
 /// The main job's loop (`train_resnet`'s) as one rank: the config and options from the test.
 fn worker_trainer(env: &LaunchEnv, out: &Path) -> Result<()> {
     use mixprec::train::progress::ProgressMode;
-    use mixprec::train::{run, RunConfig, RunOptions};
+    use mixprec::train::{run, Resume, RunConfig, RunOptions};
     let cfg = RunConfig::from_toml_file(out.join("run.toml"))?;
     let resume = std::env::var("MIXPREC_TEST_RESUME").ok().map(PathBuf::from);
     let stop_after = std::env::var("MIXPREC_TEST_STOP")
@@ -512,10 +512,11 @@ fn worker_trainer(env: &LaunchEnv, out: &Path) -> Result<()> {
     let summary = run(
         &cfg,
         &RunOptions {
-            resume,
+            resume: resume.map(Resume::From),
             progress: Some(ProgressMode::Off),
             stop_after,
             sync_batch_norm: true,
+            overwrite: false,
         },
     )?;
     std::fs::write(
@@ -1183,6 +1184,7 @@ fn distributed_sampler_cuts_epochs_as_pytorch() {
     let loaders: Vec<DataLoader> = (0..2)
         .map(|r| {
             DataLoader::new(ds.clone(), 4)
+                .unwrap()
                 .shuffle(5)
                 .sampler(DistributedSampler::new(r, 2).unwrap())
         })
@@ -1270,7 +1272,7 @@ fn the_training_job_runs_on_ranks_and_resumes_with_another_count() {
     let single = mixprec::train::run(
         &cfg,
         &mixprec::train::RunOptions {
-            resume: Some(ckpt),
+            resume: Some(mixprec::train::Resume::From(ckpt)),
             progress: Some(mixprec::train::progress::ProgressMode::Off),
             ..Default::default()
         },
