@@ -61,15 +61,6 @@ struct Cli {
     /// Threads decoding and augmenting (0: one per core for image folders, 1 otherwise).
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     workers: Option<String>,
-    /// auto (small ResNet below 64 px, else resnet50), small, resnet18, resnet34 or resnet50.
-    #[arg(long, value_parser = ARCHS)]
-    model: Option<String>,
-    /// Image folders: the side of the images the model sees (default 224).
-    #[arg(long, value_name = "PIXELS")]
-    image_size: Option<usize>,
-    /// Decoding threads (default: one per core for image folders, else 1).
-    #[arg(long)]
-    workers: Option<usize>,
     /// Epochs (the schedule spans them all).
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     epochs: Option<String>,

@@ -98,7 +98,8 @@ fn gpu_loader_delivers_what_the_cpu_loader_does() {
     // Many epochs with early drops: buffers are recycled and freed without errors.
     let l = DataLoader::new(ds, 16)
         .unwrap()
-        .workers(4).device(Device::Cuda(0));
+        .workers(4)
+        .device(Device::Cuda(0));
     for e in 0..20 {
         let mut it = l.epoch(e);
         for _ in 0..(e % 5) {

@@ -862,7 +862,8 @@ fn cifar10_binary_batches() {
     let aug = mixprec::data::transforms::Augment::crop_flip(4, 1);
     let loader = DataLoader::new(train.clone(), 35)
         .unwrap()
-        .augment(aug).workers(2);
+        .augment(aug)
+        .workers(2);
     let (x, _) = loader.epoch(0).next().unwrap().unwrap();
     let xv = x.to_vec::<f32>().unwrap();
     let padded: Vec<usize> = (0..35)

@@ -638,8 +638,10 @@ fn image_folder_trains_a_torchvision_resnet() {
     let last = summary.last().unwrap();
     assert_eq!(last.step, 2);
     assert!(last.train_loss.is_finite() && last.test_loss.is_finite());
-    assert!(summary.weights.as_ref().unwrap().is_file()
-            && summary.last_checkpoint.as_ref().unwrap().is_file());
+    assert!(
+        summary.weights.as_ref().unwrap().is_file()
+            && summary.last_checkpoint.as_ref().unwrap().is_file()
+    );
     let saved = std::fs::read_to_string(c.out.join("config.toml")).unwrap();
     assert!(
         saved.contains("resnet18") && saved.contains("imagefolder:"),

@@ -383,15 +383,17 @@ impl RunConfig {
         if d.image_size > 4096 {
             return bad("data.image_size", d.image_size.to_string());
         }
-        if d.mean.iter().any(|m| !(m.is_finite() && (-1e3..=1e3).contains(m)))
+        if d.mean
+            .iter()
+            .any(|m| !(m.is_finite() && (-1e3..=1e3).contains(m)))
             || d.mean.len() != d.std.len()
         {
-            return bad(
-                "data.mean",
-                format!("{:?} with std {:?}", d.mean, d.std),
-            );
+            return bad("data.mean", format!("{:?} with std {:?}", d.mean, d.std));
         }
-        if d.std.iter().any(|s| !(s.is_finite() && (1e-6..=1e3).contains(s))) {
+        if d.std
+            .iter()
+            .any(|s| !(s.is_finite() && (1e-6..=1e3).contains(s)))
+        {
             return bad("data.std", format!("{:?}", d.std));
         }
         if d.batch_size == 0 {
