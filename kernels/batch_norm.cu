@@ -488,23 +488,55 @@ struct BnGeo {
     double eps, momentum;
 };
 
-// NHWC reductions: block b = chunk·S + s covers GX·V channels (chunk; V per thread, one 16-byte
-// pack when V > 1) of the rows [s·per, (s+1)·per); its GY row lanes stride those rows; shared
-// memory merges the lanes.
+// NHWC tiles: block b = chunk·S + s covers GX·V channels (chunk; V per thread, one 16-byte pack
+// when V > 1) of the rows [s·per, (s+1)·per); its GY row lanes stride those rows, R rows at a
+// time, so that each thread has R loads of each operand in flight. A thread's channels are fixed:
+// their per-channel values (shift, mean, scale, coefficients) sit in registers, and no index is
+// divided per element.
 #define BN_RED_THREADS 256
+#define BN_ROWS 4
 
-template <typename T, int V, typename F>
-__device__ __forceinline__ void nhwc_rows(BnGeo g, const T* x, F f) {
+struct Tile {
+    u64 lo, hi, c0, gy, ty, s;
+    bool live;
+};
+
+template <int V> __device__ __forceinline__ Tile nhwc_tile(const BnGeo& g) {
+    Tile t;
     u64 m = g.n * g.sp;
     u64 groups = g.c / V;
-    u64 GX = groups < 32 ? groups : 32;
-    u64 GY = BN_RED_THREADS / GX;
-    u64 tx = threadIdx.x % GX, ty = threadIdx.x / GX;
-    u64 s = blockIdx.x % g.S, cg = (blockIdx.x / g.S) * GX + tx;
+    u64 gx = groups < 32 ? groups : 32;
+    t.gy = BN_RED_THREADS / gx;
+    u64 tx = threadIdx.x % gx;
+    t.ty = threadIdx.x / gx;
+    t.s = blockIdx.x % g.S;
+    u64 cg = (blockIdx.x / g.S) * gx + tx;
     u64 per = (m + g.S - 1) / g.S;
-    u64 lo = s * per, hi = lo + per < m ? lo + per : m;
-    if (ty >= GY || cg >= groups) return;
-    for (u64 r = lo + ty; r < hi; r += GY) f(r, cg * V);
+    t.lo = t.s * per;
+    t.hi = t.lo + per < m ? t.lo + per : m;
+    t.c0 = cg * V;
+    t.live = t.ty < t.gy && cg < groups;
+    return t;
+}
+
+// Calls f(u, row) for BN_ROWS rows of the lane at once (u the slot, rows past hi skipped), first
+// `load` for every slot, then `use` for every slot: the loads of a batch are all in flight
+// before the first is used.
+template <typename L, typename U>
+__device__ __forceinline__ void nhwc_lane(const Tile& t, L load, U use) {
+    if (!t.live) return;
+    for (u64 r = t.lo + t.ty; r < t.hi; r += BN_ROWS * t.gy) {
+#pragma unroll
+        for (int u = 0; u < BN_ROWS; u++) {
+            u64 rr = r + u * t.gy;
+            if (rr < t.hi) load(u, rr);
+        }
+#pragma unroll
+        for (int u = 0; u < BN_ROWS; u++) {
+            u64 rr = r + u * t.gy;
+            if (rr < t.hi) use(u, rr);
+        }
+    }
 }
 
 // Merges each thread's V pairs (a[k], b[k]) over the GY lanes of its channel group and writes
@@ -519,8 +551,10 @@ __device__ __forceinline__ void nhwc_merge(BnGeo g, float (&a)[V], float (&b)[V]
     bool live = ty < GY;
 #pragma unroll
     for (int k = 0; k < V; k++) {
-        sh[(ty * GX * V + tx * V + k) * 2] = live ? a[k] : 0.f;
-        sh[(ty * GX * V + tx * V + k) * 2 + 1] = live ? b[k] : 0.f;
+        if (live) {
+            sh[(ty * GX * V + tx * V + k) * 2] = a[k];
+            sh[(ty * GX * V + tx * V + k) * 2 + 1] = b[k];
+        }
     }
     __syncthreads();
     // One thread per (channel of the block, quantity) sums the lanes in a fixed order.
@@ -536,26 +570,28 @@ __device__ __forceinline__ void nhwc_merge(BnGeo g, float (&a)[V], float (&b)[V]
 
 template <typename T, int V>
 __device__ void bn_stats_nhwc(BnGeo g, const T* x, float* part, float* shift) {
+    Tile t = nhwc_tile<V>(g);
     float a[V], b[V], K[V];
 #pragma unroll
     for (int k = 0; k < V; k++) a[k] = b[k] = K[k] = 0.f;
-    bool first = true;
-    nhwc_rows<T, V>(g, x, [&](u64 r, u64 c0) {
-        if (first) {
+    if (t.live) {
+        // The channel's first value (row 0): the same shift in every block.
 #pragma unroll
-            for (int k = 0; k < V; k++) K[k] = Num<T>::to(x[c0 + k]);
-            if (r == 0)
-                for (int k = 0; k < V; k++) shift[c0 + k] = K[k];
-            first = false;
-        }
-        Vec<T, V> v = *(const Vec<T, V>*)(x + r * g.c + c0);
+        for (int k = 0; k < V; k++) K[k] = Num<T>::to(x[t.c0 + k]);
+        if (t.s == 0 && t.ty == 0)
+            for (int k = 0; k < V; k++) shift[t.c0 + k] = K[k];
+    }
+    Vec<T, V> v[BN_ROWS];
+    nhwc_lane(
+        t, [&](int u, u64 r) { v[u] = *(const Vec<T, V>*)(x + r * g.c + t.c0); },
+        [&](int u, u64) {
 #pragma unroll
-        for (int k = 0; k < V; k++) {
-            float d = Num<T>::to(v.v[k]) - K[k];
-            a[k] += d;
-            b[k] += d * d;
-        }
-    });
+            for (int k = 0; k < V; k++) {
+                float d = Num<T>::to(v[u].v[k]) - K[k];
+                a[k] += d;
+                b[k] += d * d;
+            }
+        });
     nhwc_merge<V>(g, a, b, part);
 }
 
@@ -615,21 +651,34 @@ __device__ __forceinline__ float bn_epilogue(float v, float r, const BnGeo& g) {
     return g.relu && !(v > 0.f) ? 0.f : v;
 }
 
-// y = x·scale + shift (+ r) (relu). NHWC: packs of V channels (c % V == 0, buffers 16-aligned).
+// y = x·scale + shift (+ r) (relu), over the tiles of the reductions (same grid).
 template <typename T, int V>
 __device__ void bn_apply_nhwc(BnGeo g, const T* x, const T* r, const float* coef, T* y) {
-    u64 packs = g.n * g.sp * g.c / V;
-    for (u64 p = global_tid(); p < packs; p += global_stride()) {
-        u64 e = p * V, c0 = e % g.c;
-        Vec<T, V> xv = *(const Vec<T, V>*)(x + e), rv, out;
-        if (g.has_res) rv = *(const Vec<T, V>*)(r + e);
+    Tile t = nhwc_tile<V>(g);
+    if (!t.live) return;
+    float sc[V], sf[V];
 #pragma unroll
-        for (int k = 0; k < V; k++) {
-            float v = Num<T>::to(xv.v[k]) * coef[2 * (c0 + k)] + coef[2 * (c0 + k) + 1];
-            out.v[k] = Num<T>::from(bn_epilogue(v, g.has_res ? Num<T>::to(rv.v[k]) : 0.f, g));
-        }
-        *(Vec<T, V>*)(y + e) = out;
+    for (int k = 0; k < V; k++) {
+        sc[k] = coef[2 * (t.c0 + k)];
+        sf[k] = coef[2 * (t.c0 + k) + 1];
     }
+    Vec<T, V> xv[BN_ROWS], rv[BN_ROWS];
+    nhwc_lane(
+        t,
+        [&](int u, u64 row) {
+            u64 e = row * g.c + t.c0;
+            xv[u] = *(const Vec<T, V>*)(x + e);
+            if (g.has_res) rv[u] = *(const Vec<T, V>*)(r + e);
+        },
+        [&](int u, u64 row) {
+            Vec<T, V> out;
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                float v = Num<T>::to(xv[u].v[k]) * sc[k] + sf[k];
+                out.v[k] = Num<T>::from(bn_epilogue(v, g.has_res ? Num<T>::to(rv[u].v[k]) : 0.f, g));
+            }
+            *(Vec<T, V>*)(y + row * g.c + t.c0) = out;
+        });
 }
 
 template <typename T>
@@ -649,20 +698,30 @@ template <typename T> __device__ __forceinline__ float masked(const BnGeo& g, T 
 template <typename T, int V>
 __device__ void bn_bwd_reduce_nhwc(BnGeo g, const T* gr, const T* x, const T* y, const float* mean,
                                    float* part) {
-    float a[V], b[V];
+    Tile t = nhwc_tile<V>(g);
+    float a[V], b[V], mu[V];
 #pragma unroll
-    for (int k = 0; k < V; k++) a[k] = b[k] = 0.f;
-    nhwc_rows<T, V>(g, x, [&](u64 r, u64 c0) {
-        u64 e = r * g.c + c0;
-        Vec<T, V> gv = *(const Vec<T, V>*)(gr + e), xv = *(const Vec<T, V>*)(x + e), yv;
-        if (g.relu) yv = *(const Vec<T, V>*)(y + e);
+    for (int k = 0; k < V; k++) {
+        a[k] = b[k] = 0.f;
+        mu[k] = t.live ? mean[t.c0 + k] : 0.f;
+    }
+    Vec<T, V> gv[BN_ROWS], xv[BN_ROWS], yv[BN_ROWS];
+    nhwc_lane(
+        t,
+        [&](int u, u64 row) {
+            u64 e = row * g.c + t.c0;
+            gv[u] = *(const Vec<T, V>*)(gr + e);
+            xv[u] = *(const Vec<T, V>*)(x + e);
+            if (g.relu) yv[u] = *(const Vec<T, V>*)(y + e);
+        },
+        [&](int u, u64) {
 #pragma unroll
-        for (int k = 0; k < V; k++) {
-            float gg = g.relu ? masked(g, gv.v[k], yv.v[k]) : Num<T>::to(gv.v[k]);
-            a[k] += gg;
-            b[k] += gg * (Num<T>::to(xv.v[k]) - mean[c0 + k]);
-        }
-    });
+            for (int k = 0; k < V; k++) {
+                float gg = g.relu ? masked(g, gv[u].v[k], yv[u].v[k]) : Num<T>::to(gv[u].v[k]);
+                a[k] += gg;
+                b[k] += gg * (Num<T>::to(xv[u].v[k]) - mu[k]);
+            }
+        });
     nhwc_merge<V>(g, a, b, part);
 }
 
@@ -696,23 +755,43 @@ __device__ __forceinline__ float bn_dx(const float* k, float gg, float xv) {
     return k[0] * gg - k[1] * (k[2] + xh * k[3]);
 }
 
+// dx = A·g' + B·(x − mean) + C per channel, from bn_bwd_finalize's coefficients:
+// A = k0, B = −k1·invstd·Σg'x̂, C = −k1·Σg' (the same formula as bn_dx, folded per channel).
 template <typename T, int V>
 __device__ void bn_bwd_dx_nhwc(BnGeo g, const T* gr, const T* x, const T* y, const float* coef,
                                T* dx, T* dres) {
-    u64 packs = g.n * g.sp * g.c / V;
-    for (u64 p = global_tid(); p < packs; p += global_stride()) {
-        u64 e = p * V, c0 = e % g.c;
-        Vec<T, V> gv = *(const Vec<T, V>*)(gr + e), xv = *(const Vec<T, V>*)(x + e), yv, o, rr;
-        if (g.relu) yv = *(const Vec<T, V>*)(y + e);
+    Tile t = nhwc_tile<V>(g);
+    if (!t.live) return;
+    float A[V], B[V], C[V], M[V];
 #pragma unroll
-        for (int k = 0; k < V; k++) {
-            float gg = g.relu ? masked(g, gv.v[k], yv.v[k]) : Num<T>::to(gv.v[k]);
-            o.v[k] = Num<T>::from(bn_dx(coef + 6 * (c0 + k), gg, Num<T>::to(xv.v[k])));
-            rr.v[k] = Num<T>::from(gg);
-        }
-        *(Vec<T, V>*)(dx + e) = o;
-        if (g.has_res) *(Vec<T, V>*)(dres + e) = rr;
+    for (int k = 0; k < V; k++) {
+        const float* q = coef + 6 * (t.c0 + k);
+        A[k] = q[0];
+        B[k] = -q[1] * q[5] * q[3];
+        C[k] = -q[1] * q[2];
+        M[k] = q[4];
     }
+    Vec<T, V> gv[BN_ROWS], xv[BN_ROWS], yv[BN_ROWS];
+    nhwc_lane(
+        t,
+        [&](int u, u64 row) {
+            u64 e = row * g.c + t.c0;
+            gv[u] = *(const Vec<T, V>*)(gr + e);
+            xv[u] = *(const Vec<T, V>*)(x + e);
+            if (g.relu) yv[u] = *(const Vec<T, V>*)(y + e);
+        },
+        [&](int u, u64 row) {
+            u64 e = row * g.c + t.c0;
+            Vec<T, V> o, rr;
+#pragma unroll
+            for (int k = 0; k < V; k++) {
+                float gg = g.relu ? masked(g, gv[u].v[k], yv[u].v[k]) : Num<T>::to(gv[u].v[k]);
+                o.v[k] = Num<T>::from(A[k] * gg + B[k] * (Num<T>::to(xv[u].v[k]) - M[k]) + C[k]);
+                rr.v[k] = Num<T>::from(gg);
+            }
+            *(Vec<T, V>*)(dx + e) = o;
+            if (g.has_res) *(Vec<T, V>*)(dres + e) = rr;
+        });
 }
 
 template <typename T>
@@ -735,7 +814,8 @@ __device__ void bn_bwd_dx_nchw(BnGeo g, const T* gr, const T* x, const T* y, con
     extern "C" __global__ void bn_stats_nchw_##NAME(BnGeo g, const T* x, float* part, float* shift) { \
         bn_stats_nchw<T>(g, x, part, shift);                                                       \
     }                                                                                              \
-    extern "C" __global__ void bn_apply_nhwc_##NAME(BnGeo g, const T* x, const T* r,               \
+    extern "C" __global__ void __launch_bounds__(BN_RED_THREADS)                                   \
+        bn_apply_nhwc_##NAME(BnGeo g, const T* x, const T* r,                                      \
                                                     const float* coef, T* y) {                     \
         if (g.c % Pack<T>::N == 0) bn_apply_nhwc<T, Pack<T>::N>(g, x, r, coef, y);                 \
         else bn_apply_nhwc<T, 1>(g, x, r, coef, y);                                                \
@@ -754,7 +834,8 @@ __device__ void bn_bwd_dx_nchw(BnGeo g, const T* gr, const T* x, const T* y, con
                                                          const T* y, const float* mean, float* part) { \
         bn_bwd_reduce_nchw<T>(g, gr, x, y, mean, part);                                            \
     }                                                                                              \
-    extern "C" __global__ void bn_bwd_dx_nhwc_##NAME(BnGeo g, const T* gr, const T* x, const T* y, \
+    extern "C" __global__ void __launch_bounds__(BN_RED_THREADS)                                   \
+        bn_bwd_dx_nhwc_##NAME(BnGeo g, const T* gr, const T* x, const T* y,                        \
                                                      const float* coef, T* dx, T* dres) {          \
         if (g.c % Pack<T>::N == 0) bn_bwd_dx_nhwc<T, Pack<T>::N>(g, gr, x, y, coef, dx, dres);     \
         else bn_bwd_dx_nhwc<T, 1>(g, gr, x, y, coef, dx, dres);                                    \

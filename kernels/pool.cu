@@ -9,38 +9,52 @@ struct PoolP {
 };
 
 // A cell of a [n, c, rows, cols] tensor, from its position k in memory order: the plane (n·c +
-// c in NCHW; n in NHWC, with the channel apart) and the row and column.
+// c in NCHW; n in NHWC, with the channel apart) and the row and column. The index arithmetic is
+// in I: 32-bit when every position fits (`fits32`), since 64-bit division costs several times
+// as many instructions and each cell takes a few.
 struct Cell {
     i64 plane, ch, r, col;
 };
-__device__ __forceinline__ Cell cell_of(const PoolP& p, u64 k, i64 rows, i64 cols) {
+template <typename I>
+__device__ __forceinline__ Cell cell_of(const PoolP& p, u64 k64, i64 rows, i64 cols) {
     Cell q;
+    I k = (I)k64, C = (I)p.c, R = (I)rows, W = (I)cols;
     if (p.nhwc) {
-        q.ch = k % p.c;
-        u64 rest = k / p.c;
-        q.col = rest % cols;
-        q.r = (rest / cols) % rows;
-        q.plane = rest / (cols * rows);
+        I rest = k / C;
+        q.ch = (i64)(k - rest * C);
+        I rc = rest / W;
+        q.col = (i64)(rest - rc * W);
+        I pl = rc / R;
+        q.r = (i64)(rc - pl * R);
+        q.plane = (i64)pl;
     } else {
         q.ch = 0;
-        q.col = k % cols;
-        q.r = (k / cols) % rows;
-        q.plane = k / (cols * rows);
+        I rc = k / W;
+        q.col = (i64)(k - rc * W);
+        I pl = rc / R;
+        q.r = (i64)(rc - pl * R);
+        q.plane = (i64)pl;
     }
     return q;
 }
 // The memory position of (plane, ch, r, col) in a tensor of rows × cols planes.
+template <typename I>
 __device__ __forceinline__ u64 at_of(const PoolP& p, i64 plane, i64 ch, i64 r, i64 col, i64 rows,
                                      i64 cols) {
-    return p.nhwc ? ((u64)(plane * rows + r) * cols + col) * p.c + ch
-                  : (u64)(plane * rows + r) * cols + col;
+    return p.nhwc ? (u64)((((I)plane * (I)rows + (I)r) * (I)cols + (I)col) * (I)p.c + (I)ch)
+                  : (u64)(((I)plane * (I)rows + (I)r) * (I)cols + (I)col);
+}
+// Whether every position of input and output fits 32-bit index arithmetic.
+__device__ __forceinline__ bool fits32(const PoolP& p) {
+    u64 big = (u64)(p.h * p.w > p.oh * p.ow ? p.h * p.w : p.oh * p.ow);
+    return (u64)(p.n * p.c) * big < (1ull << 31);
 }
 
-template <typename T> __device__ void max_fwd(PoolP p, const T* x, T* y, i64* arg) {
+template <typename T, typename I> __device__ void max_fwd(PoolP p, const T* x, T* y, i64* arg) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.oh * p.ow);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        Cell o = cell_of(p, k, p.oh, p.ow);
+        Cell o = cell_of<I>(p, k, p.oh, p.ow);
         i64 oh = o.r, ow = o.col;
         A best = -inf_of<A>();
         i64 bi = -1;
@@ -50,7 +64,7 @@ template <typename T> __device__ void max_fwd(PoolP p, const T* x, T* y, i64* ar
             for (i64 j = 0; j < p.kw; j++) {
                 i64 iw = ow * p.sw - p.pw + j;
                 if (iw < 0 || iw >= p.w) continue;
-                A v = Num<T>::to(x[at_of(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
+                A v = Num<T>::to(x[at_of<I>(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
                 if (bi < 0 || v > best || (is_nan(v) && !is_nan(best))) { best = v; bi = ih * p.w + iw; }
             }
         }
@@ -73,11 +87,11 @@ __device__ __forceinline__ void covering(PoolP p, i64 ih, i64 iw, i64& oh0, i64&
     if (ow1 >= p.ow) ow1 = p.ow - 1;
 }
 
-template <typename T> __device__ void max_bwd(PoolP p, const T* g, const i64* arg, T* dx) {
+template <typename T, typename I> __device__ void max_bwd(PoolP p, const T* g, const i64* arg, T* dx) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.h * p.w);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        Cell q = cell_of(p, k, p.h, p.w);
+        Cell q = cell_of<I>(p, k, p.h, p.w);
         i64 ih = q.r, iw = q.col;
         i64 oh0, oh1, ow0, ow1;
         covering(p, ih, iw, oh0, oh1, ow0, ow1);
@@ -85,7 +99,7 @@ template <typename T> __device__ void max_bwd(PoolP p, const T* g, const i64* ar
         i64 me = ih * p.w + iw;
         for (i64 oh = oh0; oh <= oh1; oh++)
             for (i64 ow = ow0; ow <= ow1; ow++) {
-                u64 o = at_of(p, q.plane, q.ch, oh, ow, p.oh, p.ow);
+                u64 o = at_of<I>(p, q.plane, q.ch, oh, ow, p.oh, p.ow);
                 if (arg[o] == me) s += Num<T>::to(g[o]);
             }
         dx[k] = Num<T>::from(s);
@@ -107,11 +121,11 @@ __device__ __forceinline__ i64 avg_div(PoolP p, i64 oh, i64 ow) {
     return (he - hs) * (we - ws);
 }
 
-template <typename T> __device__ void avg_fwd(PoolP p, const T* x, T* y) {
+template <typename T, typename I> __device__ void avg_fwd(PoolP p, const T* x, T* y) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.oh * p.ow);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        Cell o = cell_of(p, k, p.oh, p.ow);
+        Cell o = cell_of<I>(p, k, p.oh, p.ow);
         i64 oh = o.r, ow = o.col;
         A s = 0;
         for (i64 i = 0; i < p.kh; i++) {
@@ -120,7 +134,7 @@ template <typename T> __device__ void avg_fwd(PoolP p, const T* x, T* y) {
             for (i64 j = 0; j < p.kw; j++) {
                 i64 iw = ow * p.sw - p.pw + j;
                 if (iw < 0 || iw >= p.w) continue;
-                s += Num<T>::to(x[at_of(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
+                s += Num<T>::to(x[at_of<I>(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
             }
         }
         i64 d = avg_div(p, oh, ow);
@@ -128,11 +142,11 @@ template <typename T> __device__ void avg_fwd(PoolP p, const T* x, T* y) {
     }
 }
 
-template <typename T> __device__ void avg_bwd(PoolP p, const T* g, T* dx) {
+template <typename T, typename I> __device__ void avg_bwd(PoolP p, const T* g, T* dx) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.h * p.w);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        Cell q = cell_of(p, k, p.h, p.w);
+        Cell q = cell_of<I>(p, k, p.h, p.w);
         i64 ih = q.r, iw = q.col;
         i64 oh0, oh1, ow0, ow1;
         covering(p, ih, iw, oh0, oh1, ow0, ow1);
@@ -140,7 +154,7 @@ template <typename T> __device__ void avg_bwd(PoolP p, const T* g, T* dx) {
         for (i64 oh = oh0; oh <= oh1; oh++)
             for (i64 ow = ow0; ow <= ow1; ow++) {
                 i64 d = avg_div(p, oh, ow);
-                if (d > 0) s += Num<T>::to(g[at_of(p, q.plane, q.ch, oh, ow, p.oh, p.ow)]) / (A)d;
+                if (d > 0) s += Num<T>::to(g[at_of<I>(p, q.plane, q.ch, oh, ow, p.oh, p.ow)]) / (A)d;
             }
         dx[k] = Num<T>::from(s);
     }
@@ -150,27 +164,27 @@ template <typename T> __device__ void avg_bwd(PoolP p, const T* g, T* dx) {
 __device__ __forceinline__ i64 ad_start(i64 i, i64 in, i64 out) { return (i * in) / out; }
 __device__ __forceinline__ i64 ad_end(i64 i, i64 in, i64 out) { return ((i + 1) * in + out - 1) / out; }
 
-template <typename T> __device__ void adaptive_fwd(PoolP p, const T* x, T* y) {
+template <typename T, typename I> __device__ void adaptive_fwd(PoolP p, const T* x, T* y) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.oh * p.ow);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        Cell o = cell_of(p, k, p.oh, p.ow);
+        Cell o = cell_of<I>(p, k, p.oh, p.ow);
         i64 oh = o.r, ow = o.col;
         i64 h0 = ad_start(oh, p.h, p.oh), h1 = ad_end(oh, p.h, p.oh);
         i64 w0 = ad_start(ow, p.w, p.ow), w1 = ad_end(ow, p.w, p.ow);
         A s = 0;
         for (i64 ih = h0; ih < h1; ih++)
-            for (i64 iw = w0; iw < w1; iw++) s += Num<T>::to(x[at_of(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
+            for (i64 iw = w0; iw < w1; iw++) s += Num<T>::to(x[at_of<I>(p, o.plane, o.ch, ih, iw, p.h, p.w)]);
         i64 d = (h1 - h0) * (w1 - w0);
         y[k] = Num<T>::from(d > 0 ? s / (A)d : (A)0);
     }
 }
 
-template <typename T> __device__ void adaptive_bwd(PoolP p, const T* g, T* dx) {
+template <typename T, typename I> __device__ void adaptive_bwd(PoolP p, const T* g, T* dx) {
     typedef typename Num<T>::acc A;
     u64 total = (u64)(p.n * p.c * p.h * p.w);
     for (u64 k = global_tid(); k < total; k += global_stride()) {
-        Cell q = cell_of(p, k, p.h, p.w);
+        Cell q = cell_of<I>(p, k, p.h, p.w);
         i64 ih = q.r, iw = q.col;
         A s = 0;
         for (i64 oh = 0; oh < p.oh; oh++) {
@@ -179,23 +193,32 @@ template <typename T> __device__ void adaptive_bwd(PoolP p, const T* g, T* dx) {
             for (i64 ow = 0; ow < p.ow; ow++) {
                 i64 w0 = ad_start(ow, p.w, p.ow), w1 = ad_end(ow, p.w, p.ow);
                 if (iw < w0 || iw >= w1) continue;
-                s += Num<T>::to(g[at_of(p, q.plane, q.ch, oh, ow, p.oh, p.ow)]) / (A)((h1 - h0) * (w1 - w0));
+                s += Num<T>::to(g[at_of<I>(p, q.plane, q.ch, oh, ow, p.oh, p.ow)]) / (A)((h1 - h0) * (w1 - w0));
             }
         }
         dx[k] = Num<T>::from(s);
     }
 }
 
+// Each kernel picks 32- or 64-bit index arithmetic once per launch (a uniform branch).
+#define BY_INDEX(F, T, ...) \
+    if (fits32(p)) F<T, unsigned>(__VA_ARGS__); else F<T, u64>(__VA_ARGS__);
 #define POOL(N, T)                                                                                 \
-    extern "C" __global__ void max_pool_##N(PoolP p, const T* x, T* y, i64* arg) { max_fwd<T>(p, x, y, arg); } \
-    extern "C" __global__ void max_pool_backward_##N(PoolP p, const T* g, const i64* arg, T* dx) { \
-        max_bwd<T>(p, g, arg, dx);                                                                 \
+    extern "C" __global__ void max_pool_##N(PoolP p, const T* x, T* y, i64* arg) {                 \
+        BY_INDEX(max_fwd, T, p, x, y, arg)                                                            \
     }                                                                                              \
-    extern "C" __global__ void avg_pool_##N(PoolP p, const T* x, T* y) { avg_fwd<T>(p, x, y); }    \
-    extern "C" __global__ void avg_pool_backward_##N(PoolP p, const T* g, T* dx) { avg_bwd<T>(p, g, dx); } \
-    extern "C" __global__ void adaptive_pool_##N(PoolP p, const T* x, T* y) { adaptive_fwd<T>(p, x, y); } \
+    extern "C" __global__ void max_pool_backward_##N(PoolP p, const T* g, const i64* arg, T* dx) { \
+        BY_INDEX(max_bwd, T, p, g, arg, dx)                                                           \
+    }                                                                                              \
+    extern "C" __global__ void avg_pool_##N(PoolP p, const T* x, T* y) { BY_INDEX(avg_fwd, T, p, x, y) } \
+    extern "C" __global__ void avg_pool_backward_##N(PoolP p, const T* g, T* dx) {                 \
+        BY_INDEX(avg_bwd, T, p, g, dx)                                                                \
+    }                                                                                              \
+    extern "C" __global__ void adaptive_pool_##N(PoolP p, const T* x, T* y) {                      \
+        BY_INDEX(adaptive_fwd, T, p, x, y)                                                            \
+    }                                                                                              \
     extern "C" __global__ void adaptive_pool_backward_##N(PoolP p, const T* g, T* dx) {            \
-        adaptive_bwd<T>(p, g, dx);                                                                 \
+        BY_INDEX(adaptive_bwd, T, p, g, dx)                                                           \
     }
 POOL(f16, f16)
 POOL(bf16, bf16)

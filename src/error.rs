@@ -67,13 +67,24 @@ pub enum Error {
     #[error("backward: {0}")]
     Backward(String),
 
-    /// A configuration file or value (policy TOML, run config) is wrong.
-    #[error("config {file}: key `{key}` = {value}: {allowed}")]
+    /// A configuration value (policy TOML, run config, a command-line flag) is wrong. `value`
+    /// is as the file spells it (or as a person would write the number); `at` is where the
+    /// file says it, when it comes from a file.
+    #[error("config {file}{}: key `{key}` = {value}: {allowed}", at_suffix(.at))]
     Config {
         file: String,
+        at: Option<Location>,
         key: String,
         value: String,
         allowed: String,
+    },
+
+    /// A configuration file is not valid TOML (a duplicate key, an unquoted string, ...).
+    #[error("config {file}{}: TOML syntax: {detail}", at_suffix(.at))]
+    ConfigSyntax {
+        file: String,
+        at: Option<Location>,
+        detail: String,
     },
 
     /// A data file (IDX, CIFAR, checkpoint) is truncated or corrupt.
@@ -98,6 +109,24 @@ pub enum Error {
     /// A kernel failed to compile; carries NVRTC's log.
     #[error("nvrtc: compiling {kernel} failed:\n{log}")]
     Compile { kernel: String, log: String },
+
+    /// An allocation that the shapes asked for does not fit in the device's memory.
+    #[error("{op}: out of memory on {device}: {} requested ({detail})", fmt_bytes(*.bytes))]
+    OutOfMemory {
+        op: &'static str,
+        /// Saturates at `u64::MAX` for sizes past the address space.
+        bytes: u64,
+        device: Device,
+        detail: String,
+    },
+
+    /// Training stopped because it diverged (the loss or the gradients stayed non-finite).
+    #[error("training diverged at step {step}: {detail}")]
+    Diverged { step: u64, detail: String },
+
+    /// A run directory cannot be used as asked (another run's files, a live lock, ...).
+    #[error("run directory {dir}: {detail}")]
+    RunDirectory { dir: String, detail: String },
 
     /// Something that the crate cannot do yet on this device or dtype.
     /// Work that cannot go into a CUDA graph met during capture (a host read, a CPU tensor op, an
@@ -128,6 +157,57 @@ pub enum Error {
         context: String,
         problems: Vec<Mismatch>,
     },
+}
+
+/// A place in a text file: 1-based line and column (in characters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub line: u32,
+    pub column: u32,
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.line, self.column)
+    }
+}
+
+/// Bytes for people: `4.0 TiB (4398046511104 bytes)`.
+pub fn fmt_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut v = bytes as f64;
+    let mut unit = "bytes";
+    for u in UNITS {
+        if v < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    format!("{v:.1} {unit} ({bytes} bytes)")
+}
+
+/// `:line:column` after a file name, or nothing.
+fn at_suffix(at: &Option<Location>) -> String {
+    at.map(|l| format!(":{l}")).unwrap_or_default()
+}
+
+/// A number as a person writes it: the shorter of the plain and the exponent form (`0.1`,
+/// `65536`, `1e9`, `2.2250738585072014e-308`), never a 300-digit decimal.
+pub fn fmt_number(x: f64) -> String {
+    if !x.is_finite() {
+        return x.to_string();
+    }
+    let plain = x.to_string();
+    let exp = format!("{x:e}");
+    if exp.len() + 2 < plain.len() {
+        exp
+    } else {
+        plain
+    }
 }
 
 /// One tensor of a state dict that does not fit where it is loaded ("expected" is the module's
@@ -231,6 +311,22 @@ impl Error {
             op,
             name,
             value: value.to_string(),
+            allowed: allowed.into(),
+        }
+    }
+
+    /// A [`Error::Config`] not (yet) tied to a place in a file.
+    pub fn config(
+        file: impl Into<String>,
+        key: impl Into<String>,
+        value: impl Into<String>,
+        allowed: impl Into<String>,
+    ) -> Self {
+        Error::Config {
+            file: file.into(),
+            at: None,
+            key: key.into(),
+            value: value.into(),
             allowed: allowed.into(),
         }
     }

@@ -5,6 +5,7 @@
 pub mod amp;
 pub mod autograd;
 pub mod backend;
+mod config_toml;
 pub mod data;
 pub mod distributed;
 pub mod error;

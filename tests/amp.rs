@@ -111,6 +111,25 @@ fn toml_overrides_apply() {
     assert!(p.properties().unwrap().autocast);
 }
 
+/// Properties print as a sentence (logs and the main job's summary), not as a Rust struct.
+#[test]
+fn properties_print_as_people_read_them() {
+    let say = |l| Policy::opt_level(l).properties().unwrap().to_string();
+    assert_eq!(say(OptLevel::O0), "FP32 weights, no loss scaling");
+    assert_eq!(
+        say(OptLevel::O1),
+        "FP32 weights, autocast to f16, dynamic loss scale"
+    );
+    assert_eq!(
+        say(OptLevel::O2),
+        "f16 weights and activations, FP32 batch norm, FP32 master weights, dynamic loss scale"
+    );
+    assert_eq!(
+        say(OptLevel::O3),
+        "f16 weights and activations, no loss scaling"
+    );
+}
+
 /// The error's (file, key, value) or a panic naming what came back.
 #[track_caller]
 fn config_err(r: Result<Policy>) -> (String, String, String, String) {
@@ -120,6 +139,7 @@ fn config_err(r: Result<Policy>) -> (String, String, String, String) {
             key,
             value,
             allowed,
+            ..
         }) => (file, key, value, allowed),
         other => panic!("expected a config error, got {other:?}"),
     }
@@ -191,7 +211,12 @@ fn forbidden_combinations_and_bad_values_are_config_errors() {
             "opt_level = \"O1\"\nautocast = true\npatch_torch_functions = true",
             "",
         ),
-        ("opt_level = ", "(syntax)"),
+        ("opt_level = \"O2\"\ninit_scale = 1e9", "init_scale"),
+        (
+            "opt_level = \"O2\"\ninit_scale = 1024\nmax_loss_scale = 512",
+            "init_scale",
+        ),
+        ("opt_level = \"O2\"\nverbosity = 300", "verbosity"),
     ];
     for (text, key) in cases {
         let (file, k, _value, allowed) = config_err(Policy::from_toml_str(text));
@@ -201,6 +226,18 @@ fn forbidden_combinations_and_bad_values_are_config_errors() {
         }
         assert!(!allowed.is_empty(), "{text}");
     }
+    // A syntax error has a place.
+    assert!(matches!(
+        Policy::from_toml_str("opt_level = "),
+        Err(Error::ConfigSyntax { at: Some(_), .. })
+    ));
+    // The place, the value as written and what is allowed.
+    assert_eq!(
+        Policy::from_toml_str("opt_level = \"O2\"\n\ninit_scale = 1e9\n")
+            .unwrap_err()
+            .to_string(),
+        "config <string>:3:14: key `init_scale` = 1e9: at most max_loss_scale = 16777216"
+    );
     // The file's path is named.
     let path = std::env::temp_dir().join(format!("mixprec-amp-bad-{}.toml", std::process::id()));
     std::fs::write(&path, "opt_level = \"O2\"\nautocast = true\n").unwrap();

@@ -131,6 +131,16 @@ fn cases() -> Vec<Case> {
             groups: 1,
         }),
         case(1, 16, (16, 16), 32, (3, 3)).with(cfg(1, 1, 1, 1)),
+        // Kernel columns and rows that see only padding (PyTorch gives a 1x1 output); the
+        // first panicked in forward and backward before the fix.
+        case(1, 1, (1, 1), 1, (3, 3)).with(cfg(1, 2, 2, 1)),
+        case(2, 2, (2, 3), 2, (3, 3)).with(cfg(2, 3, 3, 1)),
+        case(1, 2, (1, 4), 2, (2, 3)).with(Conv2dConfig {
+            stride: (1, 1),
+            padding: (1, 3),
+            dilation: (2, 3),
+            groups: 2,
+        }),
     ]
 }
 
@@ -214,6 +224,8 @@ fn conv_gradients_match_finite_differences() -> Result<()> {
         }),
         case(1, 3, (5, 5), 3, (3, 3)).with(cfg(2, 1, 1, 3)),
         case(2, 3, (4, 4), 2, (1, 1)),
+        case(1, 1, (1, 1), 1, (3, 3)).with(cfg(1, 2, 2, 1)),
+        case(2, 2, (2, 3), 2, (3, 3)).with(cfg(2, 3, 3, 1)),
     ];
     for (i, c) in cases.iter().enumerate() {
         let (x, w, b) = c.tensors(7 + 10 * i as u64, DType::F64)?;

@@ -126,7 +126,7 @@ fn locate_reports_the_source_and_honours_the_env_var() {
             assert_eq!((train.len(), test.len()), (60_000, 10_000));
         }
         DataSource::Bundled(_) => assert_eq!((train.len(), test.len()), (10_000, 2_000)),
-        DataSource::Env(_) => unreachable!(),
+        DataSource::Env(_) | DataSource::Dir(_) => unreachable!(),
     }
     assert!(source
         .to_string()
@@ -144,7 +144,7 @@ fn locate_reports_the_source_and_honours_the_env_var() {
     assert!(located.to_string().contains("FASHION_MNIST_DIR"));
     let msg = bad.unwrap_err().to_string();
     assert!(
-        msg.contains("FASHION_MNIST_DIR") && msg.contains("train-images-idx3-ubyte.gz"),
+        msg.contains("FASHION_MNIST_DIR") && msg.contains("train-images-idx3-ubyte"),
         "{msg}"
     );
     assert!(DataSource::Bundled(bundled_dir())
@@ -176,6 +176,54 @@ fn idx_round_trip_raw_and_gzip() {
     assert!(idx::write_labels(dir.join("x"), &[]).is_ok());
     let bad = IdxImages { count: 2, ..images };
     assert!(idx::write_images(dir.join("bad.gz"), &bad).is_err());
+}
+
+/// The official names work uncompressed too (`NAME` beside `NAME.gz`), and a file with a valid
+/// header and 0 items is a data error naming it (it was reported as a batch-size problem).
+#[test]
+fn fashion_mnist_files_raw_or_gzip_and_never_empty() {
+    let dir = scratch_dir("raw-names");
+    let images = |count: usize| IdxImages {
+        count,
+        rows: 28,
+        cols: 28,
+        pixels: (0..count * 784).map(|i| (i % 251) as u8).collect(),
+    };
+    for split in [Split::Train, Split::Test] {
+        let (i, l) = split.file_names();
+        let (i, l) = (i.trim_end_matches(".gz"), l.trim_end_matches(".gz"));
+        idx::write_images(dir.join(i), &images(3)).unwrap();
+        idx::write_labels(dir.join(l), &[1, 2, 3]).unwrap();
+    }
+    // Uncompressed: the first two bytes are the IDX magic's zeros, not gzip's.
+    let raw = std::fs::read(dir.join("train-images-idx3-ubyte")).unwrap();
+    assert_eq!(raw[..4], [0, 0, 8, 3]);
+    let ds = FashionMnist::load_dir(&dir, Split::Train).unwrap();
+    assert_eq!(ds.len(), 3);
+    let source = DataSource::dir_given(&dir).unwrap();
+    assert_eq!(
+        source.to_string(),
+        format!("Fashion-MNIST from {}", dir.display())
+    );
+    assert!(!source.to_string().contains("FASHION_MNIST_DIR"));
+
+    // A header that says 0 images.
+    idx::write_images(dir.join("t10k-images-idx3-ubyte"), &images(0)).unwrap();
+    idx::write_labels(dir.join("t10k-labels-idx1-ubyte"), &[]).unwrap();
+    let msg = FashionMnist::load_dir(&dir, Split::Test)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("t10k-images-idx3-ubyte") && msg.contains("0 images"),
+        "{msg}"
+    );
+    // A missing file is named with both forms it may take.
+    std::fs::remove_file(dir.join("t10k-labels-idx1-ubyte")).unwrap();
+    let msg = DataSource::dir_given(&dir).unwrap_err().to_string();
+    assert!(
+        msg.contains("t10k-labels-idx1-ubyte[.gz] not found"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -342,7 +390,7 @@ fn labels_of(loader: &DataLoader, epoch: usize) -> Vec<Vec<i64>> {
 #[test]
 fn loader_batch_shapes_dtypes_and_devices() {
     let train = FashionMnist::load_dir(bundled_dir(), Split::Test).unwrap();
-    let loader = DataLoader::new(train, 128).shuffle(1);
+    let loader = DataLoader::new(train, 128).unwrap().shuffle(1);
     let mut n = 0;
     for (i, batch) in loader.epoch(0).enumerate() {
         let (x, y): (Tensor, Tensor) = batch.unwrap();
@@ -361,7 +409,9 @@ fn loader_batch_shapes_dtypes_and_devices() {
 fn loader_drop_last_counts() {
     for (len, bs) in [(10, 3), (9, 3), (2, 5), (0, 4)] {
         for prefetch in [0, 2] {
-            let keep = DataLoader::new(indexed(len), bs).prefetch(prefetch);
+            let keep = DataLoader::new(indexed(len), bs)
+                .unwrap()
+                .prefetch(prefetch);
             let sizes: Vec<usize> = labels_of(&keep, 0).iter().map(Vec::len).collect();
             let mut want = vec![bs; len / bs];
             if len % bs != 0 {
@@ -380,7 +430,7 @@ fn loader_drop_last_counts() {
 
 #[test]
 fn loader_serves_every_index_once_per_epoch() {
-    let loader = DataLoader::new(indexed(1000), 64).shuffle(7);
+    let loader = DataLoader::new(indexed(1000), 64).unwrap().shuffle(7);
     for epoch in 0..3 {
         let mut seen: Vec<i64> = Vec::new();
         for batch in loader.epoch(epoch) {
@@ -399,15 +449,18 @@ fn loader_serves_every_index_once_per_epoch() {
         assert_ne!(seen, sorted, "epoch {epoch} is not shuffled");
     }
     // Without shuffle: dataset order.
-    let flat: Vec<i64> = labels_of(&DataLoader::new(indexed(10), 4), 5).concat();
+    let flat: Vec<i64> = labels_of(&DataLoader::new(indexed(10), 4).unwrap(), 5).concat();
     assert_eq!(flat, (0..10).collect::<Vec<i64>>());
 }
 
 #[test]
 fn loader_order_depends_only_on_seed_and_epoch() {
-    let a = DataLoader::new(indexed(500), 50).shuffle(42);
-    let b = DataLoader::new(indexed(500), 50).shuffle(42).prefetch(0);
-    let c = DataLoader::new(indexed(500), 50).shuffle(43);
+    let a = DataLoader::new(indexed(500), 50).unwrap().shuffle(42);
+    let b = DataLoader::new(indexed(500), 50)
+        .unwrap()
+        .shuffle(42)
+        .prefetch(0);
+    let c = DataLoader::new(indexed(500), 50).unwrap().shuffle(43);
     // Same (seed, epoch): same batches, whether or not a thread prefetches, in any call order
     // (a run resumed at epoch 3 sees what an uninterrupted run saw).
     let a3 = labels_of(&a, 3);
@@ -427,7 +480,7 @@ fn loader_order_depends_only_on_seed_and_epoch() {
 fn loader_early_drop_does_not_hang() {
     // Big batches, a slow consumer, prefetch 1: the producer is blocked in `send` when dropped.
     let ds = SyntheticDataset::new(100_000, [3, 32, 32], 10, 1).unwrap();
-    let loader = DataLoader::new(ds, 256).shuffle(3).prefetch(1);
+    let loader = DataLoader::new(ds, 256).unwrap().shuffle(3).prefetch(1);
     let t = Instant::now();
     for _ in 0..20 {
         let mut it = loader.epoch(0);
@@ -449,10 +502,12 @@ fn loader_early_drop_does_not_hang() {
 
 #[test]
 fn loader_reports_errors_as_items() {
-    let mut it = DataLoader::new(indexed(10), 0).epoch(0);
-    let msg = it.next().unwrap().unwrap_err().to_string();
-    assert!(msg.contains("batch_size"), "{msg}");
-    assert!(it.next().is_none());
+    // A batch size of 0 is refused when the loader is made (as PyTorch's DataLoader).
+    let msg = DataLoader::new(indexed(10), 0).unwrap_err().to_string();
+    assert!(
+        msg.contains("batch_size") && msg.contains("at least 1"),
+        "{msg}"
+    );
 
     /// Fails on item 5.
     struct Failing;
@@ -476,6 +531,7 @@ fn loader_reports_errors_as_items() {
     }
     for prefetch in [0, 2] {
         let items: Vec<_> = DataLoader::new(Failing, 2)
+            .unwrap()
             .prefetch(prefetch)
             .epoch(0)
             .collect();
@@ -488,7 +544,10 @@ fn loader_reports_errors_as_items() {
     }
 
     let too_much = Augment::new(0).random_crop(100);
-    let mut it = DataLoader::new(indexed(4), 2).augment(too_much).epoch(0);
+    let mut it = DataLoader::new(indexed(4), 2)
+        .unwrap()
+        .augment(too_much)
+        .epoch(0);
     assert!(it.next().unwrap().is_err());
 
     let ds = FashionMnist::load_dir(bundled_dir(), Split::Test).unwrap();
@@ -502,8 +561,12 @@ fn loader_reports_errors_as_items() {
 #[test]
 fn augmentation_keeps_shapes_and_is_deterministic_per_seed() {
     let test = FashionMnist::load_dir(bundled_dir(), Split::Test).unwrap();
-    let plain = DataLoader::new(test.clone(), 100).prefetch(0);
-    let aug = |seed| DataLoader::new(test.clone(), 100).augment(Augment::crop_flip(2, seed));
+    let plain = DataLoader::new(test.clone(), 100).unwrap().prefetch(0);
+    let aug = |seed| {
+        DataLoader::new(test.clone(), 100)
+            .unwrap()
+            .augment(Augment::crop_flip(2, seed))
+    };
     let first = |l: &DataLoader, epoch| l.epoch(epoch).next().unwrap().unwrap();
 
     let (x0, y0) = first(&plain, 0);
@@ -593,7 +656,7 @@ fn synthetic_dataset_shapes_and_determinism() {
     );
     assert!(ds.get(1000).is_err());
 
-    let loader = DataLoader::new(ds, 100).shuffle(0);
+    let loader = DataLoader::new(ds, 100).unwrap().shuffle(0);
     let batches: Vec<_> = loader.epoch(0).map(|b| b.unwrap()).collect();
     assert_eq!(batches.len(), 10);
     assert_eq!(batches[0].0.dims(), &[100, 3, 8, 8]);

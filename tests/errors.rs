@@ -354,6 +354,90 @@ fn creation_errors() {
     }
 }
 
+/// Random samples of an integer dtype would be truncated to (mostly) zeros: an error.
+#[test]
+fn random_samples_need_a_float_dtype() {
+    let e = err(Tensor::randn([4], 0.0, 1.0, 0, DType::I64, CPU), "randn");
+    assert!(
+        matches!(
+            e,
+            Error::UnsupportedDType {
+                got: DType::I64,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = err(
+        Tensor::rand_uniform([4], 0.0, 10.0, 0, DType::I64, CPU),
+        "rand_uniform",
+    );
+    assert!(matches!(e, Error::UnsupportedDType { .. }), "{e:?}");
+    // Integers from arange are fine (as torch.arange).
+    assert_eq!(
+        Tensor::arange(0.0, 3.0, 1.0, DType::I64, CPU)
+            .unwrap()
+            .to_vec::<i64>()
+            .unwrap(),
+        [0, 1, 2]
+    );
+}
+
+/// Shapes the host cannot hold are `Error::OutOfMemory` naming the op and the bytes, not a
+/// process abort ("memory allocation failed"). 2^45 f32 values (128 TiB) exceed a 47-bit
+/// address space under any overcommit policy; 2^40 (4 TiB, the case of issue 19) exceeds this
+/// machine's memory, which the default heuristic overcommit refuses.
+#[test]
+fn allocations_the_host_cannot_hold_are_errors() {
+    let oom = |r: Result<Tensor>, op: &str, bytes: u64| match r {
+        Err(e @ Error::OutOfMemory { .. }) => {
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with(&format!("{op}: out of memory on cpu")),
+                "{msg}"
+            );
+            assert!(msg.contains(&format!("({bytes} bytes)")), "{msg}");
+        }
+        other => panic!("{op}: expected OutOfMemory, got {other:?}"),
+    };
+    let huge = [1usize << 20, 1 << 25];
+    let bytes = 4u64 << 45;
+    oom(Tensor::zeros(huge, DType::F32, CPU), "zeros", bytes);
+    oom(Tensor::ones(huge, DType::F32, CPU), "ones", bytes);
+    oom(Tensor::full(huge, 2.0, DType::F32, CPU), "full", bytes);
+    oom(
+        Tensor::randn(huge, 0.0, 1.0, 0, DType::F32, CPU),
+        "randn",
+        bytes,
+    );
+    oom(
+        Tensor::rand_uniform(huge, 0.0, 1.0, 0, DType::F32, CPU),
+        "rand_uniform",
+        bytes,
+    );
+    // Outputs much larger than their inputs.
+    let col = f32s(&[1 << 22, 1]);
+    let row = f32s(&[1, 1 << 23]);
+    oom(col.add(&row), "add", bytes);
+    oom(col.matmul(&row), "matmul", bytes);
+    oom(
+        f32s(&[1]).broadcast_as(&mixprec::Shape::new(huge.to_vec())),
+        "broadcast_to",
+        bytes,
+    );
+    let heuristic =
+        std::fs::read_to_string("/proc/sys/vm/overcommit_memory").is_ok_and(|m| m.trim() != "1");
+    if heuristic {
+        oom(
+            Tensor::zeros([1usize << 40], DType::F32, CPU),
+            "zeros",
+            4u64 << 40,
+        );
+    }
+    // Nothing was lost: small tensors still work.
+    assert_eq!(Tensor::zeros([3], DType::F32, CPU).unwrap().dims(), [3]);
+}
+
 #[test]
 fn backward_errors() {
     let x = var(&[2], 1);

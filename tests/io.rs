@@ -1,13 +1,14 @@
 //! src/io on the CPU: safetensors round trips of every dtype, atomic writes, corrupt files,
 //! strict weight loading, PyTorch's logits from a torch-made fixture, and checkpoints that
-//! continue training bit for bit at O0 and O2 (SGD with momentum, AdamW).
+//! continue training bit for bit at O0 and O2 (SGD with momentum, AdamW), detect every flipped
+//! byte, survive a crash at every step of a save, and still read the two-file version 1.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
 use mixprec::amp::{self, AmpModel, AmpOptimizer, OptLevel, Policy};
-use mixprec::io::checkpoint::json_path;
+use mixprec::io::atomic::fault;
 use mixprec::io::{self, safetensors, Checkpoint, TrainProgress};
 use mixprec::nn::{self, BlockKind, Module, ResNet, ResNetConfig, Stem};
 use mixprec::optim::{AdamConfig, FusedAdam, Optimizer, ParamGroup, Sgd, SgdConfig};
@@ -629,7 +630,7 @@ fn continues_bitwise<O: Optimizer>(level: OptLevel, make: fn(Vec<Tensor>) -> O, 
         .save(&path)
         .unwrap();
     drop((mb, ob));
-    assert_eq!(files_in(&dir), vec!["ckpt.json", "ckpt.safetensors"]);
+    assert_eq!(files_in(&dir), vec!["ckpt.safetensors"]);
 
     let ck = Checkpoint::load(&path).unwrap();
     assert_eq!(ck.progress, progress);
@@ -715,6 +716,7 @@ fn checkpoint_files_hold_the_layout() {
         .unwrap();
     let (tensors, meta) = safetensors::read(&path).unwrap();
     assert_eq!(meta["format"], "mixprec-checkpoint");
+    assert_eq!(meta["version"], "2");
     let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
     for n in [
         "model.conv1.weight",
@@ -733,53 +735,113 @@ fn checkpoint_files_hold_the_layout() {
         };
         assert_eq!(t.dtype(), want, "{n}");
     }
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("epoch3.json")).unwrap()).unwrap();
-    assert_eq!(json["version"], 1);
-    assert_eq!(json["tensors"], "epoch3.safetensors");
+    // One file: the manifest is in the header, with its own CRC-32 and one per tensor.
+    assert_eq!(files_in(&dir), vec!["epoch3.safetensors"]);
+    let manifest = &meta["manifest"];
+    assert_eq!(
+        meta["manifest_crc32"],
+        format!("{:08x}", crc32(manifest.as_bytes()))
+    );
+    let json: serde_json::Value = serde_json::from_str(manifest).unwrap();
     assert_eq!(json["progress"]["epoch"], 3);
     assert_eq!(json["param_groups"][0]["hyperparams"]["momentum"], 0.9);
     assert!(json["scalers"][0]["loss_scale"].as_f64().unwrap() >= 256.0);
-    assert_eq!(json_path(&path).unwrap(), dir.join("epoch3.json"));
+    assert_eq!(json["tensors"].as_object().unwrap().len(), tensors.len());
+    let (_, w) = tensors
+        .iter()
+        .find(|(n, _)| n == "model.conv1.weight")
+        .unwrap();
+    let rec = &json["tensors"]["model.conv1.weight"];
+    assert_eq!(rec["dtype"], "F32");
+    assert_eq!(rec["shape"], serde_json::json!(w.dims()));
+    let le: Vec<u8> = w
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    assert_eq!(rec["crc32"], format!("{:08x}", crc32(&le)));
+    assert_eq!(
+        Checkpoint::peek(&path).unwrap(),
+        TrainProgress {
+            epoch: 3,
+            step: 2,
+            seed: 7
+        }
+    );
+}
+
+/// zlib's CRC-32, bit by bit (an independent check of the checkpoint's).
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in bytes {
+        c ^= b as u32;
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                (c >> 1) ^ 0xEDB8_8320
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+/// A small trained O0 model and its checkpoint.
+fn small_checkpoint() -> (AmpModel<ResNet>, AmpOptimizer<Sgd>, Checkpoint) {
+    let m = small_resnet(&[4, 8], &[1, 1], 1);
+    let o = sgd(m.parameters());
+    let (m, mut o) = amp::initialize(m, o, policy(OptLevel::O0)).unwrap();
+    train(&m, &mut o, 0..1);
+    let progress = TrainProgress {
+        epoch: 1,
+        step: 1,
+        seed: 3,
+    };
+    let ck = Checkpoint::capture(&m, &o, progress, serde_json::json!({"note": "x"})).unwrap();
+    (m, o, ck)
+}
+
+/// Writes `ck` as version 1 did: tensors (format, version 1, an id in the metadata) and a JSON
+/// file beside them.
+fn save_v1(ck: &Checkpoint, path: &Path, id: &str) {
+    let tmp = path.with_extension("v2");
+    ck.save(&tmp).unwrap();
+    let (tensors, meta) = safetensors::read(&tmp).unwrap();
+    std::fs::remove_file(&tmp).unwrap();
+    let m: serde_json::Value = serde_json::from_str(&meta["manifest"]).unwrap();
+    let v1_meta: BTreeMap<String, String> = [
+        ("format", "mixprec-checkpoint"),
+        ("version", "1"),
+        ("id", id),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    safetensors::write(path, &tensors, &v1_meta).unwrap();
+    let json = serde_json::json!({
+        "format": "mixprec-checkpoint",
+        "version": 1,
+        "id": id,
+        "tensors": path.file_name().unwrap().to_string_lossy(),
+        "param_groups": m["param_groups"],
+        "scalers": m["scalers"],
+        "progress": m["progress"],
+        "extra": m["extra"],
+    });
+    std::fs::write(path.with_extension("json"), json.to_string()).unwrap();
 }
 
 #[test]
 fn checkpoint_file_errors_name_the_file() {
     let dir = scratch("ckpt_files");
-    let m = small_resnet(&[4, 8], &[1, 1], 1);
-    let o = sgd(m.parameters());
-    let (m, mut o) = amp::initialize(m, o, policy(OptLevel::O0)).unwrap();
-    train(&m, &mut o, 0..1);
-    let ck =
-        Checkpoint::capture(&m, &o, TrainProgress::default(), serde_json::Value::Null).unwrap();
+    let (m, _o, ck) = small_checkpoint();
     let a = dir.join("a.safetensors");
-    let b = dir.join("b.safetensors");
     ck.save(&a).unwrap();
-    ck.save(&b).unwrap();
 
-    // The JSON is missing.
-    std::fs::rename(dir.join("b.json"), dir.join("b.json.away")).unwrap();
-    let e = Checkpoint::load(&b).unwrap_err().to_string();
-    assert!(e.contains("b.json"), "{e}");
-    // The JSON is from another save.
-    std::fs::copy(dir.join("a.json"), dir.join("b.json")).unwrap();
-    let e = Checkpoint::load(&b).unwrap_err().to_string();
-    assert!(e.contains("b.json") && e.contains("different saves"), "{e}");
-    // The JSON is corrupt.
-    std::fs::write(
-        dir.join("b.json"),
-        b"{\"format\": \"mixprec-checkpoint\", \"vers",
-    )
-    .unwrap();
-    let e = Checkpoint::load(&b).unwrap_err();
-    assert!(
-        matches!(&e, Error::DataFormat { path, .. } if path.ends_with("b.json")),
-        "{e}"
-    );
     // A weights file is not a checkpoint.
     let w = dir.join("w.safetensors");
     io::save_weights(&m, &w).unwrap();
-    std::fs::copy(dir.join("a.json"), dir.join("w.json")).unwrap();
     let e = Checkpoint::load(&w).unwrap_err().to_string();
     assert!(
         e.contains("w.safetensors") && e.contains("not a checkpoint"),
@@ -790,7 +852,7 @@ fn checkpoint_file_errors_name_the_file() {
     std::fs::write(&a, &bytes[..bytes.len() / 2]).unwrap();
     let e = Checkpoint::load(&a).unwrap_err().to_string();
     assert!(e.contains("a.safetensors"), "{e}");
-    // A path whose JSON would be itself.
+    // A JSON path is not a checkpoint path.
     assert!(ck.save(&dir.join("c.json")).is_err());
     // A non-finite hyperparameter (JSON has none) is refused before any file is written.
     let mut nan = ck.clone();
@@ -803,6 +865,271 @@ fn checkpoint_file_errors_name_the_file() {
         .to_string();
     assert!(e.contains("param_groups[0].lr = NaN"), "{e}");
     assert!(!dir.join("nan.safetensors").exists());
+}
+
+/// Version 1 (two files) still loads, with its pairing checks; saving it again writes the
+/// one-file version 2 and drops the JSON.
+#[test]
+fn version_1_checkpoints_load_and_convert() {
+    let dir = scratch("ckpt_v1");
+    let (_m, _o, ck) = small_checkpoint();
+    let b = dir.join("b.safetensors");
+    save_v1(&ck, &b, "id-b");
+    let old = Checkpoint::load(&b).unwrap();
+    assert_eq!(old.progress, ck.progress);
+    assert_eq!(old.extra, ck.extra);
+    assert_eq!(Checkpoint::peek(&b).unwrap(), ck.progress);
+
+    // The JSON is from another save.
+    save_v1(&ck, &dir.join("a.safetensors"), "id-a");
+    let saved_b = std::fs::read(dir.join("b.json")).unwrap();
+    std::fs::copy(dir.join("a.json"), dir.join("b.json")).unwrap();
+    let e = Checkpoint::load(&b).unwrap_err().to_string();
+    assert!(e.contains("b.json") && e.contains("different saves"), "{e}");
+    // The JSON is missing.
+    std::fs::remove_file(dir.join("b.json")).unwrap();
+    let e = Checkpoint::load(&b).unwrap_err().to_string();
+    assert!(e.contains("b.json"), "{e}");
+    // The JSON is corrupt.
+    std::fs::write(
+        dir.join("b.json"),
+        b"{\"format\": \"mixprec-checkpoint\", \"vers",
+    )
+    .unwrap();
+    let e = Checkpoint::load(&b).unwrap_err();
+    assert!(
+        matches!(&e, Error::DataFormat { path, .. } if path.ends_with("b.json")),
+        "{e}"
+    );
+
+    // Converted by a load and a save.
+    std::fs::write(dir.join("b.json"), saved_b).unwrap();
+    Checkpoint::load(&b).unwrap().save(&b).unwrap();
+    assert!(!dir.join("b.json").exists());
+    let (_, meta) = safetensors::read(&b).unwrap();
+    assert_eq!(meta["version"], "2");
+    assert_eq!(Checkpoint::load(&b).unwrap().progress, ck.progress);
+}
+
+/// The byte ranges of each tensor's data in a safetensors file, by name.
+fn data_ranges(bytes: &[u8]) -> (usize, Vec<(String, std::ops::Range<usize>)>) {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let start = 8 + n;
+    let mut v: Vec<_> = header
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let o = &v["data_offsets"];
+            let (s, e) = (
+                o[0].as_u64().unwrap() as usize,
+                o[1].as_u64().unwrap() as usize,
+            );
+            (k.clone(), start + s..start + e)
+        })
+        .collect();
+    v.sort_by_key(|(_, r)| r.start);
+    (start, v)
+}
+
+/// A flipped byte anywhere in a checkpoint is an error: in a tensor's data, one naming that
+/// tensor (its CRC-32); in the header, one naming the file (and the tensor or the manifest
+/// when the header still parses). The length prefix, about 500 bytes spread over the header
+/// (JSON structure, tensor entries, the manifest and its CRC), and the first, middle and last
+/// byte of every tensor.
+#[test]
+fn a_flipped_byte_anywhere_is_an_error_naming_the_tensor() {
+    let dir = scratch("ckpt_flip");
+    let (_m, _o, ck) = small_checkpoint();
+    let path = dir.join("c.safetensors");
+    ck.save(&path).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let (data_start, ranges) = data_ranges(&good);
+    let flipped = dir.join("flipped.safetensors");
+    let load_flipped = |at: usize| {
+        let mut b = good.clone();
+        b[at] ^= 0x5a;
+        std::fs::write(&flipped, &b).unwrap();
+        Checkpoint::load(&flipped)
+    };
+    let stride = (data_start / 500).max(1);
+    for at in (0..16).chain((16..data_start).step_by(stride)) {
+        let e = load_flipped(at).expect_err(&format!("header byte {at} flipped"));
+        assert!(
+            e.to_string().contains("flipped.safetensors"),
+            "byte {at}: {e}"
+        );
+    }
+    let mut data_checks = 0;
+    for (name, r) in &ranges {
+        let len = r.end - r.start;
+        for at in [r.start, r.start + len / 2, r.end - 1] {
+            let msg = load_flipped(at)
+                .expect_err(&format!("data byte {at} of {name} flipped"))
+                .to_string();
+            assert!(
+                msg.contains(&format!("tensor `{name}`")) && msg.contains("CRC-32"),
+                "byte {at} of {name}: {msg}"
+            );
+            data_checks += 1;
+        }
+    }
+    assert!(data_checks >= 3 * 20, "{data_checks}");
+    // And the unflipped file loads.
+    std::fs::write(&flipped, &good).unwrap();
+    Checkpoint::load(&flipped).unwrap();
+}
+
+/// A save that fails or crashes at any step (creating the temporary file, each write, the
+/// fsync, the rename, the directory's fsync) leaves a checkpoint that loads and verifies: the
+/// previous one or the new one. A crash leaves its temporary file, which the next save to the
+/// same name removes; an error leaves none.
+#[test]
+fn a_save_that_fails_at_any_step_leaves_a_verified_checkpoint() {
+    let dir = scratch("ckpt_faults");
+    let (m, mut o, old) = small_checkpoint();
+    let path = dir.join("last.safetensors");
+    old.save(&path).unwrap();
+    train(&m, &mut o, 1..2);
+    let new = Checkpoint::capture(
+        &m,
+        &o,
+        TrainProgress {
+            epoch: 2,
+            step: 2,
+            seed: 3,
+        },
+        serde_json::Value::Null,
+    )
+    .unwrap();
+    // How many steps a save takes (several writes: the file is larger than the 1 MiB buffer
+    // only for bigger models, so at least create, write, fsync, rename, directory fsync).
+    fault::fail_at(None, fault::Mode::Error);
+    new.save(&dir.join("probe.safetensors")).unwrap();
+    let steps = fault::steps();
+    std::fs::remove_file(dir.join("probe.safetensors")).unwrap();
+    assert!(steps >= 5, "{steps}");
+    for mode in [fault::Mode::Error, fault::Mode::Crash] {
+        for k in 0..steps {
+            old.save(&path).unwrap();
+            fault::fail_at(Some(k), mode);
+            let r = new.save(&path);
+            fault::fail_at(None, mode);
+            let e = r.expect_err(&format!("{mode:?} at step {k} of {steps}"));
+            assert!(e.to_string().contains("injected"), "{e}");
+            let got = Checkpoint::load(&path)
+                .unwrap_or_else(|e| panic!("{mode:?} at step {k}: no loadable checkpoint: {e}"));
+            assert!(
+                got.progress == old.progress || got.progress == new.progress,
+                "{mode:?} at step {k}: {:?}",
+                got.progress
+            );
+            // Before the rename the old checkpoint stands; after it, the new one.
+            let renamed = k + 1 >= steps;
+            let want = if renamed { &new } else { &old };
+            assert_eq!(got.progress, want.progress, "{mode:?} at step {k}");
+            let leftovers: Vec<String> = files_in(&dir)
+                .into_iter()
+                .filter(|f| f.contains(".tmp-"))
+                .collect();
+            match mode {
+                fault::Mode::Error => assert!(leftovers.is_empty(), "{k}: {leftovers:?}"),
+                fault::Mode::Crash if k > 0 && !renamed => {
+                    assert_eq!(leftovers.len(), 1, "{k}: {leftovers:?}")
+                }
+                fault::Mode::Crash => {}
+            }
+            // The next save cleans up after the crash.
+            new.save(&path).unwrap();
+            assert_eq!(
+                files_in(&dir),
+                vec!["last.safetensors"],
+                "{mode:?} at step {k}"
+            );
+            assert_eq!(Checkpoint::load(&path).unwrap().progress, new.progress);
+        }
+    }
+}
+
+/// A checkpoint whose values are not finite (a diverged run saved it; its checksums are
+/// right) is refused by `restore`, naming the tensors, and skipped by `latest`.
+#[test]
+fn checkpoints_of_nan_weights_are_refused() {
+    let dir = scratch("ckpt_nan");
+    let (m, mut o, good) = small_checkpoint();
+    good.save(&dir.join("epoch-001.safetensors")).unwrap();
+    let mut nan = good.clone();
+    nan.progress.step += 1;
+    let (name, t) = nan.model[0].clone();
+    let mut v = t.to_vec_f64().unwrap();
+    v[0] = f64::NAN;
+    nan.model[0].1 = Tensor::from_vec(v, t.dims().to_vec(), CPU)
+        .unwrap()
+        .to_dtype(t.dtype())
+        .unwrap();
+    nan.save(&dir.join("last.safetensors")).unwrap();
+    let loaded = Checkpoint::load(&dir.join("last.safetensors")).unwrap();
+    let e = loaded.restore(&m, &mut o).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::NonFinite { .. }), "{msg}");
+    assert!(msg.contains(&format!("`model.{name}`")), "{msg}");
+    let l = io::latest(&dir).unwrap().unwrap();
+    assert_eq!(l.path, dir.join("epoch-001.safetensors"));
+    assert_eq!(l.skipped.len(), 1);
+    assert!(
+        l.skipped[0].1.to_string().contains("Inf or NaN"),
+        "{:?}",
+        l.skipped
+    );
+}
+
+/// `latest` takes the newest checkpoint that verifies (by progress, not by name or time),
+/// naming each newer one it skipped and why.
+#[test]
+fn latest_takes_the_newest_verified_checkpoint() {
+    let dir = scratch("ckpt_latest");
+    assert!(io::latest(&dir).unwrap().is_none());
+    let (_m, _o, ck) = small_checkpoint();
+    for (name, epoch) in [
+        ("epoch-001", 1),
+        ("epoch-002", 2),
+        ("last", 3),
+        ("epoch-003", 3),
+    ] {
+        let mut c = ck.clone();
+        c.progress.epoch = epoch;
+        c.progress.step = 10 * epoch as u64;
+        c.save(&dir.join(format!("{name}.safetensors"))).unwrap();
+    }
+    let l = io::latest(&dir).unwrap().unwrap();
+    assert_eq!(l.checkpoint.progress.epoch, 3);
+    assert!(l.skipped.is_empty());
+    // Corrupt both epoch-3 files: epoch-002 is taken, and the two are named with reasons.
+    for name in ["last", "epoch-003"] {
+        let p = dir.join(format!("{name}.safetensors"));
+        let mut b = std::fs::read(&p).unwrap();
+        let n = b.len();
+        b[n - 3] ^= 0xff;
+        std::fs::write(&p, b).unwrap();
+    }
+    let l = io::latest(&dir).unwrap().unwrap();
+    assert_eq!(l.path, dir.join("epoch-002.safetensors"));
+    let skipped: Vec<String> = l
+        .skipped
+        .iter()
+        .map(|(p, e)| format!("{}: {e}", p.display()))
+        .collect();
+    assert_eq!(skipped.len(), 2, "{skipped:?}");
+    assert!(skipped.iter().all(|s| s.contains("CRC-32")), "{skipped:?}");
+    // None verifies: an error listing them all.
+    for name in ["epoch-001", "epoch-002"] {
+        std::fs::write(dir.join(format!("{name}.safetensors")), b"garbage").unwrap();
+    }
+    let msg = io::latest(&dir).unwrap_err().to_string();
+    for name in ["last", "epoch-001", "epoch-002", "epoch-003"] {
+        assert!(msg.contains(name), "{msg}");
+    }
 }
 
 #[test]

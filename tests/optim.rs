@@ -379,4 +379,22 @@ fn config_errors_name_the_key() {
     assert!(Sgd::new(vec![t.clone(), t.clone()], d).is_err());
     let labels = Tensor::zeros([2], DType::I64, CPU).unwrap();
     assert!(Sgd::new(vec![labels], d).is_err());
+    // A plain tensor (not a variable) never gets a gradient: every optimizer refuses it,
+    // naming its place; a frozen variable is fine.
+    let plain = Tensor::zeros([2, 3], DType::F32, CPU).unwrap();
+    for e in [
+        Sgd::new(vec![p().remove(0), plain.clone()], d).map(|_| ()),
+        mixprec::optim::FusedAdam::new(vec![plain.clone()], Default::default()).map(|_| ()),
+        mixprec::optim::FusedLamb::new(vec![plain.mul_scalar(2.0).unwrap()], Default::default())
+            .map(|_| ()),
+    ] {
+        let msg = e.unwrap_err().to_string();
+        assert!(
+            msg.contains("is not a variable") && msg.contains("[2, 3]"),
+            "{msg}"
+        );
+    }
+    let frozen = p().remove(0);
+    frozen.set_requires_grad(false);
+    assert!(Sgd::new(vec![frozen], d).is_ok());
 }

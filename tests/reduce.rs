@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use mixprec::{DType, Tensor};
+use mixprec::{DType, Error, Tensor};
 
 /// Reduces `x` (shape `dims`) over `dim` with `f` applied to each lane; the reduced shape
 /// keeps a 1 there.
@@ -248,11 +248,16 @@ fn argmax_records_nothing() {
 }
 
 #[test]
-fn sum_dims_repeated_dim_counts_once() {
-    // dim 1 named twice (as 1 and -3): summed once, as torch.
+fn sum_dims_repeated_dim_is_an_error() {
+    // dim 1 named twice (as 1 and -3), or 0 twice: torch refuses ("dim 1 appears multiple
+    // times in the list of dims"), and so do we, naming the dim.
     let x = randn(&[2, 3, 4, 2], 8, DType::F64);
-    let a = x.sum_dims(&[1, -3], false).unwrap();
-    let b = x.sum_dim(1, false).unwrap();
-    assert_eq!(a.dims(), [2, 4, 2]);
-    assert_vals(&a, &vals(&b));
+    for dims in [&[1, -3][..], &[0, 0], &[3, 2, -1]] {
+        let e = x.sum_dims(dims, false).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{msg}");
+        assert!(msg.contains("appears twice"), "{msg}");
+    }
+    let a = x.sum_dims(&[1, -2], false).unwrap();
+    assert_eq!(a.dims(), [2, 2]);
 }

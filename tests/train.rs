@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use mixprec::train::progress::ProgressMode;
-use mixprec::train::{run, RunConfig, RunOptions};
+use mixprec::train::{run, Resume, RunConfig, RunOptions};
 use mixprec::Error;
 
 fn config_err(text: &str) -> (String, String) {
@@ -63,13 +63,108 @@ fn bad_keys_and_values_name_the_key() {
         ("[schedule]\nkind = \"linear\"", "schedule.kind"),
         ("[amp]\nopt_level = \"O4\"", "amp.opt_level"),
         ("model = 3", "model"),
-        ("epochs = ", "(syntax)"),
+        ("out = \"\"", "out"),
+        ("[optimizer]\nlr = 1e9", "optimizer.lr"),
+        ("[optimizer]\nlr = nan", "optimizer.lr"),
+        ("[optimizer]\nbetas = [0.9, 1]", "optimizer.betas"),
+        ("[data]\ntrain_limit = -1", "data.train_limit"),
+        ("[amp]\npolicy = \"\"", "amp.policy"),
     ];
     for (text, key) in cases {
         let (got, allowed) = config_err(text);
         assert_eq!(got, key, "{text:?}");
         assert!(!allowed.is_empty());
     }
+}
+
+/// Every error names the file, the line and column, the key, the value as written and what is
+/// allowed; numbers print as people write them.
+#[test]
+fn config_errors_say_where_and_what() {
+    let e =
+        RunConfig::from_toml_str("epochs = 3\n[optimizer]\nlr = 1e9\n", "run.toml").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "config run.toml:3:6: key `optimizer.lr` = 1e9: a number > 0 and <= 1000"
+    );
+    let e = RunConfig::from_toml_str("[optimizer]\n  lr = nan", "run.toml").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "config run.toml:2:8: key `optimizer.lr` = nan: a number > 0 and <= 1000"
+    );
+    let e = RunConfig::from_toml_str("[optimizer]\nnmae = \"adam\"", "r.toml").unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with("config r.toml:2:1: key `optimizer.nmae` = \"adam\": not a known key"),
+        "{msg}"
+    );
+    assert!(msg.contains("`name`") && msg.contains("`lr`"), "{msg}");
+    let e = RunConfig::from_toml_str("[data]\nbatch_size = \"big\"", "r.toml").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "config r.toml:2:14: key `data.batch_size` = \"big\": an integer >= 1"
+    );
+    // A default that disagrees with a key the file sets names the key, without a place.
+    let e = RunConfig::from_toml_str("[model]\nwidths = [8, 16]", "r.toml").unwrap_err();
+    assert!(
+        matches!(&e, Error::Config { key, at: Some(_), .. } if key == "model.widths"),
+        "{e}"
+    );
+    // Syntax errors have a place too.
+    match RunConfig::from_toml_str("epochs = 3\nseed = 1\nepochs = 4\n", "r.toml") {
+        Err(e @ Error::ConfigSyntax { at: Some(at), .. }) => {
+            assert_eq!((at.line, at.column), (3, 1), "{e}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("duplicate key") && msg.contains("epochs"),
+                "{msg}"
+            );
+            assert!(msg.starts_with("config r.toml:3:1: TOML syntax: "), "{msg}");
+        }
+        other => panic!("expected a syntax error, got {other:?}"),
+    }
+    assert!(matches!(
+        RunConfig::from_toml_str("epochs = ", "r.toml"),
+        Err(Error::ConfigSyntax { at: Some(_), .. })
+    ));
+    // Integers are numbers: betas = [0, 0.999] is two numbers.
+    let c = RunConfig::from_toml_str("[optimizer]\nbetas = [0, 0.999]\nlr = 1", "r.toml").unwrap();
+    assert_eq!(c.optimizer.betas, (0.0, 0.999));
+    assert_eq!(c.optimizer.lr, 1.0);
+}
+
+/// A flag is held to the limits of its key (one validation for both).
+#[test]
+fn flags_and_keys_share_their_limits() {
+    for (set, key) in [
+        (
+            (|c: &mut RunConfig| c.optimizer.lr = 1e9) as fn(&mut RunConfig),
+            "optimizer.lr",
+        ),
+        (|c| c.optimizer.lr = -1.0, "optimizer.lr"),
+        (|c| c.optimizer.lr = f64::NAN, "optimizer.lr"),
+        (|c| c.epochs = 0, "epochs"),
+        (|c| c.out = PathBuf::new(), "out"),
+        (|c| c.model.widths = vec![8], "model.widths"),
+        (|c| c.data.batch_size = 0, "data.batch_size"),
+        (|c| c.optimizer.momentum = 2.0, "optimizer.momentum"),
+    ] {
+        let mut c = RunConfig::default();
+        set(&mut c);
+        match c.validate("command line") {
+            Err(Error::Config { key: k, value, .. }) => {
+                assert_eq!(k, key);
+                assert!(value.len() < 30, "{value}");
+            }
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    let mut c = RunConfig::default();
+    c.optimizer.lr = f64::MIN_POSITIVE;
+    assert!(c.validate("x").is_ok());
+    c.optimizer.lr = -f64::MIN_POSITIVE;
+    let msg = c.validate("x").unwrap_err().to_string();
+    assert!(msg.len() < 120, "{msg}");
 }
 
 fn tiny(out: PathBuf, opt_level: &str, optimizer: &str) -> RunConfig {
@@ -122,7 +217,7 @@ fn resume_reproduces_the_uninterrupted_run() {
         let resumed = run(
             &cfg,
             &RunOptions {
-                resume: Some(ckpt),
+                resume: Some(Resume::From(ckpt)),
                 ..quiet()
             },
         )
@@ -163,4 +258,247 @@ fn tempdir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// A quick run for the run-directory tests: 4 steps an epoch.
+fn quick(out: PathBuf, epochs: usize) -> RunConfig {
+    let mut c = tiny(out, "O0", "sgd");
+    c.epochs = epochs;
+    c.data.train_limit = 256;
+    c.data.test_limit = 100;
+    c.data.augment = false;
+    c
+}
+
+fn run_dir_error(r: mixprec::Result<mixprec::train::RunSummary>) -> String {
+    match r {
+        Err(e @ Error::RunDirectory { .. }) => e.to_string(),
+        other => panic!("expected a run-directory error, got {other:?}"),
+    }
+}
+
+/// Re-running into a used directory is refused and changes nothing; `overwrite` starts over
+/// (the earlier run's epoch checkpoints go); a directory with other files is refused too.
+#[test]
+fn rerunning_into_a_used_directory_is_refused() {
+    let dir = tempdir("rerun");
+    let cfg = quick(dir.join("run"), 2);
+    run(&cfg, &quiet()).unwrap();
+    let before = std::fs::read(cfg.out.join("metrics.csv")).unwrap();
+    let msg = run_dir_error(run(&quick(cfg.out.clone(), 1), &quiet()));
+    assert!(
+        msg.contains("not empty") && msg.contains("--resume auto") && msg.contains("--overwrite"),
+        "{msg}"
+    );
+    assert_eq!(std::fs::read(cfg.out.join("metrics.csv")).unwrap(), before);
+    assert!(cfg.out.join("checkpoints/epoch-002.safetensors").is_file());
+
+    let again = run(
+        &quick(cfg.out.clone(), 1),
+        &RunOptions {
+            overwrite: true,
+            ..quiet()
+        },
+    )
+    .unwrap();
+    assert_eq!(again.history.len(), 1);
+    assert!(!cfg.out.join("checkpoints/epoch-002.safetensors").exists());
+    let csv = std::fs::read_to_string(cfg.out.join("metrics.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 2, "{csv}");
+
+    // Somebody else's files: refused, and left alone.
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("notes.txt"), "mine").unwrap();
+    let msg = run_dir_error(run(&quick(other.clone(), 1), &quiet()));
+    assert!(msg.contains("notes.txt"), "{msg}");
+    assert_eq!(
+        std::fs::read_to_string(other.join("notes.txt")).unwrap(),
+        "mine"
+    );
+}
+
+/// Two runs on one directory: the second is refused while the first holds the lock, naming
+/// it; a lock left by a killed process is taken over.
+#[test]
+fn two_runs_on_one_directory_the_second_is_refused() {
+    use mixprec::train::run_dir::{RunDir, Use, LOCK_FILE};
+    let dir = tempdir("lock").join("run");
+    let first = RunDir::open(&dir, Use::Fresh { overwrite: false }).unwrap();
+    let msg = run_dir_error(run(&quick(dir.clone(), 1), &quiet()));
+    assert!(
+        msg.contains("in use by another run")
+            && msg.contains(&format!("pid {}", std::process::id())),
+        "{msg}"
+    );
+    // Even with --overwrite or a resume.
+    let msg = run_dir_error(run(
+        &quick(dir.clone(), 1),
+        &RunOptions {
+            overwrite: true,
+            resume: Some(Resume::Auto),
+            ..quiet()
+        },
+    ));
+    assert!(msg.contains("in use"), "{msg}");
+    drop(first);
+    // A clean end leaves an empty lock file.
+    assert_eq!(std::fs::read_to_string(dir.join(LOCK_FILE)).unwrap(), "");
+
+    // The lock file of a process that was killed (its lock went with it; its note stays).
+    std::fs::write(
+        dir.join(LOCK_FILE),
+        "pid 4000000 on elsewhere since 0 (unix time)",
+    )
+    .unwrap();
+    let s = run(&quick(dir.clone(), 1), &quiet()).unwrap();
+    assert_eq!(s.history.len(), 1);
+}
+
+/// `Resume::Auto` starts a run when there is no checkpoint, continues from the newest that
+/// verifies (skipping a corrupt `last`), and ends with the uninterrupted run's numbers, bit for
+/// bit; an explicit older checkpoint, with newer ones beside it, needs `overwrite`.
+#[test]
+fn resume_auto_continues_from_the_newest_verified_checkpoint() {
+    let dir = tempdir("auto");
+    let full = run(&quick(dir.join("full"), 3), &quiet()).unwrap();
+    let cfg = quick(dir.join("split"), 3);
+    let auto = |stop: Option<usize>| {
+        run(
+            &cfg,
+            &RunOptions {
+                resume: Some(Resume::Auto),
+                stop_after: stop,
+                ..quiet()
+            },
+        )
+    };
+    assert_eq!(auto(Some(1)).unwrap().history.len(), 1);
+    assert_eq!(auto(Some(2)).unwrap().history.len(), 2);
+    // Flip a byte of `last` (epoch 2): epoch-002 holds the same state and is taken.
+    let last = cfg.out.join("checkpoints/last.safetensors");
+    let mut b = std::fs::read(&last).unwrap();
+    let n = b.len();
+    b[n - 5] ^= 1;
+    std::fs::write(&last, b).unwrap();
+    let resumed = auto(None).unwrap();
+    assert_eq!(resumed.history.len(), 3);
+    for (a, b) in full.history.iter().zip(&resumed.history) {
+        assert_eq!(
+            a.train_loss.to_bits(),
+            b.train_loss.to_bits(),
+            "epoch {}",
+            a.epoch
+        );
+        assert_eq!(a.test_loss.to_bits(), b.test_loss.to_bits());
+    }
+    assert_eq!(
+        std::fs::read(full.weights.unwrap()).unwrap(),
+        std::fs::read(resumed.weights.unwrap()).unwrap()
+    );
+
+    // From epoch 1 while epochs 2 and 3 are there: refused, then allowed with overwrite.
+    let older = Resume::From(cfg.out.join("checkpoints/epoch-001.safetensors"));
+    let msg = run_dir_error(run(
+        &cfg,
+        &RunOptions {
+            resume: Some(older.clone()),
+            ..quiet()
+        },
+    ));
+    assert!(msg.contains("newer") && msg.contains("epoch-003"), "{msg}");
+    let again = run(
+        &cfg,
+        &RunOptions {
+            resume: Some(older),
+            overwrite: true,
+            stop_after: Some(2),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    assert_eq!(again.history.len(), 2);
+    assert!(!cfg.out.join("checkpoints/epoch-003.safetensors").exists());
+}
+
+/// config.toml records what the run used (never `auto`), and a run that trains nothing
+/// (`stop_after` 0) reports only the files it wrote.
+#[test]
+fn the_record_says_what_was_used_and_what_was_written() {
+    let dir = tempdir("record");
+    let mut cfg = quick(dir.join("run"), 1);
+    cfg.device = "auto".into();
+    cfg.data.dir = "auto".into();
+    let s = run(
+        &cfg,
+        &RunOptions {
+            stop_after: Some(0),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    assert!(s.history.is_empty());
+    assert_eq!(s.last_checkpoint, None);
+    assert_eq!(s.weights, None);
+    let written: Vec<String> = s.written.iter().map(|p| p.display().to_string()).collect();
+    assert_eq!(written, ["config.toml", "metrics.csv", "metrics.jsonl"]);
+    assert!(!cfg.out.join("model.safetensors").exists());
+    let recorded = RunConfig::from_toml_file(cfg.out.join("config.toml")).unwrap();
+    assert_eq!(recorded.device, s.device.to_string());
+    assert_ne!(recorded.data.dir, "auto");
+    if s.device == mixprec::Device::Cpu && std::env::var_os("FASHION_MNIST_DIR").is_none() {
+        // On a CPU `auto` is the bundled subset, whatever is installed.
+        assert_eq!(recorded.data.dir, "bundled");
+        assert!(s.data.contains("subset"), "{}", s.data);
+    }
+}
+
+/// A run whose steps all overflow stops with an error naming the last good checkpoint (a
+/// learning rate of 1000 after a good first epoch), instead of "training" on to a NaN loss.
+#[test]
+fn a_diverging_run_stops_with_an_error() {
+    let dir = tempdir("diverge");
+    let mut cfg = quick(dir.join("run"), 10);
+    cfg.data.train_limit = 512;
+    cfg.divergence_steps = 6;
+    run(
+        &cfg,
+        &RunOptions {
+            stop_after: Some(1),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    cfg.optimizer.lr = 1000.0;
+    cfg.schedule.kind = "constant".into();
+    let good = cfg.out.join("checkpoints/epoch-001.safetensors");
+    let e = run(
+        &cfg,
+        &RunOptions {
+            resume: Some(Resume::From(good.clone())),
+            ..quiet()
+        },
+    )
+    .unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Diverged { .. }), "{msg}");
+    assert!(
+        msg.contains("skipped for a non-finite loss") && msg.contains(&good.display().to_string()),
+        "{msg}"
+    );
+    // Limit 0: never stops (the run ends, with a NaN loss).
+    cfg.divergence_steps = 0;
+    let s = run(
+        &cfg,
+        &RunOptions {
+            resume: Some(Resume::From(good)),
+            overwrite: true,
+            ..quiet()
+        },
+    )
+    .unwrap();
+    assert!(s
+        .history
+        .iter()
+        .any(|r| !r.train_loss.is_finite() || r.skipped_steps > 0));
 }

@@ -780,9 +780,17 @@ pub fn initialize_many<M: Module, O: Optimizer>(
             }
         }
     }
+    // A program prints its own summary; the library's line is for those who ask (verbosity 2
+    // or RUST_LOG=debug).
+    let level = if policy.verbosity > 1 {
+        log::Level::Info
+    } else {
+        log::Level::Debug
+    };
     if policy.verbosity > 0 {
-        log::info!(
-            "amp: {} from {}: {props:?}",
+        log::log!(
+            level,
+            "amp: {} from {}: {props}",
             policy.opt_level,
             policy.source
         );

@@ -28,7 +28,10 @@
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use serde::Deserialize;
+
+use crate::config_toml::ConfigText;
+use crate::error::{fmt_number, Error, Result};
 use crate::tensor::DType;
 
 /// apex's optimisation levels.
@@ -107,6 +110,33 @@ pub struct Properties {
     pub half_dtype: DType,
 }
 
+impl std::fmt::Display for Properties {
+    /// What the level does, in one line: `f16 weights and activations, FP32 batch norm, FP32
+    /// master weights, dynamic loss scale`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        match self.cast_model_type {
+            Some(t) if t.is_half() => parts.push(format!("{t} weights and activations")),
+            _ => parts.push("FP32 weights".to_string()),
+        }
+        if self.autocast {
+            parts.push(format!("autocast to {}", self.half_dtype));
+        }
+        if self.cast_model_type.is_some_and(|t| t.is_half()) && self.keep_batchnorm_fp32 {
+            parts.push("FP32 batch norm".into());
+        }
+        if self.master_weights {
+            parts.push("FP32 master weights".into());
+        }
+        parts.push(match self.loss_scale {
+            LossScale::Dynamic => "dynamic loss scale".into(),
+            LossScale::Static(1.0) => "no loss scaling".into(),
+            LossScale::Static(s) => format!("static loss scale {}", fmt_number(s)),
+        });
+        f.write_str(&parts.join(", "))
+    }
+}
+
 /// An AMP policy: an opt level, apex's overrides on top of it, and the scaler settings.
 ///
 /// Override fields are `None` when not given (the level's default applies); see
@@ -135,7 +165,8 @@ pub struct Policy {
     pub max_loss_scale: f64,
     /// The number of losses, each with its own scaler (1).
     pub num_losses: usize,
-    /// 0: silent; 1: one info line per report interval and the policy at initialize; 2: more.
+    /// 0: silent; 1: one info line per report interval with skipped steps (debug otherwise) and
+    /// the policy at initialize at debug level; 2: the policy at info level too.
     pub verbosity: u8,
     /// Steps between scaler reports (0: never). A report reads the scaler state to the host.
     pub report_interval: u64,
@@ -145,26 +176,35 @@ pub struct Policy {
 
 const CODE: &str = "<code>";
 
-/// Every key a policy file may hold.
-pub const POLICY_KEYS: &[&str] = &[
-    "opt_level",
-    "half_dtype",
-    "cast_model_type",
-    "autocast",
-    "patch_torch_functions",
-    "keep_batchnorm_fp32",
-    "master_weights",
-    "loss_scale",
-    "init_scale",
-    "scale_window",
-    "growth_factor",
-    "backoff_factor",
-    "min_loss_scale",
-    "max_loss_scale",
-    "num_losses",
-    "verbosity",
-    "report_interval",
+/// Every key a policy file may hold, with what it allows (the words of every error about it,
+/// from a file or from [`Policy::validate`]). Rules between keys (apex's) have their own words.
+pub const POLICY_KEYS: &[(&str, &str)] = &[
+    ("opt_level", "\"O0\", \"O1\", \"O2\" or \"O3\" (required)"),
+    ("half_dtype", "\"f16\" or \"bf16\""),
+    ("cast_model_type", "\"f32\" or the policy's half_dtype"),
+    ("autocast", "true or false"),
+    ("patch_torch_functions", "true or false"),
+    ("keep_batchnorm_fp32", "true or false"),
+    ("master_weights", "true or false"),
+    ("loss_scale", "\"dynamic\" or a finite number > 0"),
+    ("init_scale", "a finite number > 0, at most max_loss_scale"),
+    ("scale_window", "an integer >= 1"),
+    ("growth_factor", "a finite number > 1"),
+    ("backoff_factor", "a number in (0, 1)"),
+    (
+        "min_loss_scale",
+        "a finite number > 0, at most max_loss_scale",
+    ),
+    ("max_loss_scale", "a finite number > 0"),
+    ("num_losses", "an integer >= 1"),
+    ("verbosity", "0, 1 or 2"),
+    ("report_interval", "an integer >= 0 (steps; 0: never)"),
 ];
+
+/// What a policy key allows (see [`POLICY_KEYS`]).
+fn allowed(key: &str) -> Option<&'static str> {
+    POLICY_KEYS.iter().find(|(k, _)| *k == key).map(|(_, a)| *a)
+}
 
 impl Policy {
     /// The level's defaults, f16, apex's scaler settings.
@@ -256,12 +296,12 @@ impl Policy {
     // ---- resolution and rules ---------------------------------------------------------------
 
     fn err(&self, key: &str, value: impl std::fmt::Display, allowed: impl Into<String>) -> Error {
-        Error::Config {
-            file: self.source.clone(),
-            key: key.to_string(),
-            value: value.to_string(),
-            allowed: allowed.into(),
-        }
+        Error::config(self.source.clone(), key, value.to_string(), allowed)
+    }
+
+    /// A number key's error, the number as a person writes it and the key's words.
+    fn num_err(&self, key: &str, v: f64) -> Error {
+        self.err(key, fmt_number(v), allowed(key).unwrap_or(""))
     }
 
     /// Checks apex's rules and the value ranges; the error names the source, the key, the
@@ -329,42 +369,59 @@ impl Policy {
         }
         if let Some(LossScale::Static(v)) = self.loss_scale {
             if !(v.is_finite() && v > 0.0) {
-                return Err(self.err("loss_scale", v, "\"dynamic\" or a finite number > 0"));
+                return Err(self.num_err("loss_scale", v));
             }
         }
         let positive = |key: &str, v: f64| -> Result<()> {
             if v.is_finite() && v > 0.0 {
                 Ok(())
             } else {
-                Err(self.err(key, v, "a finite number > 0"))
+                Err(self.num_err(key, v))
             }
         };
-        positive("init_scale", self.init_scale)?;
         positive("max_loss_scale", self.max_loss_scale)?;
+        positive("init_scale", self.init_scale)?;
+        if self.init_scale > self.max_loss_scale {
+            return Err(self.err(
+                "init_scale",
+                fmt_number(self.init_scale),
+                format!(
+                    "at most max_loss_scale = {}",
+                    fmt_number(self.max_loss_scale)
+                ),
+            ));
+        }
         if let Some(m) = self.min_loss_scale {
             positive("min_loss_scale", m)?;
             if m > self.max_loss_scale {
                 return Err(self.err(
                     "min_loss_scale",
-                    m,
-                    format!("at most max_loss_scale = {}", self.max_loss_scale),
+                    fmt_number(m),
+                    format!(
+                        "at most max_loss_scale = {}",
+                        fmt_number(self.max_loss_scale)
+                    ),
                 ));
             }
         }
         if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
-            return Err(self.err("growth_factor", self.growth_factor, "a finite number > 1"));
+            return Err(self.num_err("growth_factor", self.growth_factor));
         }
         if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
-            return Err(self.err("backoff_factor", self.backoff_factor, "a number in (0, 1)"));
+            return Err(self.num_err("backoff_factor", self.backoff_factor));
         }
         if self.scale_window == 0 {
-            return Err(self.err("scale_window", 0, "at least 1"));
+            return Err(self.err("scale_window", 0, allowed("scale_window").unwrap_or("")));
         }
         if self.num_losses == 0 {
-            return Err(self.err("num_losses", 0, "at least 1"));
+            return Err(self.err("num_losses", 0, allowed("num_losses").unwrap_or("")));
         }
         if self.verbosity > 2 {
-            return Err(self.err("verbosity", self.verbosity, "0, 1 or 2"));
+            return Err(self.err(
+                "verbosity",
+                self.verbosity,
+                allowed("verbosity").unwrap_or(""),
+            ));
         }
         Ok(())
     }
@@ -428,133 +485,119 @@ impl Policy {
     }
 
     fn parse_toml(text: &str, file: &str) -> Result<Policy> {
-        let cfg = |key: &str, value: String, allowed: &str| Error::Config {
-            file: file.to_string(),
-            key: key.to_string(),
-            value,
-            allowed: allowed.to_string(),
+        let doc = ConfigText::parse(text, file)?;
+        let f: PolicyFile = doc.deserialize(|k| allowed(k).map(String::from))?;
+        let bad = |key: &str, value: String| {
+            doc.locate(Error::config(file, key, value, allowed(key).unwrap_or("")))
         };
-        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-            cfg(
-                "(syntax)",
-                e.message().to_string(),
-                "a TOML table of policy keys",
-            )
-        })?;
-        for (k, v) in &table {
-            if !POLICY_KEYS.contains(&k.as_str()) {
-                return Err(cfg(k, v.to_string(), &format!("one of {POLICY_KEYS:?}")));
-            }
-        }
-        let level = match table.get("opt_level") {
-            None => {
-                return Err(cfg(
-                    "opt_level",
-                    "(missing)".into(),
-                    "\"O0\", \"O1\", \"O2\" or \"O3\"",
-                ))
-            }
-            Some(v) => v.as_str().and_then(OptLevel::parse).ok_or_else(|| {
-                cfg(
-                    "opt_level",
-                    v.to_string(),
-                    "\"O0\", \"O1\", \"O2\" or \"O3\"",
-                )
-            })?,
-        };
+        let level = OptLevel::parse(&f.opt_level)
+            .ok_or_else(|| bad("opt_level", format!("{:?}", f.opt_level)))?;
         let mut p = Policy::opt_level(level);
         p.source = file.to_string();
-        let dtype = |key: &str, v: &toml::Value, allowed: &str, ok: &[DType]| {
-            v.as_str()
-                .and_then(DType::parse)
+        let dtype = |key: &str, s: &str, ok: &[DType]| {
+            DType::parse(s)
                 .filter(|d| ok.contains(d))
-                .ok_or_else(|| cfg(key, v.to_string(), allowed))
+                .ok_or_else(|| bad(key, format!("{s:?}")))
         };
-        let boolean = |key: &str, v: &toml::Value| {
-            v.as_bool()
-                .ok_or_else(|| cfg(key, v.to_string(), "true or false"))
-        };
-        let number = |key: &str, v: &toml::Value| match v {
-            toml::Value::Float(f) => Ok(*f),
-            toml::Value::Integer(i) => Ok(*i as f64),
-            _ => Err(cfg(key, v.to_string(), "a number")),
-        };
-        let integer = |key: &str, v: &toml::Value| match v {
-            toml::Value::Integer(i) if *i >= 0 => Ok(*i as u64),
-            _ => Err(cfg(key, v.to_string(), "an integer >= 0")),
-        };
-        let mut autocast_key = None;
-        for (k, v) in &table {
-            let k = k.as_str();
-            match k {
-                "opt_level" => {}
-                "half_dtype" => {
-                    p.half_dtype = dtype(k, v, "\"f16\" or \"bf16\"", &[DType::F16, DType::BF16])?
-                }
-                "cast_model_type" => {
-                    p.cast_model_type = Some(dtype(
-                        k,
-                        v,
-                        "\"f32\", \"f16\" or \"bf16\"",
-                        &[DType::F32, DType::F16, DType::BF16],
-                    )?)
-                }
-                "autocast" | "patch_torch_functions" => {
-                    if let Some(prev) = autocast_key.replace(k) {
-                        return Err(cfg(
-                            k,
-                            v.to_string(),
-                            &format!("only one of `autocast` and `patch_torch_functions` (`{prev}` is given too)"),
-                        ));
-                    }
-                    p.autocast = Some(boolean(k, v)?)
-                }
-                "keep_batchnorm_fp32" => p.keep_batchnorm_fp32 = Some(boolean(k, v)?),
-                "master_weights" => p.master_weights = Some(boolean(k, v)?),
-                "loss_scale" => {
-                    p.loss_scale = Some(match v {
-                        toml::Value::String(s) if s == "dynamic" => LossScale::Dynamic,
-                        toml::Value::Float(_) | toml::Value::Integer(_) => {
-                            LossScale::Static(number(k, v)?)
-                        }
-                        _ => return Err(cfg(k, v.to_string(), "\"dynamic\" or a number > 0")),
-                    })
-                }
-                "init_scale" => p.init_scale = number(k, v)?,
-                "scale_window" => p.scale_window = integer(k, v)?,
-                "growth_factor" => p.growth_factor = number(k, v)?,
-                "backoff_factor" => p.backoff_factor = number(k, v)?,
-                "min_loss_scale" => p.min_loss_scale = Some(number(k, v)?),
-                "max_loss_scale" => p.max_loss_scale = number(k, v)?,
-                "num_losses" => {
-                    p.num_losses = usize::try_from(integer(k, v)?)
-                        .map_err(|_| cfg(k, v.to_string(), "a small integer"))?
-                }
-                "verbosity" => {
-                    p.verbosity = u8::try_from(integer(k, v)?)
-                        .map_err(|_| cfg(k, v.to_string(), "0, 1 or 2"))?
-                }
-                "report_interval" => p.report_interval = integer(k, v)?,
-                _ => return Err(cfg(k, v.to_string(), &format!("one of {POLICY_KEYS:?}"))),
-            }
+        if let Some(h) = &f.half_dtype {
+            p.half_dtype = dtype("half_dtype", h, &[DType::F16, DType::BF16])?;
         }
+        if let Some(t) = &f.cast_model_type {
+            p.cast_model_type = Some(dtype(
+                "cast_model_type",
+                t,
+                &[DType::F32, DType::F16, DType::BF16],
+            )?);
+        }
+        let autocast_key = match (f.autocast, f.patch_torch_functions) {
+            (Some(_), Some(v)) => {
+                return Err(doc.locate(Error::config(
+                    file,
+                    "patch_torch_functions",
+                    v.to_string(),
+                    "only one of `autocast` and `patch_torch_functions` (apex's name for it); `autocast` is given too",
+                )))
+            }
+            (Some(_), None) => "autocast",
+            (None, Some(_)) => "patch_torch_functions",
+            (None, None) => "",
+        };
+        p.autocast = f.autocast.or(f.patch_torch_functions);
+        p.keep_batchnorm_fp32 = f.keep_batchnorm_fp32;
+        p.master_weights = f.master_weights;
+        p.loss_scale = match f.loss_scale {
+            None => None,
+            Some(LossScaleToml::Number(v)) => Some(LossScale::Static(v)),
+            Some(LossScaleToml::Name(s)) if s == "dynamic" => Some(LossScale::Dynamic),
+            Some(LossScaleToml::Name(s)) => return Err(bad("loss_scale", format!("{s:?}"))),
+        };
+        macro_rules! set {
+            ($($field:ident),*) => {$(
+                if let Some(v) = f.$field {
+                    p.$field = v;
+                }
+            )*};
+        }
+        set!(
+            init_scale,
+            scale_window,
+            growth_factor,
+            backoff_factor,
+            max_loss_scale,
+            num_losses,
+            verbosity,
+            report_interval
+        );
+        p.min_loss_scale = f.min_loss_scale;
         p.validate().map_err(|e| match e {
             // Name the key as the file spells it.
             Error::Config {
                 file,
+                at,
                 key,
                 value,
                 allowed,
-            } if key == "autocast" && autocast_key == Some("patch_torch_functions") => {
-                Error::Config {
-                    file,
-                    key: "patch_torch_functions".into(),
-                    value,
-                    allowed,
-                }
-            }
-            e => e,
+            } if key == "autocast" => doc.locate(Error::Config {
+                file,
+                at,
+                key: autocast_key.into(),
+                value,
+                allowed,
+            }),
+            e => doc.locate(e),
         })?;
         Ok(p)
     }
+}
+
+/// A policy file as written (every key but `opt_level` optional; [`Policy::parse_toml`] turns
+/// it into a [`Policy`] and checks it).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyFile {
+    opt_level: String,
+    half_dtype: Option<String>,
+    cast_model_type: Option<String>,
+    autocast: Option<bool>,
+    patch_torch_functions: Option<bool>,
+    keep_batchnorm_fp32: Option<bool>,
+    master_weights: Option<bool>,
+    loss_scale: Option<LossScaleToml>,
+    init_scale: Option<f64>,
+    scale_window: Option<u64>,
+    growth_factor: Option<f64>,
+    backoff_factor: Option<f64>,
+    min_loss_scale: Option<f64>,
+    max_loss_scale: Option<f64>,
+    num_losses: Option<usize>,
+    verbosity: Option<u8>,
+    report_interval: Option<u64>,
+}
+
+/// `loss_scale = "dynamic"` or a number (an integer is a number too).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum LossScaleToml {
+    Number(f64),
+    Name(String),
 }

@@ -1,7 +1,9 @@
 //! Fashion-MNIST (Xiao, Rasul, Vollgraf 2017; © Zalando SE, MIT licence): 28×28 grey-scale
 //! images of 10 clothing classes, 60,000 for training and 10,000 for testing, as IDX files.
 //!
-//! Where the files are looked for, first found wins:
+//! Each file is `NAME.gz` (as distributed) or the uncompressed `NAME`, whichever is there (the
+//! reader tells gzip from raw IDX by the first bytes). Where the files are looked for, first
+//! found wins:
 //! 1. the directory in the `FASHION_MNIST_DIR` environment variable (an error if the files are
 //!    not there: a user who names a directory means it);
 //! 2. `/usr/share/datasets/fashion-mnist` (Debian's `dataset-fashion-mnist` package);
@@ -64,6 +66,27 @@ impl Split {
             Split::Test => ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
         }
     }
+
+    /// The split's images and labels files in `dir`, each `NAME.gz` or the uncompressed
+    /// `NAME`; the error names the first one found in neither form.
+    pub fn files_in(self, dir: &Path) -> std::result::Result<(PathBuf, PathBuf), PathBuf> {
+        let (i, l) = self.file_names();
+        Ok((find_file(dir, i)?, find_file(dir, l)?))
+    }
+}
+
+/// `dir/NAME.gz`, else `dir/NAME` (`gz_name` is the `.gz` form); `Err` is the path not found.
+fn find_file(dir: &Path, gz_name: &str) -> std::result::Result<PathBuf, PathBuf> {
+    let gz = dir.join(gz_name);
+    if gz.is_file() {
+        return Ok(gz);
+    }
+    let raw = dir.join(gz_name.trim_end_matches(".gz"));
+    if raw.is_file() {
+        Ok(raw)
+    } else {
+        Err(dir.join(format!("{}[.gz]", gz_name.trim_end_matches(".gz"))))
+    }
 }
 
 impl fmt::Display for Split {
@@ -84,6 +107,8 @@ pub enum DataSource {
     Full(PathBuf),
     /// The subset bundled with the repository (10,000 train / 2,000 test images).
     Bundled(PathBuf),
+    /// A directory named by the user (`train_resnet --data DIR`).
+    Dir(PathBuf),
 }
 
 impl DataSource {
@@ -125,10 +150,50 @@ impl DataSource {
         }
     }
 
+    /// The full set: `$FASHION_MNIST_DIR` when set, else the system location; an error saying
+    /// how to install it when it is not there.
+    pub fn full() -> Result<DataSource> {
+        if std::env::var_os(ENV_VAR).is_some_and(|v| !v.is_empty()) {
+            return Self::locate();
+        }
+        let system = PathBuf::from(SYSTEM_DIR);
+        match first_missing(&system) {
+            None => Ok(DataSource::Full(system)),
+            Some(missing) => Err(Error::io(
+                format!(
+                    "the full Fashion-MNIST is not installed at {SYSTEM_DIR} (Debian: apt-get \
+                     install dataset-fashion-mnist)"
+                ),
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("{} not found", missing.display()),
+                ),
+            )),
+        }
+    }
+
+    /// A directory the user named; an error naming the first file it lacks.
+    pub fn dir_given(dir: impl Into<PathBuf>) -> Result<DataSource> {
+        let dir = dir.into();
+        match first_missing(&dir) {
+            None => Ok(DataSource::Dir(dir)),
+            Some(missing) => Err(Error::io(
+                format!("{} does not hold the Fashion-MNIST files", dir.display()),
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("{} not found", missing.display()),
+                ),
+            )),
+        }
+    }
+
     /// The directory holding the files.
     pub fn dir(&self) -> &Path {
         match self {
-            DataSource::Env(p) | DataSource::Full(p) | DataSource::Bundled(p) => p,
+            DataSource::Env(p)
+            | DataSource::Full(p)
+            | DataSource::Bundled(p)
+            | DataSource::Dir(p) => p,
         }
     }
 
@@ -147,6 +212,7 @@ impl fmt::Display for DataSource {
                 "bundled Fashion-MNIST subset (10,000 train / 2,000 test images) at {}",
                 p.display()
             ),
+            DataSource::Dir(p) => write!(f, "Fashion-MNIST from {}", p.display()),
         }
     }
 }
@@ -154,11 +220,7 @@ impl fmt::Display for DataSource {
 fn first_missing(dir: &Path) -> Option<PathBuf> {
     [Split::Train, Split::Test]
         .iter()
-        .flat_map(|s| {
-            let (i, l) = s.file_names();
-            [dir.join(i), dir.join(l)]
-        })
-        .find(|p| !p.is_file())
+        .find_map(|s| s.files_in(dir).err())
 }
 
 /// One split of Fashion-MNIST in memory (as bytes: 784 B per image), served normalised.
@@ -189,10 +251,18 @@ impl FashionMnist {
         Self::load_dir(source.dir(), split)
     }
 
-    /// Loads `split` from the official file names in `dir`.
+    /// Loads `split` from the official file names in `dir` (each gzip'd or not).
     pub fn load_dir(dir: impl AsRef<Path>, split: Split) -> Result<FashionMnist> {
-        let (i, l) = split.file_names();
-        Self::from_files(dir.as_ref().join(i), dir.as_ref().join(l), split)
+        let (i, l) = split.files_in(dir.as_ref()).map_err(|missing| {
+            Error::io(
+                format!("loading the Fashion-MNIST {split} split"),
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("{} not found", missing.display()),
+                ),
+            )
+        })?;
+        Self::from_files(i, l, split)
     }
 
     /// Loads an images file and a labels file (IDX, gzip'd or raw) and checks that they agree.
@@ -204,6 +274,15 @@ impl FashionMnist {
         let (ipath, lpath) = (images.as_ref(), labels.as_ref());
         let imgs = idx::read_images(ipath)?;
         let labs = idx::read_labels(lpath)?;
+        if imgs.count == 0 {
+            return Err(Error::DataFormat {
+                path: ipath.display().to_string(),
+                format: "IDX",
+                detail: "the file holds 0 images (a valid header with no items): nothing to \
+                         train or test on"
+                    .into(),
+            });
+        }
         if imgs.count != labs.len() {
             return Err(Error::DataFormat {
                 path: lpath.display().to_string(),

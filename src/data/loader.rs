@@ -58,15 +58,22 @@ impl std::fmt::Debug for DataLoader {
 
 impl DataLoader {
     /// A loader in dataset order, no augmentation, keeping the last partial batch, prefetching
-    /// 2 batches in a background thread. A `batch_size` of 0 is reported as an error by the
-    /// first item of every epoch.
-    pub fn new(dataset: impl Dataset + 'static, batch_size: usize) -> Self {
+    /// 2 batches in a background thread. A `batch_size` of 0 is an error (as PyTorch's).
+    pub fn new(dataset: impl Dataset + 'static, batch_size: usize) -> Result<Self> {
         Self::from_arc(Arc::new(dataset), batch_size)
     }
 
     /// Like `new`, for a dataset that is shared with other code.
-    pub fn from_arc(dataset: Arc<dyn Dataset>, batch_size: usize) -> Self {
-        DataLoader {
+    pub fn from_arc(dataset: Arc<dyn Dataset>, batch_size: usize) -> Result<Self> {
+        if batch_size == 0 {
+            return Err(Error::invalid_arg(
+                "DataLoader",
+                "batch_size",
+                0,
+                "at least 1",
+            ));
+        }
+        Ok(DataLoader {
             dataset,
             batch_size,
             shuffle_seed: None,
@@ -74,7 +81,7 @@ impl DataLoader {
             augment: None,
             prefetch: 2,
             sampler: None,
-        }
+        })
     }
 
     /// Serve only this rank's shard of each epoch (see [`DistributedSampler`]); batching and
@@ -156,14 +163,6 @@ impl DataLoader {
     }
 
     fn check(&self) -> Result<()> {
-        if self.batch_size == 0 {
-            return Err(Error::invalid_arg(
-                "DataLoader",
-                "batch_size",
-                0,
-                "at least 1",
-            ));
-        }
         let [c, h, w] = self.dataset.item_shape();
         let item = c.checked_mul(h).and_then(|v| v.checked_mul(w));
         if item.is_none_or(|v| {

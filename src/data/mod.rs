@@ -7,7 +7,7 @@
 //! let (train, source) = FashionMnist::load(Split::Train)?;
 //! let test = FashionMnist::load_from(&source, Split::Test)?;
 //! println!("data: {source}");
-//! let loader = DataLoader::new(train, 128)
+//! let loader = DataLoader::new(train, 128)?
 //!     .shuffle(42)
 //!     .drop_last(true)
 //!     .augment(Augment::crop_flip(2, 42))

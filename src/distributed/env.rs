@@ -40,12 +40,7 @@ pub struct LaunchEnv {
 pub const DEFAULT_PORT: u16 = 29500;
 
 fn env_err(key: &str, value: &str, allowed: impl Into<String>) -> Error {
-    Error::Config {
-        file: "environment".into(),
-        key: key.into(),
-        value: format!("{value:?}"),
-        allowed: allowed.into(),
-    }
+    Error::config("environment", key, format!("{value:?}"), allowed)
 }
 
 fn parse_usize(key: &str, value: &str) -> Result<usize> {

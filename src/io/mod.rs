@@ -1,6 +1,6 @@
 //! Files: safetensors tensors (`safetensors`), model weights exchanged with PyTorch/torchvision
 //! under their parameter names (`weights`), training checkpoints that continue a run bit for bit
-//! (`checkpoint`), and the atomic write they all use (`atomic`).
+//! and verify their checksums (`checkpoint`), and the atomic write they all use (`atomic`).
 //!
 //! ```no_run
 //! # use mixprec::{io, nn::ResNet, Device};
@@ -22,5 +22,5 @@ pub mod weights;
 pub use serde_json;
 
 pub use atomic::write_atomic;
-pub use checkpoint::{Checkpoint, TrainProgress};
+pub use checkpoint::{latest, Checkpoint, Latest, TrainProgress};
 pub use weights::{load_weights, save_weights};

@@ -46,6 +46,17 @@ fn to_st(d: DType) -> Dtype {
     }
 }
 
+/// The safetensors name of a dtype (`F32`, `BF16`, ...).
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "F16",
+        DType::BF16 => "BF16",
+        DType::F32 => "F32",
+        DType::F64 => "F64",
+        DType::I64 => "I64",
+    }
+}
+
 fn from_st(d: Dtype) -> Option<DType> {
     Some(match d {
         Dtype::F16 => DType::F16,
@@ -153,6 +164,14 @@ fn header_bytes(
 
 /// Writes `t`'s values little-endian, in blocks (the host copy of a device tensor is made once).
 fn write_data(w: &mut dyn Write, t: &Tensor) -> Result<()> {
+    with_le_bytes(t, w).map_err(|e| match e {
+        Error::Io { source, .. } => Error::io("writing tensor data", source),
+        e => e,
+    })
+}
+
+/// Feeds `t`'s values, little-endian (the bytes a safetensors file holds), to `w` in blocks.
+fn with_le_bytes(t: &Tensor, w: &mut dyn Write) -> Result<()> {
     // Files hold logical (row-major) tensors, whatever the memory format.
     let t = t.compact()?;
     let guard = t.storage();
@@ -164,13 +183,60 @@ fn write_data(w: &mut dyn Write, t: &Tensor) -> Result<()> {
             &host
         }
     };
-    let io = |e| Error::io("writing tensor data", e);
+    let io = |e| Error::io("tensor data", e);
     match cpu {
         CpuStorage::F16(v) => put(w, v, |x| x.to_le_bytes()).map_err(io),
         CpuStorage::BF16(v) => put(w, v, |x| x.to_le_bytes()).map_err(io),
         CpuStorage::F32(v) => put(w, v, |x| x.to_le_bytes()).map_err(io),
         CpuStorage::F64(v) => put(w, v, |x| x.to_le_bytes()).map_err(io),
         CpuStorage::I64(v) => put(w, v, |x| x.to_le_bytes()).map_err(io),
+    }
+}
+
+/// The CRC-32 (IEEE, as zlib's) of the bytes `t` occupies in a safetensors file: what a
+/// checkpoint records per tensor and checks at load.
+pub fn data_crc32(t: &Tensor) -> Result<u32> {
+    struct Crc(crc32fast::Hasher);
+    impl Write for Crc {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.update(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut crc = Crc(crc32fast::Hasher::new());
+    with_le_bytes(t, &mut crc)?;
+    Ok(crc.0.finalize())
+}
+
+/// The `__metadata__` of a safetensors file, reading only its header (not the tensor data).
+pub fn read_metadata(path: &Path) -> Result<Metadata> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)
+        .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)
+        .map_err(|e| bad(path, format!("no 8-byte header length: {e}")))?;
+    let n = u64::from_le_bytes(len);
+    // The format's own limit: a larger header is not a safetensors file.
+    const MAX_HEADER: u64 = 100_000_000;
+    if n > MAX_HEADER {
+        return Err(bad(
+            path,
+            format!("header length {n} is over the format's limit"),
+        ));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header)
+        .map_err(|e| bad(path, format!("the {n}-byte header is cut short: {e}")))?;
+    let map: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(path, format!("invalid header: {e}")))?;
+    match map.get(METADATA_KEY) {
+        None => Ok(Metadata::new()),
+        Some(m) => serde_json::from_value(m.clone())
+            .map_err(|e| bad(path, format!("invalid `{METADATA_KEY}`: {e}"))),
     }
 }
 

@@ -205,6 +205,19 @@ pub(crate) fn check_groups<C>(op: &'static str, groups: &[ParamGroup<C>]) -> Res
                     "float parameters only",
                 ));
             }
+            if !p.is_variable() {
+                // Backward fills gradients of variables only: an optimizer over a plain tensor
+                // (or an op's result) would never change it.
+                return Err(Error::invalid_arg(
+                    op,
+                    "params",
+                    format!(
+                        "group {gi} parameter {pi} (shape {:?}) is not a variable",
+                        p.dims()
+                    ),
+                    "variables (Tensor::to_variable, or a Module's parameters()): backward gives gradients to variables only",
+                ));
+            }
             if !seen.insert(p.id()) {
                 return Err(Error::invalid_arg(
                     op,

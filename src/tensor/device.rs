@@ -35,12 +35,13 @@ impl Device {
         Ok(Device::Cuda(ordinal))
     }
 
-    /// [`Device::cuda`], or the CPU when CUDA is not usable here (logged as a warning saying why).
+    /// [`Device::cuda`], or the CPU when CUDA is not usable here (one info line saying why; a
+    /// machine without a GPU is not a problem to warn about).
     pub fn cuda_if_available(ordinal: usize) -> Device {
         match Device::cuda(ordinal) {
             Ok(d) => d,
             Err(e) => {
-                log::warn!("CUDA device {ordinal} is not available, falling back to the CPU: {e}");
+                log::info!("CUDA device {ordinal} is not available, using the CPU: {e}");
                 Device::Cpu
             }
         }

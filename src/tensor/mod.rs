@@ -200,7 +200,21 @@ impl Tensor {
         device: Device,
     ) -> Result<Tensor> {
         let n = check_size(op, &shape, dtype)?;
-        let storage = Storage::full(device, dtype, n, value)?;
+        let storage = Storage::full(device, dtype, n, value).map_err(|e| match e {
+            // Name the op the user called (the backend knows only that it fills).
+            Error::OutOfMemory {
+                bytes,
+                device,
+                detail,
+                ..
+            } => Error::OutOfMemory {
+                op,
+                bytes,
+                device,
+                detail,
+            },
+            e => e,
+        })?;
         Ok(Self::from_storage(storage, shape))
     }
 
@@ -297,7 +311,7 @@ impl Tensor {
         }
         let n = len as usize;
         let values = (0..n).map(|i| start + i as f64 * step);
-        let storage = Storage::Cpu(CpuStorage::from_f64_iter(dtype, values));
+        let storage = Storage::Cpu(CpuStorage::try_from_f64_iter("arange", dtype, n, values)?);
         let storage = if device.is_cpu() {
             storage
         } else {
@@ -317,8 +331,10 @@ impl Tensor {
         device: Device,
     ) -> Result<Tensor> {
         let shape = shape.into();
-        let values = random::normal(seed, check_size("randn", &shape, dtype)?, mean, std);
-        let storage = Storage::Cpu(CpuStorage::from_f64_iter(dtype, values.into_iter()));
+        random_dtype("randn", dtype)?;
+        let n = check_size("randn", &shape, dtype)?;
+        let values = random::normal_iter(seed, n, mean, std);
+        let storage = Storage::Cpu(CpuStorage::try_from_f64_iter("randn", dtype, n, values)?);
         let storage = if device.is_cpu() {
             storage
         } else {
@@ -345,9 +361,15 @@ impl Tensor {
             ));
         }
         let shape = shape.into();
+        random_dtype("rand_uniform", dtype)?;
         let n = check_size("rand_uniform", &shape, dtype)?;
-        let values = random::uniform(seed, n, low, high);
-        let storage = Storage::Cpu(CpuStorage::from_f64_iter(dtype, values.into_iter()));
+        let values = random::uniform_iter(seed, n, low, high);
+        let storage = Storage::Cpu(CpuStorage::try_from_f64_iter(
+            "rand_uniform",
+            dtype,
+            n,
+            values,
+        )?);
         let storage = if device.is_cpu() {
             storage
         } else {
@@ -716,6 +738,20 @@ impl Tensor {
 /// The element count of a tensor of `shape` and `dtype` that `op` is about to create, or an
 /// error when no such tensor can exist: its element count overflows `usize` (multiplying the
 /// dims out would panic or wrap), or its buffer exceeds `isize::MAX` bytes (what a `Vec` holds).
+/// Random samples are floats: an integer dtype would truncate them (to zeros, mostly).
+fn random_dtype(op: &'static str, dtype: DType) -> Result<()> {
+    if dtype.is_float() {
+        Ok(())
+    } else {
+        Err(Error::UnsupportedDType {
+            op,
+            got: dtype,
+            expected:
+                "a float dtype (f16, bf16, f32 or f64); cast the samples afterwards for integers",
+        })
+    }
+}
+
 pub(crate) fn check_size(op: &'static str, shape: &Shape, dtype: DType) -> Result<usize> {
     shape
         .checked_elem_count()

@@ -34,24 +34,30 @@ fn unit(hi: u32, lo: u32) -> f64 {
 }
 
 pub fn uniform(seed: u64, n: usize, low: f64, high: f64) -> Vec<f64> {
-    (0..n as u64)
-        .map(|i| {
-            let b = block(seed, i);
-            low + (high - low) * unit(b[0], b[1])
-        })
-        .collect()
+    uniform_iter(seed, n, low, high).collect()
+}
+
+/// [`uniform`]'s values one by one (nothing allocated).
+pub fn uniform_iter(seed: u64, n: usize, low: f64, high: f64) -> impl Iterator<Item = f64> {
+    (0..n as u64).map(move |i| {
+        let b = block(seed, i);
+        low + (high - low) * unit(b[0], b[1])
+    })
 }
 
 /// Box–Muller on each element's own block.
 pub fn normal(seed: u64, n: usize, mean: f64, std: f64) -> Vec<f64> {
-    (0..n as u64)
-        .map(|i| {
-            let b = block(seed, i);
-            let u1 = 1.0 - unit(b[0], b[1]); // (0, 1]: ln is finite
-            let u2 = unit(b[2], b[3]);
-            mean + std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-        })
-        .collect()
+    normal_iter(seed, n, mean, std).collect()
+}
+
+/// [`normal`]'s values one by one (nothing allocated).
+pub fn normal_iter(seed: u64, n: usize, mean: f64, std: f64) -> impl Iterator<Item = f64> {
+    (0..n as u64).map(move |i| {
+        let b = block(seed, i);
+        let u1 = 1.0 - unit(b[0], b[1]); // (0, 1]: ln is finite
+        let u2 = unit(b[2], b[3]);
+        mean + std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    })
 }
 
 /// A stream of seeds for code that draws many tensors (parameter init, data shuffling): each

@@ -44,7 +44,20 @@ impl Tensor {
             .map(|&d| self.shape().dim("sum", d))
             .collect::<Result<Vec<_>>>()?;
         ds.sort_unstable();
-        ds.dedup();
+        if let Some(w) = ds.windows(2).find(|w| w[0] == w[1]) {
+            // As PyTorch: a dim named twice (`[0, 0]`, or `[1, -1]` of a rank-2 tensor) is an
+            // error, not a sum over it once.
+            return Err(Error::invalid_arg(
+                "sum",
+                "dims",
+                format!("{dims:?}"),
+                format!(
+                    "each dimension at most once (dim {} of the rank-{} tensor appears twice)",
+                    w[0],
+                    self.rank()
+                ),
+            ));
+        }
         let mut t = self.clone();
         // Highest first, so that removing a dim does not renumber the ones still to do.
         for &d in ds.iter().rev() {

@@ -105,7 +105,7 @@ impl Storage {
 
     pub fn full(device: Device, dtype: DType, len: usize, v: f64) -> Result<Self> {
         match device {
-            Device::Cpu => Ok(Storage::Cpu(CpuStorage::full(dtype, len, v))),
+            Device::Cpu => Ok(Storage::Cpu(CpuStorage::full(dtype, len, v)?)),
             Device::Cuda(i) => Ok(Storage::Cuda(CudaStorage::full(i, dtype, len, v)?)),
         }
     }

@@ -1,17 +1,21 @@
 //! The run configuration of the main training job: model, data, optimizer, schedule, AMP policy
-//! and where to write. Read from TOML (`configs/run_*.toml`); every key is optional and falls back
-//! to [`RunConfig::default`]; an unknown key or a bad value is an [`Error::Config`] naming the file,
-//! the key (`optimizer.lr`), the value and what is allowed. Command-line flags override it.
+//! and where to write. Read from TOML (`configs/run_*.toml`) by serde derive: every key is
+//! optional and falls back to [`RunConfig::default`]; an unknown key, a wrong type or a bad value
+//! is an [`Error::Config`] naming the file, the line and column, the key (`optimizer.lr`), the
+//! value as written and what is allowed ([`KEYS`]). Command-line flags override the file and are
+//! held to the same checks ([`RunConfig::validate`], the one place the limits live).
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::amp::{OptLevel, Policy};
-use crate::error::{Error, Result};
+use crate::config_toml::ConfigText;
+use crate::error::{fmt_number, Error, Result};
 
 /// The small-image ResNet trained by the main job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// Residual blocks per stage.
     pub blocks: Vec<usize>,
@@ -22,9 +26,11 @@ pub struct ModelConfig {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// `auto` ($FASHION_MNIST_DIR, else the system's full set, else the bundled subset),
-    /// `bundled`, or a directory with the four IDX files.
+    /// `auto` (`$FASHION_MNIST_DIR`; else on a GPU the system's full set when installed; else
+    /// the bundled subset), `bundled`, `full` (the system's full set) or a directory with the
+    /// four IDX files.
     pub dir: String,
     pub batch_size: usize,
     pub eval_batch_size: usize,
@@ -37,6 +43,7 @@ pub struct DataConfig {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
     /// `sgd`, `adam`, `adamw` or `lamb` (all fused, multi-tensor).
     pub name: String,
@@ -52,6 +59,7 @@ pub struct OptimizerConfig {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct ScheduleConfig {
     /// `one-cycle` (linear warm-up then cosine to zero), `cosine`, `step` or `constant`.
     pub kind: String,
@@ -63,6 +71,7 @@ pub struct ScheduleConfig {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct AmpConfig {
     /// A policy file (`configs/O2.toml`); takes precedence over `opt_level`.
     pub policy: Option<String>,
@@ -71,6 +80,7 @@ pub struct AmpConfig {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct RunConfig {
     pub epochs: usize,
     pub seed: u64,
@@ -86,11 +96,71 @@ pub struct RunConfig {
     /// false runs every step eagerly. No effect on the CPU.
     #[serde(default = "yes")]
     pub cuda_graph: bool,
+    /// Stop with an error when this many consecutive steps were skipped for a non-finite loss
+    /// or non-finite gradients (a diverged run); 0 = never stop.
+    pub divergence_steps: u64,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub optimizer: OptimizerConfig,
     pub schedule: ScheduleConfig,
     pub amp: AmpConfig,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            blocks: vec![1, 1, 1],
+            widths: vec![16, 32, 64],
+            block: "basic".into(),
+        }
+    }
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            dir: "auto".into(),
+            batch_size: 128,
+            eval_batch_size: 500,
+            augment: false,
+            train_limit: 0,
+            test_limit: 0,
+        }
+    }
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig {
+            name: "sgd".into(),
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 5e-4,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+        }
+    }
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        ScheduleConfig {
+            kind: "one-cycle".into(),
+            warmup_fraction: 0.25,
+            step_epochs: 30,
+            gamma: 0.1,
+        }
+    }
+}
+
+impl Default for AmpConfig {
+    fn default() -> Self {
+        AmpConfig {
+            policy: None,
+            opt_level: "O2".into(),
+        }
+    }
 }
 
 impl Default for RunConfig {
@@ -104,38 +174,12 @@ impl Default for RunConfig {
             checkpoint_every: 1,
             label_smoothing: 0.0,
             cuda_graph: true,
-            model: ModelConfig {
-                blocks: vec![1, 1, 1],
-                widths: vec![16, 32, 64],
-                block: "basic".into(),
-            },
-            data: DataConfig {
-                dir: "auto".into(),
-                batch_size: 128,
-                eval_batch_size: 500,
-                augment: false,
-                train_limit: 0,
-                test_limit: 0,
-            },
-            optimizer: OptimizerConfig {
-                name: "sgd".into(),
-                lr: 0.1,
-                momentum: 0.9,
-                nesterov: true,
-                weight_decay: 5e-4,
-                betas: (0.9, 0.999),
-                eps: 1e-8,
-            },
-            schedule: ScheduleConfig {
-                kind: "one-cycle".into(),
-                warmup_fraction: 0.25,
-                step_epochs: 30,
-                gamma: 0.1,
-            },
-            amp: AmpConfig {
-                policy: None,
-                opt_level: "O2".into(),
-            },
+            divergence_steps: 100,
+            model: ModelConfig::default(),
+            data: DataConfig::default(),
+            optimizer: OptimizerConfig::default(),
+            schedule: ScheduleConfig::default(),
+            amp: AmpConfig::default(),
         }
     }
 }
@@ -148,125 +192,78 @@ fn yes() -> bool {
 pub const OPTIMIZERS: [&str; 4] = ["sgd", "adam", "adamw", "lamb"];
 pub const SCHEDULES: [&str; 4] = ["one-cycle", "cosine", "step", "constant"];
 pub const BLOCKS: [&str; 2] = ["basic", "bottleneck"];
+pub const OPT_LEVELS: [&str; 4] = ["O0", "O1", "O2", "O3"];
 
-/// Reads typed values out of one TOML table, naming `section.key` in every error.
-struct Reader<'a> {
-    file: &'a str,
-    section: &'static str,
-    table: &'a toml::Table,
+/// The largest peak learning rate a run accepts (from a file or a flag).
+pub const MAX_LR: f64 = 1e3;
+
+/// What each key allows, in the words of every error about it (a file's or a flag's).
+pub const KEYS: &[(&str, &str)] = &[
+    ("epochs", "an integer >= 1"),
+    ("seed", "an integer in [0, 2^64)"),
+    ("device", "\"auto\", \"cpu\", \"cuda\" or \"cuda:N\""),
+    ("out", "a directory path (not empty)"),
+    (
+        "checkpoint_every",
+        "an integer >= 0 (0: only checkpoints/last)",
+    ),
+    ("label_smoothing", "a number in [0, 1]"),
+    (
+        "cuda_graph",
+        "true or false (on a GPU: capture the training step into a CUDA graph)",
+    ),
+    (
+        "divergence_steps",
+        "an integer >= 0 (consecutive non-finite steps before stopping; 0: never stop)",
+    ),
+    ("model", "a [model] table"),
+    ("model.blocks", "a non-empty array of integers >= 1"),
+    (
+        "model.widths",
+        "a non-empty array of integers >= 1, one per stage (as many as model.blocks)",
+    ),
+    ("model.block", "\"basic\" or \"bottleneck\""),
+    ("data", "a [data] table"),
+    (
+        "data.dir",
+        "\"auto\", \"bundled\", \"full\" or a directory holding the four IDX files",
+    ),
+    ("data.batch_size", "an integer >= 1"),
+    ("data.eval_batch_size", "an integer >= 1"),
+    ("data.augment", "true or false"),
+    ("data.train_limit", "an integer >= 0 (0: all)"),
+    ("data.test_limit", "an integer >= 0 (0: all)"),
+    ("optimizer", "an [optimizer] table"),
+    ("optimizer.name", "\"sgd\", \"adam\", \"adamw\" or \"lamb\""),
+    ("optimizer.lr", "a number > 0 and <= 1000"),
+    ("optimizer.momentum", "a number in [0, 1]"),
+    ("optimizer.nesterov", "true or false"),
+    ("optimizer.weight_decay", "a number in [0, 1]"),
+    (
+        "optimizer.betas",
+        "two numbers in [0, 1), e.g. [0.9, 0.999]",
+    ),
+    ("optimizer.eps", "a number in [0, 1]"),
+    ("schedule", "a [schedule] table"),
+    (
+        "schedule.kind",
+        "\"one-cycle\", \"cosine\", \"step\" or \"constant\"",
+    ),
+    ("schedule.warmup_fraction", "a number in [0, 1]"),
+    ("schedule.step_epochs", "an integer >= 1"),
+    ("schedule.gamma", "a number in [0, 1]"),
+    ("amp", "an [amp] table"),
+    ("amp.policy", "a policy file, e.g. \"configs/O2.toml\""),
+    ("amp.opt_level", "\"O0\", \"O1\", \"O2\" or \"O3\""),
+];
+
+/// What `key` allows (see [`KEYS`]).
+pub fn allowed(key: &str) -> Option<&'static str> {
+    KEYS.iter().find(|(k, _)| *k == key).map(|(_, a)| *a)
 }
 
-impl<'a> Reader<'a> {
-    fn key(&self, k: &str) -> String {
-        if self.section.is_empty() {
-            k.to_string()
-        } else {
-            format!("{}.{k}", self.section)
-        }
-    }
-
-    fn err(&self, k: &str, v: &toml::Value, allowed: impl Into<String>) -> Error {
-        Error::Config {
-            file: self.file.to_string(),
-            key: self.key(k),
-            value: v.to_string(),
-            allowed: allowed.into(),
-        }
-    }
-
-    /// Rejects keys outside `known` (sections are checked by their own reader).
-    fn only(&self, known: &[&str], sections: &[&str]) -> Result<()> {
-        for (k, v) in self.table {
-            if !known.contains(&k.as_str()) && !sections.contains(&k.as_str()) {
-                let mut all: Vec<&str> = known.to_vec();
-                all.extend(sections.iter().copied());
-                return Err(self.err(k, v, format!("one of {all:?}")));
-            }
-        }
-        Ok(())
-    }
-
-    fn sub(&self, name: &'static str) -> Result<Option<Reader<'a>>> {
-        match self.table.get(name) {
-            None => Ok(None),
-            Some(toml::Value::Table(t)) => Ok(Some(Reader {
-                file: self.file,
-                section: name,
-                table: t,
-            })),
-            Some(v) => Err(self.err(name, v, format!("a [{name}] table"))),
-        }
-    }
-
-    fn usize(&self, k: &str, min: usize, dst: &mut usize) -> Result<()> {
-        if let Some(v) = self.table.get(k) {
-            *dst = v
-                .as_integer()
-                .and_then(|i| usize::try_from(i).ok())
-                .filter(|&i| i >= min)
-                .ok_or_else(|| self.err(k, v, format!("an integer >= {min}")))?;
-        }
-        Ok(())
-    }
-
-    fn u64(&self, k: &str, dst: &mut u64) -> Result<()> {
-        if let Some(v) = self.table.get(k) {
-            *dst = v
-                .as_integer()
-                .and_then(|i| u64::try_from(i).ok())
-                .ok_or_else(|| self.err(k, v, "a non-negative integer"))?;
-        }
-        Ok(())
-    }
-
-    /// A float in `[lo, hi]` (integers accepted).
-    fn f64(&self, k: &str, lo: f64, hi: f64, dst: &mut f64) -> Result<()> {
-        if let Some(v) = self.table.get(k) {
-            *dst = v
-                .as_float()
-                .or_else(|| v.as_integer().map(|i| i as f64))
-                .filter(|x| (lo..=hi).contains(x))
-                .ok_or_else(|| self.err(k, v, format!("a number in [{lo}, {hi}]")))?;
-        }
-        Ok(())
-    }
-
-    fn bool(&self, k: &str, dst: &mut bool) -> Result<()> {
-        if let Some(v) = self.table.get(k) {
-            *dst = v.as_bool().ok_or_else(|| self.err(k, v, "true or false"))?;
-        }
-        Ok(())
-    }
-
-    fn string(&self, k: &str, allowed: Option<&[&str]>, dst: &mut String) -> Result<()> {
-        if let Some(v) = self.table.get(k) {
-            let s = v.as_str().ok_or_else(|| self.err(k, v, "a string"))?;
-            if let Some(allowed) = allowed {
-                if !allowed.contains(&s) {
-                    return Err(self.err(k, v, format!("one of {allowed:?}")));
-                }
-            }
-            *dst = s.to_string();
-        }
-        Ok(())
-    }
-
-    fn usize_list(&self, k: &str, dst: &mut Vec<usize>) -> Result<()> {
-        if let Some(v) = self.table.get(k) {
-            let bad = || self.err(k, v, "a non-empty array of positive integers");
-            let arr = v.as_array().filter(|a| !a.is_empty()).ok_or_else(bad)?;
-            *dst = arr
-                .iter()
-                .map(|e| {
-                    e.as_integer()
-                        .and_then(|i| usize::try_from(i).ok())
-                        .filter(|&i| i > 0)
-                        .ok_or_else(bad)
-                })
-                .collect::<Result<_>>()?;
-        }
-        Ok(())
-    }
+fn invalid(file: &str, key: &str, value: impl Into<String>) -> Error {
+    Error::config(file, key, value, allowed(key).unwrap_or("see KEYS"))
 }
 
 impl RunConfig {
@@ -279,168 +276,94 @@ impl RunConfig {
 
     /// Parses `text` over the defaults; `file` names the source in errors.
     pub fn from_toml_str(text: &str, file: &str) -> Result<RunConfig> {
-        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Config {
-            file: file.to_string(),
-            key: "(syntax)".into(),
-            value: e.message().to_string(),
-            allowed: "a TOML run config (see configs/run_fashion_mnist.toml)".into(),
-        })?;
-        let mut c = RunConfig::default();
-        let top = Reader {
-            file,
-            section: "",
-            table: &table,
-        };
-        top.only(
-            &[
-                "epochs",
-                "seed",
-                "device",
-                "out",
-                "checkpoint_every",
-                "label_smoothing",
-                "cuda_graph",
-            ],
-            &["model", "data", "optimizer", "schedule", "amp"],
-        )?;
-        top.usize("epochs", 1, &mut c.epochs)?;
-        top.u64("seed", &mut c.seed)?;
-        top.string("device", None, &mut c.device)?;
-        let mut out = c.out.display().to_string();
-        top.string("out", None, &mut out)?;
-        c.out = out.into();
-        top.usize("checkpoint_every", 0, &mut c.checkpoint_every)?;
-        top.f64("label_smoothing", 0.0, 1.0, &mut c.label_smoothing)?;
-        top.bool("cuda_graph", &mut c.cuda_graph)?;
-
-        if let Some(r) = top.sub("model")? {
-            r.only(&["blocks", "widths", "block"], &[])?;
-            r.usize_list("blocks", &mut c.model.blocks)?;
-            r.usize_list("widths", &mut c.model.widths)?;
-            r.string("block", Some(&BLOCKS), &mut c.model.block)?;
-        }
-        if let Some(r) = top.sub("data")? {
-            r.only(
-                &[
-                    "dir",
-                    "batch_size",
-                    "eval_batch_size",
-                    "augment",
-                    "train_limit",
-                    "test_limit",
-                ],
-                &[],
-            )?;
-            r.string("dir", None, &mut c.data.dir)?;
-            r.usize("batch_size", 1, &mut c.data.batch_size)?;
-            r.usize("eval_batch_size", 1, &mut c.data.eval_batch_size)?;
-            r.bool("augment", &mut c.data.augment)?;
-            r.usize("train_limit", 0, &mut c.data.train_limit)?;
-            r.usize("test_limit", 0, &mut c.data.test_limit)?;
-        }
-        if let Some(r) = top.sub("optimizer")? {
-            r.only(
-                &[
-                    "name",
-                    "lr",
-                    "momentum",
-                    "nesterov",
-                    "weight_decay",
-                    "betas",
-                    "eps",
-                ],
-                &[],
-            )?;
-            r.string("name", Some(&OPTIMIZERS), &mut c.optimizer.name)?;
-            r.f64("lr", f64::MIN_POSITIVE, 1e3, &mut c.optimizer.lr)?;
-            r.f64("momentum", 0.0, 1.0, &mut c.optimizer.momentum)?;
-            r.bool("nesterov", &mut c.optimizer.nesterov)?;
-            r.f64("weight_decay", 0.0, 1.0, &mut c.optimizer.weight_decay)?;
-            r.f64("eps", 0.0, 1.0, &mut c.optimizer.eps)?;
-            if let Some(v) = r.table.get("betas") {
-                let pair = v
-                    .as_array()
-                    .filter(|a| a.len() == 2)
-                    .and_then(|a| Some((a[0].as_float()?, a[1].as_float()?)))
-                    .filter(|(b1, b2)| (0.0..1.0).contains(b1) && (0.0..1.0).contains(b2));
-                c.optimizer.betas = pair
-                    .ok_or_else(|| r.err("betas", v, "two numbers in [0, 1), e.g. [0.9, 0.999]"))?;
-            }
-        }
-        if let Some(r) = top.sub("schedule")? {
-            r.only(&["kind", "warmup_fraction", "step_epochs", "gamma"], &[])?;
-            r.string("kind", Some(&SCHEDULES), &mut c.schedule.kind)?;
-            r.f64("warmup_fraction", 0.0, 1.0, &mut c.schedule.warmup_fraction)?;
-            r.usize("step_epochs", 1, &mut c.schedule.step_epochs)?;
-            r.f64("gamma", 0.0, 1.0, &mut c.schedule.gamma)?;
-        }
-        if let Some(r) = top.sub("amp")? {
-            r.only(&["policy", "opt_level"], &[])?;
-            let mut policy = String::new();
-            r.string("policy", None, &mut policy)?;
-            if !policy.is_empty() {
-                c.amp.policy = Some(policy);
-            }
-            r.string(
-                "opt_level",
-                Some(&["O0", "O1", "O2", "O3"]),
-                &mut c.amp.opt_level,
-            )?;
-        }
-        c.validate(file)?;
+        let doc = ConfigText::parse(text, file)?;
+        let c: RunConfig = doc.deserialize(|k| allowed(k).map(String::from))?;
+        c.validate(file).map_err(|e| doc.locate(e))?;
         Ok(c)
     }
 
-    /// Checks what no single key can: one width per stage, a parseable device, names in range.
-    /// Flags that override a config call this again.
+    /// Checks every value against [`KEYS`] and what no single key can (one width per stage).
+    /// The one place the limits live: a file's values and a flag's are held to the same.
+    /// `file` names the source in the error (a file, `command line`, ...).
     pub fn validate(&self, file: &str) -> Result<()> {
-        let err = |key: &str, value: String, allowed: &str| Error::Config {
-            file: file.to_string(),
-            key: key.into(),
-            value,
-            allowed: allowed.into(),
+        let bad = |key: &str, value: String| Err(invalid(file, key, value));
+        let unit = |x: f64| x.is_finite() && (0.0..=1.0).contains(&x);
+        let one_of = |key: &str, v: &str, set: &[&str]| {
+            if set.contains(&v) {
+                Ok(())
+            } else {
+                bad(key, format!("{v:?}"))
+            }
         };
-        if self.model.widths.len() != self.model.blocks.len() {
-            return Err(err(
+        if self.epochs == 0 {
+            return bad("epochs", "0".into());
+        }
+        if parse_device(&self.device).is_err() {
+            return bad("device", format!("{:?}", self.device));
+        }
+        if self.out.as_os_str().is_empty() {
+            return bad("out", "\"\"".into());
+        }
+        if !unit(self.label_smoothing) {
+            return bad("label_smoothing", fmt_number(self.label_smoothing));
+        }
+        let m = &self.model;
+        if m.blocks.is_empty() || m.blocks.contains(&0) {
+            return bad("model.blocks", format!("{:?}", m.blocks));
+        }
+        if m.widths.is_empty() || m.widths.contains(&0) || m.widths.len() != m.blocks.len() {
+            return bad(
                 "model.widths",
-                format!("{:?} for blocks {:?}", self.model.widths, self.model.blocks),
-                "one width per stage (as many as model.blocks)",
-            ));
+                format!("{:?} for blocks {:?}", m.widths, m.blocks),
+            );
         }
-        parse_device(&self.device)
-            .map_err(|_| err("device", self.device.clone(), "auto, cpu, cuda or cuda:N"))?;
-        let checks: [(&str, &str, &[&str]); 4] = [
-            ("optimizer.name", &self.optimizer.name, &OPTIMIZERS),
-            ("schedule.kind", &self.schedule.kind, &SCHEDULES),
-            ("model.block", &self.model.block, &BLOCKS),
-            (
-                "amp.opt_level",
-                &self.amp.opt_level,
-                &["O0", "O1", "O2", "O3"],
-            ),
-        ];
-        for (key, v, allowed) in checks {
-            if !allowed.contains(&v) {
-                return Err(err(key, v.to_string(), &format!("one of {allowed:?}")));
-            }
+        one_of("model.block", &m.block, &BLOCKS)?;
+        let d = &self.data;
+        if d.dir.is_empty() {
+            return bad("data.dir", "\"\"".into());
         }
-        let positive = [
-            ("epochs", self.epochs),
-            ("data.batch_size", self.data.batch_size),
-            ("data.eval_batch_size", self.data.eval_batch_size),
-        ];
-        for (key, v) in positive {
-            if v == 0 {
-                return Err(err(key, "0".into(), "a positive integer"));
-            }
+        if d.batch_size == 0 {
+            return bad("data.batch_size", "0".into());
         }
-        if !self.optimizer.lr.is_finite() || self.optimizer.lr <= 0.0 {
-            return Err(err(
-                "optimizer.lr",
-                self.optimizer.lr.to_string(),
-                "a positive number",
-            ));
+        if d.eval_batch_size == 0 {
+            return bad("data.eval_batch_size", "0".into());
         }
+        let o = &self.optimizer;
+        one_of("optimizer.name", &o.name, &OPTIMIZERS)?;
+        if !(o.lr.is_finite() && o.lr > 0.0 && o.lr <= MAX_LR) {
+            return bad("optimizer.lr", fmt_number(o.lr));
+        }
+        if !unit(o.momentum) {
+            return bad("optimizer.momentum", fmt_number(o.momentum));
+        }
+        if !unit(o.weight_decay) {
+            return bad("optimizer.weight_decay", fmt_number(o.weight_decay));
+        }
+        let beta = |b: f64| b.is_finite() && (0.0..1.0).contains(&b);
+        if !(beta(o.betas.0) && beta(o.betas.1)) {
+            return bad(
+                "optimizer.betas",
+                format!("[{}, {}]", fmt_number(o.betas.0), fmt_number(o.betas.1)),
+            );
+        }
+        if !unit(o.eps) {
+            return bad("optimizer.eps", fmt_number(o.eps));
+        }
+        let s = &self.schedule;
+        one_of("schedule.kind", &s.kind, &SCHEDULES)?;
+        if !unit(s.warmup_fraction) {
+            return bad("schedule.warmup_fraction", fmt_number(s.warmup_fraction));
+        }
+        if s.step_epochs == 0 {
+            return bad("schedule.step_epochs", "0".into());
+        }
+        if !unit(s.gamma) {
+            return bad("schedule.gamma", fmt_number(s.gamma));
+        }
+        if self.amp.policy.as_deref() == Some("") {
+            return bad("amp.policy", "\"\"".into());
+        }
+        one_of("amp.opt_level", &self.amp.opt_level, &OPT_LEVELS)?;
         Ok(())
     }
 
@@ -464,12 +387,7 @@ pub fn parse_opt_level(s: &str) -> Result<OptLevel> {
         "O1" => Ok(OptLevel::O1),
         "O2" => Ok(OptLevel::O2),
         "O3" => Ok(OptLevel::O3),
-        _ => Err(Error::invalid_arg(
-            "train",
-            "opt_level",
-            s,
-            "O0, O1, O2 or O3",
-        )),
+        _ => Err(invalid("run config", "amp.opt_level", format!("{s:?}"))),
     }
 }
 
@@ -483,6 +401,6 @@ pub fn parse_device(s: &str) -> Result<Option<Option<usize>>> {
             .strip_prefix("cuda:")
             .and_then(|n| n.parse().ok())
             .map(|n| Some(Some(n)))
-            .ok_or_else(|| Error::invalid_arg("train", "device", s, "auto, cpu, cuda or cuda:N")),
+            .ok_or_else(|| invalid("run config", "device", format!("{s:?}"))),
     }
 }

@@ -40,12 +40,13 @@ impl Ranks {
     /// The device for `spec` (`auto`, `cpu`, `cuda`, `cuda:N`): with several ranks, `auto` and
     /// `cuda` mean `cuda:LOCAL_RANK` (`cuda:0` when each process sees one GPU), and naming one
     /// GPU for all of them is an error.
-    pub fn device(&self, spec: &str) -> Result<Device> {
+    /// Also a note saying why `auto` chose what it chose (empty with several ranks).
+    pub fn device(&self, spec: &str) -> Result<(Device, String)> {
         if !self.env.is_distributed() {
             return super::trainer::select_device(spec);
         }
         let local = self.env.cuda_ordinal();
-        Ok(match parse_device(spec)? {
+        let device = match parse_device(spec)? {
             None => Device::cuda_if_available(local),
             Some(None) => Device::Cpu,
             Some(Some(_)) if spec == "cuda" => Device::cuda(local)?,
@@ -57,7 +58,8 @@ impl Ranks {
                     "auto, cuda or cpu: each process trains on cuda:LOCAL_RANK",
                 ))
             }
-        })
+        };
+        Ok((device, String::new()))
     }
 
     /// Joins the process group (NCCL on a GPU, the CPU backend on the CPU).

@@ -1,17 +1,20 @@
 //! The main training job behind `examples/train_resnet.rs`: the run configuration (`config`:
-//! TOML + flags), the loop with checkpoints and exact resume (`trainer`), and its reports:
-//! per-epoch metrics files (`metrics`), the loss and accuracy plot (`plot`) and the progress
-//! display (`progress`).
+//! TOML + flags), the loop with checkpoints and exact resume (`trainer`), its output directory
+//! and lock (`run_dir`), the divergence stop (`divergence`), and its reports: per-epoch metrics
+//! files (`metrics`), the loss and accuracy plot (`plot`) and the progress display
+//! (`progress`).
 
 pub mod config;
 pub mod distributed;
+pub mod divergence;
 pub mod metrics;
 pub mod plot;
 pub mod progress;
+pub mod run_dir;
 pub mod trainer;
 
 pub use config::RunConfig;
-pub use trainer::{run, RunOptions, RunSummary};
+pub use trainer::{auto_checkpoint, find_checkpoint, run, Resume, RunOptions, RunSummary};
 
 /// Writes `bytes` to `path` atomically (through `io::write_atomic`: temp file, fsync, rename).
 pub(crate) fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> crate::error::Result<()> {

@@ -1,6 +1,7 @@
 //! The main job's loop: a small-image ResNet on Fashion-MNIST under an AMP policy, with a
-//! progress display, one summary line per epoch, metrics + plot, checkpoints every epoch and an
-//! exact `--resume`.
+//! progress display, one summary line per epoch, metrics + plot, checkpoints every epoch, an
+//! exact `--resume`, a locked run directory that no other run writes into (`run_dir`) and a
+//! stop with an error when the run diverges (`divergence`).
 //!
 //! Exactness of a resumed run rests on three facts: the data order and augmentation of epoch `e`
 //! depend only on `(seed, e)` (data::loader), the learning rate only on the step index
@@ -17,12 +18,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::amp::{self, AmpModel, CapturedStep, LossScale, Properties};
+use crate::amp::{self, AmpModel, CapturedStep};
 use crate::data::{
     Augment, DataLoader, DataSource, Dataset, DistributedSampler, FashionMnist, First, Split,
 };
 use crate::distributed::{convert_sync_batchnorm, DdpConfig, DistributedDataParallel};
-use crate::error::{Error, Result};
+use crate::error::{fmt_number, Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
 use crate::io::weights::save_weights;
 use crate::nn::loss::{cross_entropy_with, CrossEntropyConfig};
@@ -35,20 +36,36 @@ use crate::tensor::{Device, Tensor};
 
 use super::config::{parse_device, RunConfig};
 use super::distributed::Ranks;
-use super::metrics::{EpochRecord, MetricsWriter};
+use super::divergence::DivergenceWatch;
+use super::metrics::{EpochRecord, MetricsWriter, CSV_FILE, JSONL_FILE};
 use super::plot::plot_history;
 use super::progress::{EpochProgress, ProgressMode};
+use super::run_dir::{RunDir, Use, CHECKPOINT_DIR};
+
+/// What a run continues from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resume {
+    /// The newest checkpoint that loads and verifies in the run's own directory (`out`); a
+    /// new run when there is none (`--resume auto`: the same command continues a run after a
+    /// crash, and starts it the first time).
+    Auto,
+    /// A checkpoint file, or a directory (a run directory or its `checkpoints/`) whose newest
+    /// checkpoint that loads and verifies is taken (see [`find_checkpoint`]).
+    From(PathBuf),
+}
 
 /// How to run, beyond the configuration.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {
-    /// Continue from this checkpoint (its model, optimizer, scaler, epoch and step).
-    pub resume: Option<PathBuf>,
+    pub resume: Option<Resume>,
     pub progress: Option<ProgressMode>,
     /// Stop after this many epochs in total (an interrupted run, for tests and experiments).
     pub stop_after: Option<usize>,
     /// With several processes: batch-norm statistics over every rank's batch (SyncBatchNorm).
     pub sync_batch_norm: bool,
+    /// Start over in a non-empty output directory, deleting the earlier run's files (see
+    /// [`super::run_dir`]).
+    pub overwrite: bool,
 }
 
 /// What a finished run produced.
@@ -57,11 +74,16 @@ pub struct RunSummary {
     /// Every epoch's record, including those before a resume.
     pub history: Vec<EpochRecord>,
     pub out: PathBuf,
-    /// The latest checkpoint (`checkpoints/last.safetensors`).
-    pub last_checkpoint: PathBuf,
-    /// The final weights, torchvision names, FP32 (`model.safetensors`).
-    pub weights: PathBuf,
+    /// The latest checkpoint (`checkpoints/last.safetensors`), when this call trained an epoch.
+    pub last_checkpoint: Option<PathBuf>,
+    /// The final weights, torchvision names, FP32 (`model.safetensors`), when this call
+    /// trained an epoch.
+    pub weights: Option<PathBuf>,
+    /// Every file this call wrote, relative to `out`.
+    pub written: Vec<PathBuf>,
     pub device: Device,
+    /// What it trained on (the data source's description).
+    pub data: String,
     pub seconds: f64,
     /// The processes that trained (1 without a launcher); only rank 0 wrote files.
     pub world_size: usize,
@@ -76,30 +98,122 @@ impl RunSummary {
 
 /// The run config stored in a checkpoint (to resume with the same settings).
 pub fn checkpoint_config(ckpt: &Checkpoint) -> Result<RunConfig> {
-    serde_json::from_value(ckpt.extra["config"].clone()).map_err(|e| Error::Config {
-        file: "checkpoint JSON".into(),
-        key: "extra.config".into(),
-        value: e.to_string(),
-        allowed: "the run config a mixprec trainer saved".into(),
+    serde_json::from_value(ckpt.extra["config"].clone()).map_err(|e| {
+        Error::config(
+            "checkpoint JSON",
+            "extra.config",
+            e.to_string(),
+            "the run config a mixprec trainer saved",
+        )
     })
 }
 
-pub fn select_device(spec: &str) -> Result<Device> {
-    Ok(match parse_device(spec)? {
-        None => Device::cuda_if_available(0),
-        Some(None) => Device::Cpu,
-        Some(Some(n)) => Device::cuda(n)?,
-    })
+/// A checkpoint to continue from, loaded and verified.
+#[derive(Debug)]
+pub struct Found {
+    pub path: PathBuf,
+    pub checkpoint: Checkpoint,
 }
 
-fn data_source(dir: &str) -> Result<DataSource> {
-    match dir {
-        "auto" => DataSource::locate(),
-        "bundled" => Ok(DataSource::Bundled(
-            crate::data::fashion_mnist::bundled_dir(),
-        )),
-        d => Ok(DataSource::Env(d.into())),
+/// The checkpoint `path` names: the file itself, or the newest checkpoint that loads and
+/// verifies in a directory (a run directory's `checkpoints/`, or the directory itself). Each
+/// newer one that was skipped is printed with the reason; a directory with none that loads is
+/// an error listing them all.
+pub fn find_checkpoint(path: &Path) -> Result<Found> {
+    if !path.is_dir() {
+        return Ok(Found {
+            path: path.to_path_buf(),
+            checkpoint: Checkpoint::load(path)?,
+        });
     }
+    let sub = path.join(CHECKPOINT_DIR);
+    let dir = if sub.is_dir() {
+        sub
+    } else {
+        path.to_path_buf()
+    };
+    match crate::io::checkpoint::latest(&dir)? {
+        Some(l) => {
+            for (p, e) in &l.skipped {
+                println!("resume: skipped {}: {e}", p.display());
+            }
+            Ok(Found {
+                path: l.path,
+                checkpoint: l.checkpoint,
+            })
+        }
+        None => Err(Error::io(
+            format!("resume: no checkpoint in {}", dir.display()),
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no *.safetensors file"),
+        )),
+    }
+}
+
+/// What `--resume auto` continues from in the run directory `out`: its newest checkpoint that
+/// loads and verifies (each newer one skipped is printed with the reason), or `None` when it
+/// holds no checkpoint file (a new run).
+pub fn auto_checkpoint(out: &Path) -> Result<Option<Found>> {
+    let l = crate::io::checkpoint::latest(&out.join(CHECKPOINT_DIR))?;
+    Ok(l.map(|l| {
+        for (p, e) in &l.skipped {
+            println!("resume: skipped {}: {e}", p.display());
+        }
+        Found {
+            path: l.path,
+            checkpoint: l.checkpoint,
+        }
+    }))
+}
+
+/// The device a run asked for, and a note saying why `auto` chose it.
+pub fn select_device(spec: &str) -> Result<(Device, String)> {
+    Ok(match parse_device(spec)? {
+        None => match Device::cuda(0) {
+            Ok(d) => (d, " (auto: the first GPU)".into()),
+            Err(e) => {
+                // The first clause says what is missing; the rest is for RUST_LOG=debug.
+                let why = e.to_string();
+                let why = why.trim_start_matches("cuda: ");
+                let why = why.split(" (RUST_LOG").next().unwrap_or(why).to_string();
+                (Device::Cpu, format!(" (auto: no usable GPU: {why})"))
+            }
+        },
+        Some(None) => (Device::Cpu, String::new()),
+        Some(Some(n)) => (Device::cuda(n)?, String::new()),
+    })
+}
+
+/// Where the data comes from, the value `data.dir` resolves to (recorded in the run's
+/// config.toml), and a note on the choice. `auto` is `$FASHION_MNIST_DIR` when set; else, on a
+/// GPU, the full set when installed; else the bundled subset, so that the main command ends in
+/// minutes on a CPU whatever is installed.
+fn data_source(dir: &str, device: Device) -> Result<(DataSource, String, String)> {
+    let bundled = || DataSource::Bundled(crate::data::fashion_mnist::bundled_dir());
+    Ok(match dir {
+        "auto" if std::env::var_os(crate::data::fashion_mnist::ENV_VAR).is_some() => {
+            let s = DataSource::locate()?;
+            let key = s.dir().display().to_string();
+            (s, key, String::new())
+        }
+        "auto" if device.is_cuda() => {
+            let s = DataSource::locate()?;
+            let key = if s.is_bundled() { "bundled" } else { "full" };
+            (s, key.into(), String::new())
+        }
+        "auto" => {
+            let note = match DataSource::full() {
+                Ok(full) => format!(
+                    " (auto on a CPU; --data full trains on the 60k images at {})",
+                    full.dir().display()
+                ),
+                Err(_) => " (auto on a CPU)".into(),
+            };
+            (bundled(), "bundled".into(), note)
+        }
+        "bundled" => (bundled(), "bundled".into(), String::new()),
+        "full" => (DataSource::full()?, "full".into(), String::new()),
+        d => (DataSource::dir_given(d)?, d.into(), String::new()),
+    })
 }
 
 fn limited(d: FashionMnist, limit: usize) -> Box<dyn Dataset> {
@@ -185,31 +299,6 @@ fn schedule(cfg: &RunConfig, steps_per_epoch: u64) -> LrSchedule {
     }
 }
 
-/// What a level does, in one line: `f16 weights and activations, FP32 batch norm, FP32 masters,
-/// dynamic loss scale`.
-fn describe(p: &Properties) -> String {
-    let mut parts = Vec::new();
-    match p.cast_model_type {
-        Some(t) => parts.push(format!("{t} weights and activations")),
-        None => parts.push("FP32 weights".to_string()),
-    }
-    if p.autocast {
-        parts.push(format!("autocast to {}", p.half_dtype));
-    }
-    if p.cast_model_type.is_some() && p.keep_batchnorm_fp32 {
-        parts.push("FP32 batch norm".into());
-    }
-    if p.master_weights {
-        parts.push("FP32 master weights".into());
-    }
-    parts.push(match p.loss_scale {
-        LossScale::Dynamic => "dynamic loss scale".into(),
-        LossScale::Static(1.0) => "no loss scaling".into(),
-        LossScale::Static(s) => format!("static loss scale {s}"),
-    });
-    parts.join(", ")
-}
-
 /// The test loss summed over the samples, the number classified correctly and the number of
 /// samples (of this rank's shard), in eval mode, recording no graph.
 fn evaluate<M: Module>(model: &AmpModel<M>, test: &DataLoader, device: Device) -> Result<[f64; 3]> {
@@ -234,18 +323,17 @@ fn evaluate<M: Module>(model: &AmpModel<M>, test: &DataLoader, device: Device) -
 }
 
 fn checkpoint_path(out: &Path, name: &str) -> PathBuf {
-    out.join("checkpoints").join(format!("{name}.safetensors"))
+    out.join(CHECKPOINT_DIR).join(format!("{name}.safetensors"))
 }
 
-/// Trains per `cfg`; see the module doc.
+/// Trains per `cfg`; see the module doc. Under a launcher (`--nproc-per-node`, torchrun, srun)
+/// every rank runs this; rank 0 alone prints, locks the run directory and writes files.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     cfg.validate("run config")?;
     let run_start = Instant::now();
     let mut ranks = Ranks::from_env()?;
     let main = ranks.is_main();
     let world = ranks.world_size();
-    let device = ranks.device(&cfg.device)?;
-    ranks.join(device)?;
     // Rank 0 alone reports; the others train silently.
     let mode = match main {
         true => opts.progress.unwrap_or_else(ProgressMode::detect),
@@ -254,8 +342,26 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     macro_rules! say {
         ($($t:tt)*) => { if main { println!($($t)*); } };
     }
-
-    let source = data_source(&cfg.data.dir)?;
+    // What to continue from, verified (every rank reads it; the wrap below then copies rank 0's
+    // model to the others anyway).
+    let resumed = match &opts.resume {
+        None => None,
+        Some(Resume::From(p)) => Some(find_checkpoint(p)?),
+        Some(Resume::Auto) => {
+            let found = auto_checkpoint(&cfg.out)?;
+            if found.is_none() {
+                say!(
+                    "resume auto: no checkpoint in {}: starting the run",
+                    cfg.out.join(CHECKPOINT_DIR).display()
+                );
+            }
+            found
+        }
+    };
+    let (device, device_note) = ranks.device(&cfg.device)?;
+    ranks.join(device)?;
+    say!("device: {device}{device_note}");
+    let (source, data_key, data_note) = data_source(&cfg.data.dir, device)?;
     let train = limited(
         FashionMnist::load_from(&source, Split::Train)?,
         cfg.data.train_limit,
@@ -265,7 +371,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         cfg.data.test_limit,
     );
     say!(
-        "data: {source}; training on {} images, testing on {}",
+        "data: {source}; training on {} images, testing on {}{data_note}",
         train.len(),
         test.len()
     );
@@ -275,6 +381,31 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             crate::distributed::Backend::for_device(device)
         );
     }
+    // Nothing is written before the directory is locked and checked (by rank 0, which alone
+    // writes).
+    let _run_dir = if main {
+        Some(RunDir::open(
+            &cfg.out,
+            match (&resumed, &opts.resume) {
+                (Some(r), _) => Use::Resume {
+                    checkpoint: &r.path,
+                    overwrite: opts.overwrite,
+                },
+                (None, Some(Resume::Auto)) if !opts.overwrite => Use::Restart,
+                (None, _) => Use::Fresh {
+                    overwrite: opts.overwrite,
+                },
+            },
+        )?)
+    } else {
+        None
+    };
+
+    // The run's record says what was used, not what was asked for (`auto`).
+    let mut cfg = cfg.clone();
+    cfg.device = device.to_string();
+    cfg.data.dir = data_key;
+    let cfg = &cfg;
 
     let model = ResNet::new(
         &ResNetConfig {
@@ -303,13 +434,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let opt = build_optimizer(cfg, model.parameters())?;
     let policy = cfg.policy()?;
     let props = policy.properties()?;
-    say!(
-        "amp: {} ({}): {}",
-        policy.opt_level,
-        policy.source,
-        describe(&props)
-    );
-    if device == Device::Cpu && (props.cast_model_type.is_some() || props.autocast) {
+    say!("amp: {} ({}): {}", policy.opt_level, policy.source, props);
+    let half = props.cast_model_type.is_some_and(|t| t.is_half()) || props.autocast;
+    if device == Device::Cpu && half {
         say!(
             "note: on the CPU, half precision is emulated (each op computes in f32 and rounds), \
              so {} is slower than O0 there; it behaves as it will on a GPU",
@@ -319,14 +446,14 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let (model, mut opt) = amp::initialize(model, opt, policy)?;
     let model = Arc::new(model);
 
-    let mut train_loader = DataLoader::new(train, cfg.data.batch_size)
+    let mut train_loader = DataLoader::new(train, cfg.data.batch_size)?
         .shuffle(cfg.seed)
         .drop_last(true)
         .prefetch(2);
     if cfg.data.augment {
         train_loader = train_loader.augment(Augment::crop_flip(2, cfg.seed));
     }
-    let mut test_loader = DataLoader::new(test, cfg.data.eval_batch_size).prefetch(2);
+    let mut test_loader = DataLoader::new(test, cfg.data.eval_batch_size)?.prefetch(2);
     if world > 1 {
         // The same shuffle on every rank, cut into shards; every test image counted once.
         let rank = ranks.rank();
@@ -339,7 +466,11 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             "train",
             "data.batch_size",
             cfg.data.batch_size.to_string(),
-            "at most the number of training images",
+            format!(
+                "at most the number of training images per process ({}; the last partial \
+                 batch is dropped)",
+                train_loader.dataset().len() / world.max(1)
+            ),
         ));
     }
     let lr_schedule = schedule(cfg, steps_per_epoch);
@@ -348,20 +479,22 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         ..Default::default()
     };
 
+    let mut written: Vec<PathBuf> = Vec::new();
     if main {
-        std::fs::create_dir_all(cfg.out.join("checkpoints"))
-            .map_err(|e| Error::io(format!("creating {}", cfg.out.display()), e))?;
-        let config_toml = cfg.out.join("config.toml");
-        super::write_atomic(&config_toml, cfg.to_toml().as_bytes())?;
+        super::write_atomic(&cfg.out.join("config.toml"), cfg.to_toml().as_bytes())?;
+        written.push("config.toml".into());
     }
 
     let (mut start_epoch, mut step) = (0usize, 0u64);
+    // The newest checkpoint from before any trouble (named when the run diverges).
+    let mut last_good: Option<(PathBuf, usize)> = None;
     let mut history = Vec::new();
-    if let Some(path) = &opts.resume {
-        // Every rank restores (the file must be readable by all); the wrap below then copies
-        // rank 0's model to the others anyway.
-        let ckpt = Checkpoint::load(path)?;
-        ckpt.restore(&model, &mut opt)?;
+    if let Some(Found {
+        path,
+        checkpoint: ckpt,
+    }) = &resumed
+    {
+        ckpt.restore(&*model, &mut opt)?;
         start_epoch = ckpt.progress.epoch;
         step = ckpt.progress.step;
         let saved_world = ckpt.extra["world_size"].as_u64().unwrap_or(1) as usize;
@@ -370,29 +503,52 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             // schedule continues from this epoch's first step at the new count.
             step = start_epoch as u64 * steps_per_epoch;
             say!(
-                "resuming a {saved_world}-process run with {world} process(es): the schedule continues \
-                 at step {step} (epoch {start_epoch} of {steps_per_epoch} steps)"
+                "resuming a {saved_world}-process run with {world} process(es): the schedule \
+                 continues at step {step} (epoch {start_epoch} of {steps_per_epoch} steps)"
             );
         }
-        history = {
-            let h: Vec<EpochRecord> = serde_json::from_value(ckpt.extra["history"].clone())
-                .map_err(|e| Error::Config {
-                    file: path.display().to_string(),
-                    key: "extra.history".into(),
-                    value: e.to_string(),
-                    allowed: "the metrics history a mixprec trainer saved".into(),
-                })?;
-            h
-        };
+        history = serde_json::from_value(ckpt.extra["history"].clone()).map_err(|e| {
+            Error::config(
+                path.display().to_string(),
+                "extra.history",
+                e.to_string(),
+                "the metrics history a mixprec trainer saved",
+            )
+        })?;
         say!(
             "resumed from {} after epoch {start_epoch} (step {step})",
             path.display()
         );
+        last_good = Some((path.clone(), start_epoch));
     }
-    let mut metrics = match (main, &opts.resume) {
+    let mut metrics = match (main, &resumed) {
         (false, _) => None,
         (true, None) => Some(MetricsWriter::create(&cfg.out)?),
         (true, Some(_)) => Some(MetricsWriter::resume(&cfg.out, &history)?),
+    };
+    if main {
+        written.extend([CSV_FILE.into(), JSONL_FILE.into()]);
+    }
+    let mut watch = DivergenceWatch::new(
+        cfg.divergence_steps,
+        step,
+        opt.stats()?.first().map_or(0, |s| s.skipped_total),
+    );
+    let diverged = |why: String, step: u64, last_good: &Option<(PathBuf, usize)>| {
+        let advice = "lower the learning rate (--lr), or try --opt-level O1 or a bf16 policy \
+                      (--policy configs/O2_bf16.toml) if f16 overflows";
+        Error::Diverged {
+            step,
+            detail: match last_good {
+                Some((p, e)) => format!(
+                    "{why}. The last checkpoint from before it: {} (epoch {e}); resume from it \
+                     (--resume {}) and {advice}",
+                    p.display(),
+                    p.display()
+                ),
+                None => format!("{why}. No checkpoint from before it was kept; {advice}"),
+            },
+        }
     };
     // With several processes the training forward goes through DistributedDataParallel.
     let ddp = match &ranks.group {
@@ -414,6 +570,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     };
 
     let end_epoch = opts.stop_after.unwrap_or(cfg.epochs).min(cfg.epochs);
+    if end_epoch <= start_epoch {
+        say!(
+            "nothing to train: {} epoch(s) done, stopping after epoch {end_epoch}",
+            start_epoch
+        );
+    }
+    let last_path = checkpoint_path(&cfg.out, "last");
     let body = |x: &Tensor, y: &Tensor| cross_entropy_with(&train_model.forward(x)?, y, loss_cfg);
     // A data-parallel step's collectives are not captured: several processes run eagerly.
     let mut train_step = if cfg.cuda_graph && device.is_cuda() && world == 1 {
@@ -442,6 +605,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             images += n;
             step += 1;
             progress.tick(n);
+            if watch.due(step) {
+                let s = train_step.optimizer().stats()?[0];
+                if let Some(why) = watch.observe(step, s.skipped_total, s.scale) {
+                    progress.finish();
+                    return Err(diverged(why, step, &last_good));
+                }
+            }
         }
         let train_loss = if images > 0 {
             epoch_loss.item()? / steps_per_epoch as f64
@@ -459,6 +629,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
                 st.replays
             );
         }
+        let scaler = train_step.optimizer().stats()?[0];
+        if let Some(why) = watch.observe(step, scaler.skipped_total, scaler.scale) {
+            return Err(diverged(why, step, &last_good));
+        }
         let local = evaluate(&model, &test_loader, device)?;
         // Every rank ran the same number of steps: the mean of the ranks' means.
         let sums = ranks.sum(&[local[0], local[1], local[2], train_loss])?;
@@ -466,7 +640,6 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         let train_loss = sums[3] / world as f64;
         let images = images * world;
         let opt = train_step.optimizer();
-        let scaler = opt.stats()?[0];
         let record = EpochRecord {
             epoch: epoch + 1,
             step,
@@ -489,7 +662,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             100.0 * record.test_accuracy,
             record.images_per_s,
             record.lr,
-            record.loss_scale,
+            fmt_number(record.loss_scale),
             record.skipped_steps,
             record.epoch_seconds
         );
@@ -522,26 +695,48 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             },
             extra,
         )?;
-        ckpt.save(&checkpoint_path(&cfg.out, "last"))?;
+        let good = train_loss.is_finite() && test_loss.is_finite();
+        ckpt.save(&last_path)?;
+        // `last` now holds this epoch, good or not.
+        last_good = last_good.filter(|(p, _)| *p != last_path);
+        if good {
+            last_good = Some((last_path.clone(), epoch + 1));
+        }
         if cfg.checkpoint_every > 0 && (epoch + 1) % cfg.checkpoint_every == 0 {
-            ckpt.save(&checkpoint_path(
-                &cfg.out,
-                &format!("epoch-{:03}", epoch + 1),
-            ))?;
+            let kept = checkpoint_path(&cfg.out, &format!("epoch-{:03}", epoch + 1));
+            ckpt.save(&kept)?;
+            if good {
+                last_good = Some((kept.clone(), epoch + 1));
+            }
+            written.push(kept.strip_prefix(&cfg.out).unwrap_or(&kept).to_path_buf());
         }
     }
     drop(train_step);
 
-    let weights = cfg.out.join("model.safetensors");
-    if main {
-        save_weights(&*model, &weights)?;
-    }
+    let trained = end_epoch > start_epoch;
+    let weights = if trained && main {
+        let w = cfg.out.join("model.safetensors");
+        save_weights(&*model, &w)?;
+        written.extend([
+            "metrics.png".into(),
+            last_path
+                .strip_prefix(&cfg.out)
+                .unwrap_or(&last_path)
+                .to_path_buf(),
+            "model.safetensors".into(),
+        ]);
+        Some(w)
+    } else {
+        None
+    };
     Ok(RunSummary {
         history: metrics.map(|m| m.history().to_vec()).unwrap_or_default(),
         out: cfg.out.clone(),
-        last_checkpoint: checkpoint_path(&cfg.out, "last"),
+        last_checkpoint: (trained && main).then_some(last_path),
         weights,
+        written,
         device,
+        data: source.to_string(),
         seconds: run_start.elapsed().as_secs_f64(),
         world_size: world,
         rank: ranks.rank(),

@@ -85,6 +85,24 @@ impl CpuStorage {
         crate::backend::BackendStorage::dtype(self)
     }
 
+    /// The first `len` values of `it` in `dtype`, for a count a user's shape decides:
+    /// [`crate::Error::OutOfMemory`] naming `op` when the host cannot hold them.
+    pub(crate) fn try_from_f64_iter(
+        op: &'static str,
+        dtype: DType,
+        len: usize,
+        it: impl Iterator<Item = f64>,
+    ) -> crate::Result<CpuStorage> {
+        use super::alloc::try_collect;
+        Ok(match dtype {
+            DType::F16 => CpuStorage::F16(try_collect(op, len, it.map(f16::from_f64))?),
+            DType::BF16 => CpuStorage::BF16(try_collect(op, len, it.map(bf16::from_f64))?),
+            DType::F32 => CpuStorage::F32(try_collect(op, len, it.map(|x| x as f32))?),
+            DType::F64 => CpuStorage::F64(try_collect(op, len, it)?),
+            DType::I64 => CpuStorage::I64(try_collect(op, len, it.map(|x| x as i64))?),
+        })
+    }
+
     pub(crate) fn from_f64_iter(dtype: DType, it: impl Iterator<Item = f64>) -> CpuStorage {
         match dtype {
             DType::F16 => CpuStorage::F16(it.map(f16::from_f64).collect()),

@@ -194,7 +194,9 @@ fn im2col<T: Elem>(x: &[T], p: &Conv2dParams, g: &Geom, c0: usize, col: &mut [T:
         let src = &x[(c0 + t.ci) * hw + iy * p.w..][..p.w];
         dst[..t.xlo].fill(zero);
         dst[t.xhi..].fill(zero);
-        if sw == 1 {
+        if t.xlo == t.xhi {
+            // Every column is padding; the span's start `xlo + offx` may be negative then.
+        } else if sw == 1 {
             // Contiguous span: a plain widening copy.
             let s0 = (t.xlo as isize + t.offx) as usize;
             let n = t.xhi - t.xlo;
@@ -222,7 +224,9 @@ fn col2im<A: Copy + std::ops::AddAssign>(
         let Some(iy) = t.iy else { return };
         let src = &col[t.row * l + t.oy * ow..][..ow];
         let dst = &mut dx[(c0 + t.ci) * hw + iy * p.w..][..p.w];
-        if sw == 1 {
+        if t.xlo == t.xhi {
+            // Every column is padding (and `xlo + offx` may be negative): nothing to add.
+        } else if sw == 1 {
             // Contiguous span: a vectorisable add.
             let d0 = (t.xlo as isize + t.offx) as usize;
             let n = t.xhi - t.xlo;

@@ -3,6 +3,7 @@
 //! Half values are stored as `half::f16`/`bf16`; kernels compute in `Elem::Acc` (f32 for the
 //! half types and f32, f64 for F64) and round once on store, as the CUDA kernels do.
 
+pub(crate) mod alloc;
 mod batch_norm;
 mod cast;
 mod conv;
@@ -246,18 +247,21 @@ impl CpuStorage {
         }
     }
 
-    pub fn zeros(dtype: DType, len: usize) -> Self {
+    /// `len` zeros; [`Error::OutOfMemory`] when the host cannot hold them.
+    pub fn zeros(dtype: DType, len: usize) -> Result<Self> {
         Self::full(dtype, len, 0.0)
     }
 
-    pub fn full(dtype: DType, len: usize, v: f64) -> Self {
-        match dtype {
-            DType::F16 => CpuStorage::F16(vec![f16::from_f64(v); len]),
-            DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(v); len]),
-            DType::F32 => CpuStorage::F32(vec![v as f32; len]),
-            DType::F64 => CpuStorage::F64(vec![v; len]),
-            DType::I64 => CpuStorage::I64(vec![v as i64; len]),
-        }
+    /// `len` copies of `v`; [`Error::OutOfMemory`] when the host cannot hold them.
+    pub fn full(dtype: DType, len: usize, v: f64) -> Result<Self> {
+        use alloc::try_filled;
+        Ok(match dtype {
+            DType::F16 => CpuStorage::F16(try_filled("full", len, f16::from_f64(v))?),
+            DType::BF16 => CpuStorage::BF16(try_filled("full", len, bf16::from_f64(v))?),
+            DType::F32 => CpuStorage::F32(try_filled("full", len, v as f32)?),
+            DType::F64 => CpuStorage::F64(try_filled("full", len, v)?),
+            DType::I64 => CpuStorage::I64(try_filled("full", len, v as i64)?),
+        })
     }
 
     pub fn from_vec<T: WithDType>(v: Vec<T>) -> Self {
@@ -370,6 +374,7 @@ impl BackendStorage for CpuStorage {
         op: BinaryOp,
         out: &Layout,
     ) -> Result<Self> {
+        alloc::probe_output(op.name(), out.elem_count(), self.dtype())?;
         // Same dense strides on all three: one walk over the spans.
         if l.is_dense() && l.strides() == rl.strides() && l.strides() == out.strides() {
             let (a, b) = (self.span(l), rhs.span(rl));
@@ -417,6 +422,8 @@ impl BackendStorage for CpuStorage {
         let split = l.shape().split_at_dim(dim);
         let idx_len = il.dims()[dim];
         let idx = idx.span(il);
+        let elems = il.elem_count();
+        alloc::probe_output("gather", elems, self.dtype())?;
         let idx = idx.as_i64("gather")?;
         Ok(map_any!(&*self.span(l), |v| index::gather(
             v, idx, split, idx_len
@@ -475,6 +482,8 @@ impl BackendStorage for CpuStorage {
     }
 
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
+        let elems = dims.batch.saturating_mul(dims.m).saturating_mul(dims.n);
+        alloc::probe_output("matmul", elems, self.dtype())?;
         let (a, b) = (self.span(l), rhs.span(rl));
         Ok(map_float2!(&*a, &*b, "matmul", |a, b| matmul::matmul(
             a, b, dims
@@ -483,6 +492,11 @@ impl BackendStorage for CpuStorage {
 
     fn conv2d(&self, l: &Layout, weight: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
         contiguous_only("conv2d", p.format)?;
+        let elems = [p.n, p.c_out, p.out_h(), p.out_w()]
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .unwrap_or(usize::MAX);
+        alloc::probe_output("conv2d", elems, self.dtype())?;
         let (x, w) = (self.span(l), weight.span(wl));
         Ok(map_conv!(&*x, &*w, "conv2d", |x, w| conv::conv2d(x, w, p)))
     }

@@ -150,8 +150,10 @@ struct BnGeo {
     momentum: f64,
 }
 
-/// Threads per block of the NHWC reductions (`BN_RED_THREADS`).
+/// Threads per block of the NHWC kernels (`BN_RED_THREADS`) and rows each lane loads at once
+/// (`BN_ROWS`).
 const BN_RED_THREADS: u32 = 256;
+const BN_ROWS: usize = 4;
 
 /// Values per thread of the NHWC kernels: one 16-byte pack when the channel count allows.
 fn pack(x: &CudaStorage, c: usize) -> usize {
@@ -165,18 +167,21 @@ fn pack(x: &CudaStorage, c: usize) -> usize {
 
 /// The geometry and grid of the fused / channels_last reductions: (geometry, reduction grid).
 /// NHWC: blocks of `BN_RED_THREADS` over (channel chunk, row part), rows split until the device
-/// has about four blocks per SM; NCHW: `parts` blocks per channel as the backward reductions.
+/// has a full wave of blocks (8 per SM), each lane keeping at least two batches of rows (the
+/// elementwise passes run on the same tiles); NCHW: `parts` blocks per channel as the backward
+/// reductions.
 fn fused_plan(x: &CudaStorage, p: &BatchNormParams) -> (BnGeo, Grid) {
     let m = p.n * p.spatial;
-    let want = 4 * x.dev.sm_count as usize;
     let (parts, grid) = match p.format {
         MemoryFormat::ChannelsLast => {
+            let want = 8 * x.dev.sm_count as usize;
             let groups = p.c / pack(x, p.c);
             let gx = groups.clamp(1, 32);
             let chunks = groups.div_ceil(gx).max(1);
-            // At least a few rows per lane of a block.
             let lanes = BN_RED_THREADS as usize / gx;
-            let parts = want.div_ceil(chunks).clamp(1, (m / (4 * lanes)).max(1));
+            let parts = want
+                .div_ceil(chunks)
+                .clamp(1, (m / (2 * BN_ROWS * lanes)).max(1));
             (
                 parts,
                 Grid {
@@ -203,10 +208,10 @@ fn fused_plan(x: &CudaStorage, p: &BatchNormParams) -> (BnGeo, Grid) {
     (geo, grid)
 }
 
-/// The elementwise grid of the fused kernels.
-fn apply_grid(x: &CudaStorage, p: &BatchNormParams) -> Grid {
+/// The elementwise grid of the fused kernels: NHWC on the reductions' tiles (`reduce_grid`).
+fn apply_grid(x: &CudaStorage, p: &BatchNormParams, reduce_grid: Grid) -> Grid {
     match p.format {
-        MemoryFormat::ChannelsLast => Grid::for_items(&x.dev, p.n * p.spatial * p.c / pack(x, p.c)),
+        MemoryFormat::ChannelsLast => reduce_grid,
         MemoryFormat::Contiguous => per_channel_grid(x, p),
     }
 }
@@ -262,7 +267,7 @@ fn forward_fused(
     launch!(x.dev, Family::BatchNorm, "bn_stats_finalize", Grid::for_items(&x.dev, p.c);
         geo, part.ptr(), shift.ptr(), weight.ptr(), bias.ptr(), running_mean.ptr(),
         running_var.ptr(), mean.ptr(), invstd.ptr(), coef.ptr());
-    launch!(x.dev, Family::BatchNorm, format!("bn_apply_{f}_{s}"), apply_grid(x, p);
+    launch!(x.dev, Family::BatchNorm, format!("bn_apply_{f}_{s}"), apply_grid(x, p, grid);
         geo, src, res, coef.ptr(), y.ptr());
     Ok((y, mean, invstd))
 }
@@ -315,7 +320,7 @@ fn backward_fused(
             p.c as u64, parts as u64, (p.n * p.spatial) as u64, part.ptr(), weight.ptr(),
             saved_mean.ptr(), saved_invstd.ptr(), dw.ptr(), db.ptr(), coef.ptr());
         let pres = dres.as_ref().map_or(0, |d| d.ptr());
-        launch!(g.dev, Family::BatchNorm, format!("bn_bwd_dx_{f}_{s}"), apply_grid(g, p);
+        launch!(g.dev, Family::BatchNorm, format!("bn_bwd_dx_{f}_{s}"), apply_grid(g, p, grid);
             geo, pg, px, py, coef.ptr(), dx.ptr(), pres);
     }
     Ok(BatchNormGrads {

@@ -222,9 +222,10 @@ fn engine_notes(engine: &Desc, rules: EngineRules) -> Result<(bool, String)> {
         N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS as u32,
     ) || (transform && rules.dtype == DType::F32 && !rules.tf32)
         || has(
-        numerical,
-        N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION as u32,
-    ) || (tf32_used && !rules.tf32)
+            numerical,
+            N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION as u32,
+        )
+        || (tf32_used && !rules.tf32)
         || (has(behavior, B::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION as u32)
             && !rules.runtime_compiled);
     let name = |table: &[&str], kind: &str, v: u32| {

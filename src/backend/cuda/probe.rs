@@ -56,7 +56,9 @@ pub fn probe() -> Result<()> {
                     let mut names = cudarc::get_lib_name_candidates(lib.base);
                     let mut seen = std::collections::HashSet::new();
                     names.retain(|n| seen.insert(n.clone()));
-                    missing.push(format!("{} not found (searched {})", lib.what, names.join(", ")));
+                    // The file names are for whoever debugs a setup, not for every CPU run.
+                    log::debug!("{} not found; searched {}", lib.what, names.join(", "));
+                    missing.push(format!("{} not found", lib.what));
                     if k == 0 {
                         // Without the driver nothing else matters: no NVIDIA GPU or driver here.
                         break;
@@ -67,7 +69,7 @@ pub fn probe() -> Result<()> {
                 Ok(())
             } else {
                 Err(format!(
-                    "{}; install the NVIDIA driver / CUDA 13 runtime libraries or set LD_LIBRARY_PATH",
+                    "{} (RUST_LOG=mixprec=debug lists the file names searched); install the NVIDIA driver / CUDA 13 runtime libraries or set LD_LIBRARY_PATH",
                     missing.join("; ")
                 ))
             }

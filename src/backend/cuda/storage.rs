@@ -66,11 +66,21 @@ impl CudaStorage {
     /// [`super::set_poison_allocations`]). Sizes are rounded up to 16 bytes so vectorised kernels
     /// may read whole packs at the end.
     pub(crate) fn alloc(dev: &Arc<CudaDevice>, dtype: DType, len: usize) -> Result<Self> {
+        let oom = |bytes: u64, detail: &str| Error::OutOfMemory {
+            op: "cuda alloc",
+            bytes,
+            device: crate::tensor::Device::Cuda(dev.ordinal),
+            detail: detail.to_string(),
+        };
         let bytes = len
             .checked_mul(dtype.size_in_bytes())
-            .ok_or_else(|| Error::Cuda(format!("allocating {len} × {dtype}: size overflows")))?
-            .max(1)
-            .next_multiple_of(16);
+            .and_then(|b| b.max(1).checked_next_multiple_of(16))
+            .ok_or_else(|| {
+                oom(
+                    (len as u64).saturating_mul(dtype.size_in_bytes() as u64),
+                    "more bytes than an address holds",
+                )
+            })?;
         graph::check_stream(dev.ordinal, "allocating a CUDA buffer")?;
         device::count_allocation();
         dev.ctx
@@ -78,10 +88,17 @@ impl CudaStorage {
             .map_err(|e| cuda_err("binding the context", e))?;
         // SAFETY: the contents are written by the op that asked for the buffer before any read.
         let buf = unsafe { dev.stream.alloc::<u8>(bytes) }.map_err(|e| {
-            cuda_err(
-                &format!("allocating {bytes} bytes on cuda:{}", dev.ordinal),
-                e,
-            )
+            if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                oom(
+                    bytes as u64,
+                    "CUDA_ERROR_OUT_OF_MEMORY from the device's allocator",
+                )
+            } else {
+                cuda_err(
+                    &format!("allocating {bytes} bytes on cuda:{}", dev.ordinal),
+                    e,
+                )
+            }
         })?;
         let s = CudaStorage {
             buf: ManuallyDrop::new(buf),
