@@ -216,40 +216,56 @@ fn persistent_gradients_accumulate_in_their_own_buffer() {
     );
 }
 
+/// Every level (with or without FP32 masters): the persistent gradients made by the first
+/// `zero_grad` keep their buffers across steps (at O0/O1/O3 the optimizer's parameters are the
+/// model's, and zero_grad once dropped the gradients it had just zeroed).
 #[test]
 fn amp_persistent_mode_keeps_gradient_buffers_across_steps() {
-    let m = capture_support::model(Net::Mlp, CPU);
-    let o = capture_support::optimizer(Kind::AdamW, m.parameters());
-    let (model, mut opt) = amp::initialize(m, o, Policy::opt_level(OptLevel::O2)).unwrap();
-    opt.set_persistent_grads(true).unwrap();
-    let mut first: Vec<Tensor> = Vec::new();
-    for i in 0..3 {
-        let (x, y) = capture_support::batch(Net::Mlp, i, 0, CPU);
-        opt.zero_grad().unwrap();
-        opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
-            .unwrap();
-        opt.step().unwrap();
-        let grads: Vec<Tensor> = model
-            .parameters()
-            .iter()
-            .map(|p| p.grad().unwrap())
-            .collect();
-        if first.is_empty() {
-            first = grads;
-        } else {
-            for (a, b) in first.iter().zip(&grads) {
-                assert!(a.same_storage(b), "step {i}: a gradient moved");
+    for level in LEVELS {
+        let m = capture_support::model(Net::Mlp, CPU);
+        let o = capture_support::optimizer(Kind::AdamW, m.parameters());
+        let (model, mut opt) = amp::initialize(m, o, capture_support::policy(level)).unwrap();
+        opt.set_persistent_grads(true).unwrap();
+        let mut first: Vec<Tensor> = Vec::new();
+        for i in 0..3 {
+            let (x, y) = capture_support::batch(Net::Mlp, i, 0, CPU);
+            opt.zero_grad().unwrap();
+            let zeroed: Vec<Tensor> = model
+                .parameters()
+                .iter()
+                .map(|p| p.grad().expect("zero_grad keeps a zeroed gradient"))
+                .collect();
+            opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
+                .unwrap();
+            opt.step().unwrap();
+            let grads: Vec<Tensor> = model
+                .parameters()
+                .iter()
+                .map(|p| p.grad().unwrap())
+                .collect();
+            for (a, b) in zeroed.iter().zip(&grads) {
+                assert!(
+                    a.same_storage(b),
+                    "{level} step {i}: backward moved a gradient"
+                );
+            }
+            if first.is_empty() {
+                first = grads;
+            } else {
+                for (a, b) in first.iter().zip(&grads) {
+                    assert!(a.same_storage(b), "{level} step {i}: a gradient moved");
+                }
             }
         }
+        // Switching modes mid-step is refused.
+        let (x, y) = capture_support::batch(Net::Mlp, 0, 0, CPU);
+        opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
+            .unwrap();
+        let e = opt.set_persistent_grads(false).unwrap_err().to_string();
+        assert!(e.contains("between steps"), "{e}");
+        opt.step().unwrap();
+        opt.set_persistent_grads(false).unwrap();
     }
-    // Switching modes mid-step is refused.
-    let (x, y) = capture_support::batch(Net::Mlp, 0, 0, CPU);
-    opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
-        .unwrap();
-    let e = opt.set_persistent_grads(false).unwrap_err().to_string();
-    assert!(e.contains("between steps"), "{e}");
-    opt.step().unwrap();
-    opt.set_persistent_grads(false).unwrap();
 }
 
 /// Two losses with two scalers: an overflow in loss 0's backward belongs to scaler 0 only, in
@@ -556,9 +572,8 @@ fn first_list_change(
     b: &[multi_tensor::recorder::Call],
 ) -> Option<String> {
     if a.len() != b.len() {
-        let names = |s: &[multi_tensor::recorder::Call]| -> Vec<&str> {
-            s.iter().map(|c| c.op).collect()
-        };
+        let names =
+            |s: &[multi_tensor::recorder::Call]| -> Vec<&str> { s.iter().map(|c| c.op).collect() };
         return Some(format!(
             "{} calls {:?} vs {} calls {:?}",
             a.len(),
