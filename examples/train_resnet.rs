@@ -432,7 +432,7 @@ fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
         },
     )?;
     if summary.rank != 0 {
-        return Ok(());
+        return Ok(summary);
     }
     if let Some(last) = summary.last() {
         println!(

@@ -514,7 +514,9 @@ fn train_resnet_captured_matches_eager_and_resumes_exactly() {
     let resumed = train(
         &split,
         &RunOptions {
-            resume: Some(split.out.join("checkpoints/epoch-001.safetensors")),
+            resume: Some(mixprec::train::Resume::From(
+                split.out.join("checkpoints/epoch-001.safetensors"),
+            )),
             ..quiet
         },
     )
