@@ -228,6 +228,9 @@ pub fn apply(
         }
     }
     kernel.check_call(op, &entries, &scalars)?;
+    if recorder::is_on() {
+        recorder::record(op, kernel, &entries, rows);
+    }
     match dev {
         Device::Cpu => CpuMultiTensor.multi_tensor(kernel, &entries, &scalars),
         Device::Cuda(i) => {
@@ -237,6 +240,77 @@ pub fn apply(
                 });
             crate::backend::cuda::CudaMultiTensor::new(i)?.multi_tensor(kernel, &entries, &scalars)
         }
+    }
+}
+
+/// A test aid, off by default: records on this thread the buffers that each multi-tensor call
+/// passes, as the CUDA backend keys its cached chunk tables. A captured step replays the tables
+/// of capture time, so from the second warm-up step on each call of a step must pass the same
+/// buffers as in the step before (tests/capture.rs checks this on the CPU).
+#[doc(hidden)]
+pub mod recorder {
+    use std::cell::{Cell, RefCell};
+
+    use super::Row;
+    use crate::backend::{MtEntry, MtKernel, MT_ROLES};
+    use crate::tensor::Tensor;
+
+    /// One recorded call.
+    #[derive(Clone, Debug)]
+    pub struct Call {
+        pub op: &'static str,
+        pub kernel: MtKernel,
+        /// Per entry (in call order): its slot, its length, and the buffer address of each list
+        /// role (0: absent) — what the CUDA table cache keys on, dtypes aside.
+        pub rows: Vec<(usize, usize, [u64; MT_ROLES])>,
+        /// Handles to the call's tensors: while a record is held its buffers stay allocated, so
+        /// a temporary's address cannot come back as a later step's temporary by chance.
+        pub held: Vec<Tensor>,
+    }
+
+    thread_local! {
+        static ON: Cell<bool> = const { Cell::new(false) };
+        static CALLS: RefCell<Vec<Call>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// Starts recording on this thread (forgetting what was recorded before).
+    pub fn start() {
+        CALLS.with(|c| c.borrow_mut().clear());
+        ON.with(|o| o.set(true));
+    }
+
+    /// Stops recording and returns what was recorded since the last start or take.
+    pub fn stop() -> Vec<Call> {
+        ON.with(|o| o.set(false));
+        take()
+    }
+
+    /// The calls recorded since the last start or take; recording goes on.
+    pub fn take() -> Vec<Call> {
+        CALLS.with(|c| std::mem::take(&mut *c.borrow_mut()))
+    }
+
+    pub(super) fn is_on() -> bool {
+        ON.with(|o| o.get())
+    }
+
+    pub(super) fn record(op: &'static str, kernel: &MtKernel, entries: &[MtEntry], rows: &[Row]) {
+        let rows_rec = entries
+            .iter()
+            .map(|e| (e.slot, e.len, e.bufs.map(|b| b.map_or(0, |b| b.addr))))
+            .collect();
+        let held = rows
+            .iter()
+            .flat_map(|r| r.bufs.iter().flatten().map(|t| (*t).clone()))
+            .collect();
+        CALLS.with(|c| {
+            c.borrow_mut().push(Call {
+                op,
+                kernel: *kernel,
+                rows: rows_rec,
+                held,
+            })
+        });
     }
 }
 

@@ -216,40 +216,56 @@ fn persistent_gradients_accumulate_in_their_own_buffer() {
     );
 }
 
+/// Every level (with or without FP32 masters): the persistent gradients made by the first
+/// `zero_grad` keep their buffers across steps (at O0/O1/O3 the optimizer's parameters are the
+/// model's, and zero_grad once dropped the gradients it had just zeroed).
 #[test]
 fn amp_persistent_mode_keeps_gradient_buffers_across_steps() {
-    let m = capture_support::model(Net::Mlp, CPU);
-    let o = capture_support::optimizer(Kind::AdamW, m.parameters());
-    let (model, mut opt) = amp::initialize(m, o, Policy::opt_level(OptLevel::O2)).unwrap();
-    opt.set_persistent_grads(true).unwrap();
-    let mut first: Vec<Tensor> = Vec::new();
-    for i in 0..3 {
-        let (x, y) = capture_support::batch(Net::Mlp, i, 0, CPU);
-        opt.zero_grad().unwrap();
-        opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
-            .unwrap();
-        opt.step().unwrap();
-        let grads: Vec<Tensor> = model
-            .parameters()
-            .iter()
-            .map(|p| p.grad().unwrap())
-            .collect();
-        if first.is_empty() {
-            first = grads;
-        } else {
-            for (a, b) in first.iter().zip(&grads) {
-                assert!(a.same_storage(b), "step {i}: a gradient moved");
+    for level in LEVELS {
+        let m = capture_support::model(Net::Mlp, CPU);
+        let o = capture_support::optimizer(Kind::AdamW, m.parameters());
+        let (model, mut opt) = amp::initialize(m, o, capture_support::policy(level)).unwrap();
+        opt.set_persistent_grads(true).unwrap();
+        let mut first: Vec<Tensor> = Vec::new();
+        for i in 0..3 {
+            let (x, y) = capture_support::batch(Net::Mlp, i, 0, CPU);
+            opt.zero_grad().unwrap();
+            let zeroed: Vec<Tensor> = model
+                .parameters()
+                .iter()
+                .map(|p| p.grad().expect("zero_grad keeps a zeroed gradient"))
+                .collect();
+            opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
+                .unwrap();
+            opt.step().unwrap();
+            let grads: Vec<Tensor> = model
+                .parameters()
+                .iter()
+                .map(|p| p.grad().unwrap())
+                .collect();
+            for (a, b) in zeroed.iter().zip(&grads) {
+                assert!(
+                    a.same_storage(b),
+                    "{level} step {i}: backward moved a gradient"
+                );
+            }
+            if first.is_empty() {
+                first = grads;
+            } else {
+                for (a, b) in first.iter().zip(&grads) {
+                    assert!(a.same_storage(b), "{level} step {i}: a gradient moved");
+                }
             }
         }
+        // Switching modes mid-step is refused.
+        let (x, y) = capture_support::batch(Net::Mlp, 0, 0, CPU);
+        opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
+            .unwrap();
+        let e = opt.set_persistent_grads(false).unwrap_err().to_string();
+        assert!(e.contains("between steps"), "{e}");
+        opt.step().unwrap();
+        opt.set_persistent_grads(false).unwrap();
     }
-    // Switching modes mid-step is refused.
-    let (x, y) = capture_support::batch(Net::Mlp, 0, 0, CPU);
-    opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
-        .unwrap();
-    let e = opt.set_persistent_grads(false).unwrap_err().to_string();
-    assert!(e.contains("between steps"), "{e}");
-    opt.step().unwrap();
-    opt.set_persistent_grads(false).unwrap();
 }
 
 /// Two losses with two scalers: an overflow in loss 0's backward belongs to scaler 0 only, in
@@ -510,4 +526,141 @@ fn run_config_has_the_cuda_graph_switch() {
     j.as_object_mut().unwrap().remove("cuda_graph");
     let back: RunConfig = serde_json::from_value(j).unwrap();
     assert!(back.cuda_graph);
+}
+
+/// The steps of one case run by `CapturedStep::eager`, each step's multi-tensor calls recorded
+/// (`eval_every` > 0: an eval forward after every that many steps, outside the record).
+fn recorded_steps(case: &Case, eval_every: usize) -> Vec<Vec<multi_tensor::recorder::Call>> {
+    use capture_support::{batch, lr_at, model, optimizer, policy};
+    let m = model(case.net, CPU);
+    let o = optimizer(case.kind, m.parameters());
+    let (model, mut opt) = amp::initialize(m, o, policy(case.level)).unwrap();
+    opt.clip_grad_norm(case.clip).unwrap();
+    let mut step = CapturedStep::eager(&model, &mut opt, |x, y| {
+        nn::cross_entropy(&model.forward(x)?, y)
+    })
+    .unwrap()
+    .micro_batches(case.micro_batches)
+    .unwrap();
+    let mut steps = Vec::new();
+    for i in 0..case.steps {
+        step.optimizer()
+            .inner_mut()
+            .set_lr_all(lr_at(case.kind, i))
+            .unwrap();
+        let bs: Vec<(Tensor, Tensor)> = (0..case.micro_batches)
+            .map(|mb| batch(case.net, i, mb, CPU))
+            .collect();
+        multi_tensor::recorder::start();
+        let r = step.run_accumulated(&bs);
+        // Held (with the buffers they name) until the end of the case.
+        steps.push(multi_tensor::recorder::stop());
+        r.unwrap();
+        if eval_every > 0 && (i + 1) % eval_every == 0 {
+            let _ng = mixprec::no_grad();
+            model.eval();
+            model.forward(&batch(case.net, 100 + i, 1, CPU).0).unwrap();
+            model.set_training(true);
+        }
+    }
+    steps
+}
+
+/// The first way step `b`'s multi-tensor calls differ from step `a`'s, if any.
+fn first_list_change(
+    a: &[multi_tensor::recorder::Call],
+    b: &[multi_tensor::recorder::Call],
+) -> Option<String> {
+    if a.len() != b.len() {
+        let names =
+            |s: &[multi_tensor::recorder::Call]| -> Vec<&str> { s.iter().map(|c| c.op).collect() };
+        return Some(format!(
+            "{} calls {:?} vs {} calls {:?}",
+            a.len(),
+            names(a),
+            b.len(),
+            names(b)
+        ));
+    }
+    for (k, (x, y)) in a.iter().zip(b).enumerate() {
+        if x.op != y.op || x.kernel != y.kernel {
+            return Some(format!(
+                "call {k}: `{}` {:?} vs `{}` {:?}",
+                x.op, x.kernel, y.op, y.kernel
+            ));
+        }
+        if x.rows.len() != y.rows.len() {
+            return Some(format!(
+                "call {k} (`{}` {:?}): {} tensors vs {}",
+                x.op,
+                x.kernel,
+                x.rows.len(),
+                y.rows.len()
+            ));
+        }
+        for (r, (p, q)) in x.rows.iter().zip(&y.rows).enumerate() {
+            if p != q {
+                let moved: Vec<usize> = (0..p.2.len()).filter(|&l| p.2[l] != q.2[l]).collect();
+                return Some(format!(
+                    "call {k} (`{}` {:?}), tensor {r}: (slot, len, addresses) {p:?} vs {q:?}: \
+                     role(s) {moved:?} moved",
+                    x.op, x.kernel
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// What a captured step needs of the eager steps before it: from the second step on, every
+/// multi-tensor call of a step passes the same buffers, in the same order, as in the step
+/// before (CUDA keys its chunk tables by these addresses and refuses a table first built
+/// during capture; a replay runs on the addresses of capture time). Every level and optimizer,
+/// planted overflows (skipped steps), and the conv net with clipping, micro-batches and eval
+/// passes. The previous step's buffers are held, so a per-step temporary cannot reappear at
+/// the same address by chance.
+#[test]
+fn every_step_passes_the_same_buffers_to_the_multi_tensor_calls() {
+    let mut cases = Vec::new();
+    for kind in KINDS {
+        for level in LEVELS {
+            cases.push((Case::new(Net::Mlp, kind, level), 0));
+        }
+    }
+    for (kind, level) in [
+        (Kind::Sgd, "O2"),
+        (Kind::AdamW, "O1"),
+        (Kind::Lamb, "O3"),
+        (Kind::Sgd, "O0"),
+        (Kind::AdamW, "O2 bf16"),
+    ] {
+        let mut case = Case::new(Net::Conv, kind, level);
+        case.clip = Some(1.0);
+        case.micro_batches = 2;
+        case.steps = 5;
+        cases.push((case, 2));
+    }
+    let mut failures = Vec::new();
+    for (case, eval_every) in &cases {
+        let steps = recorded_steps(case, *eval_every);
+        assert!(
+            steps.iter().all(|s| !s.is_empty()),
+            "{case:?}: a step made no multi-tensor call"
+        );
+        for i in 1..steps.len() {
+            if let Some(d) = first_list_change(&steps[i - 1], &steps[i]) {
+                failures.push(format!(
+                    "{:?} {:?} {} (clip {:?}, {} micro-batches): step {i} vs step {}: {d}",
+                    case.net,
+                    case.kind,
+                    case.level,
+                    case.clip,
+                    case.micro_batches,
+                    i - 1
+                ));
+                break;
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

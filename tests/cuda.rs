@@ -1365,19 +1365,17 @@ fn conv2d_padding_only_kernel_cells_match_cpu() {
         for d in DTYPES {
             let x = randn(p.n * p.c_in * p.h * p.w, d);
             let w = randn(p.c_out * (p.c_in / p.groups) * p.kh * p.kw, d);
-            let y = x.conv2d(&whole(&x), &w, &whole(&w), &p).unwrap();
+            let (lx, lw) = (whole(&x), whole(&w));
+            let y = x.conv2d(&lx, &w, &lw, &p).unwrap();
             assert_eq!(y.len(), p.n * p.c_out * p.out_h() * p.out_w(), "{p:?}");
             let y_gpu = up(&x)
-                .conv2d(&whole(&x), &up(&w), &whole(&w), &p)
+                .conv2d(&lx, &up(&w), &lw, &p)
                 .unwrap_or_else(|e| panic!("conv2d {d} {p:?}: {e}"));
             check(&format!("conv2d {d} {p:?}"), &y_gpu, &y, tol_gemm(d));
             let g = randn(y.len(), d);
-            let dx = up(&g)
-                .conv2d_backward_input(&whole(&g), &up(&w), &whole(&w), &p)
-                .unwrap();
-            let want = g
-                .conv2d_backward_input(&whole(&g), &w, &whole(&w), &p)
-                .unwrap();
+            let lg = whole(&g);
+            let dx = up(&g).conv2d_backward_input(&lg, &up(&w), &lw, &p).unwrap();
+            let want = g.conv2d_backward_input(&lg, &w, &lw, &p).unwrap();
             check(
                 &format!("conv2d_backward_input {d} {p:?}"),
                 &dx,
@@ -1385,11 +1383,9 @@ fn conv2d_padding_only_kernel_cells_match_cpu() {
                 tol_gemm(d),
             );
             let dw = up(&g)
-                .conv2d_backward_weight(&whole(&g), &up(&x), &whole(&x), &p)
+                .conv2d_backward_weight(&lg, &up(&x), &lx, &p)
                 .unwrap();
-            let want = g
-                .conv2d_backward_weight(&whole(&g), &x, &whole(&x), &p)
-                .unwrap();
+            let want = g.conv2d_backward_weight(&lg, &x, &lx, &p).unwrap();
             check(
                 &format!("conv2d_backward_weight {d} {p:?}"),
                 &dw,

@@ -406,8 +406,12 @@ impl<O: Optimizer> AmpOptimizer<O> {
         } else {
             self.inner.zero_grad();
         }
-        for m in self.master_params() {
-            m.zero_grad();
+        // Only real masters: without them `master_params` are the model's parameters, whose
+        // persistent gradients were just zeroed and must keep their buffers.
+        if self.master_weights {
+            for m in fused::master_params(&self.inner) {
+                m.zero_grad();
+            }
         }
         Ok(())
     }

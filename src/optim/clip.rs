@@ -47,10 +47,11 @@ pub fn clip_grad_norm_into(
     found_inf: &Tensor,
 ) -> Result<Tensor> {
     let (norm, coef) = clip_grad_norm_coef(grads, max_norm, grad_multiplier, found_inf)?;
-    // The multiplier is finite, so this never sets a flag; a scratch flag keeps found_inf exact.
-    let scratch = multi_tensor::scalar_on(norm.device(), 0.0)?;
-    let m = std::slice::from_ref(grad_multiplier);
-    multi_tensor::scale(m, m, &coef, &scratch)?;
+    // An elementwise product and an in-place copy, not a multi-tensor call: the multiplier is
+    // often a temporary of the step (AMP's 1/scale), and a multi-tensor list of a temporary
+    // has a new address every step (a CUDA graph capture refuses its chunk table).
+    let _ng = crate::no_grad();
+    grad_multiplier.copy_in_place(&grad_multiplier.mul(&coef)?)?;
     Ok(norm)
 }
 
