@@ -648,3 +648,82 @@ fn image_folder_trains_a_torchvision_resnet() {
         "{saved}"
     );
 }
+
+/// `model.memory_format = "channels_last"` (the GPU's default; forced here on the CPU): the run
+/// trains as the contiguous one does (the same values in another layout), writes weights in
+/// torchvision's logical (NCHW) order, and resumes exactly.
+#[test]
+fn a_channels_last_run_trains_saves_and_resumes_like_a_contiguous_one() {
+    let dir = tempdir("channels-last");
+    let cfg = |out: &str, format: &str| {
+        let mut c = quick(dir.join(out), 2);
+        c.model.memory_format = format.into();
+        c
+    };
+    let nchw = run(&cfg("nchw", "contiguous"), &quiet()).unwrap();
+    let cl_cfg = cfg("cl", "channels_last");
+    let cl = run(&cl_cfg, &quiet()).unwrap();
+    for (a, b) in nchw.history.iter().zip(&cl.history) {
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1.0);
+        assert!(
+            close(a.train_loss, b.train_loss) && close(a.test_loss, b.test_loss),
+            "epoch {}: {a:?} vs {b:?}",
+            a.epoch
+        );
+    }
+    let weights = |s: &mixprec::train::RunSummary| {
+        mixprec::io::safetensors::read(s.weights.as_ref().unwrap())
+            .unwrap()
+            .0
+    };
+    let (wa, wb) = (weights(&nchw), weights(&cl));
+    assert_eq!(wa.len(), wb.len());
+    for ((na, ta), (nb, tb)) in wa.iter().zip(&wb) {
+        assert_eq!((na, ta.dims()), (nb, tb.dims()));
+        if ta.dtype() != mixprec::DType::F32 {
+            continue;
+        }
+        let (va, vb) = (ta.to_vec::<f32>().unwrap(), tb.to_vec::<f32>().unwrap());
+        let worst = va
+            .iter()
+            .zip(&vb)
+            .map(|(x, y)| (x - y).abs() / x.abs().max(1e-2))
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 1e-3,
+            "{na}: values differ by {worst} (a permuted layout?)"
+        );
+    }
+    // Interrupted after epoch 1 and resumed: the uninterrupted channels_last run, bit for bit.
+    let split_cfg = cfg("cl-split", "channels_last");
+    run(
+        &split_cfg,
+        &RunOptions {
+            stop_after: Some(1),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    let resumed = run(
+        &split_cfg,
+        &RunOptions {
+            resume: Some(Resume::Auto),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    for (a, b) in cl.history.iter().zip(&resumed.history) {
+        assert_eq!(
+            a.train_loss.to_bits(),
+            b.train_loss.to_bits(),
+            "epoch {}",
+            a.epoch
+        );
+        assert_eq!(
+            a.test_loss.to_bits(),
+            b.test_loss.to_bits(),
+            "epoch {}",
+            a.epoch
+        );
+    }
+}

@@ -26,6 +26,10 @@ pub struct ModelConfig {
     pub widths: Vec<usize>,
     /// `basic` (two 3x3 convs) or `bottleneck` (1x1, 3x3, 1x1).
     pub block: String,
+    /// How activations and weights are laid out: `channels_last` (NHWC, PyTorch's
+    /// `torch.channels_last`), `contiguous` (NCHW) or `auto` (channels_last on a GPU, where
+    /// cuDNN and the batch-norm kernels run natively in it; contiguous on the CPU).
+    pub memory_format: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -133,6 +137,7 @@ impl Default for ModelConfig {
             blocks: vec![1, 1, 1],
             widths: vec![16, 32, 64],
             block: "basic".into(),
+            memory_format: "auto".into(),
         }
     }
 }
@@ -221,6 +226,7 @@ pub const SCHEDULES: [&str; 4] = ["one-cycle", "cosine", "step", "constant"];
 pub const BLOCKS: [&str; 2] = ["basic", "bottleneck"];
 pub const OPT_LEVELS: [&str; 4] = ["O0", "O1", "O2", "O3"];
 pub const ARCHS: [&str; 5] = ["auto", "small", "resnet18", "resnet34", "resnet50"];
+pub const MEMORY_FORMATS: [&str; 3] = ["auto", "contiguous", "channels_last"];
 
 /// The largest peak learning rate a run accepts (from a file or a flag).
 pub const MAX_LR: f64 = 1e3;
@@ -251,6 +257,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "a non-empty array of integers >= 1, one per stage (as many as model.blocks)",
     ),
     ("model.block", "\"basic\" or \"bottleneck\""),
+    (
+        "model.memory_format",
+        "\"auto\" (channels_last on a GPU, else contiguous), \"contiguous\" or \"channels_last\"",
+    ),
     (
         "model.arch",
         "\"auto\", \"small\", \"resnet18\", \"resnet34\" or \"resnet50\"",
@@ -369,6 +379,7 @@ impl RunConfig {
         }
         one_of("model.block", &m.block, &BLOCKS)?;
         one_of("model.arch", &m.arch, &ARCHS)?;
+        one_of("model.memory_format", &m.memory_format, &MEMORY_FORMATS)?;
         let d = &self.data;
         if d.dir.is_empty() {
             return bad("data.dir", "\"\"".into());

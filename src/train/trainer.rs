@@ -30,7 +30,7 @@ use crate::nn::{BlockKind, Module};
 use crate::optim::{
     AdamConfig, FusedAdam, FusedLamb, FusedSgd, LambConfig, LrSchedule, Optimizer, SgdConfig,
 };
-use crate::tensor::{Device, Tensor};
+use crate::tensor::{Device, MemoryFormat, Tensor};
 
 use super::config::{parse_device, RunConfig};
 use super::data::LARGE_IMAGE;
@@ -301,7 +301,12 @@ fn schedule(cfg: &RunConfig, steps_per_epoch: u64) -> LrSchedule {
 
 /// The test loss summed over the samples, the number classified correctly and the number of
 /// samples (of this rank's shard), in eval mode, recording no graph.
-fn evaluate<M: Module>(model: &AmpModel<M>, test: &DataLoader, device: Device) -> Result<[f64; 3]> {
+fn evaluate<M: Module>(
+    model: &AmpModel<M>,
+    test: &DataLoader,
+    device: Device,
+    format: MemoryFormat,
+) -> Result<[f64; 3]> {
     let _no_grad = crate::no_grad();
     model.eval();
     let (mut correct, mut total) = (0usize, 0usize);
@@ -309,7 +314,7 @@ fn evaluate<M: Module>(model: &AmpModel<M>, test: &DataLoader, device: Device) -
     for batch in test.epoch(0) {
         let (x, y) = batch?;
         let (x, y) = (x.to_device(device)?, y.to_device(device)?);
-        let logits = model.forward(&x)?;
+        let logits = model.forward(&x.to_memory_format(format)?)?;
         let n = y.dims()[0];
         loss_sum +=
             cross_entropy_with(&logits, &y, CrossEntropyConfig::default())?.item()? * n as f64;
@@ -320,6 +325,15 @@ fn evaluate<M: Module>(model: &AmpModel<M>, test: &DataLoader, device: Device) -
     }
     model.set_training(true);
     Ok([loss_sum, correct as f64, total as f64])
+}
+
+/// The layout `model.memory_format` names on `device` (`auto`: channels_last on a GPU).
+fn memory_format(name: &str, device: Device) -> MemoryFormat {
+    match name {
+        "channels_last" => MemoryFormat::ChannelsLast,
+        "auto" if device.is_cuda() => MemoryFormat::ChannelsLast,
+        _ => MemoryFormat::Contiguous,
+    }
 }
 
 fn checkpoint_path(out: &Path, name: &str) -> PathBuf {
@@ -397,9 +411,17 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
 
     let (model_cfg, model_text) = model_config(cfg, data.item_shape, data.num_classes);
     let model = ResNet::new(&model_cfg, &device)?;
+    let format = memory_format(&cfg.model.memory_format, device);
+    // As PyTorch's `model.to(memory_format=...)`: before the optimizer makes its state, which
+    // then follows each parameter's layout.
+    model.to_memory_format(format)?;
     say!(
-        "model: {model_text}, {} parameters, on {device}",
-        model.num_parameters()
+        "model: {model_text}, {} parameters, on {device}, {}",
+        model.num_parameters(),
+        match format {
+            MemoryFormat::ChannelsLast => "channels_last",
+            MemoryFormat::Contiguous => "contiguous (NCHW)",
+        }
     );
     let opt = build_optimizer(cfg, model.parameters())?;
     let policy = cfg.policy()?;
@@ -534,7 +556,14 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         );
     }
     let last_path = checkpoint_path(&cfg.out, "last");
-    let body = |x: &Tensor, y: &Tensor| cross_entropy_with(&train_model.forward(x)?, y, loss_cfg);
+    // The batch arrives NCHW; its copy into the model's layout is part of the (captured) step.
+    let body = |x: &Tensor, y: &Tensor| {
+        cross_entropy_with(
+            &train_model.forward(&x.to_memory_format(format)?)?,
+            y,
+            loss_cfg,
+        )
+    };
     // A data-parallel step's collectives are not captured: several processes run eagerly.
     let mut train_step = if cfg.cuda_graph && device.is_cuda() && world == 1 {
         say!("step: captured into a CUDA graph after 2 warm-up steps (--no-cuda-graph: eager)");
@@ -590,7 +619,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         if let Some(why) = watch.observe(step, scaler.skipped_total, scaler.scale) {
             return Err(diverged(why, step, &last_good));
         }
-        let local = evaluate(&model, &test_loader, device)?;
+        let local = evaluate(&model, &test_loader, device, format)?;
         // Every rank ran the same number of steps: the mean of the ranks' means.
         let sums = ranks.sum(&[local[0], local[1], local[2], train_loss])?;
         let (test_loss, test_accuracy) = (sums[0] / sums[2].max(1.0), sums[1] / sums[2].max(1.0));
