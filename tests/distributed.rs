@@ -514,7 +514,7 @@ fn worker_trainer(env: &LaunchEnv, out: &Path) -> Result<()> {
     let summary = run(
         &cfg,
         &RunOptions {
-            resume: resume.map(Resume::From),
+            resume,
             progress: Some(ProgressMode::Off),
             stop_after,
             sync_batch_norm: true,
