@@ -664,3 +664,39 @@ fn every_step_passes_the_same_buffers_to_the_multi_tensor_calls() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Half batch-norm statistics (O3 keeps BatchNorm in half) are updated in their own buffers:
+/// a CUDA graph replays on their addresses, and a buffer made during a capture may not outlive
+/// it (the H200 refused the O3 conv net's capture with "4 buffer(s) (64 bytes) allocated during
+/// the capture are still alive": two layers' running mean and variance).
+#[test]
+fn half_batch_norm_statistics_keep_their_buffers() {
+    let bn = nn::BatchNorm2d::new(8, &Device::Cpu).unwrap();
+    for t in [&bn.running_mean, &bn.running_var, &bn.weight, &bn.bias] {
+        t.cast_in_place(DType::F16).unwrap();
+    }
+    let addresses = || {
+        multi_tensor::recorder::start();
+        multi_tensor::l2norm(&[bn.running_mean.clone(), bn.running_var.clone()], false).unwrap();
+        let calls = multi_tensor::recorder::stop();
+        calls
+            .iter()
+            .flat_map(|c| c.rows.iter().flat_map(|r| r.2))
+            .filter(|&a| a != 0)
+            .collect::<Vec<u64>>()
+    };
+    let before = addresses();
+    assert_eq!(before.len(), 2, "{before:?}");
+    let vals: Vec<f32> = (0..2 * 8 * 3 * 3).map(|i| (i % 7) as f32 - 2.5).collect();
+    let x = Tensor::from_vec(vals, [2, 8, 3, 3], Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    bn.set_training(true);
+    for _ in 0..2 {
+        bn.forward(&x).unwrap();
+    }
+    assert_eq!(addresses(), before, "the statistics moved to new buffers");
+    let mean = bn.running_mean.to_vec_f64().unwrap();
+    assert!(mean.iter().any(|&m| m != 0.0), "not updated: {mean:?}");
+}

@@ -420,11 +420,12 @@ fn allocations_the_host_cannot_hold_are_errors() {
     let row = f32s(&[1, 1 << 23]);
     oom(col.add(&row), "add", bytes);
     oom(col.matmul(&row), "matmul", bytes);
-    oom(
-        f32s(&[1]).broadcast_as(&mixprec::Shape::new(huge.to_vec())),
-        "broadcast_to",
-        bytes,
-    );
+    // A broadcast is a view (as PyTorch's expand): its copy is what may not fit.
+    let wide = f32s(&[1])
+        .broadcast_as(&mixprec::Shape::new(huge.to_vec()))
+        .unwrap();
+    assert_eq!(wide.dims(), huge);
+    oom(wide.contiguous(), "copy_strided", bytes);
     let heuristic =
         std::fs::read_to_string("/proc/sys/vm/overcommit_memory").is_ok_and(|m| m.trim() != "1");
     if heuristic {

@@ -6,10 +6,12 @@
 //!
 //! [`fault`] injects a failure at any step of a write (tests of crash safety).
 
+use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use crate::error::{Error, Result};
 
@@ -36,6 +38,8 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
+    // Another thread of this process may be writing the same name: its file is not stale.
+    let _in_flight = InFlight::start(&tmp);
     let ctx = |what: &str| format!("writing {}: {what} {}", path.display(), tmp.display());
     fault::step().map_err(|e| Error::io(ctx("creating"), e))?;
     let file = OpenOptions::new()
@@ -88,9 +92,33 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()
     Ok(())
 }
 
+/// The temporary files this process is writing now (several threads may write one name).
+fn in_flight() -> &'static Mutex<HashSet<PathBuf>> {
+    static SET: OnceLock<Mutex<HashSet<PathBuf>>> = OnceLock::new();
+    SET.get_or_init(|| Mutex::new(HashSet::new()))
+}
+
+/// Marks a temporary file as being written for as long as it lives.
+struct InFlight(PathBuf);
+
+impl InFlight {
+    fn start(tmp: &Path) -> InFlight {
+        let mut set = in_flight().lock().unwrap_or_else(|e| e.into_inner());
+        set.insert(tmp.to_path_buf());
+        InFlight(tmp.to_path_buf())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut set = in_flight().lock().unwrap_or_else(|e| e.into_inner());
+        set.remove(&self.0);
+    }
+}
+
 /// Removes temporary files (`.NAME.tmp-PID-N`) in `dir` that no write will finish: those of
-/// processes that are gone, whatever their name, and this process's own for `name` (its writes
-/// of one name are sequential, so those are from failed writes). Best effort: a file that
+/// processes that are gone, whatever their name, and this process's own for `name` that no
+/// thread is writing (left by failed or simulated-crashed writes). Best effort: a file that
 /// cannot be removed stays.
 fn remove_stale_temps(dir: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -102,8 +130,14 @@ fn remove_stale_temps(dir: &Path, name: &str) {
         let Some((target, pid)) = file.to_str().and_then(parse_temp_name) else {
             continue;
         };
-        if (pid == me && target == name) || (pid != me && !process_alive(pid)) {
-            let p = e.path();
+        let p = e.path();
+        let writing = || {
+            in_flight()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&p)
+        };
+        if (pid == me && target == name && !writing()) || (pid != me && !process_alive(pid)) {
             if std::fs::remove_file(&p).is_ok() {
                 log::debug!("removed {}, left by an interrupted write", p.display());
             }

@@ -243,8 +243,17 @@ impl Tensor {
                 &mut rv_acc.storage_mut(),
                 &p,
             )?;
-            running_mean.set_data(&rm_acc.to_dtype(running_mean.dtype())?)?;
-            running_var.set_data(&rv_acc.to_dtype(running_var.dtype())?)?;
+            for (stat, wide) in [(running_mean, &rm_acc), (running_var, &rv_acc)] {
+                let v = wide.to_dtype(stat.dtype())?;
+                // Into the statistics' own buffers (a CUDA graph replays on their addresses;
+                // a new buffer made during a capture could not outlive it); a view's values go
+                // through `set_data`.
+                if stat.is_whole_buffer() {
+                    stat.copy_in_place(&v)?;
+                } else {
+                    stat.set_data(&v)?;
+                }
+            }
             out
         };
         drop(res_storage);

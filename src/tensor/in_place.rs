@@ -53,7 +53,7 @@ impl Storage {
 
 impl Tensor {
     /// Whether this tensor is all of its buffer, densely (what a buffer-level update walks).
-    fn is_whole_buffer(&self) -> bool {
+    pub(crate) fn is_whole_buffer(&self) -> bool {
         let l = self.layout();
         l.offset() == 0 && l.is_dense() && self.storage().len() == l.elem_count()
     }

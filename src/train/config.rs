@@ -394,18 +394,19 @@ impl RunConfig {
         if d.image_size > 4096 {
             return bad("data.image_size", d.image_size.to_string());
         }
+        // Each list's own values first, then whether they pair up.
+        if d.std
+            .iter()
+            .any(|s| !(s.is_finite() && (1e-6..=1e3).contains(s)))
+        {
+            return bad("data.std", format!("{:?}", d.std));
+        }
         if d.mean
             .iter()
             .any(|m| !(m.is_finite() && (-1e3..=1e3).contains(m)))
             || d.mean.len() != d.std.len()
         {
             return bad("data.mean", format!("{:?} with std {:?}", d.mean, d.std));
-        }
-        if d.std
-            .iter()
-            .any(|s| !(s.is_finite() && (1e-6..=1e3).contains(s)))
-        {
-            return bad("data.std", format!("{:?}", d.std));
         }
         if d.batch_size == 0 {
             return bad("data.batch_size", "0".into());

@@ -58,6 +58,8 @@ pub struct JobData {
     pub test: DataLoader,
     /// One line: where the data came from, how many images, the transforms.
     pub description: String,
+    /// Where the data came from (the first part of `description`).
+    pub source: String,
     /// What `data.dir` resolved to, recorded in the run's config.toml (never `auto`).
     pub dir_used: String,
     /// `[C, H, W]` of the model's input.
@@ -302,6 +304,7 @@ pub fn build(cfg: &RunConfig, device: Device, shard: Option<(usize, usize)>) -> 
         }
     };
     let workers = if d.workers == 0 { workers } else { d.workers };
+    let source = description.clone();
     description.push_str(&format!(
         "; training on {} images, testing on {}; {workers} worker thread(s){note}",
         train.len(),
@@ -331,6 +334,7 @@ pub fn build(cfg: &RunConfig, device: Device, shard: Option<(usize, usize)>) -> 
         train: train_loader,
         test: test_loader,
         description,
+        source,
         dir_used,
         item_shape,
         num_classes,

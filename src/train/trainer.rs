@@ -722,7 +722,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         weights,
         written,
         device,
-        data: data.description.clone(),
+        data: data.source.clone(),
         seconds: run_start.elapsed().as_secs_f64(),
         world_size: world,
         rank: ranks.rank(),

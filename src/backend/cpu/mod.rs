@@ -341,6 +341,8 @@ impl BackendStorage for CpuStorage {
     }
 
     fn copy_strided(&self, src: &Layout, dst: &Layout) -> Result<Self> {
+        // A broadcast view is cheap; its copy (contiguous, a relayout) may not fit.
+        alloc::probe_output("copy_strided", dst.storage_end(), self.dtype())?;
         Ok(map_any!(self, |v| layout::copy_strided(v, src, dst)))
     }
 
