@@ -22,12 +22,16 @@ p.add_argument("--steps", type=int, default=20)
 p.add_argument("--warmup", type=int, default=5)
 p.add_argument("--lr", type=float, default=0.001)
 p.add_argument("--compile", action="store_true")
+# Diagnostics of skipped fp16 steps: the optimizer without the fused kernel; cuDNN's heuristic
+# choice instead of cudnn.benchmark's timed one.
+p.add_argument("--foreach", action="store_true")
+p.add_argument("--no-benchmark", action="store_true")
 a = p.parse_args()
 
 dev = "cuda"
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
-torch.backends.cudnn.benchmark = True
+torch.backends.cudnn.benchmark = not a.no_benchmark
 batch, hw, classes = (256, 224, 1000) if a.net == "resnet50" else (512, 32, 10)
 torch.manual_seed(0)
 if a.net == "resnet50":
@@ -40,7 +44,8 @@ m = m.to(dev)
 cl = a.layout == "cl"
 if cl:
     m = m.to(memory_format=torch.channels_last)
-opt = torch.optim.SGD(m.parameters(), lr=a.lr, momentum=0.9, fused=True)
+opt = torch.optim.SGD(m.parameters(), lr=a.lr, momentum=0.9,
+                      **({"foreach": True} if a.foreach else {"fused": True}))
 x = torch.randn(batch, 3, hw, hw, device=dev)
 if cl:
     x = x.to(memory_format=torch.channels_last)
@@ -69,6 +74,7 @@ def count_skip(before):
 
 loss, before = step(); torch.cuda.synchronize(); count_skip(before)
 first_step_s = time.perf_counter() - t_start
+first_loss = loss.item()  # after the timing: a NaN here is the forward's, not the updates'
 for _ in range(1, a.warmup):
     loss, before = step(); count_skip(before)
 torch.cuda.synchronize()
@@ -99,4 +105,6 @@ print(json.dumps({
     "pool_used_high_mib": round(torch.cuda.max_memory_allocated() / 2**20),
     "pool_reserved_high_mib": round(torch.cuda.max_memory_reserved() / 2**20),
     "skipped": skipped, "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0,
-    "final_loss": round(loss.item(), 4), "torch": torch.__version__}), flush=True)
+    "first_loss": round(first_loss, 4), "final_loss": round(loss.item(), 4), "torch": torch.__version__,
+    "optimizer": "foreach" if a.foreach else "fused", "cudnn_benchmark": not a.no_benchmark}),
+    flush=True)
