@@ -57,7 +57,7 @@ impl DistributedSampler {
         if !self.even {
             return n / w + usize::from(self.rank < n % w);
         }
-        if self.drop_last && n % w != 0 {
+        if self.drop_last && !n.is_multiple_of(w) {
             // ceil((n - w) / w), as torch computes it (0 when n < w).
             n.saturating_sub(w).div_ceil(w)
         } else {

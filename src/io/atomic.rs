@@ -137,10 +137,10 @@ fn remove_stale_temps(dir: &Path, name: &str) {
                 .unwrap_or_else(|e| e.into_inner())
                 .contains(&p)
         };
-        if (pid == me && target == name && !writing()) || (pid != me && !process_alive(pid)) {
-            if std::fs::remove_file(&p).is_ok() {
-                log::debug!("removed {}, left by an interrupted write", p.display());
-            }
+        let stale =
+            (pid == me && target == name && !writing()) || (pid != me && !process_alive(pid));
+        if stale && std::fs::remove_file(&p).is_ok() {
+            log::debug!("removed {}, left by an interrupted write", p.display());
         }
     }
 }

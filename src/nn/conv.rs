@@ -66,7 +66,7 @@ impl Conv2d {
                 "weight must be [c_out, c_in/groups, kh, kw]",
             ));
         }
-        if config.groups == 0 || weight.dims()[0] % config.groups != 0 {
+        if config.groups == 0 || !weight.dims()[0].is_multiple_of(config.groups) {
             return Err(Error::invalid_arg(
                 "Conv2d",
                 "groups",
@@ -108,7 +108,7 @@ pub(crate) fn check_channels(
     config: &Conv2dConfig,
 ) -> Result<()> {
     let g = config.groups;
-    if c_in == 0 || c_out == 0 || g == 0 || c_in % g != 0 || c_out % g != 0 {
+    if c_in == 0 || c_out == 0 || g == 0 || !c_in.is_multiple_of(g) || !c_out.is_multiple_of(g) {
         return Err(Error::invalid_arg(
             "Conv2d::new",
             "c_in/c_out/groups",

@@ -320,7 +320,7 @@ pub fn run(case: &Case, dev: Device, mode: Mode, eval_every: usize) -> (Snapshot
     let body = |x: &Tensor, y: &Tensor| nn::cross_entropy(&model.forward(x)?, y);
     let mut losses = Vec::with_capacity(case.steps);
     let eval = |i: usize| {
-        if eval_every > 0 && (i + 1) % eval_every == 0 {
+        if eval_every > 0 && (i + 1).is_multiple_of(eval_every) {
             let _ng = mixprec::no_grad();
             model.eval();
             let (x, _) = batch(case.net, 100 + i, 1, dev);

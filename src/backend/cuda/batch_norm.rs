@@ -50,7 +50,11 @@ fn bn_fwd_plan(x: &CudaStorage, name: &str, p: &BatchNormParams) -> Result<(BnFw
     let op = "batch_norm";
     let esz = x.dtype().size_in_bytes();
     // 16-byte units when every row of a channel starts 16-byte aligned (as the kernel decides).
-    let unit = if p.spatial % (16 / esz) == 0 { 16 } else { esz };
+    let unit = if p.spatial.is_multiple_of(16 / esz) {
+        16
+    } else {
+        esz
+    };
     let units = p.n * p.spatial * esz / unit;
     let func = x.dev.function(Family::BatchNorm, name)?;
     let static_smem = func
@@ -158,7 +162,7 @@ const BN_ROWS: usize = 4;
 /// Values per thread of the NHWC kernels: one 16-byte pack when the channel count allows.
 fn pack(x: &CudaStorage, c: usize) -> usize {
     let v = 16 / x.dtype().size_in_bytes();
-    if c % v == 0 {
+    if c.is_multiple_of(v) {
         v
     } else {
         1

@@ -819,7 +819,7 @@ fn check(op: &'static str, p: &Conv2dParams) -> Result<()> {
     let bad = |name: &'static str, v: String, allowed: &str| {
         Err(Error::invalid_arg(op, name, v, allowed))
     };
-    if p.groups == 0 || p.c_in % p.groups != 0 || p.c_out % p.groups != 0 {
+    if p.groups == 0 || !p.c_in.is_multiple_of(p.groups) || !p.c_out.is_multiple_of(p.groups) {
         return bad(
             "groups",
             p.groups.to_string(),

@@ -545,7 +545,7 @@ impl GraphConv {
     ) -> Result<()> {
         if let Some(p) = ptrs
             .iter()
-            .find(|p| (**p as usize) % ALIGNMENT as usize != 0)
+            .find(|p| !(**p as usize).is_multiple_of(ALIGNMENT as usize))
         {
             return Err(Error::Cuda(format!(
                 "cuDNN graph API: buffer {p:?} is not {ALIGNMENT}-byte aligned"
