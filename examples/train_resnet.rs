@@ -111,6 +111,10 @@ struct Cli {
     /// config key `cuda_graph = false` does the same).
     #[arg(long)]
     no_cuda_graph: bool,
+    /// Only convolution algorithms that give bitwise the same result on every run (GPU only;
+    /// the config key `deterministic = true` does the same).
+    #[arg(long)]
+    deterministic: bool,
     /// Stop after this many epochs (the schedule still spans --epochs): an interrupted run.
     #[arg(long, value_name = "N")]
     stop_after: Option<usize>,
@@ -271,6 +275,10 @@ impl Cli {
         if self.no_cuda_graph {
             c.cuda_graph = false;
             given.push(("--no-cuda-graph", "cuda_graph"));
+        }
+        if self.deterministic {
+            c.deterministic = true;
+            given.push(("--deterministic", "deterministic"));
         }
         Ok(given)
     }

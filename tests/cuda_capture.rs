@@ -32,6 +32,9 @@ fn serial() -> MutexGuard<'static, ()> {
     static M: Mutex<()> = Mutex::new(());
     let g = M.lock().unwrap_or_else(|e| e.into_inner());
     Device::cuda(0).expect("these tests need a CUDA GPU");
+    // Every test here compares runs bit for bit: no convolution engine that reduces with
+    // atomics (it may differ from run to run in the last bits).
+    mixprec::backend::cuda::set_deterministic(true);
     g
 }
 
@@ -488,6 +491,7 @@ fn train_resnet_captured_matches_eager_and_resumes_exactly() {
             device: "cuda".into(),
             out: dir.join(name),
             cuda_graph: graph,
+            deterministic: true,
             ..Default::default()
         };
         c.data.dir = "bundled".into();

@@ -5,7 +5,9 @@
 //!
 //! - every plan is timed, and with both APIs' candidates timed (nothing wins untimed);
 //! - a second build reads the plan cache: the same choices, no timing runs;
-//! - corrupt or stale cache files are ignored (re-timed and rewritten), never an error.
+//! - corrupt or stale cache files are ignored (re-timed and rewritten), never an error;
+//! - under `set_deterministic`, plans are chosen apart, no engine noted NONDETERMINISTIC is
+//!   chosen, and every direction repeats bit for bit.
 //!
 //! Results are checked against the CPU's NCHW convolution (channels_last operands permuted).
 
@@ -14,8 +16,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use mixprec::backend::cpu::CpuStorage;
 use mixprec::backend::cuda::{
-    clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, set_poison_allocations,
-    ConvPlanInfo, CudaStorage, PlanSource,
+    clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, deterministic,
+    set_deterministic, set_poison_allocations, ConvPlanInfo, CudaStorage, PlanSource,
 };
 use mixprec::backend::{BackendStorage, Conv2dParams};
 use mixprec::tensor::{random, Layout, MemoryFormat};
@@ -174,7 +176,7 @@ fn plans_of(p: &Conv2dParams, d: DType) -> Vec<ConvPlanInfo> {
     let mut v: Vec<ConvPlanInfo> = conv_plans(0)
         .unwrap()
         .into_iter()
-        .filter(|i| i.params == *p && i.dtype == d)
+        .filter(|i| i.params == *p && i.dtype == d && i.deterministic == deterministic())
         .collect();
     v.sort_by_key(|i| i.direction);
     assert_eq!(v.len(), 3, "{d} {p:?}: {v:?}");
@@ -352,4 +354,77 @@ fn corrupt_or_stale_cache_files_are_ignored() {
     for info in plans_of(&p, d).iter().chain(&plans_of(&q, d)) {
         assert_eq!(info.source, PlanSource::Cache, "{info:?}");
     }
+}
+
+/// Under `set_deterministic(true)` every direction gives bitwise the same result when run again
+/// on the same operands (backward-filter is where cuDNN's atomics-reducing engines are often
+/// fastest), no chosen graph engine carries the NONDETERMINISTIC note, and the plans are kept
+/// apart from those chosen without it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn deterministic_plans_repeat_bitwise() {
+    let _env = setup();
+    set_deterministic(true);
+    let geometries = [
+        geometry(64, 64, 28, 64, 3, 1, 1, MemoryFormat::Contiguous),
+        geometry(64, 64, 28, 64, 3, 1, 1, MemoryFormat::ChannelsLast),
+        geometry(32, 3, 32, 16, 3, 1, 1, MemoryFormat::Contiguous),
+        geometry(64, 256, 14, 128, 1, 1, 0, MemoryFormat::ChannelsLast),
+    ];
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        for p in &geometries {
+            let xd = [p.n, p.c_in, p.h, p.w];
+            let wd = [p.c_out, p.c_in, p.kh, p.kw];
+            let yd = [p.n, p.c_out, p.out_h(), p.out_w()];
+            let (lx, lw, lg) = (
+                lay_as(xd, p.format),
+                lay_as(wd, p.format),
+                lay_as(yd, p.format),
+            );
+            let (x, w, g) = (
+                up(&randn(xd, d, 500)),
+                up(&randn(wd, d, 501)),
+                up(&randn(yd, d, 502)),
+            );
+            let bits = |s: CudaStorage| s.to_cpu().unwrap().to_f64_vec();
+            let runs = |what: &str| -> Vec<Vec<f64>> {
+                (0..3)
+                    .map(|_| match what {
+                        "forward" => bits(x.conv2d(&lx, &w, &lw, p).unwrap()),
+                        "backward-data" => bits(g.conv2d_backward_input(&lg, &w, &lw, p).unwrap()),
+                        _ => bits(g.conv2d_backward_weight(&lg, &x, &lx, p).unwrap()),
+                    })
+                    .collect()
+            };
+            for what in ["forward", "backward-data", "backward-filter"] {
+                let r = runs(what);
+                assert!(
+                    r.iter().all(|v| v.iter().all(|e| e.is_finite())),
+                    "{what} {d} {p:?}: non-finite"
+                );
+                for again in &r[1..] {
+                    let same = again
+                        .iter()
+                        .zip(&r[0])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{what} {d} {p:?}: a second run differs");
+                }
+            }
+            for plan in plans_of(p, d) {
+                assert!(plan.deterministic);
+                assert!(
+                    !plan.algorithm.contains("NONDETERMINISTIC"),
+                    "{d} {p:?}: {}",
+                    plan.algorithm
+                );
+            }
+            println!("{d} {p:?}: 3 directions x 3 runs bitwise equal");
+        }
+    }
+    // The same geometry without the switch gets plans of its own.
+    set_deterministic(false);
+    let p = &geometries[0];
+    run_and_check(p, DType::F32, 503);
+    assert_eq!(plans_of(p, DType::F32).len(), 3);
+    assert!(plans_of(p, DType::F32).iter().all(|i| !i.deterministic));
 }

@@ -120,6 +120,12 @@ pub struct RunConfig {
     /// false runs every step eagerly. No effect on the CPU.
     #[serde(default = "yes")]
     pub cuda_graph: bool,
+    /// On a GPU, only convolution algorithms that give bitwise the same result on every run
+    /// (PyTorch's `cudnn.deterministic`): a resumed run then equals an uninterrupted one bit for
+    /// bit, in any process. Off by default (the timed choice may pick a faster engine that
+    /// reduces with atomics); true turns it on for the rest of the process. No effect on the
+    /// CPU, which is always deterministic.
+    pub deterministic: bool,
     /// Stop with an error when this many consecutive steps were skipped for a non-finite loss
     /// or non-finite gradients (a diverged run); 0 = never stop.
     pub divergence_steps: u64,
@@ -206,6 +212,7 @@ impl Default for RunConfig {
             checkpoint_every: 1,
             label_smoothing: 0.0,
             cuda_graph: true,
+            deterministic: false,
             divergence_steps: 100,
             model: ModelConfig::default(),
             data: DataConfig::default(),
@@ -245,6 +252,10 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "cuda_graph",
         "true or false (on a GPU: capture the training step into a CUDA graph)",
+    ),
+    (
+        "deterministic",
+        "true or false (on a GPU: only convolution algorithms that are bitwise reproducible)",
     ),
     (
         "divergence_steps",

@@ -375,6 +375,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let (device, device_note) = ranks.device(&cfg.device)?;
     ranks.join(device)?;
     say!("device: {device}{device_note}");
+    if device.is_cuda() && cfg.deterministic {
+        // For the rest of the process, as PyTorch's `cudnn.deterministic` (false leaves alone
+        // what the program or MIXPREC_DETERMINISTIC chose); plans chosen under either setting
+        // are kept apart.
+        crate::backend::cuda::set_deterministic(true);
+    }
     let data = super::data::build(cfg, device, Some((ranks.rank(), world)))?;
     say!("data: {}", data.description);
     if world > 1 {

@@ -55,7 +55,7 @@ use super::conv_cache::{self, CacheUse, Choice, Entry};
 use super::conv_tune::{tune, EventTimer, Outcome, Scratch};
 use super::cudnn_graph::{EngineRules, GraphCandidate, GraphConv, GraphPlan};
 use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
-use super::device::{allow_tf32, cuda_err, CudaDevice};
+use super::device::{allow_tf32, cuda_err, deterministic, CudaDevice};
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::error::{Error, Result};
@@ -105,6 +105,7 @@ impl Settings {
             rules: EngineRules {
                 dtype,
                 tf32: allow_tf32(),
+                deterministic: deterministic(),
                 runtime_compiled: env_on("MIXPREC_CUDNN_RUNTIME_COMPILED"),
             },
             limit: workspace_limit(dev),
@@ -119,8 +120,8 @@ impl Settings {
     /// The rules part of a plan-cache key: what else decides a choice.
     fn label(&self) -> String {
         format!(
-            "api {:?} runtime-compiled {}",
-            self.api, self.rules.runtime_compiled
+            "api {:?} runtime-compiled {} deterministic {}",
+            self.api, self.rules.runtime_compiled, self.rules.deterministic
         )
     }
 }
@@ -232,8 +233,9 @@ impl Plan {
     }
 }
 
-/// The key of a plan in memory: geometry (with its memory format), dtype, direction, TF32.
-type PlanKey = (Conv2dParams, DType, Dir, bool);
+/// The key of a plan in memory: geometry (with its memory format), dtype, direction, TF32,
+/// determinism.
+type PlanKey = (Conv2dParams, DType, Dir, bool, bool);
 
 pub(crate) struct Dnn {
     handle: dsys::cudnnHandle_t,
@@ -403,7 +405,7 @@ impl Dnn {
         let graph_empty = graph.as_ref().is_none_or(|(_, c)| c.is_empty());
         let legacy = if use_legacy && (s.api != Api::Graph || graph_empty) {
             let l = LegacyConv::new(p, dtype, dir, tf32).and_then(|conv| {
-                let (algos, skipped) = conv.candidates(h, tf32, s.limit)?;
+                let (algos, skipped) = conv.candidates(h, s.rules, s.limit)?;
                 Ok((conv, algos, skipped))
             });
             match l {
@@ -591,7 +593,7 @@ impl Dnn {
             }
             Choice::Legacy { algo, math } => {
                 let conv = LegacyConv::new(p, dtype, dir, s.rules.tf32)?;
-                let (algos, _) = conv.candidates(h, s.rules.tf32, s.limit)?;
+                let (algos, _) = conv.candidates(h, s.rules, s.limit)?;
                 let found = algos
                     .into_iter()
                     .find(|a| a.algo.code() == *algo && a.math_code() == *math)
@@ -662,7 +664,7 @@ fn run(
         .as_mut()
         .ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
-    let key = (*p, dtype, dir, allow_tf32());
+    let key = (*p, dtype, dir, allow_tf32(), deterministic());
     if !dnn_state.plans.contains_key(&key) {
         first_use(format!("choosing the {dir:?} {dtype} plan for {p:?}"))?;
         let started = std::time::Instant::now();
@@ -740,10 +742,12 @@ pub struct ConvPlanInfo {
     pub workspace: usize,
     /// What runs: "graph engine N [its notes] (...)" or "legacy <cuDNN algorithm> <math> (...)".
     pub algorithm: String,
+    /// Chosen under [`super::set_deterministic`]: only bitwise-reproducible candidates.
+    pub deterministic: bool,
 }
 
 /// The convolution plans device `ordinal` has chosen so far (one per geometry, memory format,
-/// dtype, direction and TF32 setting): which API each runs through, how it was chosen, its
+/// dtype, direction, TF32 and determinism setting): which API each runs through, how it was chosen, its
 /// time. For tests and for a look at a network's convolutions.
 pub fn conv_plans(ordinal: usize) -> Result<Vec<ConvPlanInfo>> {
     let dev = super::device::get(ordinal)?;
@@ -754,21 +758,24 @@ pub fn conv_plans(ordinal: usize) -> Result<Vec<ConvPlanInfo>> {
     Ok(dnn
         .plans
         .iter()
-        .map(|((params, dtype, dir, _), plan)| ConvPlanInfo {
-            params: *params,
-            dtype: *dtype,
-            direction: dir.name(),
-            graph_api: matches!(plan.runner, Runner::Graph(_)),
-            source: plan.record.source,
-            time_ms: plan.record.time_ms,
-            graph_candidates: plan.record.graph_candidates,
-            legacy_candidates: plan.record.legacy_candidates,
-            graph_timed: plan.record.graph_timed,
-            legacy_timed: plan.record.legacy_timed,
-            choice_ms: plan.record.choice_ms,
-            workspace: plan.workspace(),
-            algorithm: plan.describe(),
-        })
+        .map(
+            |((params, dtype, dir, _, deterministic), plan)| ConvPlanInfo {
+                params: *params,
+                dtype: *dtype,
+                direction: dir.name(),
+                graph_api: matches!(plan.runner, Runner::Graph(_)),
+                source: plan.record.source,
+                time_ms: plan.record.time_ms,
+                graph_candidates: plan.record.graph_candidates,
+                legacy_candidates: plan.record.legacy_candidates,
+                graph_timed: plan.record.graph_timed,
+                legacy_timed: plan.record.legacy_timed,
+                choice_ms: plan.record.choice_ms,
+                workspace: plan.workspace(),
+                algorithm: plan.describe(),
+                deterministic: *deterministic,
+            },
+        )
         .collect())
 }
 

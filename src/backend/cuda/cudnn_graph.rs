@@ -176,21 +176,51 @@ pub(super) struct EngineRules {
     pub(super) dtype: DType,
     /// f32 may use TF32 tensor cores.
     pub(super) tf32: bool,
+    /// Only engines that give bitwise the same result on every run (see
+    /// [`super::set_deterministic`]).
+    pub(super) deterministic: bool,
     /// Engines that compile their kernels at run time are candidates.
     pub(super) runtime_compiled: bool,
 }
 
-/// The engine's notes (for logs), and whether they refuse it. It must compute what the dtype
-/// promises: no inputs converted down, no reduction in reduced precision (half inputs accumulate
-/// in f32), f32 on tensor cores (TF32) only when allowed (f64 tensor cores compute in f64), and
-/// f32 without Winograd or FFT transforms unless TF32 is allowed (measured on H200: a CIFAR
-/// ResNet-18's f32 gradients 4e-4 from f64 through Winograd in layer4, against PyTorch's 3e-6).
-/// Engines that compile kernels at run time are refused unless `rules` admit them: each costs
-/// seconds of NVRTC at plan build, for every shape of a network, in every process (the plan
-/// cache stores the choice, not the compiled kernel).
-fn engine_notes(engine: &Desc, rules: EngineRules) -> Result<(bool, String)> {
+/// Whether an engine with these numerical and behaviour notes is refused. It must compute what
+/// the dtype promises: no inputs converted down, no reduction in reduced precision (half inputs
+/// accumulate in f32), f32 on tensor cores (TF32) only when allowed (f64 tensor cores compute in
+/// f64), and f32 without Winograd or FFT transforms unless TF32 is allowed (measured on H200: a
+/// CIFAR ResNet-18's f32 gradients 4e-4 from f64 through Winograd in layer4, against PyTorch's
+/// 3e-6). Nondeterministic engines are refused when determinism is asked for. Engines that
+/// compile kernels at run time are refused unless `rules` admit them: each costs seconds of
+/// NVRTC at plan build, for every shape of a network, in every process (the plan cache stores
+/// the choice, not the compiled kernel).
+fn refuses(numerical: &[u32], behavior: &[u32], rules: EngineRules) -> bool {
     use dsys::cudnnBackendBehaviorNote_t as B;
     use dsys::cudnnBackendNumericalNote_t as N;
+    let has = |notes: &[u32], v: N| notes.contains(&(v as u32));
+    let tf32_used =
+        rules.dtype == DType::F32 && has(numerical, N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
+    let transform = [
+        N::CUDNN_NUMERICAL_NOTE_FFT,
+        N::CUDNN_NUMERICAL_NOTE_WINOGRAD,
+        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4,
+        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6,
+        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_13x13,
+    ]
+    .into_iter()
+    .any(|t| has(numerical, t));
+    let runtime_compiled = behavior.contains(&(B::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION as u32));
+    has(numerical, N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS)
+        || has(
+            numerical,
+            N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION,
+        )
+        || (transform && rules.dtype == DType::F32 && !rules.tf32)
+        || (tf32_used && !rules.tf32)
+        || (has(numerical, N::CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) && rules.deterministic)
+        || (runtime_compiled && !rules.runtime_compiled)
+}
+
+/// The engine's notes (for logs), and whether [`refuses`] refuses it.
+fn engine_notes(engine: &Desc, rules: EngineRules) -> Result<(bool, String)> {
     let mut numerical = [u32::MAX; 32];
     let n = engine.get(
         A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
@@ -205,29 +235,7 @@ fn engine_notes(engine: &Desc, rules: EngineRules) -> Result<(bool, String)> {
         &mut behavior,
     )?;
     let behavior = &behavior[..m.min(behavior.len())];
-    let has = |notes: &[u32], v: u32| notes.contains(&v);
-    let tf32_used =
-        rules.dtype == DType::F32 && has(numerical, N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE as u32);
-    let transform = [
-        N::CUDNN_NUMERICAL_NOTE_FFT,
-        N::CUDNN_NUMERICAL_NOTE_WINOGRAD,
-        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4,
-        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6,
-        N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_13x13,
-    ]
-    .iter()
-    .any(|&t| has(numerical, t as u32));
-    let refused = has(
-        numerical,
-        N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS as u32,
-    ) || (transform && rules.dtype == DType::F32 && !rules.tf32)
-        || has(
-            numerical,
-            N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION as u32,
-        )
-        || (tf32_used && !rules.tf32)
-        || (has(behavior, B::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION as u32)
-            && !rules.runtime_compiled);
+    let refused = refuses(numerical, behavior, rules);
     let name = |table: &[&str], kind: &str, v: u32| {
         table
             .get(v as usize)
@@ -698,4 +706,65 @@ fn build(
         workspace,
         mode: None,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dsys::cudnnBackendBehaviorNote_t as B;
+    use dsys::cudnnBackendNumericalNote_t as N;
+
+    fn rules(dtype: DType) -> EngineRules {
+        EngineRules {
+            dtype,
+            tf32: false,
+            deterministic: false,
+            runtime_compiled: false,
+        }
+    }
+
+    #[test]
+    fn nondeterministic_engines_are_refused_only_when_determinism_is_asked() {
+        let notes = [
+            N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE as u32,
+            N::CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC as u32,
+        ];
+        let free = rules(DType::F16);
+        assert!(!refuses(&notes, &[], free));
+        let strict = EngineRules {
+            deterministic: true,
+            ..free
+        };
+        assert!(refuses(&notes, &[], strict));
+        // A deterministic engine stays a candidate under the strict rules.
+        assert!(!refuses(&notes[..1], &[], strict));
+    }
+
+    #[test]
+    fn engines_keep_the_dtype_promise() {
+        let tc = [N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE as u32];
+        assert!(refuses(&tc, &[], rules(DType::F32)), "TF32 not allowed");
+        let tf32 = EngineRules {
+            tf32: true,
+            ..rules(DType::F32)
+        };
+        assert!(!refuses(&tc, &[], tf32));
+        assert!(!refuses(&tc, &[], rules(DType::BF16)));
+        let wino = [N::CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4 as u32];
+        assert!(refuses(&wino, &[], rules(DType::F32)));
+        assert!(!refuses(&wino, &[], rules(DType::F16)));
+        for n in [
+            N::CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS,
+            N::CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION,
+        ] {
+            assert!(refuses(&[n as u32], &[], rules(DType::F16)), "{n:?}");
+        }
+        let nvrtc = [B::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION as u32];
+        assert!(refuses(&[], &nvrtc, rules(DType::F16)));
+        let admitted = EngineRules {
+            runtime_compiled: true,
+            ..rules(DType::F16)
+        };
+        assert!(!refuses(&[], &nvrtc, admitted));
+    }
 }

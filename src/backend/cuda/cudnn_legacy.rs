@@ -16,6 +16,7 @@ use cudarc::cudnn::{result as dnn, sys as dsys};
 use dsys::cudnnMathType_t as M;
 
 use super::conv::{data_type, Dir};
+use super::cudnn_graph::EngineRules;
 use crate::backend::Conv2dParams;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, MemoryFormat};
@@ -249,14 +250,16 @@ impl LegacyConv {
     pub(super) fn candidates(
         &self,
         h: dsys::cudnnHandle_t,
-        tf32: bool,
+        rules: EngineRules,
         limit: usize,
     ) -> Result<(Vec<LegacyAlgo>, Vec<String>)> {
+        let tf32 = rules.tf32;
         const N: usize = 32;
         self.set_math(query_math(self.dtype, tf32))?;
         let mut count: c_int = 0;
         let (x, w, y, conv) = (self.x.0, self.w.0, self.y.0, self.conv.0);
-        // (algorithm, status, reported math) of each listed entry, in cuDNN's order.
+        // (algorithm, status, reported math, deterministic) of each listed entry, in cuDNN's
+        // order.
         macro_rules! listed {
             ($perf:ty, $get:path, $variant:path, $name:literal, $d1:expr, $d2:expr, $d3:expr) => {{
                 // SAFETY: zeroed plain-data structs filled by cuDNN.
@@ -277,7 +280,14 @@ impl LegacyConv {
                 .map_err(|e| dnn_err($name, e))?;
                 perf.iter()
                     .take(count.clamp(0, N as c_int) as usize)
-                    .map(|pf| ($variant(pf.algo), pf.status, pf.mathType))
+                    .map(|pf| {
+                        (
+                            $variant(pf.algo),
+                            pf.status,
+                            pf.mathType,
+                            pf.determinism == dsys::cudnnDeterminism_t::CUDNN_DETERMINISTIC,
+                        )
+                    })
                     .collect::<Vec<_>>()
             }};
         }
@@ -312,9 +322,15 @@ impl LegacyConv {
         };
         let mut out: Vec<LegacyAlgo> = Vec::new();
         let mut skipped = Vec::new();
-        for (algo, status, reported) in listed {
+        for (algo, status, reported, deterministic) in listed {
             if status != dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
                 skipped.push(format!("{algo:?}: {status:?}"));
+                continue;
+            }
+            if rules.deterministic && !deterministic {
+                skipped.push(format!(
+                    "{algo:?}: not deterministic (refused by set_deterministic)"
+                ));
                 continue;
             }
             let math = match run_math(self.dtype, tf32, reported) {

@@ -30,6 +30,30 @@ pub fn allow_tf32() -> bool {
     ALLOW_TF32.load(Ordering::Relaxed)
 }
 
+static DETERMINISTIC: OnceLock<AtomicBool> = OnceLock::new();
+
+fn deterministic_flag() -> &'static AtomicBool {
+    DETERMINISTIC.get_or_init(|| {
+        AtomicBool::new(
+            std::env::var("MIXPREC_DETERMINISTIC").is_ok_and(|v| v != "0" && !v.is_empty()),
+        )
+    })
+}
+
+/// Restricts convolutions to algorithms that give bitwise the same result on every run
+/// (PyTorch's `torch.backends.cudnn.deterministic`). Off by default: the timed choice may then
+/// pick an engine that reduces with atomics (cuDNN notes it `NONDETERMINISTIC`), which is often
+/// the fastest backward-filter and differs from run to run in the last bits. Also turned on by
+/// `MIXPREC_DETERMINISTIC=1`. Plans already chosen under the other setting are kept apart, not
+/// reused.
+pub fn set_deterministic(on: bool) {
+    deterministic_flag().store(on, Ordering::Relaxed);
+}
+
+pub fn deterministic() -> bool {
+    deterministic_flag().load(Ordering::Relaxed)
+}
+
 static POISON: OnceLock<AtomicBool> = OnceLock::new();
 
 fn poison_flag() -> &'static AtomicBool {
