@@ -10,7 +10,9 @@
 //! PASS/FAIL line. PyTorch's side: `torchrun --standalone --nproc_per_node=1
 //! benches/torch_ddp_resnet50.py` (see benches/gpu_ddp.sh, which runs both).
 //!
-//! Environment: BATCH (256), ROUNDS (7), STEPS per round (6), WARMUP steps (5).
+//! Environment: BATCH (256), ROUNDS (7), STEPS per round (6), WARMUP steps (5); PROFILE=1 adds
+//! the device time per op of two unwrapped and two DDP steps, side by side (a diagnostic: the
+//! timers add host work).
 
 mod common;
 
@@ -161,6 +163,9 @@ fn run() -> mixprec::Result<()> {
             .map(|t| (1e5 * t).round() / 100.0)
             .collect::<Vec<_>>(),
     );
+    if std::env::var("PROFILE").is_ok_and(|v| v == "1") {
+        profile(&plain, &mut plain_opt, &ddp, &mut ddp_opt, &x, &y)?;
+    }
     let ok = ratio <= 1.03 && ddp_syncs == 0 && stats.launched_during_backward > 0;
     println!(
         "{}: DDP (NCCL, world size 1) step {:.2} ms vs unwrapped {:.2} ms = {:.1}% slower \
@@ -172,5 +177,67 @@ fn run() -> mixprec::Result<()> {
         stats.launched_during_backward,
         stats.buckets
     );
+    Ok(())
+}
+
+/// Per op: calls and device ms per step, unwrapped against DDP, the ops that differ first.
+fn profile(
+    plain: &dyn Module,
+    plain_opt: &mut AmpOptimizer<FusedSgd>,
+    ddp: &dyn Module,
+    ddp_opt: &mut AmpOptimizer<FusedSgd>,
+    x: &Tensor,
+    y: &Tensor,
+) -> mixprec::Result<()> {
+    use mixprec::backend::cuda::{op_profile, set_op_profiling};
+    use std::collections::BTreeMap;
+    let cuda = device(0)?;
+    let side = |m: &dyn Module, o: &mut AmpOptimizer<FusedSgd>| {
+        cuda.synchronize()?;
+        let _ = op_profile()?;
+        set_op_profiling(true);
+        let t = Instant::now();
+        for _ in 0..2 {
+            step(m, o, x, y)?;
+        }
+        cuda.synchronize()?;
+        set_op_profiling(false);
+        let wall = t.elapsed().as_secs_f64() * 1e3 / 2.0;
+        let mut by_op: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+        for r in op_profile()? {
+            let e = by_op.entry(r.op.to_string()).or_default();
+            e.0 += r.calls;
+            e.1 += r.total_ms / 2.0;
+        }
+        mixprec::Result::Ok((wall, by_op))
+    };
+    let (wall_p, p) = side(plain, plain_opt)?;
+    let (wall_d, d) = side(ddp, ddp_opt)?;
+    let busy = |m: &BTreeMap<String, (usize, f64)>| m.values().map(|v| v.1).sum::<f64>();
+    println!(
+        "profile: unwrapped busy {:.2} ms wall {wall_p:.2} ms; ddp busy {:.2} ms wall {wall_d:.2} ms",
+        busy(&p),
+        busy(&d)
+    );
+    let mut ops: Vec<&String> = p.keys().chain(d.keys()).collect();
+    ops.sort();
+    ops.dedup();
+    let get =
+        |m: &BTreeMap<String, (usize, f64)>, k: &String| m.get(k).copied().unwrap_or_default();
+    ops.sort_by(|a, b| {
+        let da = (get(&d, a).1 - get(&p, a).1).abs();
+        let db = (get(&d, b).1 - get(&p, b).1).abs();
+        db.total_cmp(&da)
+    });
+    for op in ops.iter().take(25) {
+        let (a, b) = (get(&p, op), get(&d, op));
+        println!(
+            "  op {op:<30} unwrapped {:>5} calls {:>8.3} ms | ddp {:>5} calls {:>8.3} ms",
+            a.0 / 2,
+            a.1,
+            b.0 / 2,
+            b.1
+        );
+    }
     Ok(())
 }
