@@ -98,14 +98,21 @@ impl<'a> Locked<'a> {
             self.guards.push(t.storage_mut());
         }
     }
+    /// The span `t` covers: its first element's address and its element count (a dense view
+    /// covers `offset .. offset + elem_count` of its buffer).
     fn buf(&mut self, t: &Tensor) -> BufRef {
         let g = &mut self.guards[self.index[&t.storage_key()]];
-        let (dtype, len) = (g.dtype(), g.len());
-        let addr = match &mut **g {
+        let dtype = g.dtype();
+        let base = match &mut **g {
             Storage::Cpu(c) => c.addr_mut(),
             Storage::Cuda(c) => c.ptr(),
         };
-        BufRef { addr, dtype, len }
+        let l = t.layout();
+        BufRef {
+            addr: base + (l.offset() * dtype.size_in_bytes()) as u64,
+            dtype,
+            len: l.elem_count(),
+        }
     }
 }
 
@@ -148,22 +155,23 @@ pub fn apply(
     let Some(first) = first else { return Ok(()) };
     let dev = first.device();
     for t in sc.arrays.iter().flatten() {
-        whole_buffer(op, "arrays", t)?;
+        dense_span(op, "arrays", t)?;
     }
     for (i, r) in rows.iter().enumerate() {
         let first = r.bufs.iter().flatten().next();
         for (k, t) in r.bufs.iter().enumerate() {
             let Some(t) = t else { continue };
             check_device(op, dev, t)?;
-            // The kernels walk whole buffers element by element: each tensor must be all of its
-            // buffer, and a row's tensors in one order (a channels_last weight, its gradient and
-            // state all channels_last).
+            // The kernels walk each tensor's span of memory element by element: each tensor must
+            // be dense (a whole buffer, or a dense view of one such as a bucket's part), and a
+            // row's tensors in one order (a channels_last weight, its gradient and state all
+            // channels_last).
             let name = kernel
                 .lists()
                 .iter()
                 .find(|(l, _)| l.role() == k)
                 .map_or("a list", |(l, _)| l.name());
-            whole_buffer(op, name, t)?;
+            dense_span(op, name, t)?;
             if let Some(first) = first {
                 let l = t.layout();
                 if first.elem_count() == t.elem_count()
@@ -187,6 +195,10 @@ pub fn apply(
     for t in sc.arrays.iter().flatten() {
         check_device(op, dev, t)?;
     }
+    no_partial_overlap(
+        op,
+        rows.iter().flat_map(|r| r.bufs.iter().flatten().copied()),
+    )?;
     // Single-value arrays checked with their shapes (the backend check sees lengths only).
     for &(a, _, extent) in kernel.arrays() {
         if let (Some(t), Extent::One) = (sc.get(a), extent) {
@@ -314,21 +326,50 @@ pub mod recorder {
     }
 }
 
-/// An error unless `t` is all of its buffer, densely (what the kernels walk).
-fn whole_buffer(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
+/// An error unless `t` covers one span of its buffer densely (what the kernels walk).
+fn dense_span(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
     let l = t.layout();
-    if l.offset() != 0 || !l.is_dense() || t.storage().len() != l.elem_count() {
+    if !l.is_dense() {
         return Err(Error::invalid_arg(
             op,
             "tensor lists",
             format!(
-                "`{what}` is a view (shape {:?}, strides {:?}, offset {})",
+                "`{what}` is a strided view (shape {:?}, strides {:?}, offset {})",
                 t.dims(),
                 l.strides(),
                 l.offset()
             ),
-            "tensors that are their whole buffer",
+            "dense tensors (a whole buffer, or a view covering one span of it)",
         ));
+    }
+    Ok(())
+}
+
+/// An error when two tensors of a call cover overlapping but different spans of one buffer: the
+/// kernels of different rows run concurrently. The same span twice (an in-place update, a list
+/// given twice) is the caller's to mean.
+fn no_partial_overlap<'a>(
+    op: &'static str,
+    tensors: impl Iterator<Item = &'a Tensor>,
+) -> Result<()> {
+    let mut spans: Vec<(usize, usize, usize)> = tensors
+        .map(|t| {
+            let l = t.layout();
+            (t.storage_key(), l.offset(), l.offset() + l.elem_count())
+        })
+        .collect();
+    spans.sort_unstable();
+    spans.dedup();
+    for w in spans.windows(2) {
+        let ((ka, sa, ea), (kb, sb, eb)) = (w[0], w[1]);
+        if ka == kb && sb < ea {
+            return Err(Error::invalid_arg(
+                op,
+                "tensor lists",
+                format!("views of one buffer covering elements {sa}..{ea} and {sb}..{eb}"),
+                "tensors that are the same span of a buffer or do not overlap",
+            ));
+        }
     }
     Ok(())
 }

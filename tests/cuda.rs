@@ -1871,6 +1871,7 @@ mod fused_gpu {
         gpu();
         mtc::update_scale_cases(DEV);
         mtc::error_cases(DEV);
+        mtc::view_cases(DEV);
     }
 
     #[test]

@@ -1158,6 +1158,78 @@ fn buckets_follow_reverse_registration_order_and_the_cap() {
     assert_eq!(ddp.last_reduction().buckets, 2);
 }
 
+/// At world size 1 a channels_last ResNet under O2 trains through the wrapper exactly as without
+/// it (the buckets carry each gradient in its memory order and give it back in the same order),
+/// and the averaged gradients land in the persistent gradient buffers: each keeps its buffer
+/// from step to step, as the optimizers' cached tensor tables need.
+#[test]
+fn ddp_returns_gradients_in_place_and_in_their_memory_order() {
+    use mixprec::MemoryFormat;
+    let g = ProcessGroup::new(&LaunchEnv::single(), &GroupOptions::new(Backend::Cpu)).unwrap();
+    let make = || {
+        let m = tiny_resnet(3).unwrap();
+        m.to_memory_format(MemoryFormat::ChannelsLast).unwrap();
+        let opt = Sgd::new(m.parameters(), sgd()).unwrap();
+        let (m, mut opt) = amp::initialize(
+            m,
+            opt,
+            Policy::opt_level(OptLevel::O2).with_report_interval(0),
+        )
+        .unwrap();
+        // zero_grad keeps the gradients' buffers (what a captured step does).
+        opt.set_persistent_grads(true).unwrap();
+        (m, opt)
+    };
+    let (plain, mut plain_opt) = make();
+    let (wrapped, mut ddp_opt) = make();
+    let cfg = DdpConfig {
+        bucket_cap_mb: 0.004,
+        first_bucket_mb: 0.001,
+        ..Default::default()
+    };
+    let ddp = DistributedDataParallel::new(wrapped, &g, cfg).unwrap();
+    assert!(ddp.buckets().len() > 2, "{:?}", ddp.buckets());
+    let mut first_grads: Option<Vec<Tensor>> = None;
+    for step in 0..STEPS {
+        let (x, y) = global_batch(step).unwrap();
+        let x = x.to_memory_format(MemoryFormat::ChannelsLast).unwrap();
+        for (m, o) in [
+            (&ddp as &dyn Module, &mut ddp_opt),
+            (&plain as &dyn Module, &mut plain_opt),
+        ] {
+            let loss = cross_entropy(&m.forward(&x).unwrap(), &y).unwrap();
+            o.zero_grad().unwrap();
+            o.backward(&loss).unwrap();
+            o.step().unwrap();
+        }
+        let grads: Vec<Tensor> = ddp
+            .parameters()
+            .iter()
+            .map(|p| p.grad().expect("every parameter has a gradient"))
+            .collect();
+        for ((p, g), q) in ddp.parameters().iter().zip(&grads).zip(plain.parameters()) {
+            assert_eq!(g.layout().strides(), p.layout().strides());
+            let want = q.grad().unwrap();
+            assert!(bits(g) == bits(&want), "step {step}: a gradient differs");
+        }
+        match &first_grads {
+            None => first_grads = Some(grads),
+            Some(first) => {
+                for (a, b) in first.iter().zip(&grads) {
+                    assert!(
+                        a.same_storage(b),
+                        "step {step}: a gradient got a new buffer"
+                    );
+                }
+            }
+        }
+    }
+    for (a, b) in ddp.parameters().iter().zip(plain.parameters()) {
+        assert!(bits(a) == bits(&b), "the trained weights differ");
+    }
+    assert!(ddp.last_reduction().launched_during_backward > 0);
+}
+
 #[test]
 fn distributed_sampler_cuts_epochs_as_pytorch() {
     // 10 samples on 3 ranks: padded to 12 (the first two repeat), or cut to 9 with drop_last.

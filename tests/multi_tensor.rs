@@ -1,6 +1,7 @@
 //! Multi-tensor scale / axpby / l2norm / unscale_l2norm fuzzed over sizes around the chunk size
 //! (chunk−1, chunk, chunk+1, 1), 1 and 55 tensors, Inf/NaN planted at the first, middle and
-//! last element of a list; per-tensor norms against an F64 reference; the loss-scale update rule.
+//! last element of a list; per-tensor norms against an F64 reference; the loss-scale update rule;
+//! dense views of one buffer as operands (DDP's bucket parts).
 
 #[path = "fused_support/mod.rs"]
 mod fused_support;
@@ -28,6 +29,11 @@ fn norms_global_and_per_tensor() {
 #[test]
 fn loss_scale_update_rule() {
     multi_tensor_cases::update_scale_cases(Device::Cpu);
+}
+
+#[test]
+fn dense_views_of_one_buffer_are_operands() {
+    multi_tensor_cases::view_cases(Device::Cpu);
 }
 
 #[test]

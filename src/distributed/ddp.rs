@@ -153,12 +153,15 @@ fn signature(module: &dyn Module, group: &ProcessGroup, cfg: &DdpConfig) -> Vec<
                 i.tensor.device()
             ));
         }
+        // Strides too: buckets hold gradients in their memory order (a channels_last weight's
+        // gradient in NHWC order), which must be the same on every rank.
         lines.push(format!(
-            "{:?} `{}` {} {:?} requires_grad {}",
+            "{:?} `{}` {} {:?} strides {:?} requires_grad {}",
             i.kind,
             i.name,
             i.tensor.dtype(),
             i.tensor.dims(),
+            i.tensor.layout().strides(),
             i.tensor.requires_grad()
         ));
     });

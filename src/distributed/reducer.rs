@@ -4,18 +4,23 @@
 //!
 //! During backward a hook marks each parameter ready once its gradient is final; a bucket whose
 //! parameters are all ready is launched at once, buckets strictly in index order (so that every
-//! rank issues the same collectives in the same order): its gradients are copied into one flat
-//! tensor and averaged by an asynchronous all-reduce, on NCCL's communication stream, while the
-//! rest of backward runs. At the end of backward (an autograd callback) the reducer launches what
-//! is left, orders the compute stream after every bucket's all-reduce, and gives each parameter
-//! its averaged gradient. So anything that runs after backward (AMP's overflow check, the
-//! optimizer) reads the reduced gradients, on every rank the same.
+//! rank issues the same collectives in the same order): its gradients are packed into the
+//! bucket's flat buffer and averaged by an asynchronous all-reduce, on NCCL's communication
+//! stream, while the rest of backward runs. At the end of backward (an autograd callback) the
+//! reducer launches what is left, orders the compute stream after every bucket's all-reduce, and
+//! gives each parameter its averaged gradient. So anything that runs after backward (AMP's
+//! overflow check, the optimizer) reads the reduced gradients, on every rank the same.
 //!
-//! The buckets are copies: gradients are packed with `cat`, and after the reduction each is cut
-//! out of its bucket (a view) and copied into a buffer of its own, because the fused
-//! optimizers' multi-tensor kernels take whole buffers. When they take views, `unflatten` keeps
-//! the view (gradients as views of the bucket, PyTorch's `gradient_as_bucket_view`), and `launch`
-//! is where persistent bucket storage would replace the `cat`: nothing else here changes.
+//! Each bucket's flat buffer is made once (per parameter dtypes and layouts) and reused every
+//! step; a parameter's part starts 16-element aligned so the copies run vectorised. Packing
+//! and unpacking are one multi-tensor launch per bucket each, walking each gradient's memory in
+//! its own order (a channels_last gradient travels in NHWC order; ranks agree on strides, which
+//! `DistributedDataParallel::new` checks). The average goes back into each gradient's own
+//! buffer when nothing else can see it (a persistent gradient, which so keeps its address across
+//! steps as the optimizers' cached tensor tables need, or one no other handle holds); a gradient
+//! handed out keeps its values, and the parameter gets a new buffer instead. PyTorch's `gradient_as_bucket_view` (gradients
+//! that *are* bucket views) would save the two copies too, but would make the optimizers' tables
+//! and `zero_grad` deal in views of one buffer; the copies cost two launches per bucket.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -23,7 +28,12 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use super::group::{ProcessGroup, ReduceOp, Work};
 use crate::autograd::queue_callback;
 use crate::error::{Error, Result};
+use crate::multi_tensor;
 use crate::tensor::{DType, Tensor};
+
+/// Where a parameter's part of its bucket starts: a multiple of this many elements (16 bytes or
+/// more in every float dtype, so the multi-tensor copies load and store four at a time).
+const PART_ALIGN: usize = 16;
 
 /// What the reducer is told by `DdpConfig`.
 #[derive(Clone, Debug)]
@@ -43,12 +53,25 @@ pub(crate) struct Bucket {
     pub(crate) numel: usize,
 }
 
+#[derive(Clone)]
 struct Layout {
-    /// The parameters' dtypes when the layout was made (a cast after wrapping re-makes it).
-    dtypes: Vec<DType>,
+    /// The parameters' dtypes and strides when the layout was made (a cast or a change of
+    /// memory format after wrapping re-makes it).
+    dtypes: Vec<(DType, Vec<usize>)>,
     buckets: Vec<Bucket>,
     /// Per parameter: its bucket.
     bucket_of: Vec<usize>,
+    /// Per bucket: its flat buffer in the reduction's dtype, reused every step (the padding
+    /// between parts stays zero).
+    flats: Vec<Tensor>,
+    /// Per parameter: its part of its bucket's flat buffer (a one-dimensional view).
+    parts: Vec<Tensor>,
+    /// F32 device scalars of the packing and unpacking copies: `1 / predivide` and
+    /// `predivide / world` (both 1 without a predivide factor), and the Inf flag that the copy
+    /// kernel sets and nothing reads.
+    pack_scale: Tensor,
+    unpack_scale: Tensor,
+    unused_flag: Tensor,
 }
 
 /// Statistics of the last reduction, for tests and logs.
@@ -161,37 +184,76 @@ impl Reducer {
         })
     }
 
-    /// The buckets for the parameters' current dtypes (made again after a cast).
-    fn layout<'a>(&self, st: &'a mut State) -> &'a Layout {
-        let dtypes: Vec<DType> = self.params.iter().map(|p| p.dtype()).collect();
+    /// The buckets for the parameters' current dtypes and layouts (made again after a cast or a
+    /// change of memory format), with their flat buffers.
+    fn layout<'a>(&self, st: &'a mut State) -> Result<&'a Layout> {
+        let dtypes: Vec<(DType, Vec<usize>)> = self
+            .params
+            .iter()
+            .map(|p| (p.dtype(), p.layout().strides().to_vec()))
+            .collect();
         if st.layout.as_ref().is_none_or(|l| l.dtypes != dtypes) {
-            let order: Vec<usize> = (0..self.params.len()).rev().collect();
+            st.layout = None;
             let numels: Vec<usize> = self.params.iter().map(|p| p.elem_count()).collect();
-            let buckets = assign_buckets(
-                &order,
-                &dtypes,
-                &numels,
-                self.cfg.first_bucket_bytes,
-                self.cfg.bucket_cap_bytes,
-            );
+            let buckets = self.buckets();
+            let device = self.group.device();
+            let _g = crate::no_grad();
             let mut bucket_of = vec![0; self.params.len()];
+            let mut parts: Vec<Option<Tensor>> = vec![None; self.params.len()];
+            let mut flats = Vec::with_capacity(buckets.len());
             for (b, bucket) in buckets.iter().enumerate() {
+                let mut starts = Vec::with_capacity(bucket.params.len());
+                let mut len = 0;
                 for &i in &bucket.params {
                     bucket_of[i] = b;
+                    starts.push(len);
+                    len += numels[i].div_ceil(PART_ALIGN) * PART_ALIGN;
                 }
+                let dtype = self.cfg.reduce_dtype.unwrap_or(bucket.dtype);
+                let flat = Tensor::zeros([len], dtype, device)?;
+                for (&i, &at) in bucket.params.iter().zip(&starts) {
+                    parts[i] = Some(flat.narrow(0, at, numels[i])?);
+                }
+                flats.push(flat);
             }
+            let world = self.group.world_size() as f64;
+            let (pack, unpack) = match self.cfg.predivide {
+                Some(f) => (1.0 / f, f / world),
+                None => (1.0, 1.0),
+            };
             st.layout = Some(Layout {
                 dtypes,
                 buckets,
                 bucket_of,
+                flats,
+                parts: parts
+                    .into_iter()
+                    .map(|p| {
+                        p.ok_or_else(|| Error::Backward("DDP: a parameter without a bucket".into()))
+                    })
+                    .collect::<Result<_>>()?,
+                pack_scale: multi_tensor::scalar_on(device, pack)?,
+                unpack_scale: multi_tensor::scalar_on(device, unpack)?,
+                unused_flag: multi_tensor::scalar_on(device, 0.0)?,
             });
         }
-        st.layout.as_ref().expect("layout was just made")
+        st.layout
+            .as_ref()
+            .ok_or_else(|| Error::Backward("DDP: no bucket layout".into()))
     }
 
+    /// The buckets for the parameters' current dtypes (what `layout` makes, without buffers).
     pub(crate) fn buckets(&self) -> Vec<Bucket> {
-        let mut st = lock(&self.state);
-        self.layout(&mut st).buckets.clone()
+        let order: Vec<usize> = (0..self.params.len()).rev().collect();
+        let dtypes: Vec<DType> = self.params.iter().map(|p| p.dtype()).collect();
+        let numels: Vec<usize> = self.params.iter().map(|p| p.elem_count()).collect();
+        assign_buckets(
+            &order,
+            &dtypes,
+            &numels,
+            self.cfg.first_bucket_bytes,
+            self.cfg.bucket_cap_bytes,
+        )
     }
 
     pub(crate) fn last_stats(&self) -> ReductionStats {
@@ -211,7 +273,7 @@ impl Reducer {
             let _ = w.wait();
         }
         let n = self.params.len();
-        let nb = self.layout(st).buckets.len();
+        let nb = self.layout(st)?.buckets.len();
         let pending = st
             .layout
             .as_ref()
@@ -268,34 +330,32 @@ impl Reducer {
         Ok(())
     }
 
-    /// Packs bucket `k`'s gradients (zeros for parameters without one) and starts its all-reduce.
+    /// Packs bucket `k`'s gradients (zeros for parameters without one) into its flat buffer and
+    /// starts its all-reduce there.
     fn launch(&self, st: &mut State, k: usize) -> Result<()> {
-        let bucket = st
+        let l = st
             .layout
             .as_ref()
-            .map(|l| l.buckets[k].clone())
             .ok_or_else(|| Error::Backward("DDP: no bucket layout".into()))?;
         let _g = crate::no_grad();
+        let bucket = &l.buckets[k];
+        let mut grads = Vec::with_capacity(bucket.params.len());
         let mut parts = Vec::with_capacity(bucket.params.len());
         for &i in &bucket.params {
             let p = &self.params[i];
             let g = match p.grad() {
                 Some(g) => g,
-                None => Tensor::zeros(p.shape().clone(), p.dtype(), p.device())?,
+                None => p.zeros_like()?,
             };
-            parts.push(g.flatten_all()?);
+            grads.push(span_of(&g, p)?);
+            parts.push(l.parts[i].clone());
         }
-        let refs: Vec<&Tensor> = parts.iter().collect();
-        let mut flat = Tensor::cat(&refs, 0)?;
-        if let Some(d) = self.cfg.reduce_dtype.filter(|d| *d != bucket.dtype) {
-            flat = flat.to_dtype(d)?;
-        }
-        let op = match self.cfg.predivide {
-            Some(f) => {
-                flat = flat.affine(1.0 / f, 0.0)?;
-                ReduceOp::Sum
-            }
-            None => ReduceOp::Avg,
+        let flat = l.flats[k].clone();
+        multi_tensor::scale(&grads, &parts, &l.pack_scale, &l.unused_flag)?;
+        let op = if self.cfg.predivide.is_some() {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Avg
         };
         let work = self.group.all_reduce_async(&flat, op)?;
         st.round.inflight[k] = Some((flat, work));
@@ -338,49 +398,62 @@ impl Reducer {
             let k = st.round.next_launch;
             self.launch(&mut st, k)?;
         }
-        let buckets = st
-            .layout
-            .as_ref()
-            .map(|l| l.buckets.clone())
-            .unwrap_or_default();
         let inflight = std::mem::take(&mut st.round.inflight);
         st.round.active = false;
         st.last = st.round.stats;
+        // Handles only (the buffers are shared): the lock is not held while collectives finish.
+        let l = st
+            .layout
+            .clone()
+            .ok_or_else(|| Error::Backward("DDP: no bucket layout".into()))?;
         drop(st);
-        let world = self.group.world_size() as f64;
         let _g = crate::no_grad();
-        for (bucket, slot) in buckets.iter().zip(inflight) {
-            let Some((flat, work)) = slot else { continue };
+        for (bucket, slot) in l.buckets.iter().zip(inflight) {
+            let Some((_, work)) = slot else { continue };
             work.wait()?;
-            self.unflatten(bucket, &flat, world)?;
+            self.unpack(&l, bucket)?;
         }
         Ok(())
     }
 
-    /// Gives each parameter of `bucket` its part of the reduced `flat`.
-    fn unflatten(&self, bucket: &Bucket, flat: &Tensor, world: f64) -> Result<()> {
-        let mut flat = flat.clone();
-        if let Some(f) = self.cfg.predivide {
-            flat = flat.affine(f / world, 0.0)?;
-        }
-        if flat.dtype() != bucket.dtype {
-            flat = flat.to_dtype(bucket.dtype)?;
-        }
-        let mut at = 0;
+    /// Gives each parameter of `bucket` its part of the reduced flat buffer: in place into its
+    /// gradient when that is its persistent buffer or held by nothing else, else into a new
+    /// buffer laid out as the parameter.
+    fn unpack(&self, l: &Layout, bucket: &Bucket) -> Result<()> {
+        let mut parts = Vec::with_capacity(bucket.params.len());
+        let mut dst = Vec::with_capacity(bucket.params.len());
+        let mut fresh = Vec::new();
         for &i in &bucket.params {
             let p = &self.params[i];
-            let n = p.elem_count();
-            // A view of the bucket, then a buffer of the gradient's own laid out as its
-            // parameter (channels_last included): the fused optimizers take whole buffers, not
-            // views. When they take views, `owned` goes and the gradient stays in the bucket.
-            let g = flat
-                .narrow(0, at, n)?
-                .reshape(p.shape().clone())?
-                .laid_out_like(p)?;
-            let g = if g.same_storage(&flat) { g.owned()? } else { g };
-            p.set_grad(Some(g));
-            at += n;
+            let g = match p.grad_writable_in_place() {
+                Some(g) if g.layout().strides() == p.layout().strides() => g,
+                _ => {
+                    let g = p.zeros_like()?;
+                    fresh.push((i, g.clone()));
+                    g
+                }
+            };
+            dst.push(span_of(&g, p)?);
+            parts.push(l.parts[i].clone());
+        }
+        multi_tensor::scale(&parts, &dst, &l.unpack_scale, &l.unused_flag)?;
+        for (i, g) in fresh {
+            self.params[i].set_grad(Some(g));
         }
         Ok(())
     }
+}
+
+/// The span of memory gradient `g` of `p` covers, in `p`'s memory order (see
+/// [`Tensor::memory_span`]): packing and unpacking then agree element for element. A gradient
+/// laid out otherwise (one a user set) is copied into `p`'s layout first.
+fn span_of(g: &Tensor, p: &Tensor) -> Result<Tensor> {
+    g.laid_out_like(p)?.memory_span().ok_or_else(|| {
+        Error::invalid_arg(
+            "DistributedDataParallel",
+            "parameter",
+            format!("strides {:?}", p.layout().strides()),
+            "a dense parameter (its gradient is packed in its memory order)",
+        )
+    })
 }

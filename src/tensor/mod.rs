@@ -498,6 +498,37 @@ impl Tensor {
         self.0.grad.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The gradient when it may be overwritten in place, as DDP writes the averaged gradient:
+    /// one in its own persistent buffer (see [`Tensor::zero_grad_in_place`]), or one that nothing
+    /// but this variable holds (no other handle, no view of its buffer: PyTorch's AccumulateGrad
+    /// steals such a gradient the same way). `None` for a gradient that may have been handed out.
+    pub(crate) fn grad_writable_in_place(&self) -> Option<Tensor> {
+        let slot = self.grad_slot();
+        match (&slot.grad, slot.owned) {
+            (Some(g), true) => Some(g.clone()),
+            (Some(g), false)
+                if Arc::strong_count(&g.0) == 1 && Arc::strong_count(&g.0.storage) == 1 =>
+            {
+                Some(g.clone())
+            }
+            _ => None,
+        }
+    }
+
+    /// A one-dimensional view of the span of memory a dense tensor covers, in memory order
+    /// (`offset .. offset + elem_count`), outside autograd; `None` when it is not dense. What
+    /// element-order-free copies (DDP's bucket packing) walk: two tensors of one shape but
+    /// different strides map element to element through their spans.
+    pub(crate) fn memory_span(&self) -> Option<Tensor> {
+        let l = self.layout();
+        if !l.is_dense() {
+            return None;
+        }
+        let n = l.elem_count();
+        let span = Layout::new(Shape::new(vec![n]), vec![1], l.offset());
+        Some(Self::build(self.0.storage.clone(), span, None, false))
+    }
+
     pub fn set_grad(&self, grad: Option<Tensor>) {
         *self.grad_slot() = GradSlot { grad, owned: false };
     }

@@ -266,3 +266,78 @@ pub fn error_cases(dev: Device) {
     )
     .is_err());
 }
+
+/// Dense views of one buffer (parts of a flat bucket, at unaligned offsets) as outputs and as
+/// inputs: each part gets exactly its tensor's values, the gaps between parts stay untouched;
+/// strided views and partly overlapping views are refused.
+pub fn view_cases(dev: Device) {
+    for sizes in lists() {
+        for (din, dout) in [
+            (DType::F16, DType::F16),
+            (DType::F16, DType::F32),
+            (DType::F32, DType::BF16),
+        ] {
+            let x = make(&sizes, din, 5, dev);
+            // Part k starts 3 elements after part k-1 ends.
+            let mut starts = Vec::new();
+            let mut len = 1;
+            for &n in &sizes {
+                starts.push(len);
+                len += n + 3;
+            }
+            let flat = Tensor::zeros([len], dout, dev).unwrap();
+            let parts: Vec<Tensor> = starts
+                .iter()
+                .zip(&sizes)
+                .map(|(&at, &n)| flat.narrow(0, at, n).unwrap())
+                .collect();
+            let s = Tensor::scalar(0.5, DType::F32, dev).unwrap();
+            let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+            multi_tensor::scale(&x, &parts, &s, &f).unwrap();
+            let got = flat.to_vec_f64().unwrap();
+            let mut want = vec![0.0; len];
+            for ((a, &at), &n) in x.iter().zip(&starts).zip(&sizes) {
+                let v = a.to_vec_f64().unwrap();
+                for i in 0..n {
+                    want[at + i] = round_to(dout, (v[i] as f32 * 0.5) as f64);
+                }
+            }
+            assert_eq!(got, want, "{din}→{dout}, {} parts", sizes.len());
+            // Back out of the views into whole buffers.
+            let back: Vec<Tensor> = sizes
+                .iter()
+                .map(|&n| Tensor::zeros([n], din, dev).unwrap())
+                .collect();
+            let two = Tensor::scalar(2.0, DType::F32, dev).unwrap();
+            multi_tensor::scale(&parts, &back, &two, &f).unwrap();
+            for ((b, p), &n) in back.iter().zip(&parts).zip(&sizes) {
+                let want: Vec<f64> = p
+                    .to_vec_f64()
+                    .unwrap()
+                    .iter()
+                    .map(|v| round_to(din, (*v as f32 * 2.0) as f64))
+                    .collect();
+                assert_eq!(b.to_vec_f64().unwrap(), want, "{din}←{dout}, part of {n}");
+            }
+            assert_eq!(f.item().unwrap(), 0.0);
+        }
+    }
+    let f = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+    let s = Tensor::scalar(1.0, DType::F32, dev).unwrap();
+    let grid = Tensor::zeros([4, 6], DType::F32, dev).unwrap();
+    let column = grid.narrow(1, 2, 1).unwrap();
+    let x = make(&[4], DType::F32, 6, dev);
+    let e = multi_tensor::scale(&x, &[column.reshape(vec![4]).unwrap()], &s, &f);
+    let e = e.unwrap_err().to_string();
+    assert!(e.contains("strided view") && e.contains("dense"), "{e}");
+    let flat = Tensor::zeros([30], DType::F32, dev).unwrap();
+    let (a, b) = (
+        flat.narrow(0, 0, 10).unwrap(),
+        flat.narrow(0, 5, 10).unwrap(),
+    );
+    let x = make(&[10, 10], DType::F32, 7, dev);
+    let e = multi_tensor::scale(&x, &[a, b], &s, &f)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("0..10") && e.contains("5..15"), "{e}");
+}
