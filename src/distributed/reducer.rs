@@ -18,9 +18,10 @@
 //! `DistributedDataParallel::new` checks). The average goes back into each gradient's own
 //! buffer when nothing else can see it (a persistent gradient, which so keeps its address across
 //! steps as the optimizers' cached tensor tables need, or one no other handle holds); a gradient
-//! handed out keeps its values, and the parameter gets a new buffer instead. PyTorch's `gradient_as_bucket_view` (gradients
-//! that *are* bucket views) would save the two copies too, but would make the optimizers' tables
-//! and `zero_grad` deal in views of one buffer; the copies cost two launches per bucket.
+//! handed out keeps its values, and the parameter gets a new buffer instead. PyTorch's
+//! `gradient_as_bucket_view` (gradients that *are* bucket views) would save the two copies too,
+//! but would make the optimizers' tables and `zero_grad` deal in views of one buffer; the copies
+//! cost two launches per bucket.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
