@@ -524,8 +524,22 @@ impl Control {
             return;
         }
         let bye = Enc::new().u64(self.issued()).done();
+        // After a fault, the fault goes out again ahead of the goodbye: the thread that recorded
+        // it may not have sent it yet (it aborts the backends first, which can bring this rank
+        // here sooner), and a peer that read the goodbye first would blame this rank for leaving.
+        // A peer keeps the first fault it hears of, so a repeat changes nothing.
+        let fault = lock(&self.state).fault.clone().map(|f| {
+            Enc::new()
+                .u64(f.culprit.map_or(u64::MAX, |c| c as u64))
+                .u64(0)
+                .str(&f.detail)
+                .done()
+        });
         for w in self.writers.iter().flatten() {
             let mut s = lock(w);
+            if let Some(msg) = &fault {
+                let _ = write_frame(&mut s, tag::FAULT, msg);
+            }
             let _ = write_frame(&mut s, tag::GOODBYE, &bye);
             let _ = s.shutdown(Shutdown::Write);
         }
