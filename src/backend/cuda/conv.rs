@@ -55,7 +55,7 @@ use super::conv_cache::{self, CacheUse, Choice, Entry};
 use super::conv_tune::{tune, EventTimer, Outcome, Scratch};
 use super::cudnn_graph::{EngineRules, GraphCandidate, GraphConv, GraphPlan};
 use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
-use super::device::{allow_tf32, cuda_err, deterministic, CudaDevice};
+use super::device::{allow_tf32, cuda_err, deterministic, env_on, CudaDevice};
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::error::{Error, Result};
@@ -65,10 +65,6 @@ use crate::tensor::{DType, Layout};
 /// free memory is short.
 const WORKSPACE_CAP: usize = 2 << 30;
 const WORKSPACE_FLOOR: usize = 64 << 20;
-
-fn env_on(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
-}
 
 /// Which cuDNN API's candidates compete (`MIXPREC_CUDNN_API`): both (the default), or only one
 /// (`graph`: the legacy API still covers what no graph engine supports; `legacy`: never the

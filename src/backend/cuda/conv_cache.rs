@@ -77,7 +77,7 @@ impl CacheUse {
                 None => return CacheUse::Off,
             },
         };
-        if std::env::var("MIXPREC_CUDNN_RETUNE").is_ok_and(|v| !v.is_empty() && v != "0") {
+        if super::device::env_on("MIXPREC_CUDNN_RETUNE") {
             CacheUse::WriteOnly(dir)
         } else {
             CacheUse::ReadWrite(dir)

@@ -30,14 +30,20 @@ pub fn allow_tf32() -> bool {
     ALLOW_TF32.load(Ordering::Relaxed)
 }
 
+/// Whether environment variable `name` turns a switch on (set, not empty, not "0").
+pub(super) fn env_on(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// A process-wide switch whose first read takes its value from environment variable `var`.
+fn env_flag(cell: &'static OnceLock<AtomicBool>, var: &str) -> &'static AtomicBool {
+    cell.get_or_init(|| AtomicBool::new(env_on(var)))
+}
+
 static DETERMINISTIC: OnceLock<AtomicBool> = OnceLock::new();
 
 fn deterministic_flag() -> &'static AtomicBool {
-    DETERMINISTIC.get_or_init(|| {
-        AtomicBool::new(
-            std::env::var("MIXPREC_DETERMINISTIC").is_ok_and(|v| v != "0" && !v.is_empty()),
-        )
-    })
+    env_flag(&DETERMINISTIC, "MIXPREC_DETERMINISTIC")
 }
 
 /// Restricts convolutions to algorithms that give bitwise the same result on every run
@@ -57,11 +63,7 @@ pub fn deterministic() -> bool {
 static POISON: OnceLock<AtomicBool> = OnceLock::new();
 
 fn poison_flag() -> &'static AtomicBool {
-    POISON.get_or_init(|| {
-        AtomicBool::new(
-            std::env::var("MIXPREC_CUDA_POISON").is_ok_and(|v| v != "0" && !v.is_empty()),
-        )
-    })
+    env_flag(&POISON, "MIXPREC_CUDA_POISON")
 }
 
 /// Test aid: when on, every new CUDA buffer is filled with 0xFF bytes (NaN in every float dtype,
