@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use mixprec::data::{FashionMnist, Split};
 use mixprec::train::progress::ProgressMode;
-use mixprec::train::{run, Resume, RunConfig, RunOptions};
+use mixprec::train::{run, Resume, RunConfig, RunOptions, RunSummary};
 use mixprec::Error;
 
 fn config_err(text: &str) -> (String, String) {
@@ -194,6 +194,23 @@ fn tiny(out: PathBuf, opt_level: &str, optimizer: &str) -> RunConfig {
     c
 }
 
+/// The epochs both runs recorded have bitwise the same train and test losses.
+#[track_caller]
+fn assert_same_losses(what: &str, a: &RunSummary, b: &RunSummary) {
+    for (x, y) in a.history.iter().zip(&b.history) {
+        assert_eq!(
+            (x.train_loss.to_bits(), x.test_loss.to_bits()),
+            (y.train_loss.to_bits(), y.test_loss.to_bits()),
+            "{what}: epoch {}: losses {} / {} vs {} / {}",
+            x.epoch,
+            x.train_loss,
+            x.test_loss,
+            y.train_loss,
+            y.test_loss
+        );
+    }
+}
+
 fn quiet() -> RunOptions {
     RunOptions {
         progress: Some(ProgressMode::Off),
@@ -228,16 +245,8 @@ fn resume_reproduces_the_uninterrupted_run() {
         )
         .unwrap();
         assert_eq!(resumed.history.len(), 3);
+        assert_same_losses(&format!("{level} resumed"), &full, &resumed);
         for (a, b) in full.history.iter().zip(&resumed.history) {
-            assert_eq!(
-                a.train_loss.to_bits(),
-                b.train_loss.to_bits(),
-                "{level}: epoch {} train loss {} vs resumed {}",
-                a.epoch,
-                a.train_loss,
-                b.train_loss
-            );
-            assert_eq!(a.test_loss.to_bits(), b.test_loss.to_bits());
             assert_eq!(a.step, b.step);
         }
         for f in [
@@ -388,15 +397,7 @@ fn resume_auto_continues_from_the_newest_verified_checkpoint() {
     std::fs::write(&last, b).unwrap();
     let resumed = auto(None).unwrap();
     assert_eq!(resumed.history.len(), 3);
-    for (a, b) in full.history.iter().zip(&resumed.history) {
-        assert_eq!(
-            a.train_loss.to_bits(),
-            b.train_loss.to_bits(),
-            "epoch {}",
-            a.epoch
-        );
-        assert_eq!(a.test_loss.to_bits(), b.test_loss.to_bits());
-    }
+    assert_same_losses("resumed", &full, &resumed);
     assert_eq!(
         std::fs::read(full.weights.unwrap()).unwrap(),
         std::fs::read(resumed.weights.unwrap()).unwrap()
@@ -581,19 +582,8 @@ fn png_image_folder_trains_exactly_as_the_idx_files() {
     folder_cfg.data.workers = 3;
     let png = run(&folder_cfg, &quiet()).unwrap();
     assert_eq!(idx.history.len(), 2);
+    assert_same_losses("png vs idx", &idx, &png);
     for (a, b) in idx.history.iter().zip(&png.history) {
-        assert_eq!(
-            a.train_loss.to_bits(),
-            b.train_loss.to_bits(),
-            "epoch {}",
-            a.epoch
-        );
-        assert_eq!(
-            a.test_loss.to_bits(),
-            b.test_loss.to_bits(),
-            "epoch {}",
-            a.epoch
-        );
         assert_eq!(a.test_accuracy, b.test_accuracy, "epoch {}", a.epoch);
     }
     // It learned (10 classes: chance is 0.1).
@@ -712,18 +702,5 @@ fn a_channels_last_run_trains_saves_and_resumes_like_a_contiguous_one() {
         },
     )
     .unwrap();
-    for (a, b) in cl.history.iter().zip(&resumed.history) {
-        assert_eq!(
-            a.train_loss.to_bits(),
-            b.train_loss.to_bits(),
-            "epoch {}",
-            a.epoch
-        );
-        assert_eq!(
-            a.test_loss.to_bits(),
-            b.test_loss.to_bits(),
-            "epoch {}",
-            a.epoch
-        );
-    }
+    assert_same_losses("channels_last resumed", &cl, &resumed);
 }
