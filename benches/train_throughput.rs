@@ -178,6 +178,14 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         cuda::conv_timing_runs(0)?,
         plans.iter().map(|p| p.workspace).max().unwrap_or(0) as f64 / (1 << 20) as f64,
     );
+    // Which channels_last batch norms run on cuDNN (timed against ours on the first step).
+    let bn = cuda::batch_norm_choices(0)?;
+    let conv = format!(
+        "{conv}, \"batch_norm_impl\": \"{:?}\", \"batch_norm_shapes\": {}, \"batch_norm_on_cudnn\": {}",
+        cuda::batch_norm_impl(),
+        bn.len(),
+        bn.iter().filter(|c| c.implementation == "cudnn").count()
+    );
     for _ in 1..args.warmup {
         step()?;
     }
@@ -248,6 +256,25 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
                 c.source,
                 c.dtype,
                 c.algorithm
+            );
+        }
+    }
+
+    if args.profile {
+        for c in cuda::batch_norm_choices(0)? {
+            eprintln!(
+                "  batch norm {} {}x{}x{} res={} relu={}: {} (forward + backward: {}){}",
+                c.dtype,
+                c.n,
+                c.c,
+                c.spatial,
+                c.residual,
+                c.relu,
+                c.implementation,
+                c.timing.as_deref().unwrap_or("not timed"),
+                c.cudnn_refused
+                    .map(|e| format!(", cuDNN refused: {e}"))
+                    .unwrap_or_default()
             );
         }
     }

@@ -133,6 +133,54 @@ fn captured_conv_net_with_clipping_micro_batches_and_eval_passes() {
     }
 }
 
+/// A channels_last ResNet whose batch norms run on cuDNN (forced; the timed choice may prefer
+/// ours): the cuDNN forward and backward, and the reserve space between them, are captured, and
+/// the replayed steps are the eager steps, bit for bit where the eager runs repeat themselves,
+/// else within their spread (as above). Convolutions stay deterministic.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn captured_resnet_with_cudnn_batch_norm() {
+    use mixprec::backend::cuda::{batch_norm_choices, with_batch_norm_impl, BatchNormImpl};
+    let _g = serial();
+    with_batch_norm_impl(BatchNormImpl::Cudnn, || {
+        for (kind, level) in [
+            (Kind::Sgd, "O2"),
+            (Kind::AdamW, "O2 bf16"),
+            (Kind::Sgd, "O0"),
+        ] {
+            let case = Case::new(Net::ResNetCl, kind, level);
+            let (eager, _) = run(&case, GPU, Mode::Eager, 3);
+            let (eager2, _) = run(&case, GPU, Mode::Eager, 3);
+            let (captured, stats) = run(&case, GPU, Mode::Captured, 3);
+            assert_eq!((stats.captures, stats.replays), (1, case.steps as u64 - 2));
+            let spread = eager2.max_rel_diff(&eager);
+            let got = captured.max_rel_diff(&eager);
+            println!(
+                "resnet CL on cuDNN batch norm {kind:?} {level}: eager-vs-eager {},                  captured-vs-eager {}",
+                eager2.diff(&eager).map_or("bitwise equal".into(), |_| format!("{spread:.2e}")),
+                captured.diff(&eager).map_or("bitwise equal".into(), |_| format!("{got:.2e}")),
+            );
+            if eager2.diff(&eager).is_none() {
+                if let Some(d) = captured.diff(&eager) {
+                    panic!("resnet CL {kind:?} {level}: captured vs eager: {d}");
+                }
+            } else {
+                assert!(
+                    got <= (10.0 * spread).max(1e-3),
+                    "resnet CL {kind:?} {level}: captured differs from eager by {got:.2e}, eager from eager by {spread:.2e}"
+                );
+            }
+            assert_eq!(captured.skipped(), eager.skipped());
+        }
+    });
+    let runs: u64 = batch_norm_choices(0)
+        .unwrap()
+        .iter()
+        .map(|c| c.cudnn_runs)
+        .sum();
+    assert!(runs > 0, "no batch norm ran on cuDNN");
+}
+
 /// A replayed step costs one graph launch: no host synchronisation, no allocation, the learning
 /// rate set every step included; the loss is read only when asked.
 #[test]

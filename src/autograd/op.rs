@@ -8,7 +8,8 @@
 //! or the backends' backward kernels.
 
 use crate::backend::{
-    AdaptivePoolParams, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, Pool2dParams, UnaryOp,
+    AdaptivePoolParams, BatchNormParams, BatchNormSaved, BinaryOp, Conv2dParams, MatmulDims,
+    Pool2dParams, UnaryOp,
 };
 use crate::error::Result;
 use crate::tensor::{DType, Device, Layout, Shape, Tensor};
@@ -94,9 +95,12 @@ pub(crate) enum Op {
     BatchNorm {
         x: Tensor,
         w: Tensor,
+        b: Tensor,
         y: Option<Tensor>,
         mean: Tensor,
         invstd: Tensor,
+        /// What the implementation that ran keeps besides (cuDNN's reserve space).
+        reserve: Option<Tensor>,
         p: BatchNormParams,
     },
     MaxPool2d {
@@ -360,9 +364,11 @@ impl Op {
             Op::BatchNorm {
                 x,
                 w,
+                b,
                 y,
                 mean,
                 invstd,
+                reserve,
                 p,
             } => {
                 // Every gradient comes from one kernel; keep those that are needed.
@@ -370,14 +376,21 @@ impl Op {
                 let y_storage = y.as_ref().map(|y| y.storage());
                 let y_layout = y.as_ref().map(|y| y.layout());
                 let y_arg = y_storage.as_deref().zip(y_layout.as_deref());
+                let (mean_s, invstd_s) = (mean.storage(), invstd.storage());
+                let reserve_s = reserve.as_ref().map(|r| r.storage());
+                let saved = BatchNormSaved {
+                    mean: &*mean_s,
+                    invstd: &*invstd_s,
+                    reserve: reserve_s.as_deref(),
+                };
                 let r = g.storage().batch_norm_backward(
                     &g.layout(),
                     &x.storage(),
                     &x.layout(),
                     y_arg,
                     &w.storage(),
-                    &mean.storage(),
-                    &invstd.storage(),
+                    &b.storage(),
+                    saved,
                     p,
                 )?;
                 drop(y_storage);

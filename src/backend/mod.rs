@@ -173,6 +173,17 @@ pub struct BatchNormParams {
     pub relu: bool,
 }
 
+/// What a training-mode batch norm keeps for its backward: the batch statistics (`mean` and
+/// `invstd = 1/sqrt(var + eps)`, F32 of length `c`, F64 for F64 inputs), and whatever else the
+/// implementation that ran needs (cuDNN's reserve space, which holds its fused ReLU's mask; its
+/// presence tells the CUDA backward that cuDNN ran the forward).
+#[derive(Debug)]
+pub struct BatchNormSaved<S> {
+    pub mean: S,
+    pub invstd: S,
+    pub reserve: Option<S>,
+}
+
 /// What the batch-norm backward returns: the gradients of the input, weight and bias, and of the
 /// residual when the forward added one (the gradient through the ReLU).
 #[derive(Debug)]
@@ -277,7 +288,7 @@ pub trait BackendStorage: Sized {
     /// Training-mode batch norm, with the fused epilogue `p.residual` / `p.relu` asks for
     /// (`residual` laid out as the input). `weight`, `bias`, running statistics are F32 of length
     /// `c` (contiguous, offset 0); the running statistics are updated in place (unbiased
-    /// variance, as PyTorch). Returns `(y, saved_mean, saved_invstd)`, y in `l`'s format.
+    /// variance, as PyTorch). Returns `y` (in `l`'s format) and what the backward reads.
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_train(
         &self,
@@ -288,9 +299,10 @@ pub trait BackendStorage: Sized {
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)>;
-    /// Called on the output gradient; `y` is the forward output, which the fused ReLU's
-    /// backward reads (`p.relu`).
+    ) -> Result<(Self, BatchNormSaved<Self>)>;
+    /// Called on the output gradient with what the forward saved; `y` is the forward output,
+    /// which the fused ReLU's backward reads (`p.relu`); `bias` is the forward's (cuDNN's fused
+    /// ReLU backward reads it).
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_backward(
         &self,
@@ -299,8 +311,8 @@ pub trait BackendStorage: Sized {
         xl: &Layout,
         y: Option<(&Self, &Layout)>,
         weight: &Self,
-        saved_mean: &Self,
-        saved_invstd: &Self,
+        bias: &Self,
+        saved: BatchNormSaved<&Self>,
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>>;
 

@@ -215,7 +215,7 @@ impl Tensor {
         let res_storage = res.as_ref().map(|r| r.storage());
         let res_layout = res.as_ref().map(|r| r.layout());
         let res_arg = res_storage.as_deref().zip(res_layout.as_deref());
-        let (y, mean, invstd) = if in_place(running_mean) && in_place(running_var) {
+        let (y, saved) = if in_place(running_mean) && in_place(running_var) {
             let mut rm = running_mean.storage_mut();
             let mut rv = running_var.storage_mut();
             x.storage().batch_norm_train(
@@ -259,9 +259,13 @@ impl Tensor {
         drop(res_storage);
         let cs = Shape::new(vec![c]);
         let (mean, invstd) = (
-            Tensor::from_storage(mean, cs.clone()),
-            Tensor::from_storage(invstd, cs),
+            Tensor::from_storage(saved.mean, cs.clone()),
+            Tensor::from_storage(saved.invstd, cs),
         );
+        let reserve = saved.reserve.map(|r| {
+            let len = r.len();
+            Tensor::from_storage(r, Shape::new(vec![len]))
+        });
         let mut inputs = vec![self, &w, &b];
         if let Some(r) = epi.residual {
             inputs.push(r);
@@ -270,9 +274,11 @@ impl Tensor {
             Tensor::from_op_with_output(y, x.layout().dense_like(), &inputs, |y| Op::BatchNorm {
                 x: x.detach(),
                 w: w.detach(),
+                b: b.detach(),
                 y: p.relu.then_some(y),
                 mean,
                 invstd,
+                reserve,
                 p,
             });
         y.to_memory_format(keep)

@@ -5,8 +5,8 @@
 use crate::backend::cpu::CpuStorage;
 use crate::backend::cuda::{CudaStorage, OpTimer};
 use crate::backend::{
-    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams,
-    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
+    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BatchNormSaved, BinaryOp,
+    Conv2dParams, MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Layout, Shape};
@@ -74,6 +74,18 @@ fn timer_with(s: &Storage, op: &'static str, detail: impl FnOnce() -> String) ->
 }
 
 impl Storage {
+    fn as_cpu(&self) -> Option<&CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Some(s),
+            Storage::Cuda(_) => None,
+        }
+    }
+    fn as_cuda(&self) -> Option<&CudaStorage> {
+        match self {
+            Storage::Cuda(s) => Some(s),
+            Storage::Cpu(_) => None,
+        }
+    }
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
@@ -267,7 +279,7 @@ impl Storage {
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
+    ) -> Result<(Self, BatchNormSaved<Self>)> {
         let _t = timer_with(self, "batch_norm", || bn_detail(p));
         let mismatch = |other: &Storage| Error::DeviceMismatch {
             op: "batch_norm",
@@ -289,8 +301,15 @@ impl Storage {
                     #[allow(unreachable_patterns)]
                     Some((other, _)) => return Err(mismatch(other)),
                 };
-                let (y, mean, invstd) = x.batch_norm_train(l, r, w, b, m, v, p)?;
-                Ok((Storage::Cpu(y), Storage::Cpu(mean), Storage::Cpu(invstd)))
+                let (y, saved) = x.batch_norm_train(l, r, w, b, m, v, p)?;
+                Ok((
+                    Storage::Cpu(y),
+                    BatchNormSaved {
+                        mean: Storage::Cpu(saved.mean),
+                        invstd: Storage::Cpu(saved.invstd),
+                        reserve: saved.reserve.map(Storage::Cpu),
+                    },
+                ))
             }
             (
                 Storage::Cuda(x),
@@ -304,8 +323,15 @@ impl Storage {
                     Some((Storage::Cuda(r), rl)) => Some((r, rl)),
                     Some((other, _)) => return Err(mismatch(other)),
                 };
-                let (y, mean, invstd) = x.batch_norm_train(l, r, w, b, m, v, p)?;
-                Ok((Storage::Cuda(y), Storage::Cuda(mean), Storage::Cuda(invstd)))
+                let (y, saved) = x.batch_norm_train(l, r, w, b, m, v, p)?;
+                Ok((
+                    Storage::Cuda(y),
+                    BatchNormSaved {
+                        mean: Storage::Cuda(saved.mean),
+                        invstd: Storage::Cuda(saved.invstd),
+                        reserve: saved.reserve.map(Storage::Cuda),
+                    },
+                ))
             }
             (_, w, _, _, _) => Err(mismatch(w)),
         }
@@ -318,8 +344,8 @@ impl Storage {
         xl: &Layout,
         y: Option<(&Self, &Layout)>,
         weight: &Self,
-        mean: &Self,
-        invstd: &Self,
+        bias: &Self,
+        saved: BatchNormSaved<&Self>,
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>> {
         let _t = timer_with(self, "batch_norm_backward", || bn_detail(p));
@@ -328,14 +354,16 @@ impl Storage {
             lhs: self.device(),
             rhs: other.device(),
         };
-        match (self, x, weight, mean, invstd) {
-            (
-                Storage::Cpu(g),
-                Storage::Cpu(x),
-                Storage::Cpu(w),
-                Storage::Cpu(m),
-                Storage::Cpu(s),
-            ) => {
+        for s in [x, weight, bias, saved.mean, saved.invstd]
+            .into_iter()
+            .chain(saved.reserve)
+        {
+            if s.device() != self.device() {
+                return Err(mismatch(s));
+            }
+        }
+        match (self, x, weight, bias) {
+            (Storage::Cpu(g), Storage::Cpu(x), Storage::Cpu(w), Storage::Cpu(b)) => {
                 crate::graph::refuse_host_op("batch_norm_backward")?;
                 let y = match y {
                     None => None,
@@ -343,7 +371,18 @@ impl Storage {
                     #[allow(unreachable_patterns)]
                     Some((other, _)) => return Err(mismatch(other)),
                 };
-                let r = g.batch_norm_backward(l, x, xl, y, w, m, s, p)?;
+                let saved = BatchNormSaved {
+                    mean: saved.mean.as_cpu().ok_or_else(|| mismatch(saved.mean))?,
+                    invstd: saved
+                        .invstd
+                        .as_cpu()
+                        .ok_or_else(|| mismatch(saved.invstd))?,
+                    reserve: match saved.reserve {
+                        None => None,
+                        Some(r) => Some(r.as_cpu().ok_or_else(|| mismatch(r))?),
+                    },
+                };
+                let r = g.batch_norm_backward(l, x, xl, y, w, b, saved, p)?;
                 Ok(BatchNormGrads {
                     input: Storage::Cpu(r.input),
                     weight: Storage::Cpu(r.weight),
@@ -351,19 +390,24 @@ impl Storage {
                     residual: r.residual.map(Storage::Cpu),
                 })
             }
-            (
-                Storage::Cuda(g),
-                Storage::Cuda(x),
-                Storage::Cuda(w),
-                Storage::Cuda(m),
-                Storage::Cuda(s),
-            ) => {
+            (Storage::Cuda(g), Storage::Cuda(x), Storage::Cuda(w), Storage::Cuda(b)) => {
                 let y = match y {
                     None => None,
                     Some((Storage::Cuda(y), yl)) => Some((y, yl)),
                     Some((other, _)) => return Err(mismatch(other)),
                 };
-                let r = g.batch_norm_backward(l, x, xl, y, w, m, s, p)?;
+                let saved = BatchNormSaved {
+                    mean: saved.mean.as_cuda().ok_or_else(|| mismatch(saved.mean))?,
+                    invstd: saved
+                        .invstd
+                        .as_cuda()
+                        .ok_or_else(|| mismatch(saved.invstd))?,
+                    reserve: match saved.reserve {
+                        None => None,
+                        Some(r) => Some(r.as_cuda().ok_or_else(|| mismatch(r))?),
+                    },
+                };
+                let r = g.batch_norm_backward(l, x, xl, y, w, b, saved, p)?;
                 Ok(BatchNormGrads {
                     input: Storage::Cuda(r.input),
                     weight: Storage::Cuda(r.weight),
@@ -371,7 +415,7 @@ impl Storage {
                     residual: r.residual.map(Storage::Cuda),
                 })
             }
-            (_, x, _, _, _) => Err(mismatch(x)),
+            (_, x, _, _) => Err(mismatch(x)),
         }
     }
     pub fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {

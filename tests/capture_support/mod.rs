@@ -12,7 +12,7 @@ use mixprec::nn::{
 use mixprec::optim::{
     AdamConfig, FusedAdam, FusedLamb, FusedSgd, LambConfig, Optimizer, SgdConfig,
 };
-use mixprec::{Conv2dConfig, DType, Device, Tensor};
+use mixprec::{Conv2dConfig, DType, Device, MemoryFormat, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Net {
@@ -20,6 +20,9 @@ pub enum Net {
     Mlp,
     /// conv → BN → ReLU → conv → BN → ReLU → global pool → linear.
     Conv,
+    /// A CIFAR-style ResNet of two stages, one basic block each, in channels_last: every fused
+    /// batch norm (+ ReLU, + residual add + ReLU) and a plain one (the downsample).
+    ResNetCl,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +110,11 @@ pub fn model(net: Net, dev: Device) -> Sequential {
                 .with(Flatten::new(1, -1))
                 .with(Linear::new(8, CLASSES, true, &dev, 23).unwrap())
         }
+        Net::ResNetCl => {
+            let r = nn::resnet::ResNet::cifar_style(&[1, 1], 3, CLASSES, &dev).unwrap();
+            r.to_memory_format(MemoryFormat::ChannelsLast).unwrap();
+            Sequential::new().with(r)
+        }
     }
 }
 
@@ -164,6 +172,7 @@ pub fn batch(net: Net, i: usize, m: usize, dev: Device) -> (Tensor, Tensor) {
     let dims: Vec<usize> = match net {
         Net::Mlp => vec![BATCH, 16],
         Net::Conv => vec![BATCH, 3, 6, 6],
+        Net::ResNetCl => vec![BATCH, 3, 8, 8],
     };
     let n: usize = dims.iter().product();
     let seed = (i * 31 + m * 7 + 1) as u64;
@@ -178,7 +187,10 @@ pub fn batch(net: Net, i: usize, m: usize, dev: Device) -> (Tensor, Tensor) {
     if OVERFLOW_AT.contains(&i) && m == 0 {
         v[n / 2] = f32::INFINITY;
     }
-    let x = Tensor::from_vec(v, dims, dev).unwrap();
+    let mut x = Tensor::from_vec(v, dims, dev).unwrap();
+    if net == Net::ResNetCl {
+        x = x.to_memory_format(MemoryFormat::ChannelsLast).unwrap();
+    }
     let y: Vec<i64> = (0..BATCH)
         .map(|k| ((k * 3 + i + m) % CLASSES) as i64)
         .collect();

@@ -22,8 +22,8 @@ use std::borrow::Cow;
 use half::{bf16, f16};
 
 use super::{
-    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams,
-    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
+    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BatchNormSaved, BinaryOp,
+    Conv2dParams, MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout, MemoryFormat, Shape, WithDType};
@@ -540,7 +540,7 @@ impl BackendStorage for CpuStorage {
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
+    ) -> Result<(Self, BatchNormSaved<Self>)> {
         // Parameters and statistics are f32 for f32/f16/bf16 inputs and f64 for f64 inputs
         // (the gradient checks run in f64).
         // Half inputs run the f32 kernel on a bulk-widened copy (same arithmetic, see
@@ -557,8 +557,11 @@ impl BackendStorage for CpuStorage {
                 let (y, mean, invstd) = batch_norm::forward_train($x, $r, p.relu, w, b, rm, rv, p);
                 (
                     CpuStorage::$in($narrow(y)),
-                    CpuStorage::$acc(mean),
-                    CpuStorage::$acc(invstd),
+                    BatchNormSaved {
+                        mean: CpuStorage::$acc(mean),
+                        invstd: CpuStorage::$acc(invstd),
+                        reserve: None,
+                    },
                 )
             }};
         }
@@ -612,8 +615,8 @@ impl BackendStorage for CpuStorage {
         xl: &Layout,
         y: Option<(&Self, &Layout)>,
         weight: &Self,
-        saved_mean: &Self,
-        saved_invstd: &Self,
+        _bias: &Self,
+        saved: BatchNormSaved<&Self>,
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>> {
         let op = "batch_norm_backward";
@@ -621,8 +624,8 @@ impl BackendStorage for CpuStorage {
             ($g:expr, $x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
                 let w = acc_slice!(weight, $acc, op);
                 let (m, s) = (
-                    acc_slice!(saved_mean, $acc, op),
-                    acc_slice!(saved_invstd, $acc, op),
+                    acc_slice!(saved.mean, $acc, op),
+                    acc_slice!(saved.invstd, $acc, op),
                 );
                 let (dx, dw, db) = batch_norm::backward($g, $x, w, m, s, p);
                 (

@@ -241,14 +241,23 @@ pub(crate) struct Dnn {
     device_id: String,
     /// Candidate runs timed so far (warm-ups included).
     timing_runs: u64,
+    /// Batch norm's cuDNN descriptors and choices (`batch_norm.rs`).
+    pub(super) batch_norm: super::batch_norm::BnChoices,
 }
 
 // SAFETY: the handle and descriptors are only used under the device's `dnn` mutex.
 unsafe impl Send for Dnn {}
 
+impl Dnn {
+    pub(super) fn handle(&self) -> dsys::cudnnHandle_t {
+        self.handle
+    }
+}
+
 impl Drop for Dnn {
     fn drop(&mut self) {
         self.plans.clear();
+        self.batch_norm = Default::default();
         // SAFETY: created by cudnnCreate, destroyed once.
         let _ = unsafe { dnn::destroy_handle(self.handle) };
     }
@@ -288,6 +297,7 @@ impl Dnn {
             plans: HashMap::new(),
             device_id,
             timing_runs: 0,
+            batch_norm: Default::default(),
         };
         // SAFETY: live handle and stream.
         unsafe { dnn::set_stream(handle, dev.stream.cu_stream() as _) }
@@ -514,7 +524,7 @@ impl Dnn {
             order
                 .iter()
                 .zip(&tuning.outcomes)
-                .map(|(c, o)| format!("{} {}", describe(c), outcome_text(o)))
+                .map(|(c, o)| format!("{} {}", describe(c), Outcome::describe(o)))
                 .collect::<Vec<_>>()
                 .join(", "),
             tuning
@@ -611,14 +621,32 @@ impl Dnn {
     }
 }
 
-fn outcome_text(o: &Outcome) -> String {
-    match o {
-        Outcome::Timed { median_ms, runs } => format!("{median_ms:.4} ms ({runs} runs)"),
-        Outcome::Abandoned { best_ms, runs } => {
-            format!("abandoned at {best_ms:.3} ms ({runs} runs)")
-        }
-        Outcome::Failed { runs } => format!("failed (run {runs})"),
+/// The device's cuDNN state, locked, its handle made on first use (which a capture cannot
+/// record: `op`'s warm-up step must have made it). Every cuDNN call runs under this lock.
+pub(super) fn lock_dnn<'a>(
+    dev: &'a std::sync::Arc<CudaDevice>,
+    op: &'static str,
+) -> Result<std::sync::MutexGuard<'a, Option<Dnn>>> {
+    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        super::graph::refuse(
+            dev.ordinal,
+            op,
+            "creating the cuDNN handle during capture: run a warm-up step of the same shapes first",
+        )?;
+        // A cuDNN missing a symbol would panic inside cudarc: an error instead.
+        *guard = Some(super::probe::no_panic("creating the cuDNN handle", || {
+            Dnn::new(dev)
+        })?);
     }
+    Ok(guard)
+}
+
+/// The state inside a guard from [`lock_dnn`].
+pub(super) fn dnn_state(guard: &mut Option<Dnn>) -> Result<&mut Dnn> {
+    guard
+        .as_mut()
+        .ok_or_else(|| Error::Cuda("cuDNN handle".into()))
 }
 
 /// Runs one convolution direction: `a`, `b` are the two inputs in cuDNN's argument order and the
@@ -639,9 +667,10 @@ fn run(
         }
         return Ok(out);
     }
-    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
-    // What a capture cannot record (handle creation, the timed plan search, workspace growth)
-    // must have happened in a warm-up step.
+    let mut guard = lock_dnn(dev, "conv2d")?;
+    let dnn_state = dnn_state(&mut guard)?;
+    // What a capture cannot record (the timed plan search, workspace growth) must have
+    // happened in a warm-up step.
     let first_use = |what: String| {
         super::graph::refuse(
             dev.ordinal,
@@ -649,16 +678,6 @@ fn run(
             &format!("{what} during capture: run a warm-up step of the same shapes first"),
         )
     };
-    if guard.is_none() {
-        first_use("creating the cuDNN handle".into())?;
-        // A cuDNN missing a symbol would panic inside cudarc: an error instead.
-        *guard = Some(super::probe::no_panic("creating the cuDNN handle", || {
-            Dnn::new(dev)
-        })?);
-    }
-    let dnn_state = guard
-        .as_mut()
-        .ok_or_else(|| Error::Cuda("cuDNN handle".into()))?;
     let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
     let key = (*p, dtype, dir, allow_tf32(), deterministic());
     if !dnn_state.plans.contains_key(&key) {

@@ -61,6 +61,17 @@ impl Outcome {
         !matches!(self, Outcome::Failed { .. })
     }
 
+    /// As logs and reports print it.
+    pub(super) fn describe(&self) -> String {
+        match self {
+            Outcome::Timed { median_ms, runs } => format!("{median_ms:.4} ms ({runs} runs)"),
+            Outcome::Abandoned { best_ms, runs } => {
+                format!("abandoned at {best_ms:.3} ms ({runs} runs)")
+            }
+            Outcome::Failed { runs } => format!("failed (run {runs})"),
+        }
+    }
+
     pub(super) fn median_ms(&self) -> Option<f32> {
         match self {
             Outcome::Timed { median_ms, .. } => Some(*median_ms),

@@ -21,7 +21,7 @@ use crate::backend::Conv2dParams;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, MemoryFormat};
 
-fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
+pub(super) fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("cuDNN {what}: {e:?}"))
 }
 
@@ -30,7 +30,15 @@ fn i(what: &'static str, v: usize) -> Result<c_int> {
         .map_err(|_| Error::invalid_arg("conv2d", what, v, "at most 2^31-1 for cuDNN"))
 }
 
-struct TensorDesc(dsys::cudnnTensorDescriptor_t);
+/// A cuDNN tensor descriptor, destroyed on drop.
+pub(super) struct TensorDesc(pub(super) dsys::cudnnTensorDescriptor_t);
+impl TensorDesc {
+    pub(super) fn new() -> Result<TensorDesc> {
+        Ok(TensorDesc(
+            dnn::create_tensor_descriptor().map_err(|e| dnn_err("tensor descriptor", e))?,
+        ))
+    }
+}
 impl Drop for TensorDesc {
     fn drop(&mut self) {
         // SAFETY: created once, destroyed once.
@@ -171,12 +179,8 @@ impl LegacyConv {
             // NHWC activations, KRSC filters.
             MemoryFormat::ChannelsLast => dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
         };
-        let x = TensorDesc(
-            dnn::create_tensor_descriptor().map_err(|e| dnn_err("tensor descriptor", e))?,
-        );
-        let y = TensorDesc(
-            dnn::create_tensor_descriptor().map_err(|e| dnn_err("tensor descriptor", e))?,
-        );
+        let x = TensorDesc::new()?;
+        let y = TensorDesc::new()?;
         let w = FilterDesc(
             dnn::create_filter_descriptor().map_err(|e| dnn_err("filter descriptor", e))?,
         );

@@ -4,7 +4,7 @@
 //! dispatch (`storage.rs`), diagnostics (`profile.rs`: per-op device time, pool memory), and one
 //! file per op family, named as its kernels in `kernels/*.cu` at the crate root: `cast.rs`,
 //! `elementwise.rs`, `layout.rs`, `reduce.rs`, `index.rs`, `softmax.rs`, `batch_norm.rs`,
-//! `pool.rs`, cuBLAS `matmul.rs`, cuDNN `conv.rs` (the plan choice; the two cuDNN APIs in
+//! `pool.rs` (batch norm's cuDNN candidate: `cudnn_batch_norm.rs`), cuBLAS `matmul.rs`, cuDNN `conv.rs` (the plan choice; the two cuDNN APIs in
 //! `cudnn_graph.rs` and `cudnn_legacy.rs`, the timer in `conv_tune.rs`, the on-disk plan cache in
 //! `conv_cache.rs`), `multi_tensor.rs`; `common.rs` holds what they share. In-place updates of a
 //! buffer that keeps its address are `in_place.rs`; CUDA-graph capture (refusals, graph memory,
@@ -19,6 +19,7 @@ mod common;
 mod conv;
 mod conv_cache;
 mod conv_tune;
+mod cudnn_batch_norm;
 mod cudnn_graph;
 mod cudnn_legacy;
 mod device;
@@ -39,6 +40,10 @@ mod registry;
 mod softmax;
 mod storage;
 
+pub use batch_norm::{
+    batch_norm_choices, batch_norm_impl, set_batch_norm_impl, with_batch_norm_impl,
+    BatchNormChoice, BatchNormImpl,
+};
 pub use conv::{
     clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, ConvPlanInfo, PlanSource,
 };

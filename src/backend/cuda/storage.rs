@@ -15,8 +15,8 @@ use super::graph::{self, CaptureMark};
 use crate::backend::cpu::CpuStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{
-    AdaptivePoolParams, BatchNormGrads, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims,
-    Pool2dParams, ReduceOp, UnaryOp,
+    AdaptivePoolParams, BatchNormGrads, BatchNormParams, BatchNormSaved, BinaryOp, Conv2dParams,
+    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout, Shape};
@@ -356,7 +356,7 @@ impl BackendStorage for CudaStorage {
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
+    ) -> Result<(Self, BatchNormSaved<Self>)> {
         super::batch_norm::forward_train(
             self,
             l,
@@ -375,11 +375,11 @@ impl BackendStorage for CudaStorage {
         xl: &Layout,
         y: Option<(&Self, &Layout)>,
         weight: &Self,
-        saved_mean: &Self,
-        saved_invstd: &Self,
+        bias: &Self,
+        saved: BatchNormSaved<&Self>,
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>> {
-        super::batch_norm::backward(self, l, x, xl, y, weight, saved_mean, saved_invstd, p)
+        super::batch_norm::backward(self, l, x, xl, y, weight, bias, saved, p)
     }
     fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
         super::pool::max_pool2d(self, l, p)
