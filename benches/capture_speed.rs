@@ -7,6 +7,9 @@
 //! - the CIFAR-style ResNet-18 (3x32x32, batch 128),
 //! - torchvision's ResNet-50 (3x224x224, batch 256; 128 if 256 does not fit).
 //!
+//! Each net runs in both memory formats (`bench-capture_speed nchw` or `cl` for one): NCHW, and
+//! channels_last, the format `train_resnet` trains in on a GPU.
+//!
 //! Per net: images/s of each mode (the median of 5 rounds of back-to-back steps, one
 //! synchronisation per round), the ratio against the target, and the host
 //! synchronisations and allocations the timed replayed steps made (both must be 0). One JSON
@@ -21,7 +24,7 @@ use mixprec::amp::{self, CapturedStep, OptLevel, Policy};
 use mixprec::backend::cuda::{allocation_count, device, host_sync_count};
 use mixprec::nn::{self, BlockKind, Module, ResNet, ResNetConfig, Stem};
 use mixprec::optim::{FusedSgd, LrSchedule, Optimizer, SgdConfig};
-use mixprec::{DType, Device, Tensor};
+use mixprec::{DType, Device, MemoryFormat, Tensor};
 
 fn main() {
     common::main_with(run)
@@ -71,9 +74,15 @@ struct Measured {
     stats: amp::StepStats,
 }
 
-fn measure(net: &Net, batch: usize, captured: bool) -> mixprec::Result<Measured> {
+fn measure(
+    net: &Net,
+    batch: usize,
+    format: MemoryFormat,
+    captured: bool,
+) -> mixprec::Result<Measured> {
     let dev = Device::Cuda(0);
     let model = (net.build)(&dev)?;
+    model.to_memory_format(format)?;
     let classes = if net.name == "resnet50" { 1000 } else { 10 };
     let opt = FusedSgd::new(
         model.parameters(),
@@ -89,7 +98,7 @@ fn measure(net: &Net, batch: usize, captured: bool) -> mixprec::Result<Measured>
     let (model, mut opt) = amp::initialize(model, opt, policy)?;
     let mut dims = vec![batch];
     dims.extend(net.image);
-    let x = Tensor::randn(dims, 0.0, 1.0, 7, DType::F32, dev)?;
+    let x = Tensor::randn(dims, 0.0, 1.0, 7, DType::F32, dev)?.to_memory_format(format)?;
     let labels: Vec<i64> = (0..batch).map(|i| (i * 7 % classes) as i64).collect();
     let y = Tensor::from_vec(labels, [batch], dev)?;
     let body = |x: &Tensor, y: &Tensor| nn::cross_entropy(&model.forward(x)?, y);
@@ -140,6 +149,24 @@ fn measure(net: &Net, batch: usize, captured: bool) -> mixprec::Result<Measured>
 }
 
 fn run() -> mixprec::Result<()> {
+    let mut formats = Vec::new();
+    for a in std::env::args().skip(1).filter(|a| !a.starts_with('-')) {
+        formats.push(match a.as_str() {
+            "nchw" => MemoryFormat::Contiguous,
+            "cl" => MemoryFormat::ChannelsLast,
+            other => {
+                return Err(mixprec::Error::invalid_arg(
+                    "capture_speed",
+                    "layout",
+                    other,
+                    "nchw or cl",
+                ))
+            }
+        });
+    }
+    if formats.is_empty() {
+        formats = vec![MemoryFormat::Contiguous, MemoryFormat::ChannelsLast];
+    }
     let dev = device(0)?;
     let (ma, mi) = dev.compute_capability();
     println!("device cuda:0 sm_{ma}{mi}; O2 f16, fused SGD (Nesterov), lr set every step, synthetic data on the device");
@@ -170,15 +197,33 @@ fn run() -> mixprec::Result<()> {
         },
     ];
     println!(
-        "{:<26} {:>5} {:>12} {:>12} {:>9} {:>10} {:>9} {:>7}",
-        "net", "batch", "eager img/s", "graph img/s", "ratio", "target", "syncs", "allocs"
+        "{:<26} {:<6} {:>5} {:>12} {:>12} {:>9} {:>10} {:>9} {:>7}",
+        "net",
+        "layout",
+        "batch",
+        "eager img/s",
+        "graph img/s",
+        "ratio",
+        "target",
+        "syncs",
+        "allocs"
     );
     let mut json = Vec::new();
-    for net in &nets {
+    for (net, format) in nets
+        .iter()
+        .flat_map(|n| formats.iter().map(move |&f| (n, f)))
+    {
+        let layout = match format {
+            MemoryFormat::Contiguous => "nchw",
+            MemoryFormat::ChannelsLast => "cl",
+        };
         let mut done = false;
         for &batch in net.batches {
-            let eager = measure(net, batch, false);
-            let graph = eager.as_ref().ok().map(|_| measure(net, batch, true));
+            let eager = measure(net, batch, format, false);
+            let graph = eager
+                .as_ref()
+                .ok()
+                .map(|_| measure(net, batch, format, true));
             match (eager, graph) {
                 (Ok(e), Some(Ok(g))) => {
                     let ratio = g.images_per_s / e.images_per_s;
@@ -188,7 +233,7 @@ fn run() -> mixprec::Result<()> {
                         "FAIL"
                     };
                     println!(
-                        "{:<26} {:>5} {:>12.0} {:>12.0} {:>8.2}x {:>9}x {:>9} {:>7}  {verdict}",
+                        "{:<26} {layout:<6} {:>5} {:>12.0} {:>12.0} {:>8.2}x {:>9}x {:>9} {:>7}  {verdict}",
                         net.name,
                         batch,
                         e.images_per_s,
@@ -200,7 +245,7 @@ fn run() -> mixprec::Result<()> {
                     );
                     for (mode, m) in [("eager", &e), ("cuda-graph", &g)] {
                         json.push(format!(
-                            "{{\"check\": \"mixprec-capture\", \"net\": \"{}\", \"batch\": {batch}, \"mode\": \"{mode}\", \"img_per_s\": {:.1}, \"step_ms\": {:.4}, \"host_syncs\": {}, \"allocations\": {}, \"loss\": {}, \"eager_steps\": {}, \"captures\": {}, \"replays\": {}}}",
+                            "{{\"check\": \"mixprec-capture\", \"net\": \"{}\", \"layout\": \"{layout}\", \"batch\": {batch}, \"mode\": \"{mode}\", \"img_per_s\": {:.1}, \"step_ms\": {:.4}, \"host_syncs\": {}, \"allocations\": {}, \"loss\": {}, \"eager_steps\": {}, \"captures\": {}, \"replays\": {}}}",
                             net.name, m.images_per_s, m.step_ms, m.syncs, m.allocs,
                             if m.loss.is_finite() { format!("{:.6}", m.loss) } else { "null".into() },
                             m.stats.eager, m.stats.captures, m.stats.replays
@@ -210,13 +255,13 @@ fn run() -> mixprec::Result<()> {
                     break;
                 }
                 (Err(e), _) | (Ok(_), Some(Err(e))) => {
-                    println!("{:<26} {:>5} failed: {e}", net.name, batch);
+                    println!("{:<26} {layout:<6} {:>5} failed: {e}", net.name, batch);
                 }
                 (Ok(_), None) => unreachable!("measured after eager"),
             }
         }
         if !done {
-            println!("{:<26} no batch size ran", net.name);
+            println!("{:<26} {layout:<6} no batch size ran", net.name);
         }
     }
     for j in json {

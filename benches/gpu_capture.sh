@@ -5,8 +5,10 @@
 #      O0-O3 with f16 and bf16, planted overflows, an lr set every step), no host sync and no
 #      allocation per replay, refusals naming the op, stale graphs, train_resnet captured/resumed;
 #   2. benches/capture_speed.rs: images/s of the eager vs the captured step on the main job's
-#      net (batch 128), the CIFAR ResNet-18 (batch 128) and ResNet-50 (batch 256), synthetic data;
-#   3. PyTorch on the same nets: eager, torch.compile(mode="reduce-overhead"), hand-captured step;
+#      net (batch 128), the CIFAR ResNet-18 (batch 128) and ResNet-50 (batch 256), synthetic data,
+#      each in NCHW and channels_last;
+#   3. PyTorch on the same nets and layouts: eager, torch.compile(mode="reduce-overhead"),
+#      hand-captured step;
 #   4. the main job itself (train_resnet, no options, full Fashion-MNIST, 10 epochs): captured
 #      (the default) vs --no-cuda-graph.
 # Stage here:  ../shared/tools/gpu-stage --data --example train_resnet --bench capture_speed
@@ -36,7 +38,9 @@ fi
 
 if want torch; then
 echo "== 3. PyTorch: eager, reduce-overhead, hand-captured"
-python3 benches/torch_capture_speed.py 2>&1 | tee "$out/torch_capture_speed.log"
+for layout in nchw cl; do
+  python3 benches/torch_capture_speed.py --layout $layout 2>&1 | tee -a "$out/torch_capture_speed.log"
+done
 fi
 
 want main || exit 0

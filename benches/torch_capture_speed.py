@@ -10,8 +10,9 @@ same three nets and batches, synthetic data on the device, three ways:
                    static inputs; the learning rate is a device tensor the replay reads. When
                    PyTorch refuses to capture the scaler's step, the line says why.
 
-  python3 benches/torch_capture_speed.py [NET ...]   -> one JSON line per measurement
-  (NET: main-job-resnet-16-32-64, resnet18-cifar, resnet50; default all)
+  python3 benches/torch_capture_speed.py [--layout nchw|cl] [NET ...]   -> one JSON line each
+  (NET: main-job-resnet-16-32-64, resnet18-cifar, resnet50; default all; layout default nchw,
+  cl: model and input in torch.channels_last)
 Timing: the median of 5 rounds of back-to-back steps, one synchronisation per round (as the
 Rust side)."""
 import json, math, statistics, time
@@ -23,6 +24,7 @@ from torchvision.models.resnet import BasicBlock
 
 dev = "cuda"
 torch.backends.cudnn.benchmark = True
+memory_format = torch.contiguous_format
 
 
 def main_job():  # ResNet 16-32-64, one basic block per stage, 3x3 stem, 1 channel in
@@ -78,11 +80,11 @@ def one_cycle(i, total, peak=0.1):
 
 def setup(make, batch, shape, classes, lr_tensor):
     torch.manual_seed(0)
-    m = make().to(dev)
+    m = make().to(dev, memory_format=memory_format)
     lr = torch.tensor(0.1, device=dev) if lr_tensor else 0.1
     opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4, fused=True)
     scaler = torch.amp.GradScaler("cuda")
-    x = torch.randn(batch, *shape, device=dev)
+    x = torch.randn(batch, *shape, device=dev).to(memory_format=memory_format)
     y = (torch.arange(batch, device=dev) * 7) % classes
     return m, opt, scaler, x, y
 
@@ -160,14 +162,24 @@ def hand_captured(make, batch, shape, classes, steps):
 
 def main():
     import sys
-    only = set(sys.argv[1:])
+    global memory_format
+    args = sys.argv[1:]
+    layout = "nchw"
+    if "--layout" in args:
+        k = args.index("--layout")
+        layout = args[k + 1]
+        del args[k : k + 2]
+        if layout not in ("nchw", "cl"):
+            sys.exit(f"--layout {layout}: expected nchw or cl")
+    memory_format = torch.channels_last if layout == "cl" else torch.contiguous_format
+    only = set(args)
     for name, make, batches, shape, classes, steps in NETS:
         if only and name not in only:
             continue
         for batch in batches:
             ok = False
             for mode in ["eager", "reduce-overhead", "hand-captured"]:
-                rec = {"check": "torch-capture", "net": name, "batch": batch, "mode": mode, "torch": torch.__version__}
+                rec = {"check": "torch-capture", "net": name, "layout": layout, "batch": batch, "mode": mode, "torch": torch.__version__}
                 try:
                     if mode == "hand-captured":
                         t, note = hand_captured(make, batch, shape, classes, steps)
