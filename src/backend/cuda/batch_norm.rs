@@ -309,18 +309,7 @@ fn backward_fused(
     let s = fused_dtype(op, g)?;
     let f = fmt_name(p.format);
     let (pg, px) = (g.ptr_at(lg)?, x.ptr_at(lx)?);
-    let py = match (p.relu, y) {
-        (true, Some((ys, yl))) => ys.ptr_at(yl)?,
-        (true, None) => {
-            return Err(Error::invalid_arg(
-                op,
-                "y",
-                "none",
-                "the forward output, for the fused ReLU",
-            ))
-        }
-        (false, _) => 0,
-    };
+    let py = relu_output(op, p, y)?;
     let n = lg.elem_count();
     let dx = CudaStorage::alloc(&g.dev, g.dtype(), n)?;
     let dres = if p.residual {
@@ -350,6 +339,24 @@ fn backward_fused(
         bias: db,
         residual: dres,
     })
+}
+
+/// The address of the forward output, which the fused ReLU's backward reads (0 without one).
+fn relu_output(
+    op: &'static str,
+    p: &BatchNormParams,
+    y: Option<(&CudaStorage, &Layout)>,
+) -> Result<u64> {
+    match (p.relu, y) {
+        (true, Some((ys, yl))) => ys.ptr_at(yl),
+        (true, None) => Err(Error::invalid_arg(
+            op,
+            "y",
+            "none",
+            "the forward output, for the fused ReLU",
+        )),
+        (false, _) => Ok(0),
+    }
 }
 
 /// The single-pass kernel covers plain NCHW batch norm; the rest goes to the fused kernels.
@@ -646,20 +653,34 @@ fn ptr_of(s: &Option<CudaStorage>) -> u64 {
     s.as_ref().map_or(0, |s| s.ptr())
 }
 
+/// The read-only operands of one training-mode forward (the running statistics, which it
+/// updates, travel apart).
+#[derive(Clone, Copy)]
+struct Forward<'a> {
+    x: &'a CudaStorage,
+    l: &'a Layout,
+    residual: Option<(&'a CudaStorage, &'a Layout)>,
+    weight: &'a CudaStorage,
+    bias: &'a CudaStorage,
+    p: &'a BatchNormParams,
+}
+
 /// cuDNN's forward: y and the saved statistics with the reserve space.
-#[allow(clippy::too_many_arguments)]
 fn forward_cudnn(
     h: dsys::cudnnHandle_t,
     bn: &CudnnBatchNorm,
-    x: &CudaStorage,
-    l: &Layout,
-    residual: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    bias: &CudaStorage,
+    f: Forward<'_>,
     running_mean: &CudaStorage,
     running_var: &CudaStorage,
-    p: &BatchNormParams,
 ) -> Result<(CudaStorage, BatchNormSaved<CudaStorage>)> {
+    let Forward {
+        x,
+        l,
+        residual,
+        weight,
+        bias,
+        p,
+    } = f;
     let dev = &x.dev;
     let src = x.ptr_at(l)?;
     let z = match residual {
@@ -710,18 +731,7 @@ fn backward_cudnn(
     let op = "batch_norm_backward";
     let dev = &g.dev;
     let (pg, px) = (g.ptr_at(lg)?, x.ptr_at(lx)?);
-    let py = match (p.relu, y) {
-        (true, Some((ys, yl))) => ys.ptr_at(yl)?,
-        (true, None) => {
-            return Err(Error::invalid_arg(
-                op,
-                "y",
-                "none",
-                "the forward output, for the fused ReLU",
-            ))
-        }
-        (false, _) => 0,
-    };
+    let py = relu_output(op, p, y)?;
     let reserve = saved
         .reserve
         .ok_or_else(|| Error::invalid_arg(op, "reserve", "none", "cuDNN's reserve space"))?;
@@ -762,19 +772,21 @@ fn backward_cudnn(
 
 /// Times ours against cuDNN's on this call's buffers: forward then backward (with the input as
 /// the output gradient), on scratch copies of the running statistics.
-#[allow(clippy::too_many_arguments)]
 fn time_both(
     h: dsys::cudnnHandle_t,
     bn: &CudnnBatchNorm,
-    x: &CudaStorage,
-    l: &Layout,
-    residual: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    bias: &CudaStorage,
+    f: Forward<'_>,
     running_mean: &CudaStorage,
     running_var: &CudaStorage,
-    p: &BatchNormParams,
 ) -> Result<BnTiming> {
+    let Forward {
+        x,
+        l,
+        residual,
+        weight,
+        bias,
+        p,
+    } = f;
     let dev = &x.dev;
     super::graph::refuse(
         dev.ordinal,
@@ -789,7 +801,7 @@ fn time_both(
     let dense = l.dense_like();
     let mut run = |cudnn: bool| -> Result<()> {
         if cudnn {
-            let (y, saved) = forward_cudnn(h, bn, x, l, residual, weight, bias, &rm, &rv, p)?;
+            let (y, saved) = forward_cudnn(h, bn, f, &rm, &rv)?;
             let saved = BatchNormSaved {
                 mean: &saved.mean,
                 invstd: &saved.invstd,
@@ -836,6 +848,14 @@ pub(crate) fn forward_train(
     running_var: &mut CudaStorage,
     p: &BatchNormParams,
 ) -> Result<(CudaStorage, BatchNormSaved<CudaStorage>)> {
+    let f = Forward {
+        x,
+        l,
+        residual,
+        weight,
+        bias,
+        p,
+    };
     let mode = batch_norm_impl();
     let wanted = match mode {
         BatchNormImpl::Own => false,
@@ -863,18 +883,7 @@ pub(crate) fn forward_train(
                 (BatchNormImpl::Cudnn, _) => true,
                 (_, Some(t)) => t.cudnn,
                 (_, None) => {
-                    let t = time_both(
-                        h,
-                        &bn,
-                        x,
-                        l,
-                        residual,
-                        weight,
-                        bias,
-                        running_mean,
-                        running_var,
-                        p,
-                    )?;
+                    let t = time_both(h, &bn, f, running_mean, running_var)?;
                     let cudnn = t.cudnn;
                     entry.timing = Some(t);
                     cudnn
@@ -882,18 +891,7 @@ pub(crate) fn forward_train(
             };
             if use_cudnn {
                 entry.cudnn_runs += 1;
-                return forward_cudnn(
-                    h,
-                    &bn,
-                    x,
-                    l,
-                    residual,
-                    weight,
-                    bias,
-                    running_mean,
-                    running_var,
-                    p,
-                );
+                return forward_cudnn(h, &bn, f, running_mean, running_var);
             }
         }
     }
