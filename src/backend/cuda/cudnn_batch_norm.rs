@@ -57,6 +57,8 @@ pub(super) fn not_covered(p: &BatchNormParams, dtype: DType) -> Option<&'static 
 }
 
 /// The descriptors of one (geometry, dtype, epilogue) and the sizes cuDNN asks for with them.
+/// Kept in the device's cuDNN state (`conv::Dnn`) and used only under its lock, as every
+/// cuDNN handle and descriptor is.
 pub(super) struct CudnnBatchNorm {
     /// x, y, the residual and their gradients: one NHWC descriptor.
     x: TensorDesc,
@@ -66,13 +68,9 @@ pub(super) struct CudnnBatchNorm {
     ops: Ops,
     pub(super) forward_workspace: usize,
     pub(super) backward_workspace: usize,
-    /// Bytes the forward leaves for the backward (0 without an activation).
+    /// Bytes of reserve space the forward writes for the backward, as cuDNN sizes it.
     pub(super) reserve: usize,
 }
-
-// SAFETY: the descriptors are only used under the device's `dnn` mutex.
-unsafe impl Send for CudnnBatchNorm {}
-unsafe impl Sync for CudnnBatchNorm {}
 
 fn int(what: &'static str, v: usize) -> Result<c_int> {
     c_int::try_from(v)
