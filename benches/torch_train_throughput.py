@@ -31,6 +31,7 @@ p.add_argument("--compile", action="store_true")
 p.add_argument("--sgd", default="auto", choices=["auto", "fused", "foreach"])
 p.add_argument("--foreach", action="store_true", help="same as --sgd foreach")
 p.add_argument("--no-benchmark", action="store_true")
+p.add_argument("--batch", type=int, default=None, help="the net's own batch unless given")
 a = p.parse_args()
 if a.foreach:
     a.sgd = "foreach"
@@ -42,6 +43,7 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 torch.backends.cudnn.benchmark = not a.no_benchmark
 batch, hw, classes = (256, 224, 1000) if a.net == "resnet50" else (512, 32, 10)
+batch = a.batch or batch
 torch.manual_seed(0)
 if a.net == "resnet50":
     m = torchvision.models.resnet50(num_classes=classes)

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! bench-train_throughput --net resnet50|resnet18-cifar --mode o0|o2-f16|o2-bf16
-//!                        [--layout nchw|cl] [--steps 20] [--warmup 5] [--lr 0.001] [--profile]
+//!                        [--layout nchw|cl] [--batch N] [--steps 20] [--warmup 5] [--lr 0.001]
+//!                        [--profile]
 //! ```
 //!
 //! A step is what a user's loop does: forward, cross-entropy, `opt.zero_grad()`, the scaled
@@ -33,6 +34,8 @@ struct Args {
     net: String,
     mode: String,
     layout: String,
+    /// The net's own batch (256 for ResNet-50, 512 for the CIFAR ResNet-18) unless given.
+    batch: Option<usize>,
     steps: usize,
     warmup: usize,
     lr: f64,
@@ -44,6 +47,7 @@ fn parse_args() -> Result<Args, String> {
         net: "resnet50".into(),
         mode: "o2-f16".into(),
         layout: "nchw".into(),
+        batch: None,
         steps: 20,
         warmup: 5,
         lr: 0.001,
@@ -56,6 +60,7 @@ fn parse_args() -> Result<Args, String> {
             "--net" => a.net = value()?,
             "--mode" => a.mode = value()?,
             "--layout" => a.layout = value()?,
+            "--batch" => a.batch = Some(value()?.parse().map_err(|e| format!("--batch: {e}"))?),
             "--steps" => a.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
             "--warmup" => a.warmup = value()?.parse().map_err(|e| format!("--warmup: {e}"))?,
             "--lr" => a.lr = value()?.parse().map_err(|e| format!("--lr: {e}"))?,
@@ -116,7 +121,16 @@ fn device_used_mib() -> mixprec::Result<f64> {
 
 fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     let dev = Device::cuda(0)?;
-    let (batch, hw, classes) = net_shape(&args.net)?;
+    let (net_batch, hw, classes) = net_shape(&args.net)?;
+    let batch = args.batch.unwrap_or(net_batch);
+    if batch == 0 {
+        return Err(mixprec::Error::invalid_arg(
+            "train_throughput",
+            "--batch",
+            0,
+            "at least 1",
+        ));
+    }
     let format = match args.layout.as_str() {
         "nchw" => MemoryFormat::Contiguous,
         "cl" => MemoryFormat::ChannelsLast,
