@@ -4,7 +4,8 @@
 # Stage here:  ../shared/tools/gpu-stage --no-tests --bench train_throughput
 # Run there:   bash benches/train_throughput.sh [NETS] [MODES] [LAYOUTS]   (defaults: all)
 #   e.g.       bash benches/train_throughput.sh "resnet50" "o2-f16 o2-bf16" "nchw cl"
-# Extra arguments for both sides go in $TRAIN_ARGS (e.g. "--steps 30 --lr 0.001"); $COMPILE=1 adds
+# Extra arguments for both sides go in $TRAIN_ARGS (e.g. "--steps 30 --lr 0.001", or "--batch 128"
+# for another batch than the net's own); $COMPILE=1 adds
 # torch.compile on ResNet-50 f16 channels_last. The JSON lines go to $OUT/train.jsonl.
 set -u
 cd "$(dirname "$0")/.."
