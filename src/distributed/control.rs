@@ -32,6 +32,18 @@ pub(crate) struct Fault {
     pub(crate) detail: String,
 }
 
+impl Fault {
+    /// The FAULT frame's body, as `on_message` reads it: the culprit (`u64::MAX` for none), the
+    /// stalled collective's sequence number (0 for none), the detail.
+    fn frame(&self, stalled: u64) -> Vec<u8> {
+        Enc::new()
+            .u64(self.culprit.map_or(u64::MAX, |c| c as u64))
+            .u64(stalled)
+            .str(&self.detail)
+            .done()
+    }
+}
+
 type AbortAction = Box<dyn Fn() + Send + Sync>;
 
 #[derive(Default)]
@@ -254,11 +266,7 @@ impl Control {
                 a();
             }
             if spread {
-                let msg = Enc::new()
-                    .u64(fault.culprit.map_or(u64::MAX, |c| c as u64))
-                    .u64(stalled.unwrap_or(0))
-                    .str(&fault.detail)
-                    .done();
+                let msg = fault.frame(stalled.unwrap_or(0));
                 for w in self.writers.iter().flatten() {
                     let _ = write_frame(&mut lock(w), tag::FAULT, &msg);
                 }
@@ -403,7 +411,7 @@ impl Control {
             self.record(f, Some(seq), true)
         } else {
             // Rank 0 decorates and relays; this rank records its own view meanwhile.
-            let msg = Enc::new().u64(u64::MAX).u64(seq).str(&f.detail).done();
+            let msg = f.frame(seq);
             if let Some(w) = self.writers.first().and_then(|w| w.as_ref()) {
                 let _ = write_frame(&mut lock(w), tag::FAULT, &msg);
             }
@@ -528,13 +536,7 @@ impl Control {
         // it may not have sent it yet (it aborts the backends first, which can bring this rank
         // here sooner), and a peer that read the goodbye first would blame this rank for leaving.
         // A peer keeps the first fault it hears of, so a repeat changes nothing.
-        let fault = lock(&self.state).fault.clone().map(|f| {
-            Enc::new()
-                .u64(f.culprit.map_or(u64::MAX, |c| c as u64))
-                .u64(0)
-                .str(&f.detail)
-                .done()
-        });
+        let fault = lock(&self.state).fault.as_ref().map(|f| f.frame(0));
         for w in self.writers.iter().flatten() {
             let mut s = lock(w);
             if let Some(msg) = &fault {
