@@ -290,6 +290,54 @@ fn fused_batch_norm_rejects_bad_residuals() {
     assert_eq!(vals(&rm), vec![0.0; 3]);
 }
 
+/// Where dims of size 1 make both formats fit (a one-channel image, a pooled `[n, c, 1, 1]`),
+/// the format asked for is kept, as in PyTorch: `to_memory_format` lays a one-channel image
+/// out channels_last, a convolution runs channels_last when its input or its weight is, and
+/// the ops after it keep it (else a channels_last net fed one-channel images ran NCHW).
+#[test]
+fn one_channel_images_keep_channels_last() {
+    let x = randn(&[4, 1, 12, 12], 70, DType::F32);
+    assert_eq!(x.memory_format(), Some(MemoryFormat::Contiguous));
+    let xl = x.to_memory_format(CL).unwrap();
+    assert_eq!(xl.memory_format(), Some(CL));
+    assert_eq!(xl.layout().strides(), &[144, 1, 12, 1]);
+    assert!(
+        xl.to_memory_format(CL).unwrap().same_storage(&xl),
+        "already channels_last"
+    );
+    let w = randn(&[8, 1, 3, 3], 71, DType::F32);
+    let wl = in_format(&w, CL);
+    assert_eq!(wl.memory_format(), Some(CL));
+    let cfg = Conv2dConfig {
+        padding: (1, 1),
+        ..Default::default()
+    };
+    let reference = vals(&x.conv2d(&w, None, cfg).unwrap());
+    for (what, xi, wi, want) in [
+        ("both contiguous", &x, &w, MemoryFormat::Contiguous),
+        ("input channels_last", &xl, &w, CL),
+        ("weight channels_last", &x, &wl, CL),
+        ("both channels_last", &xl, &wl, CL),
+    ] {
+        let y = xi.conv2d(wi, None, cfg).unwrap();
+        assert_eq!(y.memory_format(), Some(want), "{what}");
+        assert_eq!(vals(&y), reference, "{what}: values");
+    }
+    // A pooled [n, c, 1, 1] activation keeps channels_last through batch norm.
+    let p = xl
+        .conv2d(&wl, None, cfg)
+        .unwrap()
+        .adaptive_avg_pool2d(1, 1)
+        .unwrap();
+    assert_eq!(p.memory_format(), Some(CL));
+    let ones = || Tensor::ones([8], DType::F32, Device::Cpu).unwrap();
+    let zeros = || Tensor::zeros([8], DType::F32, Device::Cpu).unwrap();
+    let n = p
+        .batch_norm(&ones(), &zeros(), &zeros(), &ones(), TRAIN)
+        .unwrap();
+    assert_eq!(n.memory_format(), Some(CL));
+}
+
 #[test]
 fn module_to_memory_format_converts_weights_in_place() {
     let dev = Device::Cpu;

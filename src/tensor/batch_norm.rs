@@ -189,7 +189,7 @@ impl Tensor {
                 "training needs more than one value per channel",
             ));
         }
-        let (run, keep) = self.op_formats();
+        let (run, keep) = self.op_formats(None);
         let p = BatchNormParams {
             n,
             c,

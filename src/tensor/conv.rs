@@ -99,7 +99,7 @@ impl Tensor {
                 "the (padded) input is smaller than the kernel",
             ));
         }
-        let (run, keep) = self.op_formats();
+        let (run, keep) = self.op_formats(Some(weight));
         let p = Conv2dParams { format: run, ..p };
         let (xr, wr) = (self.packed_as(run)?, weight.packed_as(run)?);
         let s = xr

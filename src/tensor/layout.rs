@@ -114,11 +114,28 @@ impl Layout {
         self.is_format(MemoryFormat::Contiguous)
     }
 
-    /// The format these strides are in, contiguous first when both fit.
+    /// The format these strides are in (PyTorch's `suggest_memory_format`), `None` for other
+    /// strided views. Where both fit because dims of size 1 leave it open (`[n, 1, h, w]`,
+    /// `[n, c, 1, 1]`), the strides of the size-1 dims decide: channels_last when they are
+    /// exactly channels_last's (as [`Layout::with_format`] lays them out) and not also exactly
+    /// row-major's, else contiguous. So a one-channel image laid out channels_last stays
+    /// channels_last through the ops that keep their input's format.
     pub fn memory_format(&self) -> Option<MemoryFormat> {
-        [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast]
-            .into_iter()
-            .find(|&f| self.is_format(f))
+        let cl = MemoryFormat::ChannelsLast;
+        match (self.is_contiguous(), self.is_format(cl)) {
+            (false, false) => None,
+            (false, true) => Some(cl),
+            (true, false) => Some(MemoryFormat::Contiguous),
+            (true, true) => {
+                let exactly =
+                    |f| Layout::with_format(self.shape.clone(), f).strides == self.strides;
+                if exactly(cl) && !exactly(MemoryFormat::Contiguous) {
+                    Some(cl)
+                } else {
+                    Some(MemoryFormat::Contiguous)
+                }
+            }
+        }
     }
 
     /// Whether the elements fill `offset .. offset + elem_count` exactly once, in some order of
@@ -326,9 +343,24 @@ mod tests {
         assert!(!c.narrow(3, 1, 2).is_dense());
         assert!(c.narrow(0, 1, 1).is_dense());
         assert!(!c.expand(&Shape::new(vec![3, 2, 3, 4, 5])).is_dense());
-        // Size-1 dims: both formats.
+        // Size-1 dims: both formats fit; the strides of the size-1 dims say which was meant.
         let v = Layout::contiguous(Shape::new(vec![2, 3, 1, 1]));
         assert!(v.is_format(MemoryFormat::ChannelsLast) && v.is_contiguous());
+        assert_eq!(v.memory_format(), Some(MemoryFormat::Contiguous));
+        for dims in [vec![2, 3, 1, 1], vec![2, 1, 4, 5]] {
+            let s = Shape::new(dims);
+            let cl = Layout::with_format(s.clone(), MemoryFormat::ChannelsLast);
+            assert_eq!(
+                cl.memory_format(),
+                Some(MemoryFormat::ChannelsLast),
+                "{s:?}"
+            );
+            let c = Layout::contiguous(s.clone());
+            assert_eq!(c.memory_format(), Some(MemoryFormat::Contiguous), "{s:?}");
+        }
+        // Every stride equal both ways: row-major, as PyTorch defaults.
+        let one = Layout::with_format(Shape::new(vec![2, 1, 1, 1]), MemoryFormat::ChannelsLast);
+        assert_eq!(one.memory_format(), Some(MemoryFormat::Contiguous));
     }
 
     #[test]

@@ -67,7 +67,7 @@ impl Tensor {
         padding: (usize, usize),
     ) -> Result<Tensor> {
         let mut p = self.pool_params("max_pool2d", kernel, stride, padding)?;
-        let (run, keep) = self.op_formats();
+        let (run, keep) = self.op_formats(None);
         p.format = run;
         let x = self.packed_as(run)?;
         let (s, argmax) = x.storage().max_pool2d(&x.layout(), &p)?;
@@ -91,7 +91,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         let mut p = self.pool_params("avg_pool2d", kernel, stride, padding)?;
         p.count_include_pad = count_include_pad;
-        let (run, keep) = self.op_formats();
+        let (run, keep) = self.op_formats(None);
         p.format = run;
         let x = self.packed_as(run)?;
         let s = x.storage().avg_pool2d(&x.layout(), &p)?;
@@ -132,7 +132,7 @@ impl Tensor {
             out_w,
             format: MemoryFormat::Contiguous,
         };
-        let (run, keep) = self.op_formats();
+        let (run, keep) = self.op_formats(None);
         let p = AdaptivePoolParams { format: run, ..p };
         let x = self.packed_as(run)?;
         let s = x.storage().adaptive_avg_pool2d(&x.layout(), &p)?;

@@ -251,11 +251,14 @@ impl Tensor {
     }
 
     /// The same values laid out in `format` (PyTorch's `to(memory_format=...)`): this tensor
-    /// when its strides already are, else a copy. Channels_last applies to 4-D tensors; other
-    /// ranks are laid out contiguous.
+    /// when its strides already are in it (as [`Tensor::memory_format`] reads them: a `[n, 1,
+    /// h, w]` row-major tensor asked for channels_last gets channels_last strides, so that the
+    /// ops after it run channels_last), else a copy. Channels_last applies to 4-D tensors;
+    /// other ranks are laid out contiguous.
     pub fn to_memory_format(&self, format: MemoryFormat) -> Result<Tensor> {
         let target = Layout::with_format(self.shape().clone(), format);
-        if self.layout().is_format(format) || (self.rank() != 4 && self.layout().is_contiguous()) {
+        let l = self.layout();
+        if l.memory_format() == Some(format) || (self.rank() != 4 && l.is_contiguous()) {
             return Ok(self.clone());
         }
         self.relayout(target)
@@ -266,8 +269,8 @@ impl Tensor {
         self.layout().is_format(format)
     }
 
-    /// The memory format of the strides (contiguous first when both fit), `None` for other
-    /// strided views.
+    /// The memory format of the strides (PyTorch's `suggest_memory_format`; see
+    /// [`Layout::memory_format`] for tensors both fit), `None` for other strided views.
     pub fn memory_format(&self) -> Option<MemoryFormat> {
         self.layout().memory_format()
     }
@@ -306,12 +309,13 @@ impl Tensor {
     }
 
     /// The formats a 4-D op (convolution, batch norm, pooling) runs and returns in: it keeps
-    /// its input's format, and runs in it where the backend has kernels for it (else on
-    /// contiguous copies, converting the result back).
-    pub(crate) fn op_formats(&self) -> (MemoryFormat, MemoryFormat) {
-        let l = self.layout();
-        let keep = if l.rank() == 4 && !l.is_contiguous() && l.is_format(MemoryFormat::ChannelsLast)
-        {
+    /// its input's format (channels_last also when a convolution's `weight` is, as PyTorch's
+    /// cuDNN convolution chooses), and runs in it where the backend has kernels for it (else
+    /// on contiguous copies, converting the result back).
+    pub(crate) fn op_formats(&self, weight: Option<&Tensor>) -> (MemoryFormat, MemoryFormat) {
+        let cl =
+            |t: &Tensor| t.rank() == 4 && t.memory_format() == Some(MemoryFormat::ChannelsLast);
+        let keep = if cl(self) || weight.is_some_and(cl) {
             MemoryFormat::ChannelsLast
         } else {
             MemoryFormat::Contiguous
