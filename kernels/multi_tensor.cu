@@ -1,4 +1,4 @@
-// multi_tensor.cu: scale (unscale + overflow flag), non-finite check, axpby, norms (two stages:
+// multi_tensor.cu: scale (unscale + overflow flag), non-finite check, zero, axpby, norms (two stages:
 // per-chunk partials, then per-tensor and global), the loss-scale update.
 
 template <typename I, typename O>
@@ -28,6 +28,13 @@ __device__ void mt_check(const TEnt* tens, const CEnt* chunks, float* found) {
         for (int k = 0; k < 4; k++) bad |= !finite_f(r[k]);
     }
     if (bad) *found = 1.0f;
+}
+
+// output = 0 (PyTorch's _foreach_zero_): one launch zeroes every persistent gradient of a dtype.
+template <typename O>
+__device__ void mt_zero(const TEnt* tens, const CEnt* chunks) {
+    const float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    MT_LOOP(tens, chunks) { st4<O>(te.p[1], i, end, vec, r); }
 }
 
 struct AxpbyP { float a; float b; unsigned check; unsigned pad; };
@@ -130,6 +137,10 @@ MT_T1(SCALE, bf16, bf16)
 #define CHECK(IN, I) \
     extern "C" __global__ void mt_check_##IN(const TEnt* t, const CEnt* c, float* f) { mt_check<I>(t, c, f); }
 MT_ALL1(CHECK)
+
+#define ZERO(ON, O) \
+    extern "C" __global__ void mt_zero_##ON(const TEnt* t, const CEnt* c) { mt_zero<O>(t, c); }
+MT_ALL1(ZERO)
 
 #define NORM(IN, I) \
     extern "C" __global__ void mt_norm_##IN(const TEnt* t, const CEnt* c, const float* m, float* f, float* p, unsigned inf) { mt_norm<I>(t, c, m, f, p, inf); }

@@ -474,6 +474,17 @@ pub fn scale(
     apply(op, &MtKernel::Scale, &rows, &sc)
 }
 
+/// `outputs[i] = 0` with one launch per dtype (PyTorch's `_foreach_zero_`): how persistent
+/// gradients are cleared between steps.
+pub fn zero(outputs: &[Tensor]) -> Result<()> {
+    apply(
+        "multi_tensor::zero",
+        &MtKernel::Zero,
+        &rows(&[MtList::Output], &[outputs]),
+        &Scalars::default(),
+    )
+}
+
 /// Sets `found_inf` to 1 when any input holds an Inf or NaN; reads nothing else, writes nothing else.
 pub fn non_finite_check(inputs: &[Tensor], found_inf: &Tensor) -> Result<()> {
     let sc = Scalars::default().with(MtArray::FoundInf, found_inf);

@@ -216,6 +216,72 @@ fn persistent_gradients_accumulate_in_their_own_buffer() {
     );
 }
 
+/// Zeroing many persistent gradients: the ones with buffers of their own are cleared by one
+/// multi-tensor call in place; the first call makes the buffers; f64 gradients (no
+/// multi-tensor kernel) and tensors that collect no gradient are handled one by one.
+#[test]
+fn zero_grads_in_place_clears_every_buffer_with_one_call() {
+    let var = |v: Vec<f32>, dt: DType| {
+        let n = v.len();
+        Tensor::from_vec(v, [n], CPU)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap()
+            .to_variable()
+    };
+    let vars = [
+        var(vec![1.0, 2.0, 3.0], DType::F32),
+        var(vec![4.0; 70_000], DType::F16), // more than one chunk
+        var(vec![5.0, 6.0], DType::BF16),
+        var(vec![7.0, 8.0], DType::F64),
+        Tensor::from_vec(vec![1.0f32], [1], CPU).unwrap(), // not a variable
+    ];
+    let frozen = var(vec![1.0], DType::F32);
+    frozen.set_requires_grad(false);
+    let all: Vec<Tensor> = vars.iter().cloned().chain([frozen.clone()]).collect();
+    let learn = &vars[..4];
+    Tensor::zero_grads_in_place(&all).unwrap();
+    let bufs: Vec<Tensor> = learn.iter().map(|v| v.grad().expect("made")).collect();
+    assert!(frozen.grad().is_none() && vars[4].grad().is_none());
+    for round in 0..2 {
+        for v in learn {
+            v.mul_scalar(3.0)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+        }
+        for g in &bufs {
+            assert!(
+                g.to_vec_f64().unwrap().iter().all(|&x| x == 3.0),
+                "round {round}"
+            );
+        }
+        multi_tensor::recorder::start();
+        Tensor::zero_grads_in_place(&all).unwrap();
+        let calls = multi_tensor::recorder::stop();
+        let zero: Vec<_> = calls
+            .iter()
+            .filter(|c| c.op == "multi_tensor::zero")
+            .collect();
+        assert_eq!(zero.len(), 1, "round {round}: one call");
+        assert_eq!(
+            zero[0].rows.len(),
+            3,
+            "round {round}: the f32, f16 and bf16 gradients"
+        );
+        for (v, g) in learn.iter().zip(&bufs) {
+            let now = v.grad().unwrap();
+            assert!(now.same_storage(g), "round {round}: kept its buffer");
+            assert!(
+                now.to_vec_f64().unwrap().iter().all(|&x| x == 0.0),
+                "round {round}"
+            );
+        }
+    }
+}
+
 /// Every level (with or without FP32 masters): the persistent gradients made by the first
 /// `zero_grad` keep their buffers across steps (at O0/O1/O3 the optimizer's parameters are the
 /// model's, and zero_grad once dropped the gradients it had just zeroed).
@@ -235,6 +301,10 @@ fn amp_persistent_mode_keeps_gradient_buffers_across_steps() {
                 .iter()
                 .map(|p| p.grad().expect("zero_grad keeps a zeroed gradient"))
                 .collect();
+            for g in &zeroed {
+                let v = g.to_vec_f64().unwrap();
+                assert!(v.iter().all(|&x| x == 0.0), "{level} step {i}: not zeroed");
+            }
             opt.backward(&nn::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap())
                 .unwrap();
             opt.step().unwrap();

@@ -640,6 +640,9 @@ pub enum MtKernel {
     Scale,
     /// Sets found_inf on a non-finite input.
     Check,
+    /// `output = 0` (PyTorch's `_foreach_zero_`): persistent gradients zeroed by one launch,
+    /// where a memset per tensor would cost a graph node each, about two small kernels' time.
+    Zero,
     /// `out = a·x + b·y`; check 1: x, 2: y, 3: both for non-finite values.
     Axpby { a: f32, b: f32, check: u32 },
     /// Norms of input·(grad_scale or 1): `norms[slot]` per tensor and `total_norm` (each
@@ -691,6 +694,7 @@ impl MtKernel {
         match self {
             MtKernel::Scale => "scale",
             MtKernel::Check => "check",
+            MtKernel::Zero => "zero",
             MtKernel::Axpby { .. } => "axpby",
             MtKernel::Norm { .. } => "norm",
             MtKernel::Sgd => "sgd",
@@ -709,6 +713,7 @@ impl MtKernel {
         match self {
             MtKernel::Scale => &[(L::Input, Required), (L::Output, Required)],
             MtKernel::Check | MtKernel::Norm { .. } => &[(L::Input, Required)],
+            MtKernel::Zero => &[(L::Output, Required)],
             MtKernel::Axpby { .. } => &[(L::X, Required), (L::Y, Required), (L::Out, Required)],
             MtKernel::Sgd => &[
                 (L::Grad, Required),
@@ -784,6 +789,7 @@ impl MtKernel {
             MtKernel::StepIncrement => {
                 &[(A::Steps, Required, PerSlot), (A::FoundInf, Optional, One)]
             }
+            MtKernel::Zero => &[],
             MtKernel::UpdateScale(_) => &[
                 (A::LossScale, Required, One),
                 (A::Unskipped, Required, One),

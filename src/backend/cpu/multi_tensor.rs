@@ -167,6 +167,14 @@ impl MultiTensorOps for CpuMultiTensor {
                     }
                 });
             }
+            MtKernel::Zero => {
+                for_chunks(entries, |e, a, b| {
+                    let y = list(e, L::Output);
+                    for i in a..b {
+                        y.set(i, 0.0);
+                    }
+                });
+            }
             MtKernel::Check => {
                 for_chunks(entries, |e, a, b| {
                     let x = list(e, L::Input);

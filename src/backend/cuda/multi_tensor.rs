@@ -303,6 +303,10 @@ impl MultiTensorOps for CudaMultiTensor {
                     let name = format!("mt_check_{}", sfx(op, d(L::Input), L::Input)?);
                     launch!(dev, Family::MultiTensor, name, grid; tens, chunks, found);
                 }
+                MtKernel::Zero => {
+                    let name = format!("mt_zero_{}", sfx(op, d(L::Output), L::Output)?);
+                    launch!(dev, Family::MultiTensor, name, grid; tens, chunks);
+                }
                 MtKernel::Axpby { a, b, check } => {
                     #[repr(C)]
                     #[derive(Clone, Copy)]
