@@ -115,12 +115,12 @@ impl CudaStorage {
         Ok(s)
     }
 
-    /// A zero-filled buffer.
+    /// A zero-filled buffer (by a fill kernel: see `in_place::fill_zero` for why not a memset).
     pub(crate) fn zeroed(dev: &Arc<CudaDevice>, dtype: DType, len: usize) -> Result<Self> {
         let s = Self::alloc(dev, dtype, len)?;
-        // SAFETY: the range is the buffer just allocated.
-        unsafe { cur::memset_d8_async(s.ptr(), 0, s.buf.len(), dev.stream.cu_stream()) }
-            .map_err(|e| cuda_err("cuMemsetD8Async", e))?;
+        if len > 0 {
+            super::cast::fill(&s, 0.0)?;
+        }
         Ok(s)
     }
 
