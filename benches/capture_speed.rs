@@ -21,7 +21,7 @@ mod common;
 use std::time::Instant;
 
 use mixprec::amp::{self, CapturedStep, OptLevel, Policy};
-use mixprec::backend::cuda::{allocation_count, device, host_sync_count};
+use mixprec::backend::cuda::{allocation_count, device, external_profiler_range, host_sync_count};
 use mixprec::nn::{self, BlockKind, Module, ResNet, ResNetConfig, Stem};
 use mixprec::optim::{FusedSgd, LrSchedule, Optimizer, SgdConfig};
 use mixprec::{DType, Device, MemoryFormat, Tensor};
@@ -72,6 +72,7 @@ struct Measured {
     allocs: u64,
     loss: f64,
     stats: amp::StepStats,
+    nodes: Option<mixprec::backend::cuda::GraphNodes>,
 }
 
 fn measure(
@@ -79,6 +80,7 @@ fn measure(
     batch: usize,
     format: MemoryFormat,
     captured: bool,
+    profile_replays: Option<usize>,
 ) -> mixprec::Result<Measured> {
     let dev = Device::Cuda(0);
     let model = (net.build)(&dev)?;
@@ -122,6 +124,24 @@ fn measure(
     }
     let dev0 = device(0)?;
     dev0.synchronize()?;
+    let nodes = step.graph_nodes()?;
+    if let Some(n) = profile_replays {
+        external_profiler_range(0, true)?;
+        for _ in 0..n {
+            one(&mut step)?;
+        }
+        dev0.synchronize()?;
+        external_profiler_range(0, false)?;
+        return Ok(Measured {
+            images_per_s: f64::NAN,
+            step_ms: f64::NAN,
+            syncs: 0,
+            allocs: 0,
+            loss: f64::NAN,
+            stats: step.stats(),
+            nodes,
+        });
+    }
     let (s0, a0) = (host_sync_count(), allocation_count());
     let mut times = Vec::with_capacity(rounds);
     for _ in 0..rounds {
@@ -145,13 +165,38 @@ fn measure(
         allocs,
         loss,
         stats: step.stats(),
+        nodes,
     })
 }
 
 fn run() -> mixprec::Result<()> {
     let mut formats = Vec::new();
-    for a in std::env::args().skip(1).filter(|a| !a.starts_with('-')) {
+    let mut only_net: Option<String> = None;
+    let mut profile_replays: Option<usize> = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |flag: &'static str| {
+            args.next().ok_or_else(|| {
+                mixprec::Error::invalid_arg("capture_speed", flag, "nothing", "a value after it")
+            })
+        };
         formats.push(match a.as_str() {
+            "--net" => {
+                only_net = Some(value("--net")?);
+                continue;
+            }
+            "--profile-replays" => {
+                let v = value("--profile-replays")?;
+                profile_replays = Some(v.parse().map_err(|_| {
+                    mixprec::Error::invalid_arg(
+                        "capture_speed",
+                        "--profile-replays",
+                        &v,
+                        "a count of steps",
+                    )
+                })?);
+                continue;
+            }
             "nchw" => MemoryFormat::Contiguous,
             "cl" => MemoryFormat::ChannelsLast,
             other => {
@@ -159,7 +204,7 @@ fn run() -> mixprec::Result<()> {
                     "capture_speed",
                     "layout",
                     other,
-                    "nchw or cl",
+                    "nchw, cl, --net NAME or --profile-replays N",
                 ))
             }
         });
@@ -211,19 +256,29 @@ fn run() -> mixprec::Result<()> {
     let mut json = Vec::new();
     for (net, format) in nets
         .iter()
+        .filter(|n| only_net.as_deref().is_none_or(|k| n.name.contains(k)))
         .flat_map(|n| formats.iter().map(move |&f| (n, f)))
     {
         let layout = match format {
             MemoryFormat::Contiguous => "nchw",
             MemoryFormat::ChannelsLast => "cl",
         };
+        if let Some(n) = profile_replays {
+            let batch = net.batches[0];
+            let g = measure(net, batch, format, true, Some(n))?;
+            println!(
+                "{:<26} {layout:<6} {batch:>5} profiled {n} replays; graph nodes {:?}",
+                net.name, g.nodes
+            );
+            continue;
+        }
         let mut done = false;
         for &batch in net.batches {
-            let eager = measure(net, batch, format, false);
+            let eager = measure(net, batch, format, false, None);
             let graph = eager
                 .as_ref()
                 .ok()
-                .map(|_| measure(net, batch, format, true));
+                .map(|_| measure(net, batch, format, true, None));
             match (eager, graph) {
                 (Ok(e), Some(Ok(g))) => {
                     let ratio = g.images_per_s / e.images_per_s;
@@ -245,10 +300,14 @@ fn run() -> mixprec::Result<()> {
                     );
                     for (mode, m) in [("eager", &e), ("cuda-graph", &g)] {
                         json.push(format!(
-                            "{{\"check\": \"mixprec-capture\", \"net\": \"{}\", \"layout\": \"{layout}\", \"batch\": {batch}, \"mode\": \"{mode}\", \"img_per_s\": {:.1}, \"step_ms\": {:.4}, \"host_syncs\": {}, \"allocations\": {}, \"loss\": {}, \"eager_steps\": {}, \"captures\": {}, \"replays\": {}}}",
+                            "{{\"check\": \"mixprec-capture\", \"net\": \"{}\", \"layout\": \"{layout}\", \"batch\": {batch}, \"mode\": \"{mode}\", \"img_per_s\": {:.1}, \"step_ms\": {:.4}, \"host_syncs\": {}, \"allocations\": {}, \"loss\": {}, \"eager_steps\": {}, \"captures\": {}, \"replays\": {}, \"graph_nodes\": {}}}",
                             net.name, m.images_per_s, m.step_ms, m.syncs, m.allocs,
                             if m.loss.is_finite() { format!("{:.6}", m.loss) } else { "null".into() },
-                            m.stats.eager, m.stats.captures, m.stats.replays
+                            m.stats.eager, m.stats.captures, m.stats.replays,
+                            m.nodes.map_or("null".into(), |n| format!(
+                                "{{\"kernels\": {}, \"memsets\": {}, \"memcpys\": {}, \"other\": {}}}",
+                                n.kernels, n.memsets, n.memcpys, n.other
+                            ))
                         ));
                     }
                     done = true;

@@ -13,6 +13,9 @@ same three nets and batches, synthetic data on the device, three ways:
   python3 benches/torch_capture_speed.py [--layout nchw|cl] [NET ...]   -> one JSON line each
   (NET: main-job-resnet-16-32-64, resnet18-cifar, resnet50; default all; layout default nchw,
   cl: model and input in torch.channels_last)
+  --profile-replays N: hand-captured only, for a kernel profiler (`ncu --profile-from-start off`):
+  after warm-up and capture, N replays inside a profiler range, and the graph's nodes by kind
+  (from the graph's debug dump), with no timing.
 Timing: the median of 5 rounds of back-to-back steps, one synchronisation per round (as the
 Rust side)."""
 import json, math, statistics, time
@@ -123,7 +126,23 @@ def eager(make, batch, shape, classes, steps, compiled):
     return timed(step, steps, 5 + 5 * steps), None
 
 
-def hand_captured(make, batch, shape, classes, steps):
+def graph_nodes(g):
+    """The captured graph's nodes by kind, counted in its DOT debug dump."""
+    import collections, os, re, tempfile
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    g.debug_dump(path)
+    kinds = collections.Counter()
+    kind = re.compile(r"\b(KERNEL|MEMSET|MEMCPY|MEM_ALLOC|MEM_FREE|HOST|EMPTY|EVENT_RECORD|WAIT_EVENT|GRAPH|CONDITIONAL)\b")
+    for line in open(path):
+        m = kind.search(line) if "label=" in line else None
+        if m:
+            kinds[m.group(1)] += 1
+    os.remove(path)
+    return dict(kinds)
+
+
+def hand_captured(make, batch, shape, classes, steps, profile_replays=None):
     m, opt, scaler, x, y = setup(make, batch, shape, classes, True)
     lr = opt.param_groups[0]["lr"]
     static_x, static_y = x.clone(), y.clone()
@@ -144,9 +163,21 @@ def hand_captured(make, batch, shape, classes, steps):
             body()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
+    if profile_replays is not None:
+        g.enable_debug_mode()
     note = None
     with torch.cuda.graph(g):
         static_loss = body()
+    if profile_replays is not None:
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for _ in range(profile_replays):
+            g.replay()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return None, graph_nodes(g)
 
     def step(i, total):
         lr.fill_(one_cycle(i, total))
@@ -172,9 +203,18 @@ def main():
         if layout not in ("nchw", "cl"):
             sys.exit(f"--layout {layout}: expected nchw or cl")
     memory_format = torch.channels_last if layout == "cl" else torch.contiguous_format
+    profile_replays = None
+    if "--profile-replays" in args:
+        k = args.index("--profile-replays")
+        profile_replays = int(args[k + 1])
+        del args[k : k + 2]
     only = set(args)
     for name, make, batches, shape, classes, steps in NETS:
         if only and name not in only:
+            continue
+        if profile_replays is not None:
+            _, nodes = hand_captured(make, batches[0], shape, classes, steps, profile_replays)
+            print(json.dumps({"check": "torch-capture-profile", "net": name, "layout": layout, "batch": batches[0], "replays": profile_replays, "graph_nodes": nodes}), flush=True)
             continue
         for batch in batches:
             ok = False

@@ -198,6 +198,12 @@ impl<'a, O: Optimizer> CapturedStep<'a, O> {
         self.stats
     }
 
+    /// The captured graph's nodes by kind, once a step was captured (`None` before, or when
+    /// the step runs eagerly).
+    pub fn graph_nodes(&self) -> Result<Option<crate::backend::cuda::GraphNodes>> {
+        self.graph.as_ref().map(Graph::nodes).transpose()
+    }
+
     /// The static loss buffer (after a run: that step's loss), if a step ran.
     pub fn loss(&self) -> Option<&Tensor> {
         self.loss.as_ref()

@@ -482,6 +482,16 @@ pub(crate) fn abort(dev: &Arc<CudaDevice>) {
     }
 }
 
+/// How many nodes of each kind a graph holds (see [`Graph::nodes`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphNodes {
+    pub kernels: usize,
+    pub memsets: usize,
+    pub memcpys: usize,
+    /// Allocation, free, event and empty nodes.
+    pub other: usize,
+}
+
 /// A captured, instantiated CUDA graph with what its replays need alive.
 pub struct Graph {
     graph: CudaGraph,
@@ -549,6 +559,37 @@ impl Graph {
     /// Buffers from before the capture that the graph reads or writes.
     pub fn pinned_buffers(&self) -> usize {
         self.pinned.len()
+    }
+
+    /// The graph's nodes by kind: what a replay launches (each node costs device time of its
+    /// own beyond its work, so a step's node count is part of its speed).
+    pub fn nodes(&self) -> Result<GraphNodes> {
+        let g = self.graph.cu_graph();
+        let mut n: usize = 0;
+        // SAFETY: a null node array asks only for the count.
+        unsafe { cu::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) }
+            .result()
+            .map_err(|e| cuda_err("cuGraphGetNodes", e))?;
+        let mut nodes: Vec<cu::CUgraphNode> = vec![std::ptr::null_mut(); n];
+        // SAFETY: `nodes` holds `n` entries, as the driver was told.
+        unsafe { cu::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n) }
+            .result()
+            .map_err(|e| cuda_err("cuGraphGetNodes", e))?;
+        let mut counts = GraphNodes::default();
+        for &node in &nodes[..n] {
+            let mut t = cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: a node of this graph and an out-pointer.
+            unsafe { cu::cuGraphNodeGetType(node, &mut t) }
+                .result()
+                .map_err(|e| cuda_err("cuGraphNodeGetType", e))?;
+            match t {
+                cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => counts.kernels += 1,
+                cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => counts.memsets += 1,
+                cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY => counts.memcpys += 1,
+                _ => counts.other += 1,
+            }
+        }
+        Ok(counts)
     }
 }
 

@@ -51,7 +51,7 @@ pub use device::{
     allocation_count, deterministic, get as device, host_sync_count, set_allow_tf32,
     set_deterministic, set_poison_allocations, CudaDevice,
 };
-pub use graph::Graph;
+pub use graph::{Graph, GraphNodes};
 pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };
@@ -59,8 +59,8 @@ pub use pinned::PinnedBuffer;
 pub use probe::probe;
 pub(crate) use profile::OpTimer;
 pub use profile::{
-    mem_get_info, memory_stats, op_profile, reset_peak_memory, set_op_profiling, MemoryStats,
-    OpProfileRow,
+    external_profiler_range, mem_get_info, memory_stats, op_profile, reset_peak_memory,
+    set_op_profiling, MemoryStats, OpProfileRow,
 };
 pub use registry::compile_all_for;
 pub use storage::CudaStorage;

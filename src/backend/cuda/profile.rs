@@ -183,3 +183,31 @@ pub fn mem_get_info(ordinal: usize) -> Result<(usize, usize)> {
         .map_err(|e| cuda_err("binding the context", e))?;
     cudarc::driver::result::mem_get_info().map_err(|e| cuda_err("cuMemGetInfo", e))
 }
+
+/// Opens (`on`) or closes the range an external profiler records when started with profiling
+/// off (`ncu --profile-from-start off`): `cuProfilerStart` / `cuProfilerStop` on device
+/// `ordinal`'s context, so a benchmark can profile only its replayed steps.
+pub fn external_profiler_range(ordinal: usize, on: bool) -> Result<()> {
+    let dev = super::device::get(ordinal)?;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(|e| cuda_err("binding the context", e))?;
+    // SAFETY: plain calls on the thread's current context.
+    let r = unsafe {
+        if on {
+            cu::cuProfilerStart()
+        } else {
+            cu::cuProfilerStop()
+        }
+    };
+    r.result().map_err(|e| {
+        cuda_err(
+            if on {
+                "cuProfilerStart"
+            } else {
+                "cuProfilerStop"
+            },
+            e,
+        )
+    })
+}
