@@ -184,6 +184,27 @@ pub struct BatchNormSaved<S> {
     pub reserve: Option<S>,
 }
 
+impl<S> BatchNormSaved<S> {
+    /// The same buffers converted one by one (a backend's into the tensor layer's).
+    pub fn map<T>(self, mut f: impl FnMut(S) -> T) -> BatchNormSaved<T> {
+        BatchNormSaved {
+            mean: f(self.mean),
+            invstd: f(self.invstd),
+            reserve: self.reserve.map(f),
+        }
+    }
+
+    /// As [`BatchNormSaved::map`], the first failure returned (the tensor layer's buffers
+    /// into one backend's, each checked to be on it).
+    pub fn try_map<T>(self, mut f: impl FnMut(S) -> Result<T>) -> Result<BatchNormSaved<T>> {
+        Ok(BatchNormSaved {
+            mean: f(self.mean)?,
+            invstd: f(self.invstd)?,
+            reserve: self.reserve.map(f).transpose()?,
+        })
+    }
+}
+
 /// What the batch-norm backward returns: the gradients of the input, weight and bias, and of the
 /// residual when the forward added one (the gradient through the ReLU).
 #[derive(Debug)]
@@ -192,6 +213,18 @@ pub struct BatchNormGrads<S> {
     pub weight: S,
     pub bias: S,
     pub residual: Option<S>,
+}
+
+impl<S> BatchNormGrads<S> {
+    /// The same buffers converted one by one.
+    pub fn map<T>(self, mut f: impl FnMut(S) -> T) -> BatchNormGrads<T> {
+        BatchNormGrads {
+            input: f(self.input),
+            weight: f(self.weight),
+            bias: f(self.bias),
+            residual: self.residual.map(f),
+        }
+    }
 }
 
 /// What a device computes. Storage types are owned buffers of one dtype on one device; every

@@ -302,14 +302,7 @@ impl Storage {
                     Some((other, _)) => return Err(mismatch(other)),
                 };
                 let (y, saved) = x.batch_norm_train(l, r, w, b, m, v, p)?;
-                Ok((
-                    Storage::Cpu(y),
-                    BatchNormSaved {
-                        mean: Storage::Cpu(saved.mean),
-                        invstd: Storage::Cpu(saved.invstd),
-                        reserve: saved.reserve.map(Storage::Cpu),
-                    },
-                ))
+                Ok((Storage::Cpu(y), saved.map(Storage::Cpu)))
             }
             (
                 Storage::Cuda(x),
@@ -324,14 +317,7 @@ impl Storage {
                     Some((other, _)) => return Err(mismatch(other)),
                 };
                 let (y, saved) = x.batch_norm_train(l, r, w, b, m, v, p)?;
-                Ok((
-                    Storage::Cuda(y),
-                    BatchNormSaved {
-                        mean: Storage::Cuda(saved.mean),
-                        invstd: Storage::Cuda(saved.invstd),
-                        reserve: saved.reserve.map(Storage::Cuda),
-                    },
-                ))
+                Ok((Storage::Cuda(y), saved.map(Storage::Cuda)))
             }
             (_, w, _, _, _) => Err(mismatch(w)),
         }
@@ -371,24 +357,9 @@ impl Storage {
                     #[allow(unreachable_patterns)]
                     Some((other, _)) => return Err(mismatch(other)),
                 };
-                let saved = BatchNormSaved {
-                    mean: saved.mean.as_cpu().ok_or_else(|| mismatch(saved.mean))?,
-                    invstd: saved
-                        .invstd
-                        .as_cpu()
-                        .ok_or_else(|| mismatch(saved.invstd))?,
-                    reserve: match saved.reserve {
-                        None => None,
-                        Some(r) => Some(r.as_cpu().ok_or_else(|| mismatch(r))?),
-                    },
-                };
+                let saved = saved.try_map(|s| s.as_cpu().ok_or_else(|| mismatch(s)))?;
                 let r = g.batch_norm_backward(l, x, xl, y, w, b, saved, p)?;
-                Ok(BatchNormGrads {
-                    input: Storage::Cpu(r.input),
-                    weight: Storage::Cpu(r.weight),
-                    bias: Storage::Cpu(r.bias),
-                    residual: r.residual.map(Storage::Cpu),
-                })
+                Ok(r.map(Storage::Cpu))
             }
             (Storage::Cuda(g), Storage::Cuda(x), Storage::Cuda(w), Storage::Cuda(b)) => {
                 let y = match y {
@@ -396,24 +367,9 @@ impl Storage {
                     Some((Storage::Cuda(y), yl)) => Some((y, yl)),
                     Some((other, _)) => return Err(mismatch(other)),
                 };
-                let saved = BatchNormSaved {
-                    mean: saved.mean.as_cuda().ok_or_else(|| mismatch(saved.mean))?,
-                    invstd: saved
-                        .invstd
-                        .as_cuda()
-                        .ok_or_else(|| mismatch(saved.invstd))?,
-                    reserve: match saved.reserve {
-                        None => None,
-                        Some(r) => Some(r.as_cuda().ok_or_else(|| mismatch(r))?),
-                    },
-                };
+                let saved = saved.try_map(|s| s.as_cuda().ok_or_else(|| mismatch(s)))?;
                 let r = g.batch_norm_backward(l, x, xl, y, w, b, saved, p)?;
-                Ok(BatchNormGrads {
-                    input: Storage::Cuda(r.input),
-                    weight: Storage::Cuda(r.weight),
-                    bias: Storage::Cuda(r.bias),
-                    residual: r.residual.map(Storage::Cuda),
-                })
+                Ok(r.map(Storage::Cuda))
             }
             (_, x, _, _) => Err(mismatch(x)),
         }
