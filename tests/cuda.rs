@@ -803,6 +803,54 @@ fn check_sums(what: &str, got: &CudaStorage, want: &CpuStorage, magnitude: &[f64
 }
 
 /// Saved statistics with no reserve space (our kernels' backward).
+/// How far cuDNN's weight and bias gradients may lawfully stand from the CPU's, per channel, in a
+/// batch norm fused with a ReLU: cuDNN masks the gradient by the sign of the output before it
+/// is rounded, the CPU (and our kernels) by the rounded output, so an element whose output
+/// rounded to 0 from a value within rounding reach of 0 may pass its gradient on one side only,
+/// moving dw by its `g·x̂` and db by its `g` (the d_residual check allows the same elements).
+/// Such ties are rare (about one per run on the largest case) but move dw by ~2e-4 relative.
+fn relu_tie_slack(
+    (n, c, sp): (usize, usize, usize),
+    x: &[f64],
+    residual: Option<&[f64]>,
+    (w, b): (&[f64], &[f64]),
+    (mean, invstd): (&[f64], &[f64]),
+    y: &[f64],
+    g: &[f64],
+) -> (Vec<f64>, Vec<f64>) {
+    // cuDNN's pre-activation is FP32 arithmetic on O(1) operands: its sign can differ from the
+    // exact one only within a few FP32 ulps of 0.
+    const BAND: f64 = 1e-5;
+    let (mut sw, mut sb) = (vec![0.0; c], vec![0.0; c]);
+    for k in 0..n * c * sp {
+        if y[k] != 0.0 {
+            continue;
+        }
+        let ch = (k / sp) % c;
+        let xhat = (x[k] - mean[ch]) * invstd[ch];
+        let z = xhat * w[ch] + b[ch] + residual.map_or(0.0, |r| r[k]);
+        if z > -BAND {
+            sw[ch] += (g[k] * xhat).abs();
+            sb[ch] += g[k].abs();
+        }
+    }
+    (sw, sb)
+}
+
+/// [`rel_err`] after taking each element's allowed `slack` off its difference.
+fn rel_err_beyond(got: &[f64], want: &[f64], slack: &[f64]) -> f64 {
+    let shrunk: Vec<f64> = got
+        .iter()
+        .zip(want)
+        .zip(slack)
+        .map(|((&g, &w), &s)| {
+            let d = g - w;
+            w + d.signum() * (d.abs() - s).max(0.0)
+        })
+        .collect();
+    rel_err(&shrunk, want)
+}
+
 fn saved_of<'a, S>(mean: &'a S, invstd: &'a S) -> BatchNormSaved<&'a S> {
     BatchNormSaved {
         mean,
@@ -953,8 +1001,24 @@ fn batch_norm_fused_cases(imp: BatchNormImpl) -> Vec<String> {
                         .unwrap();
                     let e = rel_err(&to_nchw(&gr.input).to_f64_vec(), &r.input.to_f64_vec());
                     assert!(e <= tol(d) * 4.0, "{what} dx: relative error {e:e}");
-                    check(&format!("{what} dw"), &gr.weight, &r.weight, 1e-4);
-                    check(&format!("{what} db"), &gr.bias, &r.bias, 1e-4);
+                    let (slack_w, slack_b) = if cudnn && relu {
+                        relu_tie_slack(
+                            (n, c, sp),
+                            &x.to_f64_vec(),
+                            residual.then(|| res.to_f64_vec()).as_deref(),
+                            (&w.to_f64_vec(), &b.to_f64_vec()),
+                            (&mean.to_f64_vec(), &invstd.to_f64_vec()),
+                            &gy_nchw.to_f64_vec(),
+                            &g.to_f64_vec(),
+                        )
+                    } else {
+                        (vec![0.0; c], vec![0.0; c])
+                    };
+                    let (gw_, gb_) = (gr.weight.to_cpu().unwrap(), gr.bias.to_cpu().unwrap());
+                    let e = rel_err_beyond(&gw_.to_f64_vec(), &r.weight.to_f64_vec(), &slack_w);
+                    assert!(e <= 1e-4, "{what} dw: relative error {e:e} > 1e-4");
+                    let e = rel_err_beyond(&gb_.to_f64_vec(), &r.bias.to_f64_vec(), &slack_b);
+                    assert!(e <= 1e-4, "{what} db: relative error {e:e} > 1e-4");
                     match (gr.residual, r.residual) {
                         (Some(gd), Some(cd)) => {
                             // The output gradient through the ReLU's mask: exact. cuDNN takes
