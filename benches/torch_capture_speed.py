@@ -14,8 +14,7 @@ same three nets and batches, synthetic data on the device, three ways:
   (NET: main-job-resnet-16-32-64, resnet18-cifar, resnet50; default all; layout default nchw,
   cl: model and input in torch.channels_last)
   --profile-replays N: hand-captured only, for a kernel profiler (`ncu --profile-from-start off`):
-  after warm-up and capture, N replays inside a profiler range, and the graph's nodes by kind
-  (from the graph's debug dump), with no timing.
+  after warm-up and capture, N replays inside a profiler range, with no timing.
 Timing: the median of 5 rounds of back-to-back steps, one synchronisation per round (as the
 Rust side)."""
 import json, math, statistics, time
@@ -126,22 +125,6 @@ def eager(make, batch, shape, classes, steps, compiled):
     return timed(step, steps, 5 + 5 * steps), None
 
 
-def graph_nodes(g):
-    """The captured graph's nodes by kind, counted in its DOT debug dump."""
-    import collections, os, re, tempfile
-    fd, path = tempfile.mkstemp(suffix=".dot")
-    os.close(fd)
-    g.debug_dump(path)
-    kinds = collections.Counter()
-    kind = re.compile(r"\b(KERNEL|MEMSET|MEMCPY|MEM_ALLOC|MEM_FREE|HOST|EMPTY|EVENT_RECORD|WAIT_EVENT|GRAPH|CONDITIONAL)\b")
-    for line in open(path):
-        m = kind.search(line) if "label=" in line else None
-        if m:
-            kinds[m.group(1)] += 1
-    os.remove(path)
-    return dict(kinds)
-
-
 def hand_captured(make, batch, shape, classes, steps, profile_replays=None):
     m, opt, scaler, x, y = setup(make, batch, shape, classes, True)
     lr = opt.param_groups[0]["lr"]
@@ -163,8 +146,6 @@ def hand_captured(make, batch, shape, classes, steps, profile_replays=None):
             body()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    if profile_replays is not None:
-        g.enable_debug_mode()
     note = None
     with torch.cuda.graph(g):
         static_loss = body()
@@ -177,7 +158,7 @@ def hand_captured(make, batch, shape, classes, steps, profile_replays=None):
             g.replay()
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-        return None, graph_nodes(g)
+        return None, None
 
     def step(i, total):
         lr.fill_(one_cycle(i, total))
@@ -213,8 +194,8 @@ def main():
         if only and name not in only:
             continue
         if profile_replays is not None:
-            _, nodes = hand_captured(make, batches[0], shape, classes, steps, profile_replays)
-            print(json.dumps({"check": "torch-capture-profile", "net": name, "layout": layout, "batch": batches[0], "replays": profile_replays, "graph_nodes": nodes}), flush=True)
+            hand_captured(make, batches[0], shape, classes, steps, profile_replays)
+            print(json.dumps({"check": "torch-capture-profile", "net": name, "layout": layout, "batch": batches[0], "replays": profile_replays}), flush=True)
             continue
         for batch in batches:
             ok = False
