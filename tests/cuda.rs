@@ -2024,6 +2024,13 @@ mod fused_gpu {
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
+    fn cuda_multi_tensor_zero() {
+        gpu();
+        mtc::zero_cases(DEV);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
     fn cuda_multi_tensor_axpby() {
         gpu();
         mtc::axpby_cases(DEV);

@@ -1,4 +1,4 @@
-//! Multi-tensor scale / axpby / l2norm / unscale_l2norm fuzzed over sizes around the chunk size
+//! Multi-tensor scale / zero / axpby / l2norm / unscale_l2norm fuzzed over sizes around the chunk size
 //! (chunk−1, chunk, chunk+1, 1), 1 and 55 tensors, Inf/NaN planted at the first, middle and
 //! last element of a list; per-tensor norms against an F64 reference; the loss-scale update rule;
 //! dense views of one buffer as operands (DDP's bucket parts).
@@ -14,6 +14,11 @@ use mixprec::Device;
 #[test]
 fn scale_bitwise_and_overflow_flag() {
     multi_tensor_cases::scale_cases(Device::Cpu);
+}
+
+#[test]
+fn zero_clears_every_listed_element() {
+    multi_tensor_cases::zero_cases(Device::Cpu);
 }
 
 #[test]

@@ -98,6 +98,39 @@ pub fn scale_cases(dev: Device) {
     }
 }
 
+/// `zero`: every element of every listed tensor becomes +0 (Inf and NaN too), lists of mixed
+/// dtypes in one call, sizes around the chunk size; a dense view zeroes only its span.
+pub fn zero_cases(dev: Device) {
+    for sizes in lists() {
+        let mut ts: Vec<Tensor> = DTYPES
+            .iter()
+            .enumerate()
+            .flat_map(|(k, &dt)| make(&sizes, dt, 10 + k as u64, dev))
+            .collect();
+        plant(&mut ts, 0, f64::NAN);
+        plant(&mut ts, 2, f64::INFINITY);
+        multi_tensor::zero(&ts).unwrap();
+        for t in &ts {
+            let v = t.to_vec_f64().unwrap();
+            assert!(
+                v.iter().all(|&x| x == 0.0 && x.is_sign_positive()),
+                "zero {} of {}",
+                t.dtype(),
+                v.len()
+            );
+        }
+    }
+    let flat = make(&[3 * CHUNK + 5], DType::F16, 20, dev).remove(0);
+    let before = flat.to_vec_f64().unwrap();
+    let (at, n) = (CHUNK - 3, CHUNK + 7);
+    multi_tensor::zero(&[flat.narrow(0, at, n).unwrap()]).unwrap();
+    let after = flat.to_vec_f64().unwrap();
+    for (i, (&b, &a)) in before.iter().zip(&after).enumerate() {
+        let want = if (at..at + n).contains(&i) { 0.0 } else { b };
+        assert_eq!(a, want, "element {i} of the buffer a view of it was zeroed");
+    }
+}
+
 pub fn axpby_cases(dev: Device) {
     for sizes in lists() {
         for (dx, dy, dout) in [
