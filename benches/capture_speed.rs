@@ -253,10 +253,22 @@ fn run() -> mixprec::Result<()> {
         "syncs",
         "allocs"
     );
-    let mut json = Vec::new();
-    for (net, format) in nets
+    let chosen: Vec<&Net> = nets
         .iter()
         .filter(|n| only_net.as_deref().is_none_or(|k| n.name.contains(k)))
+        .collect();
+    if chosen.is_empty() {
+        let names: Vec<&str> = nets.iter().map(|n| n.name).collect();
+        return Err(mixprec::Error::invalid_arg(
+            "capture_speed",
+            "--net",
+            only_net.unwrap_or_default(),
+            format!("part of a net's name: {}", names.join(", ")),
+        ));
+    }
+    let mut json = Vec::new();
+    for (net, format) in chosen
+        .into_iter()
         .flat_map(|n| formats.iter().map(move |&f| (n, f)))
     {
         let layout = match format {
