@@ -1,7 +1,7 @@
 // What a CUDA-graph node costs on replay, by kind: a chain of N small kernels alone, with a
 // stream-ordered allocation and free around each (graph memory nodes, what cuMemAllocAsync
 // inside a capture records), and with a memset before each. Diagnostic for issue 16
-// (nvcc -O2 -arch=sm_90 graph_node_cost.cu -o graph_node_cost -lcuda).
+// (`nvcc -O2 -arch=sm_90 graph_node_cost.cu -o graph_node_cost`; one JSON line per variant).
 #include <cstdio>
 #include <cuda_runtime.h>
 
@@ -45,6 +45,7 @@ int main() {
       const char* names[] = {"kernels", "kernels+alloc/free", "kernels+memset", "kernels+alloc+memset+free"};
       printf("{\"check\": \"graph-node-cost\", \"elems\": %d, \"variant\": \"%s\", \"nodes\": %zu, \"replay_us\": %.1f, \"us_per_kernel\": %.3f}\n",
              elems, names[variant], nodes, 1000.0 * ms / R, 1000.0 * ms / R / N);
+      cudaEventDestroy(a); cudaEventDestroy(b);
       cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
     }
     cudaFree(fixed);
