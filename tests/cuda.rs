@@ -61,23 +61,42 @@ fn tol_gemm(d: DType) -> f64 {
 fn gpu() {
     set_poison_allocations(true);
     Device::cuda(0).expect("these tests need a CUDA GPU");
+    // Captured by the test harness and shown only when the test fails: what replays its inputs.
+    eprintln!(
+        "inputs drawn from MIXPREC_TEST_SEED={} (set it to replay this test's inputs)",
+        base_seed()
+    );
 }
 
-/// A fresh seed per call, so every check draws new inputs.
+/// The run's base seed: MIXPREC_TEST_SEED, else the clock at the first draw.
+fn base_seed() -> u64 {
+    static BASE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *BASE.get_or_init(|| {
+        std::env::var("MIXPREC_TEST_SEED")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(0)
+            })
+    })
+}
+
+/// A fresh seed per call, so every check draws new inputs: the base seed and the count of
+/// draws so far on this test's thread (the harness runs each test on a thread of its own), so
+/// a test's inputs depend on the base seed alone, not on the tests that ran beside it.
 fn seed() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static S: AtomicU64 = AtomicU64::new(0);
-    // MIXPREC_TEST_SEED replays a run's draws (to tell a race from an unlucky input).
-    let t = std::env::var("MIXPREC_TEST_SEED")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0)
-        });
-    t ^ S.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
+    thread_local! {
+        static DRAWS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+    let k = DRAWS.with(|d| {
+        let k = d.get();
+        d.set(k + 1);
+        k
+    });
+    base_seed() ^ k.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 fn randn(n: usize, d: DType) -> CpuStorage {
