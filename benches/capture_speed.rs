@@ -10,8 +10,9 @@
 //! Each net runs in both memory formats (`bench-capture_speed nchw` or `cl` for one): NCHW, and
 //! channels_last, the format `train_resnet` trains in on a GPU.
 //!
-//! Per net: images/s of each mode (the median of 5 rounds of back-to-back steps, one
-//! synchronisation per round), the ratio against the target, and the host
+//! Per net: images/s of each mode (the median of 7 rounds of back-to-back steps, one
+//! synchronisation per round; the two modes' steps are built side by side in one process and
+//! their rounds alternate, see [`measure`]), the ratio against the target, and the host
 //! synchronisations and allocations the timed replayed steps made (both must be 0). One JSON
 //! line per measurement follows the table. PyTorch's eager, `torch.compile(mode=
 //! "reduce-overhead")` and hand-captured steps on the same nets: `benches/torch_capture_speed.py`.
@@ -75,17 +76,13 @@ struct Measured {
     nodes: Option<mixprec::backend::cuda::GraphNodes>,
 }
 
-fn measure(
+/// One training setup (model, AMP optimizer) of `net`, as both modes build it.
+fn setup(
     net: &Net,
-    batch: usize,
     format: MemoryFormat,
-    captured: bool,
-    profile_replays: Option<usize>,
-) -> mixprec::Result<Measured> {
-    let dev = Device::Cuda(0);
-    let model = (net.build)(&dev)?;
+) -> mixprec::Result<(amp::AmpModel<ResNet>, amp::AmpOptimizer<FusedSgd>)> {
+    let model = (net.build)(&Device::Cuda(0))?;
     model.to_memory_format(format)?;
-    let classes = if net.name == "resnet50" { 1000 } else { 10 };
     let opt = FusedSgd::new(
         model.parameters(),
         SgdConfig {
@@ -97,76 +94,125 @@ fn measure(
         },
     )?;
     let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
-    let (model, mut opt) = amp::initialize(model, opt, policy)?;
+    amp::initialize(model, opt, policy)
+}
+
+/// One mode's step and what its timed rounds measured.
+struct Runner<'a> {
+    step: CapturedStep<'a, FusedSgd>,
+    schedule: LrSchedule,
+    i: u64,
+    times: Vec<f64>,
+    syncs: u64,
+    allocs: u64,
+}
+
+impl Runner<'_> {
+    fn one(&mut self, x: &Tensor, y: &Tensor) -> mixprec::Result<()> {
+        self.schedule.apply(
+            self.step.optimizer().inner_mut() as &mut dyn Optimizer,
+            self.i,
+        )?;
+        self.i += 1;
+        self.step.run(x, y).map(|_| ())
+    }
+
+    /// `steps` back-to-back steps and one synchronisation: the round's time per step, and the
+    /// host synchronisations (the round's own excepted) and allocations the steps made.
+    fn round(&mut self, steps: usize, x: &Tensor, y: &Tensor) -> mixprec::Result<()> {
+        let dev0 = device(0)?;
+        let (s0, a0) = (host_sync_count(), allocation_count());
+        let t = Instant::now();
+        for _ in 0..steps {
+            self.one(x, y)?;
+        }
+        dev0.synchronize()?;
+        self.times.push(t.elapsed().as_secs_f64() / steps as f64);
+        self.syncs += host_sync_count() - s0 - 1;
+        self.allocs += allocation_count() - a0;
+        Ok(())
+    }
+
+    fn measured(&self, batch: usize) -> mixprec::Result<Measured> {
+        let mut times = self.times.clone();
+        times.sort_by(|a, b| a.total_cmp(b));
+        let t = times[times.len() / 2];
+        let loss = self.step.loss().map_or(Ok(f64::NAN), |l| l.item())?;
+        Ok(Measured {
+            images_per_s: batch as f64 / t,
+            step_ms: t * 1e3,
+            syncs: self.syncs,
+            allocs: self.allocs,
+            loss,
+            stats: self.step.stats(),
+            nodes: self.step.graph_nodes()?,
+        })
+    }
+}
+
+/// Timed rounds per mode.
+const ROUNDS: usize = 7;
+
+/// The eager and the captured step of the same setup, built side by side in this process and
+/// timed in alternating rounds (which mode goes first alternates too): the eager step is bound
+/// by the host, and a host that is slower for a while then slows both modes' rounds alike
+/// rather than whichever mode ran at that moment. With `profile_replays`, only the captured step
+/// runs that many replays inside the external profiler's range.
+fn measure(
+    net: &Net,
+    batch: usize,
+    format: MemoryFormat,
+    profile_replays: Option<usize>,
+) -> mixprec::Result<(Measured, Measured)> {
+    let dev = Device::Cuda(0);
+    let classes = if net.name == "resnet50" { 1000 } else { 10 };
     let mut dims = vec![batch];
     dims.extend(net.image);
     let x = Tensor::randn(dims, 0.0, 1.0, 7, DType::F32, dev)?.to_memory_format(format)?;
     let labels: Vec<i64> = (0..batch).map(|i| (i * 7 % classes) as i64).collect();
     let y = Tensor::from_vec(labels, [batch], dev)?;
-    let body = |x: &Tensor, y: &Tensor| nn::cross_entropy(&model.forward(x)?, y);
-    let mut step = if captured {
-        CapturedStep::new(&model, &mut opt, body)?
-    } else {
-        CapturedStep::eager(&model, &mut opt, body)?
+    let total = (5 + ROUNDS * net.steps) as u64;
+    let (model_e, mut opt_e) = setup(net, format)?;
+    let (model_g, mut opt_g) = setup(net, format)?;
+    let body_e = |x: &Tensor, y: &Tensor| nn::cross_entropy(&model_e.forward(x)?, y);
+    let body_g = |x: &Tensor, y: &Tensor| nn::cross_entropy(&model_g.forward(x)?, y);
+    let runner = |step| Runner {
+        step,
+        schedule: LrSchedule::one_cycle(0.1, total),
+        i: 0,
+        times: Vec::new(),
+        syncs: 0,
+        allocs: 0,
     };
-    let rounds = 5;
-    let total = (5 + rounds * net.steps) as u64;
-    let schedule = LrSchedule::one_cycle(0.1, total);
-    let mut i = 0u64;
-    let mut one = |step: &mut CapturedStep<'_, FusedSgd>| -> mixprec::Result<()> {
-        schedule.apply(step.optimizer().inner_mut() as &mut dyn Optimizer, i)?;
-        i += 1;
-        step.run(&x, &y).map(|_| ())
-    };
+    let mut eager = runner(CapturedStep::eager(&model_e, &mut opt_e, body_e)?);
+    let mut graph = runner(CapturedStep::new(&model_g, &mut opt_g, body_g)?);
     // Warm-up: plans, tables, state; the captured mode also captures here (2 eager + capture).
-    for _ in 0..5 {
-        one(&mut step)?;
+    for r in [&mut eager, &mut graph] {
+        for _ in 0..5 {
+            r.one(&x, &y)?;
+        }
     }
     let dev0 = device(0)?;
     dev0.synchronize()?;
-    let nodes = step.graph_nodes()?;
     if let Some(n) = profile_replays {
         external_profiler_range(0, true)?;
         for _ in 0..n {
-            one(&mut step)?;
+            graph.one(&x, &y)?;
         }
         dev0.synchronize()?;
         external_profiler_range(0, false)?;
-        return Ok(Measured {
-            images_per_s: f64::NAN,
-            step_ms: f64::NAN,
-            syncs: 0,
-            allocs: 0,
-            loss: f64::NAN,
-            stats: step.stats(),
-            nodes,
-        });
-    }
-    let (s0, a0) = (host_sync_count(), allocation_count());
-    let mut times = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let t = Instant::now();
-        for _ in 0..net.steps {
-            one(&mut step)?;
+    } else {
+        for r in 0..ROUNDS {
+            if r % 2 == 0 {
+                eager.round(net.steps, &x, &y)?;
+                graph.round(net.steps, &x, &y)?;
+            } else {
+                graph.round(net.steps, &x, &y)?;
+                eager.round(net.steps, &x, &y)?;
+            }
         }
-        dev0.synchronize()?;
-        times.push(t.elapsed().as_secs_f64() / net.steps as f64);
     }
-    // Each round's closing synchronisation is the benchmark's, not the steps'.
-    let syncs = host_sync_count() - s0 - rounds as u64;
-    let allocs = allocation_count() - a0;
-    times.sort_by(|a, b| a.total_cmp(b));
-    let t = times[rounds / 2];
-    let loss = step.loss().map_or(Ok(f64::NAN), |l| l.item())?;
-    Ok(Measured {
-        images_per_s: batch as f64 / t,
-        step_ms: t * 1e3,
-        syncs,
-        allocs,
-        loss,
-        stats: step.stats(),
-        nodes,
-    })
+    Ok((eager.measured(batch)?, graph.measured(batch)?))
 }
 
 fn run() -> mixprec::Result<()> {
@@ -277,7 +323,7 @@ fn run() -> mixprec::Result<()> {
         };
         if let Some(n) = profile_replays {
             let batch = net.batches[0];
-            let g = measure(net, batch, format, true, Some(n))?;
+            let (_, g) = measure(net, batch, format, Some(n))?;
             println!(
                 "{:<26} {layout:<6} {batch:>5} profiled {n} replays; graph nodes {:?}",
                 net.name, g.nodes
@@ -286,13 +332,8 @@ fn run() -> mixprec::Result<()> {
         }
         let mut done = false;
         for &batch in net.batches {
-            let eager = measure(net, batch, format, false, None);
-            let graph = eager
-                .as_ref()
-                .ok()
-                .map(|_| measure(net, batch, format, true, None));
-            match (eager, graph) {
-                (Ok(e), Some(Ok(g))) => {
+            match measure(net, batch, format, None) {
+                Ok((e, g)) => {
                     let ratio = g.images_per_s / e.images_per_s;
                     let verdict = if ratio >= net.target && g.syncs == 0 && g.allocs == 0 {
                         "PASS"
@@ -325,10 +366,9 @@ fn run() -> mixprec::Result<()> {
                     done = true;
                     break;
                 }
-                (Err(e), _) | (Ok(_), Some(Err(e))) => {
+                Err(e) => {
                     println!("{:<26} {layout:<6} {:>5} failed: {e}", net.name, batch);
                 }
-                (Ok(_), None) => unreachable!("measured after eager"),
             }
         }
         if !done {
