@@ -136,7 +136,8 @@ impl Runner<'_> {
     fn measured(&self, batch: usize) -> mixprec::Result<Measured> {
         let mut times = self.times.clone();
         times.sort_by(|a, b| a.total_cmp(b));
-        let t = times[times.len() / 2];
+        // No timed round (a profiled run): no figures.
+        let t = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
         let loss = self.step.loss().map_or(Ok(f64::NAN), |l| l.item())?;
         Ok(Measured {
             images_per_s: batch as f64 / t,
