@@ -141,6 +141,12 @@ fn bn_parts(x: &CudaStorage, c: usize, m: usize) -> usize {
     want.min(m / 4096).max(1)
 }
 
+/// The grid of the finalize kernels (`channel_sums` in batch_norm.cu): a block per channel, a
+/// thread per partial up to 256, in whole warps.
+fn finalize_grid(c: usize, parts: usize) -> Grid {
+    Grid::per_row(c, (parts.clamp(1, 256).div_ceil(32) * 32) as u32)
+}
+
 /// The grid of `per_channel_map` in batch_norm.cu: rows of `spatial` values.
 fn per_channel_grid(x: &CudaStorage, p: &BatchNormParams) -> Grid {
     let rows = p.n * p.c;
@@ -285,7 +291,7 @@ fn forward_fused(
     let coef = CudaStorage::alloc(&x.dev, DType::F32, 2 * p.c)?;
     launch!(x.dev, Family::BatchNorm, format!("bn_stats_{f}_{s}"), grid;
         geo, src, part.ptr(), shift.ptr());
-    launch!(x.dev, Family::BatchNorm, "bn_stats_finalize", Grid::for_items(&x.dev, p.c);
+    launch!(x.dev, Family::BatchNorm, "bn_stats_finalize", finalize_grid(p.c, geo.parts as usize);
         geo, part.ptr(), shift.ptr(), weight.ptr(), bias.ptr(), running_mean.ptr(),
         running_var.ptr(), mean.ptr(), invstd.ptr(), coef.ptr());
     launch!(x.dev, Family::BatchNorm, format!("bn_apply_{f}_{s}"), apply_grid(x, p, grid);
@@ -326,7 +332,7 @@ fn backward_fused(
         let coef = CudaStorage::alloc(&g.dev, DType::F32, 6 * p.c)?;
         launch!(g.dev, Family::BatchNorm, format!("bn_bwd_reduce_{f}_{s}"), grid;
             geo, pg, px, py, saved_mean.ptr(), part.ptr());
-        launch!(g.dev, Family::BatchNorm, "bn_bwd_finalize_f32", Grid::for_items(&g.dev, p.c);
+        launch!(g.dev, Family::BatchNorm, "bn_bwd_finalize_f32", finalize_grid(p.c, parts);
             p.c as u64, parts as u64, (p.n * p.spatial) as u64, part.ptr(), weight.ptr(),
             saved_mean.ptr(), saved_invstd.ptr(), dw.ptr(), db.ptr(), coef.ptr());
         let pres = dres.as_ref().map_or(0, |d| d.ptr());
@@ -444,7 +450,7 @@ fn backward_own(
         let coef = CudaStorage::alloc(&g.dev, acc, 6 * p.c)?;
         launch!(g.dev, Family::BatchNorm, format!("bn_bwd_partial_{s}"), Grid::per_row(p.c * parts, 512);
             p.n as u64, p.c as u64, p.spatial as u64, parts as u64, pg, px, saved_mean.ptr(), part.ptr());
-        launch!(g.dev, Family::BatchNorm, format!("bn_bwd_finalize_{a}"), Grid::for_items(&g.dev, p.c);
+        launch!(g.dev, Family::BatchNorm, format!("bn_bwd_finalize_{a}"), finalize_grid(p.c, parts);
             p.c as u64, parts as u64, m as u64, part.ptr(), weight.ptr(), saved_mean.ptr(), saved_invstd.ptr(),
             dw.ptr(), db.ptr(), coef.ptr());
         if m > 0 {
