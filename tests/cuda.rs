@@ -821,39 +821,78 @@ fn check_sums(what: &str, got: &CudaStorage, want: &CpuStorage, magnitude: &[f64
     }
 }
 
-/// Saved statistics with no reserve space (our kernels' backward).
-/// How far cuDNN's weight and bias gradients may lawfully stand from the CPU's, per channel, in a
-/// batch norm fused with a ReLU: cuDNN masks the gradient by the sign of the output before it
-/// is rounded, the CPU (and our kernels) by the rounded output, so an element whose output
-/// rounded to 0 from a value within rounding reach of 0 may pass its gradient on one side only,
-/// moving dw by its `g·x̂` and db by its `g` (the d_residual check allows the same elements).
-/// Such ties are rare (about one per run on the largest case) but move dw by ~2e-4 relative.
-fn relu_tie_slack(
-    (n, c, sp): (usize, usize, usize),
-    x: &[f64],
-    residual: Option<&[f64]>,
-    (w, b): (&[f64], &[f64]),
-    (mean, invstd): (&[f64], &[f64]),
-    y: &[f64],
-    g: &[f64],
-) -> (Vec<f64>, Vec<f64>) {
-    // cuDNN's pre-activation is FP32 arithmetic on O(1) operands: its sign can differ from the
-    // exact one only within a few FP32 ulps of 0.
-    const BAND: f64 = 1e-5;
-    let (mut sw, mut sb) = (vec![0.0; c], vec![0.0; c]);
-    for k in 0..n * c * sp {
-        if y[k] != 0.0 {
-            continue;
-        }
+/// Where cuDNN's ReLU mask may lawfully differ from the CPU's in a batch norm fused with a ReLU,
+/// and by how much each gradient may then stand from the CPU's. cuDNN masks the gradient by the
+/// sign of the pre-activation it computes, the CPU (and our kernels) by the stored output, so an
+/// element whose output is 0 from a value within FP32 reach of 0 may pass its gradient on one
+/// side only. Such ties are rare (about one per run on the largest cases); each moves dw by its
+/// `g·x̂`, db by its `g`, its own dx by `w·invstd·g`, and every dx of its channel by
+/// `w·invstd/m·(g + x̂_j·g·x̂)` (dx = w·invstd/m·(m·g' − Σg' − x̂·Σg'x̂) is linear in g').
+struct ReluTies {
+    /// Per element (NCHW): whether it is a tie.
+    tie: Vec<bool>,
+    /// Per channel: Σ|g·x̂| and Σ|g| over its ties (dw's and db's slack).
+    dw: Vec<f64>,
+    db: Vec<f64>,
+}
+
+/// One batch norm's input, parameters and statistics (NCHW, as f64): what the tie analysis reads.
+struct BnCase<'a> {
+    shape: (usize, usize, usize),
+    x: &'a [f64],
+    residual: Option<&'a [f64]>,
+    w: &'a [f64],
+    b: &'a [f64],
+    mean: &'a [f64],
+    invstd: &'a [f64],
+}
+
+impl BnCase<'_> {
+    fn xhat(&self, k: usize) -> (usize, f64) {
+        let (_, c, sp) = self.shape;
         let ch = (k / sp) % c;
-        let xhat = (x[k] - mean[ch]) * invstd[ch];
-        let z = xhat * w[ch] + b[ch] + residual.map_or(0.0, |r| r[k]);
-        if z > -BAND {
-            sw[ch] += (g[k] * xhat).abs();
-            sb[ch] += g[k].abs();
-        }
+        (ch, (self.x[k] - self.mean[ch]) * self.invstd[ch])
     }
-    (sw, sb)
+
+    /// The ties of output `y` under output gradient `g`.
+    fn relu_ties(&self, y: &[f64], g: &[f64]) -> ReluTies {
+        // cuDNN's pre-activation is FP32 arithmetic on O(1) operands: its sign can differ from
+        // the exact one only within a few FP32 ulps of 0.
+        const BAND: f64 = 1e-5;
+        let (n, c, sp) = self.shape;
+        let mut t = ReluTies {
+            tie: vec![false; n * c * sp],
+            dw: vec![0.0; c],
+            db: vec![0.0; c],
+        };
+        for k in 0..n * c * sp {
+            if y[k] != 0.0 {
+                continue;
+            }
+            let (ch, xhat) = self.xhat(k);
+            let z = xhat * self.w[ch] + self.b[ch] + self.residual.map_or(0.0, |r| r[k]);
+            if z > -BAND {
+                t.tie[k] = true;
+                t.dw[ch] += (g[k] * xhat).abs();
+                t.db[ch] += g[k].abs();
+            }
+        }
+        t
+    }
+
+    /// Each dx element's slack under `ties` (all 0 without ties).
+    fn dx_slack(&self, ties: &ReluTies, g: &[f64]) -> Vec<f64> {
+        let (n, _, sp) = self.shape;
+        let m = (n * sp) as f64;
+        (0..g.len())
+            .map(|k| {
+                let (ch, xhat) = self.xhat(k);
+                let k0 = (self.w[ch] * self.invstd[ch]).abs();
+                let own = if ties.tie[k] { k0 * g[k].abs() } else { 0.0 };
+                own + k0 / m * (ties.db[ch] + xhat.abs() * ties.dw[ch])
+            })
+            .collect()
+    }
 }
 
 /// [`rel_err`] after taking each element's allowed `slack` off its difference.
@@ -870,6 +909,7 @@ fn rel_err_beyond(got: &[f64], want: &[f64], slack: &[f64]) -> f64 {
     rel_err(&shrunk, want)
 }
 
+/// Saved statistics with no reserve space (our kernels' backward).
 fn saved_of<'a, S>(mean: &'a S, invstd: &'a S) -> BatchNormSaved<&'a S> {
     BatchNormSaved {
         mean,
@@ -1018,25 +1058,44 @@ fn batch_norm_fused_cases(imp: BatchNormImpl) -> Vec<String> {
                     let gr = to_gpu(&g)
                         .batch_norm_backward(&gl, &gx, &gl, gyarg, &gw, &gb, gsaved_ref, &gp)
                         .unwrap();
-                    let e = rel_err(&to_nchw(&gr.input).to_f64_vec(), &r.input.to_f64_vec());
-                    assert!(e <= tol(d) * 4.0, "{what} dx: relative error {e:e}");
-                    let (slack_w, slack_b) = if cudnn && relu {
-                        relu_tie_slack(
-                            (n, c, sp),
-                            &x.to_f64_vec(),
-                            residual.then(|| res.to_f64_vec()).as_deref(),
-                            (&w.to_f64_vec(), &b.to_f64_vec()),
-                            (&mean.to_f64_vec(), &invstd.to_f64_vec()),
-                            &gy_nchw.to_f64_vec(),
-                            &g.to_f64_vec(),
-                        )
-                    } else {
-                        (vec![0.0; c], vec![0.0; c])
+                    // Where cuDNN's ReLU mask may differ from the CPU's (see ReluTies).
+                    let (xv, rv, wv, bv) = (
+                        x.to_f64_vec(),
+                        residual.then(|| res.to_f64_vec()),
+                        w.to_f64_vec(),
+                        b.to_f64_vec(),
+                    );
+                    let (meanv, invstdv, gv) =
+                        (mean.to_f64_vec(), invstd.to_f64_vec(), g.to_f64_vec());
+                    let case = BnCase {
+                        shape: (n, c, sp),
+                        x: &xv,
+                        residual: rv.as_deref(),
+                        w: &wv,
+                        b: &bv,
+                        mean: &meanv,
+                        invstd: &invstdv,
                     };
+                    let ties = if cudnn && relu {
+                        case.relu_ties(&gy_nchw.to_f64_vec(), &gv)
+                    } else {
+                        ReluTies {
+                            tie: vec![false; n * c * sp],
+                            dw: vec![0.0; c],
+                            db: vec![0.0; c],
+                        }
+                    };
+                    let e = rel_err_beyond(
+                        &to_nchw(&gr.input).to_f64_vec(),
+                        &r.input.to_f64_vec(),
+                        &case.dx_slack(&ties, &gv),
+                    );
+                    assert!(e <= tol(d) * 4.0, "{what} dx: relative error {e:e}");
+                    let (slack_w, slack_b) = (&ties.dw, &ties.db);
                     let (gw_, gb_) = (gr.weight.to_cpu().unwrap(), gr.bias.to_cpu().unwrap());
-                    let e = rel_err_beyond(&gw_.to_f64_vec(), &r.weight.to_f64_vec(), &slack_w);
+                    let e = rel_err_beyond(&gw_.to_f64_vec(), &r.weight.to_f64_vec(), slack_w);
                     assert!(e <= 1e-4, "{what} dw: relative error {e:e} > 1e-4");
-                    let e = rel_err_beyond(&gb_.to_f64_vec(), &r.bias.to_f64_vec(), &slack_b);
+                    let e = rel_err_beyond(&gb_.to_f64_vec(), &r.bias.to_f64_vec(), slack_b);
                     assert!(e <= 1e-4, "{what} db: relative error {e:e} > 1e-4");
                     match (gr.residual, r.residual) {
                         (Some(gd), Some(cd)) => {
