@@ -1,7 +1,8 @@
 // mt_common.cuh: multi-tensor apply (prepended to multi_tensor.cu and fused_optim.cu after
 // common.cuh). apex's design with the chunk→tensor table in device memory: the launcher builds
 // one table per tensor list (and dtype signature), caches it, and launches one block per chunk.
-#define MT_CHUNK 65536ULL
+// MT_CHUNK (elements per chunk) is defined by the launcher from backend::MT_CHUNK, the one
+// value the CPU backend's chunked norms share.
 
 // One tensor: up to six buffers by role (0 when absent), its length, its slot in per-tensor
 // arrays, the global index of its first chunk (into norm partials). Mirrors MtTensor in

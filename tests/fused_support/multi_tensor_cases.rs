@@ -5,7 +5,7 @@ use super::fused_support::{round_to, tensor};
 use mixprec::multi_tensor::{self, AxpbyCheck};
 use mixprec::{DType, Device, Tensor};
 
-pub const CHUNK: usize = 65536;
+pub const CHUNK: usize = mixprec::backend::MT_CHUNK;
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
 /// Lists to fuzz: one tensor of each size around the chunk size, and 55 tensors of mixed sizes.

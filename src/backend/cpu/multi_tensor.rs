@@ -13,8 +13,8 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
-/// Elements per chunk (as the CUDA launcher's).
-pub const CHUNK: usize = 65536;
+/// Elements per chunk, as the CUDA launcher's.
+use crate::backend::MT_CHUNK as CHUNK;
 
 /// The CPU backend as a multi-tensor executor.
 #[derive(Clone, Copy, Debug, Default)]

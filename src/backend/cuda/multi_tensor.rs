@@ -19,8 +19,8 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
-/// Elements per chunk (one block each). Must match `MT_CHUNK` in mt_common.cuh.
-pub const CHUNK: usize = 65536;
+/// Elements per chunk (one block each); the kernels get it as `MT_CHUNK` (`registry.rs`).
+use crate::backend::MT_CHUNK as CHUNK;
 /// Threads per block of the chunk kernels.
 const MT_THREADS: u32 = 512;
 /// Words (u64) per tensor entry (`TEnt`).

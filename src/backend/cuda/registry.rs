@@ -77,7 +77,10 @@ impl Family {
 /// The full translation unit: common.cuh, then the family's source.
 pub fn full_source(f: Family) -> String {
     let mt = if matches!(f, Family::MultiTensor | Family::FusedOptim) {
-        format!("#line 1 \"mt_common.cuh\"\n{MT_COMMON}\n")
+        format!(
+            "#define MT_CHUNK {}ULL\n#line 1 \"mt_common.cuh\"\n{MT_COMMON}\n",
+            crate::backend::MT_CHUNK
+        )
     } else {
         String::new()
     };
