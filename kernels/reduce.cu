@@ -42,6 +42,24 @@ __device__ void reduce_lanes(int op, u64 outer, u64 len, u64 inner, const T* x, 
     }
 }
 
+// inner > 1 with few lanes and long ones (a bias gradient: 10 lanes of 128 rows): one block per
+// lane, its threads striding the length, combined by the block's fixed-order tree. A thread per
+// lane would leave the GPU idle while a handful of threads each walk their lane alone.
+template <typename T>
+__device__ void reduce_lanes_wide(int op, u64 outer, u64 len, u64 inner, const T* x, T* y) {
+    typedef typename Num<T>::acc A;
+    __shared__ A sh[32];
+    Red<A> r{op};
+    for (u64 k = blockIdx.x; k < outer * inner; k += gridDim.x) {
+        u64 o = k / inner, i = k - o * inner;
+        const T* p = x + o * len * inner + i;
+        A acc = r.init();
+        for (u64 j = threadIdx.x; j < len; j += blockDim.x) acc = r(acc, Num<T>::to(p[j * inner]));
+        acc = block_reduce(acc, r, r.init(), sh);
+        if (threadIdx.x == 0) y[k] = Num<T>::from(acc);
+    }
+}
+
 template <typename T>
 __device__ void argmax_lanes(u64 outer, u64 len, u64 inner, const T* x, i64* y) {
     u64 n = outer * inner;
@@ -66,6 +84,10 @@ __device__ void argmax_lanes(u64 outer, u64 len, u64 inner, const T* x, i64* y) 
     extern "C" __global__ void reduce_lanes_##N(int op, u64 outer, u64 len, u64 inner, const T* x,  \
                                                 T* y) {                                             \
         reduce_lanes<T>(op, outer, len, inner, x, y);                                               \
+    }                                                                                               \
+    extern "C" __global__ void reduce_lanes_wide_##N(int op, u64 outer, u64 len, u64 inner,         \
+                                                     const T* x, T* y) {                            \
+        reduce_lanes_wide<T>(op, outer, len, inner, x, y);                                          \
     }
 REDUCE(f16, f16)
 REDUCE(bf16, bf16)

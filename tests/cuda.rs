@@ -437,6 +437,8 @@ fn reduce_sum_max_min() {
         (3, 1, 5),
         (1, 7, 1),
         (2, 5000, 300),
+        // A bias gradient (few long lanes: a block per lane).
+        (1, 128, 10),
     ];
     for d in DTYPES {
         for split in splits {

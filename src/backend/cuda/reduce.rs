@@ -21,11 +21,25 @@ pub(crate) fn reduce(x: &CudaStorage, l: &Layout, op: ReduceOp, dim: usize) -> R
     if inner == 1 {
         launch!(x.dev, Family::Reduce, format!("reduce_rows_{s}"), Grid::per_row(outer, BLOCK);
             code, outer as u64, len as u64, src, out.ptr());
+    } else if wide_lanes(outer * inner, len, x.dev.sm_count as usize) {
+        launch!(x.dev, Family::Reduce, format!("reduce_lanes_wide_{s}"), Grid::per_row(outer * inner, WIDE_THREADS);
+            code, outer as u64, len as u64, inner as u64, src, out.ptr());
     } else {
         launch!(x.dev, Family::Reduce, format!("reduce_lanes_{s}"), Grid::for_items(&x.dev, outer * inner);
             code, outer as u64, len as u64, inner as u64, src, out.ptr());
     }
     Ok(out)
+}
+
+/// Threads per lane of `reduce_lanes_wide`.
+const WIDE_THREADS: u32 = 128;
+
+/// Whether a lane reduction gets a block per lane: when a thread per lane would leave most
+/// multiprocessors idle (fewer than four lanes each) while each thread walks a long lane (the fc
+/// bias gradient of a batch of 128: 10 threads × 128 loads, ~10 µs alone). With many lanes the
+/// thread-per-lane loads coalesce across neighbouring lanes, which a block per lane's do not.
+fn wide_lanes(lanes: usize, len: usize, sms: usize) -> bool {
+    lanes < 4 * sms && len >= 64
 }
 
 pub(crate) fn argmax(x: &CudaStorage, l: &Layout, dim: usize) -> Result<CudaStorage> {
