@@ -427,6 +427,42 @@ fn resume_auto_continues_from_the_newest_verified_checkpoint() {
     assert!(!cfg.out.join("checkpoints/epoch-003.safetensors").exists());
 }
 
+/// A run killed after its last checkpoint but before its final weights (the window the kill
+/// test in crash.rs hits at random): resuming it trains nothing and writes the weights the
+/// uninterrupted run wrote, byte for byte.
+#[test]
+fn resuming_a_run_that_died_before_its_final_weights_writes_them() {
+    let dir = tempdir("final-weights");
+    let cfg = quick(dir.join("run"), 2);
+    let done = run(&cfg, &quiet()).unwrap();
+    let w = done.weights.unwrap();
+    let want = std::fs::read(&w).unwrap();
+    std::fs::remove_file(&w).unwrap();
+    let resumed = run(
+        &cfg,
+        &RunOptions {
+            resume: Some(Resume::Auto),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    assert_eq!(resumed.history.len(), 2, "nothing left to train");
+    assert_eq!(resumed.weights.as_deref(), Some(w.as_path()));
+    assert_eq!(std::fs::read(&w).unwrap(), want, "the weights differ");
+    assert!(resumed.written.contains(&"model.safetensors".into()));
+    // Once they are there, a resume that trains nothing leaves them alone.
+    let again = run(
+        &cfg,
+        &RunOptions {
+            resume: Some(Resume::Auto),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    assert!(again.weights.is_none(), "{:?}", again.written);
+    assert!(!again.written.contains(&"model.safetensors".into()));
+}
+
 /// config.toml records what the run used (never `auto`), and a run that trains nothing
 /// (`stop_after` 0) reports only the files it wrote.
 #[test]

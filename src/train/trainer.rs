@@ -76,7 +76,8 @@ pub struct RunSummary {
     /// The latest checkpoint (`checkpoints/last.safetensors`), when this call trained an epoch.
     pub last_checkpoint: Option<PathBuf>,
     /// The final weights, torchvision names, FP32 (`model.safetensors`), when this call
-    /// trained an epoch.
+    /// trained an epoch, or resumed a run that had checkpointed its last epoch but died before
+    /// writing them.
     pub weights: Option<PathBuf>,
     /// Every file this call wrote, relative to `out`.
     pub written: Vec<PathBuf>,
@@ -706,8 +707,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     drop(train_step);
 
     let trained = end_epoch > start_epoch;
+    let w = cfg.out.join("model.safetensors");
     let weights = if trained && main {
-        let w = cfg.out.join("model.safetensors");
         save_weights(&*model, &w)?;
         written.extend([
             "metrics.png".into(),
@@ -717,6 +718,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
                 .to_path_buf(),
             "model.safetensors".into(),
         ]);
+        Some(w)
+    } else if main && start_epoch > 0 && !w.exists() {
+        // A run killed after its last checkpoint and before its final weights: the resumed
+        // model is that checkpoint's, so these are the weights the run would have written.
+        say!("wrote model.safetensors, which the interrupted run had not, from the checkpoint");
+        save_weights(&*model, &w)?;
+        written.push("model.safetensors".into());
         Some(w)
     } else {
         None
