@@ -428,3 +428,60 @@ fn deterministic_plans_repeat_bitwise() {
     assert_eq!(plans_of(p, DType::F32).len(), 3);
     assert!(plans_of(p, DType::F32).iter().all(|i| !i.deterministic));
 }
+
+/// Our own weight-gradient kernel (`MIXPREC_CONV_DIRECT=only` forces it where it applies):
+/// the CPU's result for stems and 1x1 shortcuts of channels_last nets, odd channel counts,
+/// strides, padding and dilation; the same bits on a second run; cuDNN keeps the other
+/// directions. Then the variable is cleared and the plans forgotten.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn direct_weight_gradient_matches_the_cpu_and_repeats() {
+    let _env = setup();
+    clear_conv_plans(0).unwrap();
+    std::env::set_var("MIXPREC_CONV_DIRECT", "only");
+    let cl = MemoryFormat::ChannelsLast;
+    let dilated = Conv2dParams {
+        dilation: (2, 2),
+        ..geometry(6, 7, 15, 24, 3, 1, 2, cl)
+    };
+    let geometries = [
+        // The main job's stem (1 channel, 144 weights) and its 1x1 shortcut.
+        geometry(128, 1, 28, 16, 3, 1, 1, cl),
+        geometry(128, 16, 28, 32, 1, 2, 0, cl),
+        // A CIFAR stem (3 channels), 20 filters (a partial channel tile), a strided 5x5.
+        geometry(32, 3, 32, 64, 3, 1, 1, cl),
+        geometry(8, 5, 12, 20, 3, 2, 1, cl),
+        geometry(4, 2, 17, 8, 5, 2, 2, cl),
+        dilated,
+    ];
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        for (k, p) in geometries.iter().enumerate() {
+            run_and_check(p, d, 600 + k as u64);
+            for info in plans_of(p, d) {
+                assert_eq!(
+                    info.direct,
+                    info.direction == "backward-filter",
+                    "{d} {p:?}: {info:?}"
+                );
+            }
+            let (yd, xd) = (
+                [p.n, p.c_out, p.out_h(), p.out_w()],
+                [p.n, p.c_in, p.h, p.w],
+            );
+            let (lg, lx) = (lay_as(yd, p.format), lay_as(xd, p.format));
+            let (g, x) = (up(&randn(yd, d, 700)), up(&randn(xd, d, 701)));
+            let bits = || -> Vec<u64> {
+                let dw = g.conv2d_backward_weight(&lg, &x, &lx, p).unwrap();
+                dw.to_cpu()
+                    .unwrap()
+                    .to_f64_vec()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits(), bits(), "{d} {p:?}: a second run differs");
+        }
+    }
+    std::env::remove_var("MIXPREC_CONV_DIRECT");
+    clear_conv_plans(0).unwrap();
+}

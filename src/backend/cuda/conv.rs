@@ -3,9 +3,11 @@
 //! chosen once, on the first call's own buffers, and kept with its workspace size.
 //!
 //! **One candidate list, one timer.** The candidates are the graph API's engine configurations
-//! (`cudnn_graph.rs`: heuristic modes A and B, then the fallback list) and the legacy API's
+//! (`cudnn_graph.rs`: heuristic modes A and B, then the fallback list), the legacy API's
 //! algorithms (`cudnn_legacy.rs`: `cudnnGet*Algorithm_v7`, each with its math type), every one
-//! that keeps the dtype's numerical promise and needs at most the workspace limit. All are timed
+//! that keeps the dtype's numerical promise and needs at most the workspace limit, and our own
+//! kernel where it applies (`conv_direct.rs`: the weight gradient of small channels_last
+//! filters, such as a one-channel stem). All are timed
 //! the same way on the same buffers (`conv_tune.rs`: warm-up, median of three, slow ones
 //! abandoned early, near-equals re-timed) and the fastest runs; among candidates within 3% of it,
 //! the one with the least workspace.
@@ -39,7 +41,8 @@
 //! its plans without timing anything.
 //!
 //! Environment: `MIXPREC_CUDNN_API=graph` or `=legacy` limits the candidates to one API (with
-//! `graph`, the legacy API still covers what no graph engine supports); `MIXPREC_CUDNN_FIND=0`
+//! `graph`, the legacy API still covers what no graph engine supports); `MIXPREC_CONV_DIRECT=0`
+//! leaves our own kernels out, `=only` runs them alone where they apply; `MIXPREC_CUDNN_FIND=0`
 //! turns the timing (and the plan cache) off: the graph heuristics' first choice, else the
 //! legacy one; `MIXPREC_CUDNN_PLAN_CACHE=DIR|0` and `MIXPREC_CUDNN_RETUNE=1` steer the cache;
 //! `RUST_LOG=mixprec=debug` logs every candidate's time and the choice. The workspace is one
@@ -52,6 +55,7 @@ use cudarc::cudnn::{result as dnn, sys as dsys};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::conv_cache::{self, CacheUse, Choice, Entry};
+use super::conv_direct::DirectWgrad;
 use super::conv_tune::{tune, EventTimer, Outcome, Scratch};
 use super::cudnn_graph::{EngineRules, GraphCandidate, GraphConv, GraphPlan};
 use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
@@ -76,9 +80,19 @@ enum Api {
     Legacy,
 }
 
+/// Whether our own kernels (`conv_direct.rs`) compete (`MIXPREC_CONV_DIRECT`): yes (the
+/// default), no (`0`), or alone where one applies (`only`: for tests and comparisons).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direct {
+    On,
+    Off,
+    Only,
+}
+
 /// The settings a plan is chosen under, read from the environment at each choice.
 struct Settings {
     api: Api,
+    direct: Direct,
     /// Candidates are timed (`MIXPREC_CUDNN_FIND` is not 0).
     timed: bool,
     rules: EngineRules,
@@ -95,8 +109,14 @@ impl Settings {
             _ => Api::Fastest,
         };
         let timed = std::env::var("MIXPREC_CUDNN_FIND").map_or(true, |v| v != "0");
+        let direct = match std::env::var("MIXPREC_CONV_DIRECT").as_deref() {
+            Ok("0") | Ok("off") => Direct::Off,
+            Ok("only") => Direct::Only,
+            _ => Direct::On,
+        };
         Settings {
             api,
+            direct,
             timed,
             rules: EngineRules {
                 dtype,
@@ -116,8 +136,8 @@ impl Settings {
     /// The rules part of a plan-cache key: what else decides a choice.
     fn label(&self) -> String {
         format!(
-            "api {:?} runtime-compiled {} deterministic {}",
-            self.api, self.rules.runtime_compiled, self.rules.deterministic
+            "api {:?} direct {:?} runtime-compiled {} deterministic {}",
+            self.api, self.direct, self.rules.runtime_compiled, self.rules.deterministic
         )
     }
 }
@@ -145,7 +165,7 @@ fn workspace_limit(dev: &CudaDevice) -> usize {
 /// Which convolution runs, with its buffers in cuDNN's argument order: forward (x, w) -> y,
 /// backward-data (dy, w) -> dx, backward-filter (dy, x) -> dw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(super) enum Dir {
+pub(crate) enum Dir {
     Forward,
     BackwardData,
     BackwardFilter,
@@ -190,6 +210,7 @@ struct Record {
 enum Runner {
     Graph(GraphPlan),
     Legacy { conv: LegacyConv, algo: LegacyAlgo },
+    Direct(DirectWgrad),
 }
 
 /// A chosen plan.
@@ -203,6 +224,7 @@ impl Plan {
         match &self.runner {
             Runner::Graph(g) => g.candidate.workspace,
             Runner::Legacy { algo, .. } => algo.workspace,
+            Runner::Direct(d) => d.workspace(),
         }
     }
 
@@ -211,6 +233,7 @@ impl Plan {
         match &self.runner {
             Runner::Graph(g) => format!("{:?}", g.candidate),
             Runner::Legacy { algo, .. } => algo.describe(),
+            Runner::Direct(d) => d.describe(),
         }
     }
 
@@ -224,6 +247,9 @@ impl Plan {
             Runner::Legacy { algo, .. } => Some(Choice::Legacy {
                 algo: algo.algo.code(),
                 math: algo.math_code(),
+            }),
+            Runner::Direct(d) => Some(Choice::Direct {
+                kernel: d.describe(),
             }),
         }
     }
@@ -267,11 +293,13 @@ fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("cuDNN {what}: {e:?}"))
 }
 
-/// A candidate of the unified list: the k-th graph configuration or legacy algorithm.
+/// A candidate of the unified list: the k-th graph configuration or legacy algorithm, or our
+/// own kernel.
 #[derive(Clone, Copy, Debug)]
 enum Cand {
     Graph(usize),
     Legacy(usize),
+    Direct,
 }
 
 impl Dnn {
@@ -323,7 +351,7 @@ impl Dnn {
         let key = conv_cache::key(&self.device_id, &s.label(), p, dtype, dir, s.rules.tf32);
         if let CacheUse::ReadWrite(cache) = &s.cache {
             if let Some(entry) = conv_cache::load(cache, &key) {
-                match self.restore(&entry, p, dir, &s) {
+                match self.restore(dev, &entry, p, dir, &s) {
                     Ok(plan) => return Ok(plan),
                     Err(e) => log::warn!(
                         "cuDNN plan cache: {} no longer builds ({e}); choosing the plan again",
@@ -384,6 +412,13 @@ impl Dnn {
     ) -> Result<Option<Plan>> {
         let h = self.handle;
         let tf32 = s.rules.tf32;
+        let mut direct = match s.direct {
+            Direct::Off => None,
+            Direct::On | Direct::Only => DirectWgrad::new(dev, p, dtype, dir),
+        };
+        // Forced onto our kernel where it applies: cuDNN's candidates stay out.
+        let only_direct = s.direct == Direct::Only && direct.is_some();
+        let (use_graph, use_legacy) = (use_graph && !only_direct, use_legacy && !only_direct);
         let graph = if use_graph {
             let g = super::probe::no_panic("cuDNN graph API", || {
                 let conv = GraphConv::new(h, p, dtype, dir)?;
@@ -444,6 +479,12 @@ impl Dnn {
             legacy_timed: 0,
         };
         if !s.timed {
+            if let (true, Some(d)) = (only_direct, direct) {
+                return Ok(Some(Plan {
+                    runner: Runner::Direct(d),
+                    record,
+                }));
+            }
             // The heuristics' first: the graph API's, else the legacy API's.
             return Ok(match (graph, legacy) {
                 (Some((conv, mut cands)), _) if !cands.is_empty() => Some(Plan {
@@ -474,14 +515,19 @@ impl Dnn {
             .map(Cand::Graph)
             .chain((0..la.len()).map(Cand::Legacy))
             .chain((0..gc.len()).filter(|&k| !is_a(&gc[k])).map(Cand::Graph))
+            .chain(direct.as_ref().map(|_| Cand::Direct))
             .collect();
         let ws_of = |c: &Cand| match *c {
             Cand::Graph(k) => gc[k].workspace,
             Cand::Legacy(k) => la[k].workspace,
+            Cand::Direct => direct.as_ref().map_or(0, DirectWgrad::workspace),
         };
         let describe = |c: &Cand| match *c {
             Cand::Graph(k) => format!("{:?}", gc[k]),
             Cand::Legacy(k) => la[k].describe(),
+            Cand::Direct => direct
+                .as_ref()
+                .map_or_else(String::new, DirectWgrad::describe),
         };
         let sizes: Vec<usize> = order.iter().map(ws_of).collect();
         let scratch = Scratch::alloc(dev, &sizes)?;
@@ -515,6 +561,10 @@ impl Dnn {
                 ),
                 None => Ok(None),
             },
+            Cand::Direct => match direct.as_ref() {
+                Some(d) => timer.measure(|| d.execute(dev, ptrs, ws_ptr), runs, pre_run),
+                None => Ok(None),
+            },
         });
         self.timing_runs += timer.runs;
         drop(scratch);
@@ -536,6 +586,7 @@ impl Dnn {
                 match c {
                     Cand::Graph(_) => record.graph_timed += 1,
                     Cand::Legacy(_) => record.legacy_timed += 1,
+                    Cand::Direct => {}
                 }
             }
         }
@@ -558,13 +609,23 @@ impl Dnn {
                 conv,
                 algo: algos[k],
             },
+            (Cand::Direct, _, _) if direct.is_some() => {
+                Runner::Direct(direct.take().expect("checked"))
+            }
             _ => return Err(Error::Cuda("cuDNN plan choice: candidate list".into())),
         };
         Ok(Some(Plan { runner, record }))
     }
 
     /// Rebuilds a cached choice (no timing): an error when it no longer builds as recorded.
-    fn restore(&self, e: &Entry, p: &Conv2dParams, dir: Dir, s: &Settings) -> Result<Plan> {
+    fn restore(
+        &self,
+        dev: &CudaDevice,
+        e: &Entry,
+        p: &Conv2dParams,
+        dir: Dir,
+        s: &Settings,
+    ) -> Result<Plan> {
         let h = self.handle;
         let dtype = s.rules.dtype;
         if e.workspace > s.limit {
@@ -615,6 +676,14 @@ impl Dnn {
                     )));
                 }
                 Runner::Legacy { conv, algo: found }
+            }
+            Choice::Direct { kernel } => {
+                let d = DirectWgrad::new(dev, p, dtype, dir)
+                    .filter(|d| d.describe() == *kernel && d.workspace() == e.workspace)
+                    .ok_or_else(|| {
+                        Error::Cuda(format!("the direct kernel no longer launches as {kernel}"))
+                    })?;
+                Runner::Direct(d)
             }
         };
         Ok(Plan { runner, record })
@@ -722,6 +791,7 @@ fn run(
     match dnn_state.plans.get(&key).map(|plan| &plan.runner) {
         Some(Runner::Graph(g)) => g.execute(h, ptrs, ws_ptr),
         Some(Runner::Legacy { conv, algo }) => conv.execute(h, algo, ptrs, ws_ptr, ws_len),
+        Some(Runner::Direct(d)) => d.execute(dev, ptrs, ws_ptr),
         None => Err(Error::Cuda("cuDNN plan cache".into())),
     }
     .map_err(|e| Error::Cuda(format!("{dir:?} convolution ({dtype}, {p:?}): {e}")))?;
@@ -736,8 +806,10 @@ pub struct ConvPlanInfo {
     pub dtype: DType,
     /// "forward", "backward-data" or "backward-filter".
     pub direction: &'static str,
-    /// Whether it runs through cuDNN's graph API (else the legacy API).
+    /// Whether it runs through cuDNN's graph API (else the legacy API, or our own kernel).
     pub graph_api: bool,
+    /// Whether it runs our own kernel (`conv_direct.rs`) rather than cuDNN.
+    pub direct: bool,
     /// How it was chosen: timed here, from the plan cache, or cuDNN's untimed first choice.
     pub source: PlanSource,
     /// Its median time on the first call's buffers (ms), when it was timed (here or by the
@@ -779,6 +851,7 @@ pub fn conv_plans(ordinal: usize) -> Result<Vec<ConvPlanInfo>> {
                 dtype: *dtype,
                 direction: dir.name(),
                 graph_api: matches!(plan.runner, Runner::Graph(_)),
+                direct: matches!(plan.runner, Runner::Direct(_)),
                 source: plan.record.source,
                 time_ms: plan.record.time_ms,
                 graph_candidates: plan.record.graph_candidates,

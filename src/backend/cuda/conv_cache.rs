@@ -38,6 +38,8 @@ pub(super) enum Choice {
     Graph { engine: i64, knobs: Vec<(u32, i64)> },
     /// A legacy algorithm and the math type it runs with (cuDNN's numbers).
     Legacy { algo: i64, math: i64 },
+    /// Our own kernel (`conv_direct.rs`), as it describes itself with its launch shape.
+    Direct { kernel: String },
 }
 
 /// One cached plan.

@@ -18,6 +18,7 @@ mod cast;
 mod common;
 mod conv;
 mod conv_cache;
+mod conv_direct;
 mod conv_tune;
 mod cudnn_batch_norm;
 mod cudnn_graph;

@@ -27,6 +27,7 @@ pub enum Family {
     Pool,
     MultiTensor,
     FusedOptim,
+    Conv,
 }
 
 impl Family {
@@ -42,6 +43,7 @@ impl Family {
             Family::Pool => "pool",
             Family::MultiTensor => "multi_tensor",
             Family::FusedOptim => "fused_optim",
+            Family::Conv => "conv",
         }
     }
 
@@ -57,10 +59,11 @@ impl Family {
             Family::Pool => include_str!("../../../kernels/pool.cu"),
             Family::MultiTensor => include_str!("../../../kernels/multi_tensor.cu"),
             Family::FusedOptim => include_str!("../../../kernels/fused_optim.cu"),
+            Family::Conv => include_str!("../../../kernels/conv.cu"),
         }
     }
 
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Family::Cast,
         Family::Elementwise,
         Family::Reduce,
@@ -71,6 +74,7 @@ impl Family {
         Family::Pool,
         Family::MultiTensor,
         Family::FusedOptim,
+        Family::Conv,
     ];
 }
 

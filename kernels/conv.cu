@@ -1,0 +1,152 @@
+// conv.cu: our own convolution kernels, for the shapes cuDNN serves worst. Each is a candidate
+// of the plan choice (src/backend/cuda/conv_direct.rs), timed beside cuDNN's engines and run
+// only where it is the fastest.
+//
+// Weight gradient of a channels_last filter (groups 1):
+//   dw[k][r][s][c] = Σ over pixels (n, oh, ow) of dy[n][oh][ow][k] · x[n][ih][iw][c],
+//   ih = oh·sh − ph + r·dh,  iw = ow·sw − pw + s·dw  (terms outside the input are 0).
+// A filter with few weights against a long sum (a 1-channel stem: 144 weights, 100352 pixels
+// at batch 128) is a matrix product with a tiny output and a huge reduction; cuDNN's tiled
+// kernels took 34 µs for it. Here:
+//   stage 1, a block per range of pixels: a thread holds WG_KT output channels of one
+//     (r, s, c) and walks its share of the pixels, reading x once per pixel for all of them;
+//     when the block has more threads than (channel tile, r, s, c) slots, `groups` copies of
+//     the slots each take a contiguous piece of the range, added up through shared memory in
+//     group order; the block writes its row of partial sums;
+//   stage 2, a block per weight: the rows in a fixed order (a strided share per thread, then
+//     the block's tree), rounded once to the weight's dtype.
+// The order of every sum depends only on the shapes: the result repeats bit for bit. Indices
+// are 32-bit: the launcher admits only operands under 2^31 elements.
+
+#define WG_KT 16
+// Threads per block of stage 1 at most (the launcher's WGRAD_THREADS).
+#define WG_THREADS 256
+
+struct WgradP {
+    int n, c, h, w, k, r, s, oh, ow, sh, sw, ph, pw, dh, dw;
+    // Channel tiles (ceil(k / WG_KT)), slots (tiles · r · s · c), copies of the slots per block.
+    int tiles, slots, groups;
+    int pixels_per_block;
+};
+
+// The WG_KT output-gradient values of one pixel's channel tile, as f32: two or four 16-byte
+// loads when the tile is whole and aligned (the threads of a copy all read the same row, so
+// the scalar loads were most of the kernel's instructions), else one element at a time.
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* d, int kn, float v[WG_KT]) {
+    const int per = 16 / (int)sizeof(T);  // elements per 16-byte load
+    if (kn == WG_KT && ((size_t)d & 15) == 0) {
+#pragma unroll
+        for (int i = 0; i < WG_KT / per; i++) {
+            uint4 raw = ((const uint4*)d)[i];
+            const T* e = (const T*)&raw;
+#pragma unroll
+            for (int j = 0; j < per; j++) v[i * per + j] = Num<T>::to(e[j]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < WG_KT; j++) v[j] = j < kn ? Num<T>::to(d[j]) : 0.0f;
+    }
+}
+
+template <typename T>
+__device__ void wgrad_partial(WgradP p, const T* dy, const T* x, float* partials) {
+    __shared__ float sh_acc[WG_THREADS * WG_KT];  // groups · slots · WG_KT ≤ this, when groups > 1
+    const int rsc = p.r * p.s * p.c, weights = p.k * rsc;
+    const int pixels = p.n * p.oh * p.ow;
+    const int p0 = blockIdx.x * p.pixels_per_block;
+    const int p1 = min(pixels, p0 + p.pixels_per_block);
+    // With several copies of the slots, copy g takes the g-th contiguous piece of the range.
+    const int g = p.groups > 1 ? (int)threadIdx.x / p.slots : 0;
+    const int piece = (p1 - p0 + p.groups - 1) / p.groups;
+    const int q0 = min(p1, p0 + g * piece), q1 = min(p1, q0 + piece);
+    const int first = p.groups > 1 ? (int)threadIdx.x % p.slots : (int)threadIdx.x;
+    const int step = p.groups > 1 ? p.slots : (int)blockDim.x;
+    for (int slot = first; slot < p.slots && g < p.groups; slot += step) {
+        const int tile = slot / rsc, at = slot - tile * rsc;
+        const int r = at / (p.s * p.c), sc = at - r * (p.s * p.c);
+        const int s = sc / p.c, c = sc - s * p.c;
+        const int k0 = tile * WG_KT, kn = min(WG_KT, p.k - k0);
+        const int roff = r * p.dh - p.ph, soff = s * p.dw - p.pw;
+        float acc[WG_KT];
+#pragma unroll
+        for (int j = 0; j < WG_KT; j++) acc[j] = 0.0f;
+        // The first pixel as (n, oh, ow), then stepped one pixel at a time.
+        int ow = q0 % p.ow, oh = (q0 / p.ow) % p.oh, n = q0 / (p.ow * p.oh);
+        for (int q = q0; q < q1; q++) {
+            const int ih = oh * p.sh + roff, iw = ow * p.sw + soff;
+            if (ih >= 0 && ih < p.h && iw >= 0 && iw < p.w) {
+                const float xv = Num<T>::to(x[((n * p.h + ih) * p.w + iw) * p.c + c]);
+                float d[WG_KT];
+                load_tile<T>(dy + (size_t)q * p.k + k0, kn, d);
+#pragma unroll
+                for (int j = 0; j < WG_KT; j++) acc[j] += d[j] * xv;
+            }
+            if (++ow == p.ow) {
+                ow = 0;
+                if (++oh == p.oh) {
+                    oh = 0;
+                    n++;
+                }
+            }
+        }
+        if (p.groups > 1) {
+#pragma unroll
+            for (int j = 0; j < WG_KT; j++) sh_acc[(g * p.slots + slot) * WG_KT + j] = acc[j];
+        } else {
+            float* row = partials + (size_t)blockIdx.x * weights;
+#pragma unroll
+            for (int j = 0; j < WG_KT; j++)
+                if (j < kn) row[(k0 + j) * rsc + at] = acc[j];
+        }
+    }
+    if (p.groups > 1) {
+        __syncthreads();
+        float* row = partials + (size_t)blockIdx.x * weights;
+        for (int e = threadIdx.x; e < p.slots * WG_KT; e += blockDim.x) {
+            const int slot = e / WG_KT, j = e - slot * WG_KT;
+            const int tile = slot / rsc, at = slot - tile * rsc, k = tile * WG_KT + j;
+            if (k >= p.k) continue;
+            float v = 0.0f;
+            for (int gg = 0; gg < p.groups; gg++) v += sh_acc[(gg * p.slots + slot) * WG_KT + j];
+            row[k * rsc + at] = v;
+        }
+    }
+}
+
+template <typename T>
+__device__ void wgrad_reduce(const float* partials, int blocks, int weights, T* dw) {
+    __shared__ float sh[32];
+    for (int o = blockIdx.x; o < weights; o += gridDim.x) {
+        // Four loads in flight, added in the order of b: the same sum as one at a time.
+        float v = 0.0f;
+        const int step = blockDim.x;
+        int b = threadIdx.x;
+        for (; b + 3 * step < blocks; b += 4 * step) {
+            float a0 = partials[(size_t)b * weights + o];
+            float a1 = partials[(size_t)(b + step) * weights + o];
+            float a2 = partials[(size_t)(b + 2 * step) * weights + o];
+            float a3 = partials[(size_t)(b + 3 * step) * weights + o];
+            v += a0;
+            v += a1;
+            v += a2;
+            v += a3;
+        }
+        for (; b < blocks; b += step) v += partials[(size_t)b * weights + o];
+        v = block_reduce(v, [](float a, float b) { return a + b; }, 0.0f, sh);
+        if (threadIdx.x == 0) dw[o] = Num<T>::from(v);
+    }
+}
+
+#define CONV(N, T)                                                                                  \
+    extern "C" __global__ void wgrad_partial_##N(WgradP p, const T* dy, const T* x,                \
+                                                 float* partials) {                                 \
+        wgrad_partial<T>(p, dy, x, partials);                                                       \
+    }                                                                                               \
+    extern "C" __global__ void wgrad_reduce_##N(const float* partials, int blocks, int weights,     \
+                                                T* dw) {                                            \
+        wgrad_reduce<T>(partials, blocks, weights, dw);                                             \
+    }
+CONV(f16, f16)
+CONV(bf16, bf16)
+CONV(f32, float)
