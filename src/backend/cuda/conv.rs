@@ -165,7 +165,7 @@ fn workspace_limit(dev: &CudaDevice) -> usize {
 /// Which convolution runs, with its buffers in cuDNN's argument order: forward (x, w) -> y,
 /// backward-data (dy, w) -> dx, backward-filter (dy, x) -> dw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Dir {
+pub(super) enum Dir {
     Forward,
     BackwardData,
     BackwardFilter,
@@ -609,9 +609,10 @@ impl Dnn {
                 conv,
                 algo: algos[k],
             },
-            (Cand::Direct, _, _) if direct.is_some() => {
-                Runner::Direct(direct.take().expect("checked"))
-            }
+            (Cand::Direct, _, _) => match direct.take() {
+                Some(d) => Runner::Direct(d),
+                None => return Err(Error::Cuda("cuDNN plan choice: candidate list".into())),
+            },
             _ => return Err(Error::Cuda("cuDNN plan choice: candidate list".into())),
         };
         Ok(Some(Plan { runner, record }))
