@@ -399,21 +399,16 @@ __device__ void bn_bwd_partial(u64 n, u64 c, u64 sp, u64 S, const T* g, const T*
     }
 }
 
-// The two sums of one channel's S partials, part[(ch·S + s)·2 + q], in F: each thread adds a
-// strided share in order, then the block's fixed-order tree. A block per channel, because the
-// NHWC reductions leave hundreds of partials per channel on early layers (a thread per channel
-// walking them serially took ~34 µs per call on CIFAR's 32x32 layers); the order depends only
-// on S and the block size, so the result repeats bitwise.
+// The two sums of one channel's S partials, part[(ch·S + s)·2 + q], in F (`block_fold`). A block
+// per channel, because the NHWC reductions leave hundreds of partials per channel on early
+// layers (a thread per channel walking them serially took ~34 µs per call on CIFAR's 32x32
+// layers); the order depends only on S and the block size, so the result repeats bitwise.
 template <typename F, typename P>
 __device__ __forceinline__ void channel_sums(const P* part, u64 ch, u64 S, F& a, F& b, F* sh) {
-    a = 0;
-    b = 0;
-    for (u64 s = threadIdx.x; s < S; s += blockDim.x) {
-        a += (F)part[2 * (ch * S + s)];
-        b += (F)part[2 * (ch * S + s) + 1];
-    }
-    a = block_reduce(a, [](F p, F q) { return p + q; }, (F)0, sh);
-    b = block_reduce(b, [](F p, F q) { return p + q; }, (F)0, sh);
+    auto add = [](F p, F q) { return p + q; };
+    const P* row = part + 2 * ch * S;
+    a = block_fold(S, add, (F)0, [&](u64 s) { return (F)row[2 * s]; }, sh);
+    b = block_fold(S, add, (F)0, [&](u64 s) { return (F)row[2 * s + 1]; }, sh);
 }
 
 // coef per channel: [w·invstd, w·invstd/m, Σg, Σg·x̂, mean, invstd]. One block per channel.

@@ -167,6 +167,26 @@ __device__ A block_reduce(A v, F f, A identity, A* shared /* >= 32 */) {
     return r;
 }
 
+// A block's fold of `len` values, value j being load(j): each thread folds its strided share
+// (j = threadIdx.x, + blockDim.x, ...) in order of j, four loads in flight, then the block's
+// fixed-order tree. The order depends only on len and the block size, so results repeat bit
+// for bit. What a block per row, lane or channel of partial sums is built on.
+template <typename A, typename F, typename Load>
+__device__ A block_fold(u64 len, F f, A identity, Load load, A* shared /* >= 32 */) {
+    const u64 step = blockDim.x;
+    A v = identity;
+    u64 j = threadIdx.x;
+    for (; j + 3 * step < len; j += 4 * step) {
+        A a0 = load(j), a1 = load(j + step), a2 = load(j + 2 * step), a3 = load(j + 3 * step);
+        v = f(v, a0);
+        v = f(v, a1);
+        v = f(v, a2);
+        v = f(v, a3);
+    }
+    for (; j < len; j += step) v = f(v, load(j));
+    return block_reduce(v, f, identity, shared);
+}
+
 // Math by arithmetic type (explicit f32 functions for float: no reliance on C++ overloads).
 __device__ __forceinline__ float m_exp(float v) { return expf(v); }
 __device__ __forceinline__ double m_exp(double v) { return exp(v); }

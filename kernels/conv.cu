@@ -118,22 +118,8 @@ template <typename T>
 __device__ void wgrad_reduce(const float* partials, int blocks, int weights, T* dw) {
     __shared__ float sh[32];
     for (int o = blockIdx.x; o < weights; o += gridDim.x) {
-        // Four loads in flight, added in the order of b: the same sum as one at a time.
-        float v = 0.0f;
-        const int step = blockDim.x;
-        int b = threadIdx.x;
-        for (; b + 3 * step < blocks; b += 4 * step) {
-            float a0 = partials[(size_t)b * weights + o];
-            float a1 = partials[(size_t)(b + step) * weights + o];
-            float a2 = partials[(size_t)(b + 2 * step) * weights + o];
-            float a3 = partials[(size_t)(b + 3 * step) * weights + o];
-            v += a0;
-            v += a1;
-            v += a2;
-            v += a3;
-        }
-        for (; b < blocks; b += step) v += partials[(size_t)b * weights + o];
-        v = block_reduce(v, [](float a, float b) { return a + b; }, 0.0f, sh);
+        float v = block_fold((u64)blocks, [](float a, float b) { return a + b; }, 0.0f,
+                             [&](u64 b) { return partials[b * weights + o]; }, sh);
         if (threadIdx.x == 0) dw[o] = Num<T>::from(v);
     }
 }

@@ -43,7 +43,7 @@ __device__ void reduce_lanes(int op, u64 outer, u64 len, u64 inner, const T* x, 
 }
 
 // inner > 1 with few lanes and long ones (a bias gradient: 10 lanes of 128 rows): one block per
-// lane, its threads striding the length, combined by the block's fixed-order tree. A thread per
+// lane (`block_fold`: its threads striding the length, then the block's fixed-order tree). A thread per
 // lane would leave the GPU idle while a handful of threads each walk their lane alone.
 template <typename T>
 __device__ void reduce_lanes_wide(int op, u64 outer, u64 len, u64 inner, const T* x, T* y) {
@@ -53,9 +53,7 @@ __device__ void reduce_lanes_wide(int op, u64 outer, u64 len, u64 inner, const T
     for (u64 k = blockIdx.x; k < outer * inner; k += gridDim.x) {
         u64 o = k / inner, i = k - o * inner;
         const T* p = x + o * len * inner + i;
-        A acc = r.init();
-        for (u64 j = threadIdx.x; j < len; j += blockDim.x) acc = r(acc, Num<T>::to(p[j * inner]));
-        acc = block_reduce(acc, r, r.init(), sh);
+        A acc = block_fold(len, r, r.init(), [&](u64 j) { return Num<T>::to(p[j * inner]); }, sh);
         if (threadIdx.x == 0) y[k] = Num<T>::from(acc);
     }
 }
