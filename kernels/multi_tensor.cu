@@ -1,5 +1,6 @@
 // multi_tensor.cu: scale (unscale + overflow flag), non-finite check, zero, axpby, norms (two stages:
-// per-chunk partials, then per-tensor and global), the loss-scale update.
+// per-chunk partials, then per-tensor and global), the loss-scale update, and the batched
+// gradient accumulation whose list is passed by value.
 
 template <typename I, typename O>
 __device__ void mt_scale(const TEnt* tens, const CEnt* chunks, const float* mult, float* found) {
@@ -153,6 +154,42 @@ MT_ALL1(NORM)
 AXPBY_Y(f32, float)
 AXPBY_Y(f16, f16)
 AXPBY_Y(bf16, bf16)
+
+// Up to MT_ADD_MAX gradient accumulations `dst[t] += src[t]` by value: a backward's fresh
+// gradients have new addresses every eager step, so their list travels in the launch's
+// arguments (apex's original TensorListMetadata) rather than in a cached table. Tensor t owns
+// blocks block0[t] .. block0[t + 1], one MT_CHUNK chunk each. Mirrors AddList in
+// src/backend/cuda/in_place.rs.
+#define MT_ADD_MAX 64
+struct AddList {
+    u64 dst[MT_ADD_MAX];
+    u64 src[MT_ADD_MAX];
+    u64 n[MT_ADD_MAX];
+    unsigned block0[MT_ADD_MAX + 1];
+    unsigned count;
+};
+
+// dst += src in f32, rounded once on store: the bits of the single `accumulate` kernel.
+template <typename T>
+__device__ void mt_add(const AddList& q) {
+    unsigned t = 0;
+    while (t + 1 < q.count && q.block0[t + 1] <= blockIdx.x) t++;
+    const u64 dst = q.dst[t], src = q.src[t];
+    const u64 start = (u64)(blockIdx.x - q.block0[t]) * MT_CHUNK;
+    const u64 end = umin64(q.n[t], start + MT_CHUNK);
+    const bool vec = ((dst | src) & 15ULL) == 0;
+    for (u64 i = start + (u64)threadIdx.x * 4; i < end; i += (u64)blockDim.x * 4) {
+        float a[4], b[4];
+        ld4<T>(dst, i, end, vec, a);
+        ld4<T>(src, i, end, vec, b);
+#pragma unroll
+        for (int k = 0; k < 4; k++) a[k] += b[k];
+        st4<T>(dst, i, end, vec, a);
+    }
+}
+#define ADD(N, T) \
+    extern "C" __global__ void mt_add_##N(AddList q) { mt_add<T>(q); }
+MT_ALL1(ADD)
 
 // Up to 16 floats by value: what write_words stores.
 struct Words16 { float w[16]; };

@@ -282,6 +282,119 @@ fn zero_grads_in_place_clears_every_buffer_with_one_call() {
     }
 }
 
+/// A backward adds its gradients into the persistent buffers together (one launch per dtype on
+/// CUDA; tests/cuda.rs compares those bits with these): the values are those of adding each as
+/// it completes, and no user code in the pass sees a gradient without its add — a variable's
+/// post-accumulate hook reads its own total, a custom function's backward and a callback queued
+/// during the pass read every total decided before them.
+#[test]
+fn backward_adds_persistent_gradients_together_and_user_code_sees_them_added() {
+    use std::sync::{Arc, Mutex};
+    let var = |v: Vec<f32>, dt: DType| {
+        let n = v.len();
+        Tensor::from_vec(v, [n], CPU)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap()
+            .to_variable()
+    };
+    let a = var(vec![1.0, 2.0, 3.0], DType::F32);
+    let b = var(vec![0.5; 9000], DType::F16);
+    let c = var(vec![2.0, -1.0], DType::BF16);
+    let d = var(vec![4.0, 8.0], DType::F64);
+    let hooked = var(vec![1.0, 1.0], DType::F32);
+    let vars = [&a, &b, &c, &d, &hooked];
+    Tensor::zero_grads_in_place(&vars.map(|v| v.clone())).unwrap();
+    let bufs: Vec<Tensor> = vars.iter().map(|v| v.grad().unwrap()).collect();
+    let total = |t: &Tensor| t.to_vec_f64().unwrap();
+    let seen_in_hook = Arc::new(Mutex::new(Vec::new()));
+    let seen_in_custom = Arc::new(Mutex::new(Vec::new()));
+    let seen_at_end = Arc::new(Mutex::new(Vec::new()));
+    {
+        let (s, h) = (seen_in_hook.clone(), hooked.clone());
+        let (e, all) = (seen_at_end.clone(), vars.map(|v| v.clone()));
+        hooked
+            .register_post_accumulate_grad_hook(move |t| {
+                s.lock().unwrap().push(t.grad().unwrap().to_vec_f64()?);
+                assert!(t.same_storage(&h));
+                let (e, all) = (e.clone(), all.clone());
+                mixprec::autograd::queue_callback(move || {
+                    let now: Vec<Vec<f64>> = all
+                        .iter()
+                        .map(|v| v.grad().unwrap().to_vec_f64())
+                        .collect::<mixprec::Result<_>>()?;
+                    e.lock().unwrap().push(now);
+                    Ok(())
+                })
+            })
+            .unwrap();
+    }
+    let scale = |t: &Tensor, k: f64| {
+        t.mul_scalar(k)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
+    let step = |k: f64| {
+        // The engine walks a node's first operand's subgraph before its second's: hooked's
+        // gradient is final first, then a, b and c's, then the custom function's backward runs
+        // (reading two of them), then d's, whose add is still pending when the pass ends.
+        let abc = scale(&a, k)
+            .add(&scale(&b, k))
+            .unwrap()
+            .add(&scale(&c, k))
+            .unwrap();
+        let dk = scale(&d, k);
+        let (s, ab) = (seen_in_custom.clone(), (a.clone(), b.clone()));
+        let gate = mixprec::autograd::custom_function("gate", &[&dk], &dk.detach(), move |g| {
+            let (ga, gb) = (ab.0.grad().unwrap(), ab.1.grad().unwrap());
+            s.lock().unwrap().push((ga.to_vec_f64()?, gb.to_vec_f64()?));
+            Ok(vec![Some(g.clone())])
+        });
+        scale(&hooked, k)
+            .add(&abc)
+            .unwrap()
+            .add(&gate)
+            .unwrap()
+            .backward()
+            .unwrap();
+    };
+    step(3.0);
+    step(0.1);
+    // The totals: each variable's 3 + 0.1 in its dtype (the second add rounds as `add`).
+    for (v, buf) in vars.iter().zip(&bufs) {
+        let g = v.grad().unwrap();
+        assert!(g.same_storage(buf), "kept its buffer");
+        let three = Tensor::full(v.dims().to_vec(), 3.0, v.dtype(), CPU).unwrap();
+        let tenth = Tensor::full(v.dims().to_vec(), 0.1, v.dtype(), CPU).unwrap();
+        let want = total(&three.add(&tenth).unwrap());
+        assert!(total(&g) == want, "{:?}: {:?}", v.dtype(), &total(&g)[..2]);
+    }
+    let three = |v: &Tensor| total(&Tensor::full(v.dims().to_vec(), 3.0, v.dtype(), CPU).unwrap());
+    let hook = seen_in_hook.lock().unwrap().clone();
+    assert_eq!(hook.len(), 2);
+    assert_eq!(hook[0], three(&hooked), "the hook sees its own add");
+    let custom = seen_in_custom.lock().unwrap().clone();
+    assert!(
+        custom[0] == (three(&a), three(&b)),
+        "the custom backward sees a and b added: {:?}, {:?}",
+        custom[0].0,
+        &custom[0].1[..2]
+    );
+    let end = seen_at_end.lock().unwrap().clone();
+    assert_eq!(end.len(), 2);
+    for (v, got) in vars.iter().zip(&end[0]) {
+        assert!(
+            *got == three(v),
+            "the callback sees every gradient added: {:?} {:?}",
+            v.dtype(),
+            &got[..2]
+        );
+    }
+}
+
 /// Every level (with or without FP32 masters): the persistent gradients made by the first
 /// `zero_grad` keep their buffers across steps (at O0/O1/O3 the optimizer's parameters are the
 /// model's, and zero_grad once dropped the gradients it had just zeroed).

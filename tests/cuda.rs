@@ -1987,6 +1987,84 @@ fn resnet18_forward_backward_matches_cpu() {
     }
 }
 
+/// A backward adds the persistent gradients together (`mt_add_<dtype>`, 64 gradients a launch,
+/// the list passed by value): the same bits as the CPU's adds, for more gradients than one
+/// launch takes, every float dtype (F64 one at a time), chunk tails, tensors of one element,
+/// and a channels_last weight, over two backward passes so the second add rounds.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn persistent_gradients_added_together_match_the_cpu() {
+    gpu();
+    let dtypes = [DType::F16, DType::F32, DType::BF16, DType::F64];
+    let sizes = [1usize, 3, 8192, 8193, 20001, 100];
+    let mut values = Vec::new();
+    for i in 0..140 {
+        let n = sizes[i % sizes.len()];
+        values.push(random::uniform(seed(), n, -2.0, 2.0));
+    }
+    let weight = random::uniform(seed(), 16 * 3 * 3 * 3, -1.0, 1.0);
+    let run = |dev: Device| -> Vec<Vec<f64>> {
+        let t = |v: &Vec<f64>, dims: &[usize], dt: DType| {
+            Tensor::from_vec(v.clone(), dims.to_vec(), Device::Cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap()
+                .to_device(dev)
+                .unwrap()
+        };
+        // Variables 0..70, each with a coefficient tensor of its own (70..140).
+        let mut vars: Vec<Tensor> = (0..70)
+            .map(|i| t(&values[i], &[values[i].len()], dtypes[i % 4]).to_variable())
+            .collect();
+        let mut coefs: Vec<Tensor> = (0..70)
+            .map(|i| t(&values[70 + i], &[values[i].len()], dtypes[i % 4]))
+            .collect();
+        let dims = [4, 4, 3, 3];
+        let w = t(&weight[..144].to_vec(), &dims, DType::F16)
+            .to_memory_format(MemoryFormat::ChannelsLast)
+            .unwrap()
+            .to_variable();
+        assert_eq!(w.memory_format(), Some(MemoryFormat::ChannelsLast));
+        vars.push(w);
+        coefs.push(t(&weight[144..288].to_vec(), &dims, DType::F16));
+        Tensor::zero_grads_in_place(&vars).unwrap();
+        for k in [0.37, -1.9] {
+            let mut loss: Option<Tensor> = None;
+            for (v, c) in vars.iter().zip(&coefs) {
+                let term = v
+                    .mul(c)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .mul_scalar(k)
+                    .unwrap();
+                loss = Some(match loss {
+                    Some(l) => l.add(&term).unwrap(),
+                    None => term,
+                });
+            }
+            loss.unwrap().backward().unwrap();
+        }
+        vars.iter()
+            .map(|v| v.grad().unwrap().to_vec_f64().unwrap())
+            .collect()
+    };
+    let (want, got) = (run(Device::Cpu), run(Device::Cuda(0)));
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        if let Some(j) = (0..w.len()).find(|&j| g[j].to_bits() != w[j].to_bits()) {
+            panic!(
+                "gradient {i} ({} elements, {:?}): element {j} is {} on the GPU, {} on the CPU",
+                w.len(),
+                if i < 70 { dtypes[i % 4] } else { DType::F16 },
+                g[j],
+                w[j]
+            );
+        }
+    }
+}
+
 // ================================================================================================
 // Fused multi-tensor kernels and optimizers (issue 5): the CPU tests' cases on the GPU, against
 // the same F64 references / host-computed expectations, plus CPU ↔ CUDA agreement and the chunk

@@ -4,7 +4,7 @@
 //! They record nothing for autograd, and refuse a tensor that requires grad while gradients are
 //! recorded (as PyTorch's in-place ops on a leaf do).
 
-use super::{Storage, Tensor};
+use super::{DType, Storage, Tensor};
 use crate::backend::cuda::in_place as cuda;
 use crate::error::{Error, Result};
 
@@ -22,6 +22,35 @@ impl Storage {
                 rhs: b.device(),
             }),
         }
+    }
+
+    /// `dsts[i] += srcs[i]` for every i, all on one device (the caller's grouping), distinct
+    /// buffers each.
+    fn add_assign_many(dsts: &mut [&mut Storage], srcs: &[&Storage]) -> Result<()> {
+        let (mut cpu, mut cuda) = (Vec::new(), Vec::new());
+        for (dst, src) in dsts.iter_mut().zip(srcs) {
+            match (&mut **dst, *src) {
+                (Storage::Cpu(a), Storage::Cpu(b)) => cpu.push((a, b)),
+                (Storage::Cuda(a), Storage::Cuda(b)) => cuda.push((&*a, b)),
+                (a, b) => {
+                    return Err(Error::DeviceMismatch {
+                        op: "add_in_place",
+                        lhs: a.device(),
+                        rhs: b.device(),
+                    })
+                }
+            }
+        }
+        if !cpu.is_empty() {
+            crate::graph::refuse_host_op("add_in_place")?;
+            for (a, b) in cpu {
+                a.add_assign(b)?;
+            }
+        }
+        if cuda.is_empty() {
+            return Ok(());
+        }
+        cuda::add_assign_many(&cuda)
     }
 
     fn copy_from(&mut self, src: &Storage) -> Result<()> {
@@ -135,6 +164,52 @@ impl Tensor {
         }
         let s = src.storage();
         self.storage_mut().add_assign(&s)
+    }
+
+    /// [`Tensor::add_in_place`] for many pairs `(dst, src)` at once, the same bits: one launch
+    /// per dtype on CUDA rather than one per pair, which is how a backward pass adds its
+    /// gradients into the persistent ones. Every pair is checked before anything is written,
+    /// so an error leaves every destination as it was. Pairs the batch cannot take (a buffer
+    /// in two pairs, F64, a CPU tensor beside CUDA ones) are added one by one.
+    pub(crate) fn add_in_place_many(pairs: &[(Tensor, Tensor)]) -> Result<()> {
+        let mut checked = Vec::with_capacity(pairs.len());
+        for (dst, src) in pairs {
+            if let Some(s) = dst.check_in_place("add_in_place", Some(src))? {
+                checked.push((dst, s));
+            }
+        }
+        let Some(dev) = checked.first().map(|(d, _)| d.device()) else {
+            return Ok(());
+        };
+        // Each buffer locked once: a destination or source that shares a buffer with another
+        // pair goes on its own.
+        let mut keys = std::collections::HashSet::new();
+        let (mut batch, mut single) = (Vec::new(), Vec::new());
+        for (dst, s) in checked {
+            let fits = dst.device() == dev
+                && matches!(dst.dtype(), DType::F32 | DType::F16 | DType::BF16)
+                && !keys.contains(&dst.storage_key())
+                && !keys.contains(&s.storage_key())
+                && !dst.same_storage(&s);
+            if fits {
+                keys.insert(dst.storage_key());
+                keys.insert(s.storage_key());
+                batch.push((dst, s));
+            } else {
+                single.push((dst, s));
+            }
+        }
+        {
+            let mut dsts: Vec<_> = batch.iter().map(|(d, _)| d.storage_mut()).collect();
+            let srcs: Vec<_> = batch.iter().map(|(_, s)| s.storage()).collect();
+            let mut targets: Vec<&mut Storage> = dsts.iter_mut().map(|g| &mut **g).collect();
+            let sources: Vec<&Storage> = srcs.iter().map(|g| &**g).collect();
+            Storage::add_assign_many(&mut targets, &sources)?;
+        }
+        for (dst, s) in single {
+            dst.add_in_place(&s)?;
+        }
+        Ok(())
     }
 
     /// Sets every element to zero, keeping the buffer.

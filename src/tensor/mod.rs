@@ -81,6 +81,14 @@ struct GradSlot {
     owned: bool,
 }
 
+/// What adding a gradient into a variable leaves to do ([`Tensor::begin_grad_add`]).
+pub(crate) enum GradAdd {
+    /// The gradient slot was set: nothing.
+    Done,
+    /// `buffer += g`, into the variable's own gradient buffer.
+    InPlace { buffer: Tensor, g: Tensor },
+}
+
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorInner>);
 
@@ -603,6 +611,15 @@ impl Tensor {
     /// (see [`Tensor::zero_grad_in_place`]), else into a new tensor (a gradient handed out keeps
     /// its values); a failed accumulation leaves the gradient as it was.
     pub(crate) fn accumulate_grad(&self, g: &Tensor) -> Result<()> {
+        match self.begin_grad_add(g)? {
+            GradAdd::Done => Ok(()),
+            GradAdd::InPlace { buffer, g } => buffer.add_in_place(&g),
+        }
+    }
+
+    /// [`Tensor::accumulate_grad`] up to the add into the gradient's own buffer, which it
+    /// returns for the caller to do (the backward engine batches those adds).
+    pub(crate) fn begin_grad_add(&self, g: &Tensor) -> Result<GradAdd> {
         let g = if g.dtype() != self.dtype() {
             g.to_dtype(self.dtype())?
         } else {
@@ -615,13 +632,14 @@ impl Tensor {
         match (&slot.grad, slot.owned) {
             (None, _) => slot.grad = Some(g.detach()),
             (Some(old), true) => {
-                let old = old.clone();
-                drop(slot);
-                old.add_in_place(&g.detach())?;
+                return Ok(GradAdd::InPlace {
+                    buffer: old.clone(),
+                    g: g.detach(),
+                })
             }
             (Some(old), false) => slot.grad = Some(old.add(&g)?.detach()),
         }
-        Ok(())
+        Ok(GradAdd::Done)
     }
 
     /// Computes the gradients of this scalar with respect to every variable it depends on and

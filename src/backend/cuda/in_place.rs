@@ -7,10 +7,12 @@ use cudarc::driver::result as cur;
 
 use super::device::cuda_err;
 use super::launch::{launch, Grid};
+use super::multi_tensor::MT_THREADS;
 use super::registry::Family;
 use super::storage::CudaStorage;
-use crate::backend::BackendStorage;
+use crate::backend::{BackendStorage, MT_CHUNK};
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 
 fn same_kind(op: &'static str, dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
     if dst.dtype() != src.dtype() {
@@ -57,6 +59,87 @@ pub(crate) fn add_assign(dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
     let name = format!("accumulate_{}", d.as_str());
     let dev = dst.device();
     launch!(dev, Family::MultiTensor, name, Grid::for_items(dev, n); n as u64, dst.ptr(), src.ptr());
+    Ok(())
+}
+
+/// Pairs per launch of [`add_assign_many`]: `MT_ADD_MAX` in `kernels/multi_tensor.cu`.
+const ADD_MAX: usize = 64;
+
+/// The launch argument of `mt_add_<dtype>` (`AddList` in `kernels/multi_tensor.cu`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AddList {
+    dst: [u64; ADD_MAX],
+    src: [u64; ADD_MAX],
+    n: [u64; ADD_MAX],
+    block0: [u32; ADD_MAX + 1],
+    count: u32,
+}
+
+/// `dst += src` for every pair (each as [`add_assign`], the same bits), one launch per dtype
+/// and 64 pairs: how a backward's gradients are added into their persistent buffers. The list
+/// is a launch argument, not a cached device table, as the sources are fresh every step (and a
+/// captured launch keeps its arguments, whose graph-owned addresses hold across replays).
+/// Every pair is checked before anything is launched. The destinations must be distinct
+/// buffers that no source shares (the caller's contract: it holds a write lock on each).
+pub(crate) fn add_assign_many(pairs: &[(&CudaStorage, &CudaStorage)]) -> Result<()> {
+    let op = "add_in_place";
+    for (dst, src) in pairs {
+        same_kind(op, dst, src)?;
+        if !matches!(dst.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+            return Err(Error::UnsupportedDType {
+                op,
+                got: dst.dtype(),
+                expected: "F32, F16 or BF16 (one pair at a time for F64)",
+            });
+        }
+        if dst.ordinal() != pairs[0].0.ordinal() {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: crate::Device::Cuda(pairs[0].0.ordinal()),
+                rhs: crate::Device::Cuda(dst.ordinal()),
+            });
+        }
+    }
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let of_dtype: Vec<_> = pairs
+            .iter()
+            .filter(|(d, _)| d.dtype() == dtype && d.len() > 0)
+            .collect();
+        for part in of_dtype.chunks(ADD_MAX) {
+            let mut q = AddList {
+                dst: [0; ADD_MAX],
+                src: [0; ADD_MAX],
+                n: [0; ADD_MAX],
+                block0: [0; ADD_MAX + 1],
+                count: part.len() as u32,
+            };
+            let mut blocks = 0usize;
+            for (t, (dst, src)) in part.iter().enumerate() {
+                q.dst[t] = dst.ptr();
+                q.src[t] = src.ptr();
+                q.n[t] = dst.len() as u64;
+                q.block0[t] = blocks as u32;
+                blocks += dst.len().div_ceil(MT_CHUNK);
+            }
+            if blocks > u32::MAX as usize {
+                return Err(Error::invalid_arg(
+                    op,
+                    "gradients",
+                    format!("{blocks} chunks of {MT_CHUNK} elements in one launch"),
+                    "fewer than 2^32",
+                ));
+            }
+            q.block0[part.len()] = blocks as u32;
+            let dev = part[0].0.device();
+            let grid = Grid {
+                blocks: blocks as u32,
+                threads: MT_THREADS,
+            };
+            let name = format!("mt_add_{}", dtype.as_str());
+            launch!(dev, Family::MultiTensor, name, grid; q);
+        }
+    }
     Ok(())
 }
 

@@ -22,7 +22,7 @@ use crate::tensor::DType;
 /// Elements per chunk (one block each); the kernels get it as `MT_CHUNK` (`registry.rs`).
 use crate::backend::MT_CHUNK as CHUNK;
 /// Threads per block of the chunk kernels.
-const MT_THREADS: u32 = 512;
+pub(crate) const MT_THREADS: u32 = 512;
 /// Words (u64) per tensor entry (`TEnt`).
 const TENT_WORDS: usize = 10;
 /// Cached lists per device before the cache is cleared.
