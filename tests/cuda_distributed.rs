@@ -337,8 +337,21 @@ fn ddp_nccl_two_ranks_agree() {
             .0
     };
     let (a, b) = (read(0), read(1));
-    for ((n, ta), (_, tb)) in a.iter().zip(&b) {
+    assert_eq!(a.len(), b.len());
+    let mut own = 0;
+    for ((n, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(n, nb);
+        // Batch-norm statistics are rank 0's when each training forward starts (PyTorch's
+        // broadcast_buffers), then that forward updates them from the rank's own batch: after
+        // the last step each rank holds its own. Everything else must agree.
+        if n.ends_with("running_mean") || n.ends_with("running_var") {
+            own += usize::from(bits(ta) != bits(tb));
+            continue;
+        }
         assert!(bits(ta) == bits(tb), "{n}: the two ranks differ");
     }
-    println!("two NCCL ranks on two GPUs: bitwise equal after 3 O2 steps");
+    println!(
+        "two NCCL ranks on two GPUs: bitwise equal after 3 O2 steps ({own} running statistics \
+         of each rank's last batch differ, as in PyTorch)"
+    );
 }
