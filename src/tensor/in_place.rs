@@ -169,8 +169,9 @@ impl Tensor {
     /// [`Tensor::add_in_place`] for many pairs `(dst, src)` at once, the same bits: one launch
     /// per dtype on CUDA rather than one per pair, which is how a backward pass adds its
     /// gradients into the persistent ones. Every pair is checked before anything is written,
-    /// so an error leaves every destination as it was. Pairs the batch cannot take (a buffer
-    /// in two pairs, F64, a CPU tensor beside CUDA ones) are added one by one.
+    /// so a pair refused (shape, dtype, device, a view) leaves every destination as it was.
+    /// Pairs the batch cannot take (a buffer in two pairs, F64, a device other than the first
+    /// pair's) are added one by one after it.
     pub(crate) fn add_in_place_many(pairs: &[(Tensor, Tensor)]) -> Result<()> {
         let mut checked = Vec::with_capacity(pairs.len());
         for (dst, src) in pairs {
