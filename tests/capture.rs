@@ -216,19 +216,21 @@ fn persistent_gradients_accumulate_in_their_own_buffer() {
     );
 }
 
+/// A CPU variable of `dt` holding `v`.
+fn var(v: Vec<f32>, dt: DType) -> Tensor {
+    let n = v.len();
+    Tensor::from_vec(v, [n], CPU)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+        .to_variable()
+}
+
 /// Zeroing many persistent gradients: the ones with buffers of their own are cleared by one
 /// multi-tensor call in place; the first call makes the buffers; f64 gradients (no
 /// multi-tensor kernel) and tensors that collect no gradient are handled one by one.
 #[test]
 fn zero_grads_in_place_clears_every_buffer_with_one_call() {
-    let var = |v: Vec<f32>, dt: DType| {
-        let n = v.len();
-        Tensor::from_vec(v, [n], CPU)
-            .unwrap()
-            .to_dtype(dt)
-            .unwrap()
-            .to_variable()
-    };
     let vars = [
         var(vec![1.0, 2.0, 3.0], DType::F32),
         var(vec![4.0; 70_000], DType::F16), // more than one chunk
@@ -290,14 +292,6 @@ fn zero_grads_in_place_clears_every_buffer_with_one_call() {
 #[test]
 fn backward_adds_persistent_gradients_together_and_user_code_sees_them_added() {
     use std::sync::{Arc, Mutex};
-    let var = |v: Vec<f32>, dt: DType| {
-        let n = v.len();
-        Tensor::from_vec(v, [n], CPU)
-            .unwrap()
-            .to_dtype(dt)
-            .unwrap()
-            .to_variable()
-    };
     let a = var(vec![1.0, 2.0, 3.0], DType::F32);
     let b = var(vec![0.5; 9000], DType::F16);
     let c = var(vec![2.0, -1.0], DType::BF16);
