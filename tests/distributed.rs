@@ -57,6 +57,7 @@ fn rank_entry() {
         "early" => worker_early(&env),
         "mismatch-shape" | "mismatch-dtype" => worker_mismatch(&env, &role),
         "trainer" => worker_trainer(&env, &out),
+        "buffers" => worker_buffers(&env, &out),
         other => Err(Error::invalid_arg(
             "rank_entry",
             "role",
@@ -257,6 +258,33 @@ fn level_of(s: &str) -> OptLevel {
 
 fn save(out: &Path, name: &str, tensors: Vec<(String, Tensor)>) -> Result<()> {
     mixprec::io::safetensors::write(&out.join(name), &tensors, &Default::default())
+}
+
+/// broadcast_buffers: each rank first gives its batch-norm statistics values of its own, then
+/// runs one training forward through DDP on a batch all ranks share. The forward starts from
+/// rank 0's statistics, so after it every rank holds the same; the rank saves them.
+fn worker_buffers(env: &LaunchEnv, out: &Path) -> Result<()> {
+    let g = group(env)?;
+    let ddp = DistributedDataParallel::new(tiny_resnet(0)?, &g, DdpConfig::default())?;
+    let r = env.rank as f64;
+    let mut floats = 0;
+    for (_, b) in ddp.named_buffers() {
+        if b.dtype().is_float() {
+            let _ng = mixprec::no_grad();
+            b.copy_in_place(&b.affine(r + 1.0, r)?)?;
+            floats += 1;
+        }
+    }
+    check(floats > 0, || "the net has float buffers".into())?;
+    for step in 0..2 {
+        let x = Tensor::randn([4, 1, 8, 8], 0.0, 1.0, 7 + step, DType::F32, CPU)?;
+        ddp.forward(&x)?;
+    }
+    save(
+        out,
+        &format!("rank{}.safetensors", env.rank),
+        ddp.named_buffers(),
+    )
 }
 
 fn worker_train(env: &LaunchEnv, out: &Path) -> Result<()> {
@@ -668,6 +696,18 @@ fn worst_normwise(got: &[(String, Tensor)], want: &[(String, Tensor)]) -> (f64, 
 fn collectives_on_two_and_three_ranks() {
     for n in [2, 3] {
         run_ranks("collectives", n, &[], Duration::from_secs(10)).expect_ok();
+    }
+}
+
+#[test]
+fn each_training_forward_starts_from_rank_zeros_buffers() {
+    let run = run_ranks("buffers", 3, &[], Duration::from_secs(10));
+    run.expect_ok();
+    let base = run.tensors(0);
+    for r in 1..3 {
+        for ((n, a), (_, b)) in base.iter().zip(&run.tensors(r)) {
+            assert!(bits(a) == bits(b), "rank {r}: {n} differs from rank 0's");
+        }
     }
 }
 
