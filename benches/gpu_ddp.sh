@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Data-parallel GPU checks on one GPU (issue 17's acceptance), in one call on the GPU machine:
+# Data-parallel GPU checks (issue 17's acceptance on one GPU; step 4 with several), in one call:
 #   1. tests/cuda_distributed.rs: NCCL at world size 1 for real (rendezvous, unique id,
 #      communicator, every collective on the communication stream), a DDP step bitwise equal to
 #      the unwrapped one with no host sync and buckets launched during backward, the overflow
 #      check reading the reduced gradients (and two ranks on two GPUs when there are two);
 #   2. the ResNet-50 O2 step (batch 256) unwrapped vs in DDP at world size 1 (bound: 3%);
 #   3. PyTorch's DDP at world size 1 beside it (torchrun --standalone --nproc_per_node=1).
+#   4. with two or more GPUs, the bench on every GPU at once (NET=main-job, then ResNet-50).
 # Stage here:  ../shared/tools/gpu-stage --bench ddp_resnet50
 # Run there:   bash benches/gpu_ddp.sh     (logs go under $OUT)
 set -u
@@ -31,3 +32,22 @@ echo "== 2. ResNet-50 O2: mixprec unwrapped vs DDP (NCCL, world size 1)"
 echo "== 3. the same step in PyTorch: unwrapped vs DDP (world size 1)"
 python3 -m torch.distributed.run --standalone --nproc_per_node=1 benches/torch_ddp_resnet50.py 2>&1 \
   | grep -v "^W" | tee "$out/torch_ddp.log"
+
+# 4. With several GPUs: every rank runs the bench on its own GPU (the launcher variables set by
+#    hand, as torchrun sets them); rank 0 reports, for the small net of the Fashion-MNIST job
+#    and for ResNet-50.
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$gpus" -ge 2 ]; then
+  port=29650
+  for net in main-job resnet50; do
+    port=$((port + 1))
+    echo "== 4. mixprec DDP on $gpus ranks, NET=$net"
+    for ((r = 0; r < gpus; r++)); do
+      NET=$net RANK=$r LOCAL_RANK=$r WORLD_SIZE=$gpus LOCAL_WORLD_SIZE=$gpus \
+        MASTER_ADDR=127.0.0.1 MASTER_PORT=$port .gpu/bin/bench-ddp_resnet50 \
+        > "$out/ddp_${net}_rank$r.log" 2>&1 &
+    done
+    wait
+    grep -vE "^\[" "$out/ddp_${net}_rank0.log" | tee -a "$out/mixprec_ddp_ranks.log"
+  done
+fi
