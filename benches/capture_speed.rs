@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use mixprec::amp::{self, CapturedStep, OptLevel, Policy};
 use mixprec::backend::cuda::{allocation_count, device, external_profiler_range, host_sync_count};
-use mixprec::nn::{self, BlockKind, Module, ResNet, ResNetConfig, Stem};
+use mixprec::nn::{self, Module, ResNet};
 use mixprec::optim::{FusedSgd, LrSchedule, Optimizer, SgdConfig};
 use mixprec::{DType, Device, MemoryFormat, Tensor};
 
@@ -43,19 +43,7 @@ struct Net {
 }
 
 fn main_job(dev: &Device) -> mixprec::Result<ResNet> {
-    ResNet::new(
-        &ResNetConfig {
-            block: BlockKind::Basic,
-            blocks: vec![1, 1, 1],
-            widths: vec![16, 32, 64],
-            in_channels: 1,
-            num_classes: 10,
-            stem: Stem::Small,
-            zero_init_residual: false,
-            seed: 0,
-        },
-        dev,
-    )
+    common::main_job_net(dev)
 }
 
 fn resnet18(dev: &Device) -> mixprec::Result<ResNet> {

@@ -27,7 +27,7 @@ use mixprec::amp::{self, AmpModel, AmpOptimizer, OptLevel, Policy};
 use mixprec::backend::cuda::{device, host_sync_count};
 use mixprec::distributed::{Backend, DdpConfig, DistributedDataParallel, GroupOptions};
 use mixprec::distributed::{LaunchEnv, ProcessGroup};
-use mixprec::nn::{cross_entropy, BlockKind, Module, ResNet, ResNetConfig, Stem};
+use mixprec::nn::{cross_entropy, Module, ResNet};
 use mixprec::optim::{FusedSgd, SgdConfig};
 use mixprec::{DType, Device, Tensor};
 
@@ -47,19 +47,7 @@ type Pair = (AmpModel<ResNet>, AmpOptimizer<FusedSgd>);
 /// The benchmark's net: `NET` (resnet50 or main-job).
 fn net(dev: Device) -> mixprec::Result<ResNet> {
     match std::env::var("NET").as_deref() {
-        Ok("main-job") => ResNet::new(
-            &ResNetConfig {
-                block: BlockKind::Basic,
-                blocks: vec![1, 1, 1],
-                widths: vec![16, 32, 64],
-                in_channels: 1,
-                num_classes: 10,
-                stem: Stem::Small,
-                zero_init_residual: false,
-                seed: 0,
-            },
-            &dev,
-        ),
+        Ok("main-job") => common::main_job_net(&dev),
         _ => ResNet::resnet50(1000, &dev, 0),
     }
 }
@@ -125,31 +113,12 @@ fn run() -> mixprec::Result<()> {
         );
     }
 
-    let (x, classes) = if small {
-        (
-            Tensor::randn(
-                [batch, 1, 28, 28],
-                0.0,
-                1.0,
-                1 + rank as u64,
-                DType::F32,
-                dev,
-            )?,
-            10,
-        )
+    let (shape, classes) = if small {
+        ([batch, 1, 28, 28], 10)
     } else {
-        (
-            Tensor::randn(
-                [batch, 3, 224, 224],
-                0.0,
-                1.0,
-                1 + rank as u64,
-                DType::F32,
-                dev,
-            )?,
-            1000,
-        )
+        ([batch, 3, 224, 224], 1000)
     };
+    let x = Tensor::randn(shape, 0.0, 1.0, 1 + rank as u64, DType::F32, dev)?;
     let labels: Vec<i64> = (0..batch).map(|i| (i * 37 % classes) as i64).collect();
     let y = Tensor::from_vec(labels, [batch], dev)?;
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use mixprec::backend::cuda::{device, CudaStorage};
 use mixprec::backend::BackendStorage;
+use mixprec::nn::{BlockKind, ResNet, ResNetConfig, Stem};
 use mixprec::Device;
 
 /// Runs `run` when there is a CUDA device (exits quietly without one; with status 1 on error).
@@ -22,6 +23,24 @@ pub fn main_with(run: impl FnOnce() -> mixprec::Result<()>) {
         eprintln!("benchmark failed: {e}");
         std::process::exit(1);
     }
+}
+
+/// The net of the Fashion-MNIST main job (`train_resnet` with no options): basic blocks
+/// [1, 1, 1], widths [16, 32, 64], one input channel, the small stem, 10 classes.
+pub fn main_job_net(dev: &Device) -> mixprec::Result<ResNet> {
+    ResNet::new(
+        &ResNetConfig {
+            block: BlockKind::Basic,
+            blocks: vec![1, 1, 1],
+            widths: vec![16, 32, 64],
+            in_channels: 1,
+            num_classes: 10,
+            stem: Stem::Small,
+            zero_init_residual: false,
+            seed: 0,
+        },
+        dev,
+    )
 }
 
 /// Seconds per call: `warm` untimed calls, then 5 rounds of `iters` back-to-back calls (one
