@@ -4,7 +4,7 @@
 //! rendezvous, the communicator, every gradient through the bucketed all-reduce on the
 //! communication stream. The issue's bound: DDP within 3% of the unwrapped step.
 //!
-//! The two models are timed in alternating rounds (drift in clocks or temperature hits both),
+//! The models are timed in rotating rounds (drift in clocks or temperature hits all of them),
 //! one synchronisation per round; the medians are compared. Host synchronisations inside the
 //! timed DDP steps are counted (the target is none). One JSON line with the figures, then a
 //! PASS/FAIL line. PyTorch's side: `torchrun --standalone --nproc_per_node=1
@@ -13,6 +13,10 @@
 //! Started by a launcher (RANK, WORLD_SIZE, ... set, as torchrun sets them) every rank runs the
 //! same rounds on its own GPU and DDP averages over all of them; rank 0 reports, with an INFO
 //! line instead of the world-size-1 bound.
+//!
+//! A third contender is the DDP step captured into a CUDA graph with its collectives
+//! (`amp::CapturedStep` over the wrapper): its step time, issue time and speed against the eager
+//! DDP step are reported beside (INFO).
 //!
 //! Environment: NET (resnet50, or main-job: the Fashion-MNIST example's small ResNet on 28x28
 //! inputs), BATCH (256; 128 for main-job), ROUNDS (7), STEPS per round (6), WARMUP steps (5);
@@ -23,7 +27,7 @@ mod common;
 
 use std::time::Instant;
 
-use mixprec::amp::{self, AmpModel, AmpOptimizer, OptLevel, Policy};
+use mixprec::amp::{self, AmpModel, AmpOptimizer, CapturedStep, OptLevel, Policy};
 use mixprec::backend::cuda::{device, host_sync_count};
 use mixprec::distributed::{Backend, DdpConfig, DistributedDataParallel, GroupOptions};
 use mixprec::distributed::{LaunchEnv, ProcessGroup};
@@ -81,6 +85,11 @@ fn step(
     opt.step()
 }
 
+/// Round times in ms, two decimals.
+fn rounds_ms(t: &[f64]) -> Vec<f64> {
+    t.iter().map(|t| (1e5 * t).round() / 100.0).collect()
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -133,50 +142,54 @@ fn run() -> mixprec::Result<()> {
         );
     }
 
-    for _ in 0..warmup {
+    // The third contender: the DDP step captured into a CUDA graph with its collectives.
+    let (wrapped_g, mut graph_opt) = build(dev)?;
+    let ddp_g = DistributedDataParallel::new(wrapped_g, &group, DdpConfig::default())?;
+    let mut captured = CapturedStep::new(&ddp_g, &mut graph_opt, |x: &Tensor, y: &Tensor| {
+        cross_entropy(&ddp_g.forward(x)?, y)
+    })?;
+
+    for _ in 0..warmup.max(3) {
         step(&plain, &mut plain_opt, &x, &y)?;
         step(&ddp, &mut ddp_opt, &x, &y)?;
+        captured.run(&x, &y)?;
     }
     cuda.synchronize()?;
 
-    let (mut t_plain, mut t_ddp) = (Vec::new(), Vec::new());
-    // Host time to issue a round's steps, per step: near the step time, the host is the bound.
-    let (mut q_plain, mut q_ddp) = (Vec::new(), Vec::new());
-    let mut ddp_syncs = 0;
+    // Per contender (unwrapped, DDP, DDP captured): the step times of the rounds, and the host
+    // time to issue a round's steps per step (near the step time, the host is the bound).
+    let mut t: [Vec<f64>; 3] = Default::default();
+    let mut q: [Vec<f64>; 3] = Default::default();
+    let mut syncs = [0u64; 3];
     for round in 0..rounds {
-        // Alternate which goes first, so that neither always follows the other's tail.
-        let order = if round % 2 == 0 {
-            [false, true]
-        } else {
-            [true, false]
-        };
-        for wrapped in order {
-            let t = Instant::now();
+        // Rotate which goes first, so that none always follows another's tail.
+        for k in (0..3).map(|i| (i + round) % 3) {
+            let t0 = Instant::now();
             let before = host_sync_count();
             for _ in 0..steps {
-                if wrapped {
-                    step(&ddp, &mut ddp_opt, &x, &y)?;
-                } else {
-                    step(&plain, &mut plain_opt, &x, &y)?;
+                match k {
+                    0 => step(&plain, &mut plain_opt, &x, &y)?,
+                    1 => step(&ddp, &mut ddp_opt, &x, &y)?,
+                    _ => captured.run(&x, &y).map(|_| ())?,
                 }
             }
-            if wrapped {
-                ddp_syncs += host_sync_count() - before;
-            }
-            let issued = t.elapsed().as_secs_f64() / steps as f64;
+            syncs[k] += host_sync_count() - before;
+            q[k].push(t0.elapsed().as_secs_f64() / steps as f64);
             cuda.synchronize()?;
-            let per_step = t.elapsed().as_secs_f64() / steps as f64;
-            if wrapped {
-                t_ddp.push(per_step);
-                q_ddp.push(issued);
-            } else {
-                t_plain.push(per_step);
-                q_plain.push(issued);
-            }
+            t[k].push(t0.elapsed().as_secs_f64() / steps as f64);
         }
     }
-    let (p, d) = (median(t_plain.clone()), median(t_ddp.clone()));
-    let (qp, qd) = (median(q_plain), median(q_ddp));
+    let [t_plain, t_ddp, t_graph] = t;
+    let ddp_syncs = syncs[1];
+    let (p, d, c) = (
+        median(t_plain.clone()),
+        median(t_ddp.clone()),
+        median(t_graph.clone()),
+    );
+    let [qp, qd, qc] = q.map(median);
+    let graph_stats = captured.stats();
+    let graph_skipped = captured.optimizer().stats()?[0].skipped_total;
+    drop(captured);
     let ratio = d / p;
     let stats = ddp.last_reduction();
     let (sp, sd) = (plain_opt.stats()?[0], ddp_opt.stats()?[0]);
@@ -185,27 +198,31 @@ fn run() -> mixprec::Result<()> {
          \"rank\": {rank}, \"batch\": {batch}, \"unwrapped_ms\": {:.3}, \
          \"ddp_ms\": {:.3}, \"ratio\": {ratio:.4}, \"unwrapped_issue_ms\": {:.3}, \
          \"ddp_issue_ms\": {:.3}, \"unwrapped_img_per_s\": {:.1}, \
-         \"ddp_img_per_s\": {:.1}, \"buckets\": {}, \"launched_during_backward\": {}, \
-         \"ddp_host_syncs_in_timed_steps\": {ddp_syncs}, \"skipped_steps\": [{}, {}], \
-         \"rounds_ms\": {{\"unwrapped\": {:?}, \"ddp\": {:?}}}}}",
+         \"ddp_img_per_s\": {:.1}, \"ddp_captured_ms\": {:.3}, \
+         \"ddp_captured_issue_ms\": {:.3}, \"ddp_captured_img_per_s\": {:.1}, \
+         \"ddp_captured_replays\": {}, \"ddp_captured_host_syncs_in_timed_steps\": {}, \
+         \"buckets\": {}, \"launched_during_backward\": {}, \
+         \"ddp_host_syncs_in_timed_steps\": {ddp_syncs}, \"skipped_steps\": [{}, {}, {}], \
+         \"rounds_ms\": {{\"unwrapped\": {:?}, \"ddp\": {:?}, \"ddp_captured\": {:?}}}}}",
         1e3 * p,
         1e3 * d,
         1e3 * qp,
         1e3 * qd,
         batch as f64 / p,
         batch as f64 / d,
+        1e3 * c,
+        1e3 * qc,
+        batch as f64 / c,
+        graph_stats.replays,
+        syncs[2],
         stats.buckets,
         stats.launched_during_backward,
         sp.skipped_total,
         sd.skipped_total,
-        t_plain
-            .iter()
-            .map(|t| (1e5 * t).round() / 100.0)
-            .collect::<Vec<_>>(),
-        t_ddp
-            .iter()
-            .map(|t| (1e5 * t).round() / 100.0)
-            .collect::<Vec<_>>(),
+        graph_skipped,
+        rounds_ms(&t_plain),
+        rounds_ms(&t_ddp),
+        rounds_ms(&t_graph),
     );
     if std::env::var("PROFILE").is_ok_and(|v| v == "1") {
         profile(&plain, &mut plain_opt, &ddp, &mut ddp_opt, &x, &y, rank)?;
@@ -228,6 +245,14 @@ fn run() -> mixprec::Result<()> {
         100.0 * (ratio - 1.0),
         stats.launched_during_backward,
         stats.buckets
+    );
+    println!(
+        "INFO: DDP captured into a CUDA graph: {:.2} ms a step ({:.0} images/s per rank), {:.2}x \
+         the eager DDP step's speed, {} host syncs in its timed replays",
+        1e3 * c,
+        batch as f64 / c,
+        d / c,
+        syncs[2]
     );
     Ok(())
 }

@@ -9,19 +9,30 @@
 //! NCCL must be loadable (libnccl.so.2 on the library path; benches/gpu_ddp.sh adds PyTorch's).
 
 use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use mixprec::amp::{self, LossScale, OptLevel, Policy};
+use mixprec::amp::{self, CapturedStep, LossScale, OptLevel, Policy};
 use mixprec::backend::cuda::host_sync_count;
 use mixprec::distributed::launch::{launch, LaunchConfig};
 use mixprec::distributed::{
     Backend, DdpConfig, DistributedDataParallel, GroupOptions, LaunchEnv, ProcessGroup, ReduceOp,
 };
 use mixprec::nn::{cross_entropy, Module, ResNet};
-use mixprec::optim::{Sgd, SgdConfig};
+use mixprec::optim::{Optimizer, Sgd, SgdConfig};
 use mixprec::{DType, Device, Error, Result, Tensor};
 
 const GPU: Device = Device::Cuda(0);
+
+/// One test at a time: a capture takes the device's stream over (another thread's work on it
+/// would be refused), and the bitwise comparisons need deterministic convolutions.
+fn serial() -> MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    let g = M.lock().unwrap_or_else(|e| e.into_inner());
+    Device::cuda(0).expect("these tests need a CUDA GPU");
+    mixprec::backend::cuda::set_deterministic(true);
+    g
+}
 
 fn nccl_group() -> ProcessGroup {
     Device::cuda(0).expect("these tests need a CUDA GPU");
@@ -47,6 +58,7 @@ fn bits(t: &Tensor) -> Vec<u64> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn nccl_world_size_one_collectives() {
+    let _serial = serial();
     let g = nccl_group();
     assert_eq!((g.rank(), g.world_size(), g.device()), (0, 1, GPU));
     for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
@@ -148,6 +160,7 @@ fn plain_run() -> (Vec<(String, Tensor)>, amp::ScalerStats) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ddp_nccl_step_equals_the_unwrapped_step_with_no_host_sync() {
+    let _serial = serial();
     let g = nccl_group();
     let policy = || Policy::opt_level(OptLevel::O2).with_report_interval(0);
     let (plain_a, stats_a) = plain_run();
@@ -218,6 +231,7 @@ fn ddp_nccl_step_equals_the_unwrapped_step_with_no_host_sync() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ddp_nccl_overflow_check_reads_the_reduced_gradients() {
+    let _serial = serial();
     let g = nccl_group();
     let model = tiny_resnet();
     let opt = Sgd::new(model.parameters(), sgd()).unwrap();
@@ -251,9 +265,108 @@ fn ddp_nccl_overflow_check_reads_the_reduced_gradients() {
     println!("DDP world size 1: an overflow in the reduced gradients skips the step");
 }
 
+/// The batch of `step` with an Inf planted when `inf` (the step's gradients overflow).
+fn batch_with(step: usize, inf: bool) -> (Tensor, Tensor) {
+    let (x, y) = batch(step);
+    if !inf {
+        return (x, y);
+    }
+    let mut v = x.to_vec::<f32>().unwrap();
+    v[100] = f32::INFINITY;
+    (Tensor::from_vec(v, x.dims().to_vec(), GPU).unwrap(), y)
+}
+
+/// Steps of the small ResNet through DDP at world size 1 over NCCL, as a `CapturedStep` that
+/// captures (`capture`) or runs eagerly: O2 with a dynamic loss scale, a learning rate set every
+/// step, an Inf planted in step 4's batch. Returns the state dict, the scaler's stats, the
+/// step's stats and the host synchronisations of the last three steps.
+fn ddp_steps(
+    g: &ProcessGroup,
+    capture: bool,
+) -> (Vec<(String, Tensor)>, amp::ScalerStats, amp::StepStats, u64) {
+    let model = tiny_resnet();
+    let opt = Sgd::new(model.parameters(), sgd()).unwrap();
+    let policy = Policy::opt_level(OptLevel::O2)
+        .with_loss_scale(LossScale::Dynamic)
+        .with_report_interval(0);
+    let (model, mut opt) = amp::initialize(model, opt, policy).unwrap();
+    let cfg = DdpConfig {
+        bucket_cap_mb: 0.05,
+        first_bucket_mb: 0.01,
+        ..Default::default()
+    };
+    let ddp = DistributedDataParallel::new(model, g, cfg).unwrap();
+    let body = |x: &Tensor, y: &Tensor| cross_entropy(&ddp.forward(x)?, y);
+    let mut step = if capture {
+        CapturedStep::new(&ddp, &mut opt, body).unwrap()
+    } else {
+        CapturedStep::eager(&ddp, &mut opt, body).unwrap()
+    };
+    let mut syncs = 0;
+    for i in 0..7 {
+        let (x, y) = batch_with(i, i == 4);
+        step.optimizer()
+            .inner_mut()
+            .set_lr_all(0.05 / (1.0 + i as f64))
+            .unwrap();
+        let before = host_sync_count();
+        step.run(&x, &y).unwrap();
+        if i >= 4 {
+            syncs += host_sync_count() - before;
+        }
+    }
+    let stats = step.stats();
+    let scaler = step.optimizer().stats().unwrap()[0];
+    drop(step);
+    (ddp.state_dict().unwrap(), scaler, stats, syncs)
+}
+
+/// DDP's step captured into a CUDA graph — its bucket all-reduces and the buffer broadcast are
+/// nodes of the graph — replays to the bits of the eager DDP step: parameters, batch-norm
+/// buffers, the loss scale and the skipped step (an Inf in one batch), with no host
+/// synchronisation per replay.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ddp_nccl_captured_step_equals_the_eager_step() {
+    let _serial = serial();
+    let g = nccl_group();
+    let (eager, eager_scaler, eager_stats, _) = ddp_steps(&g, false);
+    let (graph, graph_scaler, graph_stats, syncs) = ddp_steps(&g, true);
+    assert_eq!(eager_stats.replays, 0);
+    assert_eq!(
+        (graph_stats.eager, graph_stats.captures, graph_stats.replays),
+        (2, 1, 5),
+        "{graph_stats:?}"
+    );
+    assert_eq!(
+        eager_scaler.skipped_total, 1,
+        "the planted Inf: {eager_scaler:?}"
+    );
+    assert_eq!(graph_scaler, eager_scaler);
+    assert_eq!(
+        syncs, 0,
+        "{syncs} host synchronisations in three replayed DDP steps"
+    );
+    assert_eq!(eager.len(), graph.len());
+    for ((n, a), (_, b)) in graph.iter().zip(&eager) {
+        assert!(
+            bits(a) == bits(b),
+            "{n}: the replayed DDP step differs from the eager one"
+        );
+    }
+    println!(
+        "DDP world size 1: 5 replayed steps (one skipped) bitwise the eager steps, {} tensors, \
+         0 host syncs per replay",
+        graph.len()
+    );
+}
+
 // ---- two GPUs: two ranks (skipped on a machine with one) ----------------------------------------
 
-/// The rank processes of `ddp_nccl_two_ranks_agree` (a no-op unless launched by it).
+/// The rank processes of the two-rank tests (a no-op unless launched by one). `MIXPREC_TEST_MODE`:
+/// - unset: three O2 steps through DDP in a plain loop;
+/// - `eager` / `captured`: six steps as a `CapturedStep` that runs eagerly or captures (a
+///   learning rate set every step).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn nccl_rank_entry() {
@@ -261,7 +374,10 @@ fn nccl_rank_entry() {
         return;
     };
     let out = PathBuf::from(out);
+    let mode = std::env::var("MIXPREC_TEST_MODE").unwrap_or_default();
+    let rank = LaunchEnv::from_env().map_or(0, |e| e.rank);
     let r = (|| -> Result<()> {
+        mixprec::backend::cuda::set_deterministic(true);
         let env = LaunchEnv::from_env()?;
         let g = ProcessGroup::new(&env, &GroupOptions::new(Backend::Nccl))?;
         let dev = g.device();
@@ -270,7 +386,7 @@ fn nccl_rank_entry() {
         let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
         let (model, mut opt) = amp::initialize(model, opt, policy)?;
         let ddp = DistributedDataParallel::new(model, &g, DdpConfig::default())?;
-        for step in 0..3 {
+        let batch = |step: u64| -> Result<(Tensor, Tensor)> {
             let x = Tensor::randn(
                 [8, 1, 28, 28],
                 0.0,
@@ -284,33 +400,49 @@ fn nccl_rank_entry() {
                 [8],
                 dev,
             )?;
-            let loss = cross_entropy(&ddp.forward(&x)?, &y)?;
-            opt.zero_grad()?;
-            opt.backward(&loss)?;
-            opt.step()?;
+            Ok((x, y))
+        };
+        if mode.is_empty() {
+            for step in 0..3 {
+                let (x, y) = batch(step)?;
+                let loss = cross_entropy(&ddp.forward(&x)?, &y)?;
+                opt.zero_grad()?;
+                opt.backward(&loss)?;
+                opt.step()?;
+            }
+        } else {
+            let body = |x: &Tensor, y: &Tensor| cross_entropy(&ddp.forward(x)?, y);
+            let mut step = match mode.as_str() {
+                "eager" => CapturedStep::eager(&ddp, &mut opt, body)?,
+                "captured" => CapturedStep::new(&ddp, &mut opt, body)?,
+                other => panic!("unknown MIXPREC_TEST_MODE {other}"),
+            };
+            for i in 0..6 {
+                let (x, y) = batch(i)?;
+                step.optimizer()
+                    .inner_mut()
+                    .set_lr_all(0.05 / (1.0 + i as f64))?;
+                step.run(&x, &y)?;
+            }
         }
         mixprec::io::safetensors::write(
-            &out.join(format!("rank{}.safetensors", env.rank)),
+            &out.join(format!("{mode}rank{}.safetensors", env.rank)),
             &ddp.state_dict()?,
             &Default::default(),
         )
     })();
     if let Err(e) = r {
-        eprintln!("nccl rank: {e}");
+        eprintln!("nccl rank {rank}: {e}");
+        let _ = std::fs::write(out.join(format!("rank{rank}.err")), e.to_string());
         std::process::exit(3);
     }
     std::process::exit(0);
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn ddp_nccl_two_ranks_agree() {
-    Device::cuda(0).expect("these tests need a CUDA GPU");
-    if Device::cuda(1).is_err() {
-        println!("ddp_nccl_two_ranks_agree: skipped, this machine has one GPU");
-        return;
-    }
-    let out = std::env::temp_dir().join(format!("mixprec-nccl2-{}", std::process::id()));
+/// Runs the two ranks of `nccl_rank_entry` in `mode`, writing into a fresh directory.
+fn launch_two_ranks(mode: &str, timeout_s: u32) -> (PathBuf, Result<()>) {
+    let out = std::env::temp_dir().join(format!("mixprec-nccl2-{}-{mode}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
     let mut cfg = LaunchConfig::new(
         2,
@@ -327,19 +459,35 @@ fn ddp_nccl_two_ranks_agree() {
     );
     cfg.env = vec![
         ("MIXPREC_TEST_OUT".into(), out.display().to_string()),
-        ("MIXPREC_DIST_TIMEOUT".into(), "120".into()),
+        ("MIXPREC_TEST_MODE".into(), mode.into()),
+        ("MIXPREC_DIST_TIMEOUT".into(), timeout_s.to_string()),
     ];
     cfg.grace = Duration::from_secs(20);
-    launch(&cfg).unwrap();
-    let read = |r: usize| {
-        mixprec::io::safetensors::read(&out.join(format!("rank{r}.safetensors")))
-            .unwrap()
-            .0
-    };
-    let (a, b) = (read(0), read(1));
+    let r = launch(&cfg).map(|_| ());
+    (out, r)
+}
+
+fn two_gpus(test: &str) -> bool {
+    Device::cuda(0).expect("these tests need a CUDA GPU");
+    if Device::cuda(1).is_err() {
+        println!("{test}: skipped, this machine has one GPU");
+        return false;
+    }
+    true
+}
+
+fn read_state(out: &std::path::Path, mode: &str, rank: usize) -> Vec<(String, Tensor)> {
+    mixprec::io::safetensors::read(&out.join(format!("{mode}rank{rank}.safetensors")))
+        .unwrap()
+        .0
+}
+
+/// The two ranks' state dicts agree bitwise but for the batch-norm statistics of each rank's
+/// last batch; returns how many of those differ.
+fn ranks_agree(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> usize {
     assert_eq!(a.len(), b.len());
     let mut own = 0;
-    for ((n, ta), (nb, tb)) in a.iter().zip(&b) {
+    for ((n, ta), (nb, tb)) in a.iter().zip(b) {
         assert_eq!(n, nb);
         // Batch-norm statistics are rank 0's when each training forward starts (PyTorch's
         // broadcast_buffers), then that forward updates them from the rank's own batch: after
@@ -350,8 +498,57 @@ fn ddp_nccl_two_ranks_agree() {
         }
         assert!(bits(ta) == bits(tb), "{n}: the two ranks differ");
     }
+    own
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ddp_nccl_two_ranks_agree() {
+    let _serial = serial();
+    if !two_gpus("ddp_nccl_two_ranks_agree") {
+        return;
+    }
+    let (out, r) = launch_two_ranks("", 120);
+    r.unwrap();
+    let own = ranks_agree(&read_state(&out, "", 0), &read_state(&out, "", 1));
     println!(
         "two NCCL ranks on two GPUs: bitwise equal after 3 O2 steps ({own} running statistics \
          of each rank's last batch differ, as in PyTorch)"
+    );
+}
+
+/// Two ranks replaying a captured DDP step (the collectives are nodes of each rank's graph):
+/// they agree as eager ranks do, and each rank's state is bitwise its eager run's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ddp_nccl_two_ranks_captured_equal_eager() {
+    let _serial = serial();
+    if !two_gpus("ddp_nccl_two_ranks_captured_equal_eager") {
+        return;
+    }
+    let (out, r) = launch_two_ranks("eager", 120);
+    r.unwrap();
+    let (out_g, r) = launch_two_ranks("captured", 120);
+    r.unwrap();
+    let own = ranks_agree(
+        &read_state(&out_g, "captured", 0),
+        &read_state(&out_g, "captured", 1),
+    );
+    for rank in 0..2 {
+        let (e, g) = (
+            read_state(&out, "eager", rank),
+            read_state(&out_g, "captured", rank),
+        );
+        assert_eq!(e.len(), g.len());
+        for ((n, a), (_, b)) in g.iter().zip(&e) {
+            assert!(
+                bits(a) == bits(b),
+                "rank {rank}, {n}: the replayed step differs from the eager one"
+            );
+        }
+    }
+    println!(
+        "two NCCL ranks, captured DDP step: 4 replays each, ranks agree ({own} running \
+         statistics their own), each rank bitwise its eager run"
     );
 }

@@ -9,6 +9,11 @@
 //!   compute stream by events: the communication stream waits for the work that produced the
 //!   input, and the compute stream waits for the collective only where the result is used
 //!   ([`NcclWork::wait`]). Nothing here waits on the host: no host synchronisation per step.
+//! - A collective issued while the device's stream is being captured into a CUDA graph
+//!   (`amp::CapturedStep` over DDP) becomes a node of the graph, as NCCL supports: the
+//!   communication stream joins the capture through the same events. Every replay of the graph
+//!   issues it again, so a replay hook numbers it anew and hands the watchdog an event after the
+//!   replay ([`NcclEngine::track_replays`]); every rank captures at the same step.
 //! - A watchdog thread polls `ncclCommGetAsyncError`, retires completed collectives, reports
 //!   progress to rank 0 and fails the group when a collective has not completed within the
 //!   timeout; any fault of the group (a dead peer seen by the control plane included) aborts the
@@ -26,7 +31,7 @@ use cudarc::nccl::sys;
 
 use super::control::Control;
 use super::group::ReduceOp;
-use crate::backend::cuda::CudaDevice;
+use crate::backend::cuda::{graph, CudaDevice};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Storage, Tensor};
 
@@ -521,18 +526,55 @@ impl NcclEngine {
                 .record_event(None)
                 .map_err(|e| cuda("recording the communication stream", e))?,
         );
-        lock(&self.pending).push_back(Pending {
-            seq,
-            what,
-            done: done.clone(),
-            since: Instant::now(),
-        });
+        if graph::capturing_device() == Some(self.dev.ordinal) {
+            // Recorded into a CUDA graph: it runs at each replay, not now. The watchdog must
+            // not query an event recorded in a capture; each replay is tracked instead.
+            self.track_replays(seq, what)?;
+        } else {
+            lock(&self.pending).push_back(Pending {
+                seq,
+                what,
+                done: done.clone(),
+                since: Instant::now(),
+            });
+        }
         Ok(NcclWork {
             done,
             dev: self.dev.clone(),
             keep,
             waited: false,
         })
+    }
+
+    /// A collective captured as collective `captured` is issued again by every launch of the
+    /// graph: each replay gives it a new sequence number (a peer that left after fewer
+    /// collectives is then named, as for an eager call) and hands the watchdog an event recorded
+    /// after the replay's work, so that a replayed collective that never completes fails the
+    /// group at the timeout too.
+    fn track_replays(&self, captured: u64, what: String) -> Result<()> {
+        let (ctl, pending, dev) = (self.ctl.clone(), self.pending.clone(), self.dev.clone());
+        let hook = move || -> Result<()> {
+            let seq = ctl.next_seq()?;
+            let done = dev
+                .stream
+                .record_event(None)
+                .map_err(|e| cuda("recording the compute stream after a replay", e))?;
+            lock(&pending).push_back(Pending {
+                seq,
+                what: format!("collective #{seq}, a replay of captured {what}"),
+                done: Arc::new(done),
+                since: Instant::now(),
+            });
+            Ok(())
+        };
+        if graph::on_replay(Box::new(hook)) {
+            Ok(())
+        } else {
+            Err(Error::Capture {
+                op: "NCCL collective",
+                detail: format!("collective #{captured}: no capture to attach its replays to"),
+            })
+        }
     }
 
     fn ptr(t: &Tensor) -> Result<u64> {

@@ -11,8 +11,10 @@
 //!
 //! The step is an [`amp::CapturedStep`]: on a GPU it is captured into a CUDA graph after two
 //! warm-up steps and replayed (`cuda_graph = false` / `--no-cuda-graph` runs it eagerly); on the
-//! CPU it always runs eagerly. Eager and replayed steps compute the same bits, and a resumed run
-//! warms up and captures again, so checkpoints and `--resume` stay exact either way.
+//! CPU it always runs eagerly. Under data parallelism the graph holds DDP's collectives too
+//! (every rank warms up and captures at the same step). Eager and replayed steps compute the
+//! same bits, and a resumed run warms up and captures again, so checkpoints and `--resume` stay
+//! exact either way.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -571,14 +573,19 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             loss_cfg,
         )
     };
-    // A data-parallel step's collectives are not captured: several processes run eagerly.
-    let mut train_step = if cfg.cuda_graph && device.is_cuda() && world == 1 {
-        say!("step: captured into a CUDA graph after 2 warm-up steps (--no-cuda-graph: eager)");
+    // A data-parallel step is captured with its collectives (NCCL's all-reduces and broadcasts
+    // become nodes of the graph): every rank captures at the same step, as NCCL requires.
+    let mut train_step = if cfg.cuda_graph && device.is_cuda() {
+        say!(
+            "step: captured into a CUDA graph after 2 warm-up steps{} (--no-cuda-graph: eager)",
+            if world > 1 {
+                ", DDP's collectives included"
+            } else {
+                ""
+            }
+        );
         CapturedStep::new(&*model, &mut opt, body)?
     } else {
-        if cfg.cuda_graph && device.is_cuda() {
-            say!("step: eager (a data-parallel step is not captured into a CUDA graph)");
-        }
         CapturedStep::eager(&*model, &mut opt, body)?
     };
     for epoch in start_epoch..end_epoch {
