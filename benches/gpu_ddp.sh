@@ -6,7 +6,10 @@
 #      check reading the reduced gradients (and two ranks on two GPUs when there are two);
 #   2. the ResNet-50 O2 step (batch 256) unwrapped vs in DDP at world size 1 (bound: 3%);
 #   3. PyTorch's DDP at world size 1 beside it (torchrun --standalone --nproc_per_node=1).
-#   4. with two or more GPUs, the bench on every GPU at once (NET=main-job, then ResNet-50).
+#   4. with two or more GPUs, the bench on every GPU at once (NET=main-job, then ResNet-50);
+#      each bench run also times the DDP step captured into a CUDA graph (its INFO line).
+#   PyTorch's captured DDP step beside it: NET=main-job CAPTURE=1 torchrun --nproc_per_node=N
+#      benches/torch_ddp_resnet50.py
 # Stage here:  ../shared/tools/gpu-stage --bench ddp_resnet50
 # Run there:   bash benches/gpu_ddp.sh     (logs go under $OUT)
 set -u
