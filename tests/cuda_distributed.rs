@@ -119,6 +119,15 @@ fn batch(step: usize) -> (Tensor, Tensor) {
     (x, Tensor::from_vec(y, [16], GPU).unwrap())
 }
 
+/// Every tensor of `got` holds the bits of the same-named one in `want`.
+fn assert_same_bits(got: &[(String, Tensor)], want: &[(String, Tensor)], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: different state dicts");
+    for ((n, a), (m, b)) in got.iter().zip(want) {
+        assert_eq!(n, m);
+        assert!(bits(a) == bits(b), "{n}: {what}");
+    }
+}
+
 /// Largest |a − b| / max|b| over the state dicts' tensors.
 fn worst(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
     let mut w = (0.0f64, String::new());
@@ -199,12 +208,11 @@ fn ddp_nccl_step_equals_the_unwrapped_step_with_no_host_sync() {
     let got = ddp.state_dict().unwrap();
     let (d, at) = worst(&got, &plain_a);
     if noise == 0.0 {
-        for ((n, ta), (_, tb)) in got.iter().zip(&plain_a) {
-            assert!(
-                bits(ta) == bits(tb),
-                "{n}: DDP at world size 1 differs from the plain step"
-            );
-        }
+        assert_same_bits(
+            &got,
+            &plain_a,
+            "DDP at world size 1 differs from the plain step",
+        );
     } else {
         assert!(
             d <= 2.0 * noise,
@@ -347,13 +355,11 @@ fn ddp_nccl_captured_step_equals_the_eager_step() {
         syncs, 0,
         "{syncs} host synchronisations in three replayed DDP steps"
     );
-    assert_eq!(eager.len(), graph.len());
-    for ((n, a), (_, b)) in graph.iter().zip(&eager) {
-        assert!(
-            bits(a) == bits(b),
-            "{n}: the replayed DDP step differs from the eager one"
-        );
-    }
+    assert_same_bits(
+        &graph,
+        &eager,
+        "the replayed DDP step differs from the eager one",
+    );
     println!(
         "DDP world size 1: 5 replayed steps (one skipped) bitwise the eager steps, {} tensors, \
          0 host syncs per replay",
@@ -440,7 +446,7 @@ fn nccl_rank_entry() {
 }
 
 /// Runs the two ranks of `nccl_rank_entry` in `mode`, writing into a fresh directory.
-fn launch_two_ranks(mode: &str, timeout_s: u32) -> (PathBuf, Result<()>) {
+fn launch_two_ranks(mode: &str) -> (PathBuf, Result<()>) {
     let out = std::env::temp_dir().join(format!("mixprec-nccl2-{}-{mode}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
@@ -460,7 +466,7 @@ fn launch_two_ranks(mode: &str, timeout_s: u32) -> (PathBuf, Result<()>) {
     cfg.env = vec![
         ("MIXPREC_TEST_OUT".into(), out.display().to_string()),
         ("MIXPREC_TEST_MODE".into(), mode.into()),
-        ("MIXPREC_DIST_TIMEOUT".into(), timeout_s.to_string()),
+        ("MIXPREC_DIST_TIMEOUT".into(), "120".into()),
     ];
     cfg.grace = Duration::from_secs(20);
     let r = launch(&cfg).map(|_| ());
@@ -508,7 +514,7 @@ fn ddp_nccl_two_ranks_agree() {
     if !two_gpus("ddp_nccl_two_ranks_agree") {
         return;
     }
-    let (out, r) = launch_two_ranks("", 120);
+    let (out, r) = launch_two_ranks("");
     r.unwrap();
     let own = ranks_agree(&read_state(&out, "", 0), &read_state(&out, "", 1));
     println!(
@@ -526,26 +532,20 @@ fn ddp_nccl_two_ranks_captured_equal_eager() {
     if !two_gpus("ddp_nccl_two_ranks_captured_equal_eager") {
         return;
     }
-    let (out, r) = launch_two_ranks("eager", 120);
+    let (out, r) = launch_two_ranks("eager");
     r.unwrap();
-    let (out_g, r) = launch_two_ranks("captured", 120);
+    let (out_g, r) = launch_two_ranks("captured");
     r.unwrap();
     let own = ranks_agree(
         &read_state(&out_g, "captured", 0),
         &read_state(&out_g, "captured", 1),
     );
     for rank in 0..2 {
-        let (e, g) = (
-            read_state(&out, "eager", rank),
-            read_state(&out_g, "captured", rank),
+        assert_same_bits(
+            &read_state(&out_g, "captured", rank),
+            &read_state(&out, "eager", rank),
+            &format!("rank {rank}'s replayed step differs from its eager one"),
         );
-        assert_eq!(e.len(), g.len());
-        for ((n, a), (_, b)) in g.iter().zip(&e) {
-            assert!(
-                bits(a) == bits(b),
-                "rank {rank}, {n}: the replayed step differs from the eager one"
-            );
-        }
     }
     println!(
         "two NCCL ranks, captured DDP step: 4 replays each, ranks agree ({own} running \
