@@ -374,7 +374,10 @@ fn ddp_nccl_captured_step_equals_the_eager_step() {
 /// The rank processes of the two-rank tests (a no-op unless launched by one). `MIXPREC_TEST_MODE`:
 /// - unset: three O2 steps through DDP in a plain loop;
 /// - `eager` / `captured`: six steps as a `CapturedStep` that runs eagerly or captures (a
-///   learning rate set every step).
+///   learning rate set every step);
+/// - `leave-early`: captured steps, rank 1 leaving after three while rank 0 goes on, reading
+///   each step's loss; each rank exits by itself after 90 s whatever happens (status 4), so a
+///   hang fails the test rather than holding the GPUs.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn nccl_rank_entry() {
@@ -384,6 +387,14 @@ fn nccl_rank_entry() {
     let out = PathBuf::from(out);
     let mode = std::env::var("MIXPREC_TEST_MODE").unwrap_or_default();
     let rank = LaunchEnv::from_env().map_or(0, |e| e.rank);
+    if mode == "leave-early" {
+        let out = out.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(90));
+            let _ = std::fs::write(out.join(format!("rank{rank}.err")), "still running at 90 s");
+            std::process::exit(4);
+        });
+    }
     let r = (|| -> Result<()> {
         mixprec::backend::cuda::set_deterministic(true);
         let env = LaunchEnv::from_env()?;
@@ -422,15 +433,27 @@ fn nccl_rank_entry() {
             let body = |x: &Tensor, y: &Tensor| cross_entropy(&ddp.forward(x)?, y);
             let mut step = match mode.as_str() {
                 "eager" => CapturedStep::eager(&ddp, &mut opt, body)?,
-                "captured" => CapturedStep::new(&ddp, &mut opt, body)?,
+                "captured" | "leave-early" => CapturedStep::new(&ddp, &mut opt, body)?,
                 other => panic!("unknown MIXPREC_TEST_MODE {other}"),
             };
-            for i in 0..6 {
+            let leaving = mode == "leave-early";
+            let steps = match (leaving, env.rank) {
+                (true, 1) => 3,
+                (true, _) => 8,
+                _ => 6,
+            };
+            for i in 0..steps {
                 let (x, y) = batch(i)?;
                 step.optimizer()
                     .inner_mut()
                     .set_lr_all(0.05 / (1.0 + i as f64))?;
-                step.run(&x, &y)?;
+                let loss = step.run(&x, &y)?;
+                if leaving && env.rank == 0 {
+                    loss.item()?;
+                }
+            }
+            if leaving {
+                return Ok(());
             }
         }
         mixprec::io::safetensors::write(
@@ -553,4 +576,40 @@ fn ddp_nccl_two_ranks_captured_equal_eager() {
         "two NCCL ranks, captured DDP step: 4 replays each, ranks agree ({own} running \
          statistics their own), each rank bitwise its eager run"
     );
+}
+
+/// A rank that leaves (cleanly, after three steps) while its peer replays a captured step whose
+/// all-reduce it will never join: the peer fails at once, naming it, instead of waiting in the
+/// all-reduce. The leaving rank says goodbye before it destroys its communicator (destroying it
+/// can wait for the peer), and the peer's control plane fails the group as soon as the goodbye
+/// shows a collective the leaver never issued; the abort releases the all-reduce.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_rank_that_leaves_mid_replay_is_named_at_once() {
+    let _serial = serial();
+    if !two_gpus("a_rank_that_leaves_mid_replay_is_named_at_once") {
+        return;
+    }
+    let t = std::time::Instant::now();
+    let (out, r) = launch_two_ranks("leave-early");
+    let took = t.elapsed();
+    let launcher = match r {
+        Ok(()) => panic!("rank 0 should have failed"),
+        Err(e) => e.to_string(),
+    };
+    println!("the launcher: {launcher}");
+    assert!(
+        !launcher.contains("rank 1 was still running"),
+        "rank 1 did not exit by itself: {launcher}"
+    );
+    let err = std::fs::read_to_string(out.join("rank0.err")).expect("rank 0's error");
+    assert!(
+        err.contains("rank 1 shut down its process group"),
+        "rank 0's error does not name rank 1: {err}"
+    );
+    if let Ok(e1) = std::fs::read_to_string(out.join("rank1.err")) {
+        panic!("rank 1 left cleanly, yet failed: {e1}");
+    }
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    println!("a rank leaving mid-replay: its peer failed in {took:?} naming it: {err}");
 }

@@ -322,6 +322,22 @@ impl Control {
                 let count = d.u64().unwrap_or(0);
                 lock(&self.state).departed[peer] = Some(count);
                 self.cond.notify_all();
+                // A collective this rank issued past the peer's last can never complete: fail
+                // now, here, rather than when it is waited for. A thread blocked on the device
+                // (or an NCCL kernel waiting for the peer) cannot notice, and the abort that
+                // this fault triggers is what releases it.
+                let issued = self.issued();
+                if issued > count {
+                    self.fail(
+                        Some(peer),
+                        format!(
+                            "rank {peer} shut down its process group after {count} \
+                             collective(s); collective #{} needs it (did rank {peer} stop \
+                             early, or run fewer steps?)",
+                            count + 1
+                        ),
+                    );
+                }
             }
             tag::PROGRESS => {
                 if let Some(n) = d.u64() {

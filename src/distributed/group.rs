@@ -123,10 +123,17 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         match &self.engine {
-            Engine::Cpu(e) => e.shutdown(),
-            Engine::Nccl(e) => e.shutdown(),
+            Engine::Cpu(e) => {
+                e.shutdown();
+                self.ctl.close();
+            }
+            // The goodbye goes out between finalizing and destroying (see NcclEngine::flush).
+            Engine::Nccl(e) => {
+                e.flush();
+                self.ctl.close();
+                e.release();
+            }
         }
-        self.ctl.close();
     }
 }
 

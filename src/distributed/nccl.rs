@@ -196,6 +196,8 @@ pub(crate) struct NcclEngine {
     pending: Arc<Mutex<VecDeque<Pending>>>,
     stop: Arc<AtomicBool>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
+    /// Set by [`NcclEngine::flush`] when the communicator finalized cleanly.
+    finalized: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -326,6 +328,7 @@ impl NcclEngine {
             pending: Arc::new(Mutex::new(VecDeque::new())),
             stop: Arc::new(AtomicBool::new(false)),
             watchdog: Mutex::new(None),
+            finalized: AtomicBool::new(false),
         };
         engine.settle("initialising the NCCL communicator", init_timeout)?;
         engine.start_watchdog()?;
@@ -635,43 +638,64 @@ impl NcclEngine {
         })
     }
 
-    /// Finishes what is queued and frees the communicator (aborts it after a fault).
-    pub(crate) fn shutdown(&self) {
+    /// Leaving the group, first half: stops the watchdog, waits for this rank's collectives
+    /// and finalizes the communicator (NCCL flushes what it still has of them). The group then
+    /// says goodbye to its peers, and only then [`NcclEngine::release`] destroys the
+    /// communicator: destroying it can wait on a peer that is still inside a collective this
+    /// rank never issued (seen on two H100s), and that peer learns from the goodbye to fail and
+    /// abort, which releases both.
+    pub(crate) fn flush(&self) {
         self.stop.store(true, Ordering::Release);
         if let Some(h) = lock(&self.watchdog).take() {
             let _ = h.join();
         }
-        if !self.ctl.is_faulted() {
-            let _ = self.dev.ctx.bind_to_thread();
-            if self.stream.synchronize().is_err() {
-                self.ctl
-                    .fail(None, "a collective failed while the group shut down");
-            }
+        if self.ctl.is_faulted() {
+            return;
         }
+        let _ = self.dev.ctx.bind_to_thread();
+        if self.stream.synchronize().is_err() {
+            self.ctl
+                .fail(None, "a collective failed while the group shut down");
+            return;
+        }
+        // Out of the slot while finalizing, so that an abort from another thread meanwhile
+        // neither waits for this nor frees the communicator under it (release aborts then).
         let Some(c) = lock(&self.comm).take() else {
             return;
         };
-        let _ = no_panic("destroying the NCCL communicator", || {
+        let ok = no_panic("finalizing the NCCL communicator", || {
+            // SAFETY: a live communicator; this rank queues nothing more on it.
+            unsafe {
+                let mut s = sys::ncclCommFinalize(c.0);
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while s == sys::ncclResult_t::ncclInProgress && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                    if sys::ncclCommGetAsyncError(c.0, &mut s) != sys::ncclResult_t::ncclSuccess {
+                        break;
+                    }
+                }
+                Ok(s == sys::ncclResult_t::ncclSuccess)
+            }
+        })
+        .unwrap_or(false);
+        self.finalized.store(ok, Ordering::Release);
+        *lock(&self.comm) = Some(c);
+    }
+
+    /// Leaving the group, second half: destroys the finalized communicator, or aborts it (after
+    /// a fault, or when finalizing did not succeed).
+    pub(crate) fn release(&self) {
+        let Some(c) = lock(&self.comm).take() else {
+            return;
+        };
+        let destroy = !self.ctl.is_faulted() && self.finalized.load(Ordering::Acquire);
+        let _ = no_panic("releasing the NCCL communicator", || {
             // SAFETY: a live communicator, taken out of the slot; nothing is queued on it.
             unsafe {
-                if self.ctl.is_faulted() {
-                    sys::ncclCommAbort(c.0);
+                if destroy {
+                    sys::ncclCommDestroy(c.0);
                 } else {
-                    let r = sys::ncclCommFinalize(c.0);
-                    let deadline = Instant::now() + Duration::from_secs(30);
-                    let mut s = r;
-                    while s == sys::ncclResult_t::ncclInProgress && Instant::now() < deadline {
-                        std::thread::sleep(Duration::from_millis(1));
-                        if sys::ncclCommGetAsyncError(c.0, &mut s) != sys::ncclResult_t::ncclSuccess
-                        {
-                            break;
-                        }
-                    }
-                    if s == sys::ncclResult_t::ncclSuccess {
-                        sys::ncclCommDestroy(c.0);
-                    } else {
-                        sys::ncclCommAbort(c.0);
-                    }
+                    sys::ncclCommAbort(c.0);
                 }
             }
             Ok(())
