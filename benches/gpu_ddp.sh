@@ -8,8 +8,8 @@
 #   3. PyTorch's DDP at world size 1 beside it (torchrun --standalone --nproc_per_node=1).
 #   4. with two or more GPUs, the bench on every GPU at once (NET=main-job, then ResNet-50);
 #      each bench run also times the DDP step captured into a CUDA graph (its INFO line).
-#   PyTorch's captured DDP step beside it: NET=main-job CAPTURE=1 torchrun --nproc_per_node=N
-#      benches/torch_ddp_resnet50.py
+#   5. with two or more GPUs, PyTorch's side of the small net on every GPU: unwrapped, DDP and
+#      the DDP step hand-captured (NET=main-job CAPTURE=1 benches/torch_ddp_resnet50.py).
 # Stage here:  ../shared/tools/gpu-stage --bench ddp_resnet50
 # Run there:   bash benches/gpu_ddp.sh     (logs go under $OUT)
 set -u
@@ -53,4 +53,7 @@ if [ "$gpus" -ge 2 ]; then
     wait
     grep -vE "^\[" "$out/ddp_${net}_rank0.log" | tee -a "$out/mixprec_ddp_ranks.log"
   done
+  echo "== 5. PyTorch's DDP on $gpus ranks, NET=main-job: unwrapped, DDP, DDP hand-captured"
+  NET=main-job CAPTURE=1 python3 -m torch.distributed.run --standalone --nproc_per_node="$gpus" \
+    benches/torch_ddp_resnet50.py 2>&1 | grep -v "^W" | tee "$out/torch_ddp_ranks.log"
 fi
