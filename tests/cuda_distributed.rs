@@ -498,13 +498,14 @@ fn launch_two_ranks(mode: &str) -> (PathBuf, Result<()>) {
     (out, r)
 }
 
-fn two_gpus(test: &str) -> bool {
-    Device::cuda(0).expect("these tests need a CUDA GPU");
+/// The serial guard of a two-rank test, or None (said) on a machine with one GPU.
+fn two_gpus(test: &str) -> Option<MutexGuard<'static, ()>> {
+    let guard = serial();
     if Device::cuda(1).is_err() {
         println!("{test}: skipped, this machine has one GPU");
-        return false;
+        return None;
     }
-    true
+    Some(guard)
 }
 
 fn read_state(out: &std::path::Path, mode: &str, rank: usize) -> Vec<(String, Tensor)> {
@@ -535,10 +536,9 @@ fn ranks_agree(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> usize {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ddp_nccl_two_ranks_agree() {
-    let _serial = serial();
-    if !two_gpus("ddp_nccl_two_ranks_agree") {
+    let Some(_serial) = two_gpus("ddp_nccl_two_ranks_agree") else {
         return;
-    }
+    };
     let (out, r) = launch_two_ranks("");
     r.unwrap();
     let own = ranks_agree(&read_state(&out, "", 0), &read_state(&out, "", 1));
@@ -553,10 +553,9 @@ fn ddp_nccl_two_ranks_agree() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ddp_nccl_two_ranks_captured_equal_eager() {
-    let _serial = serial();
-    if !two_gpus("ddp_nccl_two_ranks_captured_equal_eager") {
+    let Some(_serial) = two_gpus("ddp_nccl_two_ranks_captured_equal_eager") else {
         return;
-    }
+    };
     let (out, r) = launch_two_ranks("eager");
     r.unwrap();
     let (out_g, r) = launch_two_ranks("captured");
@@ -586,10 +585,9 @@ fn ddp_nccl_two_ranks_captured_equal_eager() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_rank_that_leaves_mid_replay_is_named_at_once() {
-    let _serial = serial();
-    if !two_gpus("a_rank_that_leaves_mid_replay_is_named_at_once") {
+    let Some(_serial) = two_gpus("a_rank_that_leaves_mid_replay_is_named_at_once") else {
         return;
-    }
+    };
     let t = std::time::Instant::now();
     let (out, r) = launch_two_ranks("leave-early");
     let took = t.elapsed();
