@@ -147,7 +147,7 @@ impl Control {
         Ok(ctl)
     }
 
-    fn error_now(&self, culprit: Option<usize>, detail: String) -> Error {
+    pub(crate) fn error_now(&self, culprit: Option<usize>, detail: String) -> Error {
         Error::Distributed {
             rank: self.rank,
             world_size: self.world_size,

@@ -13,7 +13,8 @@
 //!   (`amp::CapturedStep` over DDP) becomes a node of the graph, as NCCL supports: the
 //!   communication stream joins the capture through the same events. Every replay of the graph
 //!   issues it again, so a replay hook numbers it anew and hands the watchdog an event after the
-//!   replay ([`NcclEngine::track_replays`]); every rank captures at the same step.
+//!   replay ([`NcclEngine::track_replays`]), and a check before each launch refuses it once the
+//!   group has failed or released its communicator; every rank captures at the same step.
 //! - A watchdog thread polls `ncclCommGetAsyncError`, retires completed collectives, reports
 //!   progress to rank 0 and fails the group when a collective has not completed within the
 //!   timeout; any fault of the group (a dead peer seen by the control plane included) aborts the
@@ -555,6 +556,30 @@ impl NcclEngine {
     /// after the replay's work, so that a replayed collective that never completes fails the
     /// group at the timeout too.
     fn track_replays(&self, captured: u64, what: String) -> Result<()> {
+        // Before each launch, what an eager call checks before it enqueues: the group has not
+        // failed and its communicator is still there (a replay must not run NCCL's nodes on an
+        // aborted or destroyed communicator).
+        let (ctl, comm) = (self.ctl.clone(), self.comm.clone());
+        let check_what = what.clone();
+        let check = move || -> Result<()> {
+            ctl.check()?;
+            if lock(&comm).is_none() {
+                return Err(ctl.error_now(
+                    None,
+                    format!(
+                        "replaying {check_what}: the process group's NCCL communicator was \
+                         released (the group was shut down); capture again on a new group"
+                    ),
+                ));
+            }
+            Ok(())
+        };
+        if !graph::before_replay(Box::new(check)) {
+            return Err(Error::Capture {
+                op: "NCCL collective",
+                detail: format!("collective #{captured}: no capture to attach its replays to"),
+            });
+        }
         let (ctl, pending, dev) = (self.ctl.clone(), self.pending.clone(), self.dev.clone());
         let hook = move || -> Result<()> {
             let seq = ctl.next_seq()?;

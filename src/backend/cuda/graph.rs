@@ -26,6 +26,9 @@
 //! - **Host-side bookkeeping is replayed by hooks** ([`on_replay`]): counters that an eager step
 //!   advances on the host (batch norm's `num_batches_tracked`, the loss scaler's step count)
 //!   advance at every launch.
+//! - **What an eager call checks before it enqueues, a launch checks too** ([`before_replay`]):
+//!   a graph holding NCCL collectives is not launched once their process group has failed or
+//!   released its communicator (the nodes would run on an aborted or freed communicator).
 
 use std::any::Any;
 use std::cell::Cell;
@@ -85,6 +88,7 @@ struct Session {
     /// Cache entries the graph reads.
     keep: Vec<Arc<dyn Any + Send + Sync>>,
     hooks: Vec<Box<dyn FnMut() -> Result<()> + Send>>,
+    checks: Vec<Box<dyn FnMut() -> Result<()> + Send>>,
     /// The first refusal: the capture fails with it even if the caller went on.
     refused: Option<Error>,
 }
@@ -297,12 +301,23 @@ pub(crate) fn retire(ordinal: usize, buf: CudaSlice<u8>) -> Option<CudaSlice<u8>
 /// thread: host-side bookkeeping an eager step does (counters), which the graph cannot.
 /// Returns false (and drops the hook) when this thread is not capturing.
 pub(crate) fn on_replay(hook: Box<dyn FnMut() -> Result<()> + Send>) -> bool {
+    with_session(|sess| sess.hooks.push(hook))
+}
+
+/// Registers `check` to run on the host before every launch of the graph being captured on
+/// this thread: a launch is refused with its error (nothing enqueued), as the eager call would
+/// have been. Returns false (and drops the check) when this thread is not capturing.
+pub(crate) fn before_replay(check: Box<dyn FnMut() -> Result<()> + Send>) -> bool {
+    with_session(|sess| sess.checks.push(check))
+}
+
+fn with_session(f: impl FnOnce(&mut Session)) -> bool {
     let Some(ordinal) = capturing_device() else {
         return false;
     };
     match lock(sessions()).get_mut(&ordinal) {
         Some(sess) => {
-            sess.hooks.push(hook);
+            f(sess);
             true
         }
         None => false,
@@ -363,6 +378,7 @@ pub(crate) fn begin(dev: &Arc<CudaDevice>) -> Result<()> {
             deferred: Vec::new(),
             keep: Vec::new(),
             hooks: Vec::new(),
+            checks: Vec::new(),
             refused: None,
         },
     );
@@ -472,6 +488,7 @@ pub(crate) fn end(dev: &Arc<CudaDevice>) -> Result<Graph> {
         _deferred: sess.deferred,
         _keep: sess.keep,
         hooks: sess.hooks,
+        checks: sess.checks,
     })
 }
 
@@ -501,6 +518,7 @@ pub struct Graph {
     _deferred: Vec<CudaSlice<u8>>,
     _keep: Vec<Arc<dyn Any + Send + Sync>>,
     hooks: Vec<Box<dyn FnMut() -> Result<()> + Send>>,
+    checks: Vec<Box<dyn FnMut() -> Result<()> + Send>>,
 }
 
 impl std::fmt::Debug for Graph {
@@ -527,7 +545,8 @@ impl Graph {
     }
 
     /// Launches the graph on the device's stream (no host synchronisation), then runs the
-    /// replay hooks. An error, and no launch, when the graph is stale.
+    /// replay hooks. An error, and no launch, when the graph is stale or a pre-launch check
+    /// fails (a failed process group whose collectives the graph holds).
     pub fn launch(&mut self) -> Result<()> {
         let op = "replaying a CUDA graph";
         if self.is_stale() {
@@ -546,6 +565,9 @@ impl Graph {
                 op,
                 "launching a graph inside a capture".into(),
             ));
+        }
+        for c in &mut self.checks {
+            c()?;
         }
         self.graph
             .launch()
