@@ -18,7 +18,8 @@ use mixprec::amp::{self, CapturedStep, LossScale, OptLevel, Policy};
 use mixprec::backend::cuda::host_sync_count;
 use mixprec::distributed::launch::{launch, LaunchConfig};
 use mixprec::distributed::{
-    Backend, DdpConfig, DistributedDataParallel, GroupOptions, LaunchEnv, ProcessGroup, ReduceOp,
+    convert_sync_batchnorm, Backend, DdpConfig, DistributedDataParallel, GroupOptions, LaunchEnv,
+    ProcessGroup, ReduceOp,
 };
 use mixprec::nn::{cross_entropy, Module, ResNet};
 use mixprec::optim::{Optimizer, Sgd, SgdConfig};
@@ -288,11 +289,13 @@ fn batch_with(step: usize, inf: bool) -> (Tensor, Tensor) {
 
 /// Steps of the small ResNet through DDP at world size 1 over NCCL, as a `CapturedStep` that
 /// captures (`capture`) or runs eagerly: O2 with a dynamic loss scale, a learning rate set every
-/// step, an Inf planted in step 4's batch. Returns the state dict, the scaler's stats, the
-/// step's stats and the host synchronisations of the last three steps.
+/// step, an Inf planted in step 4's batch; with `sync_bn`, its batch norms are SyncBatchNorm
+/// (two all-reduces forward and backward each). Returns the state dict, the scaler's stats,
+/// the step's stats and the host synchronisations of the last three steps.
 fn ddp_steps(
     g: &ProcessGroup,
     capture: bool,
+    sync_bn: bool,
 ) -> (Vec<(String, Tensor)>, amp::ScalerStats, amp::StepStats, u64) {
     let model = tiny_resnet();
     let opt = Sgd::new(model.parameters(), sgd()).unwrap();
@@ -300,6 +303,9 @@ fn ddp_steps(
         .with_loss_scale(LossScale::Dynamic)
         .with_report_interval(0);
     let (model, mut opt) = amp::initialize(model, opt, policy).unwrap();
+    if sync_bn {
+        assert!(convert_sync_batchnorm(&model, g).unwrap() > 0);
+    }
     let cfg = DdpConfig {
         bucket_cap_mb: 0.05,
         first_bucket_mb: 0.01,
@@ -340,8 +346,23 @@ fn ddp_steps(
 fn ddp_nccl_captured_step_equals_the_eager_step() {
     let _serial = serial();
     let g = nccl_group();
-    let (eager, eager_scaler, eager_stats, _) = ddp_steps(&g, false);
-    let (graph, graph_scaler, graph_stats, syncs) = ddp_steps(&g, true);
+    captured_equals_eager(&g, false);
+}
+
+/// The same with SyncBatchNorm: its statistics' all-reduces (forward) and their gradients'
+/// (backward) are graph nodes too, and its running statistics are updated in their buffers.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sync_batchnorm_captured_step_equals_the_eager_step() {
+    let _serial = serial();
+    let g = nccl_group();
+    captured_equals_eager(&g, true);
+}
+
+fn captured_equals_eager(g: &ProcessGroup, sync_bn: bool) {
+    let what = if sync_bn { "SyncBatchNorm" } else { "DDP" };
+    let (eager, eager_scaler, eager_stats, _) = ddp_steps(g, false, sync_bn);
+    let (graph, graph_scaler, graph_stats, syncs) = ddp_steps(g, true, sync_bn);
     assert_eq!(eager_stats.replays, 0);
     assert_eq!(
         (graph_stats.eager, graph_stats.captures, graph_stats.replays),
@@ -355,18 +376,63 @@ fn ddp_nccl_captured_step_equals_the_eager_step() {
     assert_eq!(graph_scaler, eager_scaler);
     assert_eq!(
         syncs, 0,
-        "{syncs} host synchronisations in three replayed DDP steps"
+        "{what}: {syncs} host synchronisations in three replayed steps"
     );
     assert_same_bits(
         &graph,
         &eager,
-        "the replayed DDP step differs from the eager one",
+        &format!("{what}: the replayed step differs from the eager one"),
     );
     println!(
-        "DDP world size 1: 5 replayed steps (one skipped) bitwise the eager steps, {} tensors, \
-         0 host syncs per replay",
+        "{what} world size 1: 5 replayed steps (one skipped) bitwise the eager steps, {} \
+         tensors, 0 host syncs per replay",
         graph.len()
     );
+}
+
+/// A graph holding NCCL collectives is not launched once its group has failed (the
+/// communicator is aborted) or been dropped (released): the launch is refused with the
+/// group's error, as an eager collective would be, rather than running NCCL's nodes on a
+/// communicator that is gone.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_graph_is_not_replayed_on_a_failed_or_released_group() {
+    let _serial = serial();
+    for how in ["aborted", "dropped"] {
+        let t = Tensor::ones([1024], DType::F32, GPU).unwrap();
+        let g = nccl_group();
+        // Warm-up: the kernel compiled and NCCL's connections made before the capture.
+        let w = t.mul_scalar(2.0).unwrap();
+        g.all_reduce(&w, ReduceOp::Sum).unwrap();
+        let mut graph = mixprec::graph::capture(GPU, || {
+            t.copy_in_place(&t.mul_scalar(2.0)?)?;
+            g.all_reduce(&t, ReduceOp::Sum)
+        })
+        .unwrap();
+        graph.launch().unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap()[0], 2.0);
+        if how == "aborted" {
+            let _ = g.abort(None, "the test aborts the group");
+        }
+        drop(g);
+        let err = graph.launch().expect_err("launched on a gone communicator");
+        let msg = err.to_string();
+        assert!(
+            matches!(err, Error::Distributed { .. }),
+            "{how}: not the group's error: {msg}"
+        );
+        if how == "aborted" {
+            assert!(msg.contains("the test aborts the group"), "{msg}");
+        } else {
+            assert!(msg.contains("communicator was released"), "{msg}");
+        }
+        assert_eq!(
+            t.to_vec::<f32>().unwrap()[0],
+            2.0,
+            "{how}: the refused launch ran"
+        );
+        println!("{how} group: the launch refused: {msg}");
+    }
 }
 
 // ---- two GPUs: two ranks (skipped on a machine with one) ----------------------------------------
@@ -374,7 +440,8 @@ fn ddp_nccl_captured_step_equals_the_eager_step() {
 /// The rank processes of the two-rank tests (a no-op unless launched by one). `MIXPREC_TEST_MODE`:
 /// - unset: three O2 steps through DDP in a plain loop;
 /// - `eager` / `captured`: six steps as a `CapturedStep` that runs eagerly or captures (a
-///   learning rate set every step);
+///   learning rate set every step); `sync-bn-eager` / `sync-bn-captured` the same with
+///   SyncBatchNorm;
 /// - `leave-early`: captured steps, rank 1 leaving after three while rank 0 goes on, reading
 ///   each step's loss; each rank exits by itself after 90 s whatever happens (status 4), so a
 ///   hang fails the test rather than holding the GPUs.
@@ -404,6 +471,13 @@ fn nccl_rank_entry() {
         let opt = Sgd::new(model.parameters(), sgd())?;
         let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
         let (model, mut opt) = amp::initialize(model, opt, policy)?;
+        let run = match mode.strip_prefix("sync-bn-") {
+            Some(run) => {
+                convert_sync_batchnorm(&model, &g)?;
+                run
+            }
+            None => mode.as_str(),
+        };
         let ddp = DistributedDataParallel::new(model, &g, DdpConfig::default())?;
         let batch = |step: u64| -> Result<(Tensor, Tensor)> {
             let x = Tensor::randn(
@@ -431,7 +505,7 @@ fn nccl_rank_entry() {
             }
         } else {
             let body = |x: &Tensor, y: &Tensor| cross_entropy(&ddp.forward(x)?, y);
-            let mut step = match mode.as_str() {
+            let mut step = match run {
                 "eager" => CapturedStep::eager(&ddp, &mut opt, body)?,
                 "captured" | "leave-early" => CapturedStep::new(&ddp, &mut opt, body)?,
                 other => panic!("unknown MIXPREC_TEST_MODE {other}"),
@@ -556,25 +630,49 @@ fn ddp_nccl_two_ranks_captured_equal_eager() {
     let Some(_serial) = two_gpus("ddp_nccl_two_ranks_captured_equal_eager") else {
         return;
     };
-    let (out, r) = launch_two_ranks("eager");
-    r.unwrap();
-    let (out_g, r) = launch_two_ranks("captured");
-    r.unwrap();
-    let own = ranks_agree(
-        &read_state(&out_g, "captured", 0),
-        &read_state(&out_g, "captured", 1),
-    );
-    for rank in 0..2 {
-        assert_same_bits(
-            &read_state(&out_g, "captured", rank),
-            &read_state(&out, "eager", rank),
-            &format!("rank {rank}'s replayed step differs from its eager one"),
-        );
-    }
+    let own = two_ranks_captured_equal_eager("");
     println!(
         "two NCCL ranks, captured DDP step: 4 replays each, ranks agree ({own} running \
          statistics their own), each rank bitwise its eager run"
     );
+}
+
+/// The same with SyncBatchNorm, whose statistics are the global batch's: its forward and
+/// backward all-reduces are graph nodes as well.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sync_batchnorm_two_ranks_captured_equal_eager() {
+    let Some(_serial) = two_gpus("sync_batchnorm_two_ranks_captured_equal_eager") else {
+        return;
+    };
+    let own = two_ranks_captured_equal_eager("sync-bn-");
+    println!(
+        "two NCCL ranks, captured SyncBatchNorm step: ranks agree ({own} running statistics \
+         differ), each rank bitwise its eager run"
+    );
+}
+
+/// Runs the two ranks eagerly and captured (modes `{prefix}eager`, `{prefix}captured`), checks
+/// that the captured ranks agree and that each is bitwise its eager run; returns how many
+/// running statistics differ between the ranks.
+fn two_ranks_captured_equal_eager(prefix: &str) -> usize {
+    let (eager, captured) = (format!("{prefix}eager"), format!("{prefix}captured"));
+    let (out, r) = launch_two_ranks(&eager);
+    r.unwrap();
+    let (out_g, r) = launch_two_ranks(&captured);
+    r.unwrap();
+    let own = ranks_agree(
+        &read_state(&out_g, &captured, 0),
+        &read_state(&out_g, &captured, 1),
+    );
+    for rank in 0..2 {
+        assert_same_bits(
+            &read_state(&out_g, &captured, rank),
+            &read_state(&out, &eager, rank),
+            &format!("rank {rank}'s replayed {captured} step differs from its eager one"),
+        );
+    }
+    own
 }
 
 /// A rank that leaves (cleanly, after three steps) while its peer replays a captured step whose

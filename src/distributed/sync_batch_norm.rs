@@ -146,7 +146,7 @@ pub(crate) fn forward(bn: &BatchNorm2d, x: &Tensor) -> Result<Option<Tensor>> {
                 .affine(1.0 - m, 0.0)?
                 .add(&batch.affine(m, 0.0)?)?
                 .to_dtype(running.dtype())?;
-            running.set_data(&new)?;
+            running.update_values(&new)?;
         }
     }
     Ok(Some(y))

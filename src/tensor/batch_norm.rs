@@ -244,15 +244,7 @@ impl Tensor {
                 &p,
             )?;
             for (stat, wide) in [(running_mean, &rm_acc), (running_var, &rv_acc)] {
-                let v = wide.to_dtype(stat.dtype())?;
-                // Into the statistics' own buffers (a CUDA graph replays on their addresses;
-                // a new buffer made during a capture could not outlive it); a view's values go
-                // through `set_data`.
-                if stat.is_whole_buffer() {
-                    stat.copy_in_place(&v)?;
-                } else {
-                    stat.set_data(&v)?;
-                }
+                stat.update_values(&wide.to_dtype(stat.dtype())?)?;
             }
             out
         };

@@ -87,6 +87,17 @@ impl Tensor {
         l.offset() == 0 && l.is_dense() && self.storage().len() == l.elem_count()
     }
 
+    /// Gives this statistic-like tensor (no gradient) the values of `v`: into its own buffer
+    /// when it is all of it, which a CUDA graph replays on (a buffer made during a capture could
+    /// not outlive it); a view's values through `set_data`.
+    pub(crate) fn update_values(&self, v: &Tensor) -> Result<()> {
+        if self.is_whole_buffer() {
+            self.copy_in_place(v)
+        } else {
+            self.set_data(v)
+        }
+    }
+
     /// Checks `self` may be written in place from `src` (same shape, dtype and device), and
     /// returns `src` laid out as `self` over a buffer of its own elements.
     fn check_in_place(&self, op: &'static str, src: Option<&Tensor>) -> Result<Option<Tensor>> {

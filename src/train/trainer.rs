@@ -573,12 +573,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             loss_cfg,
         )
     };
-    // A data-parallel step is captured with its collectives (NCCL's all-reduces and broadcasts
-    // become nodes of the graph): every rank captures at the same step, as NCCL requires.
-    // SyncBatchNorm's forward gives its running statistics new buffers (set_data), which a
-    // graph cannot record: with it the step runs eagerly.
-    let sync_bn = world > 1 && opts.sync_batch_norm;
-    let mut train_step = if cfg.cuda_graph && device.is_cuda() && !sync_bn {
+    // A data-parallel step is captured with its collectives (NCCL's all-reduces and broadcasts,
+    // SyncBatchNorm's included, become nodes of the graph): every rank captures at the same
+    // step, as NCCL requires.
+    let mut train_step = if cfg.cuda_graph && device.is_cuda() {
         say!(
             "step: captured into a CUDA graph after 2 warm-up steps{} (--no-cuda-graph: eager)",
             if world > 1 {
@@ -589,9 +587,6 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
         );
         CapturedStep::new(&*model, &mut opt, body)?
     } else {
-        if cfg.cuda_graph && device.is_cuda() {
-            say!("step: eager (--sync-batchnorm is not captured into a CUDA graph)");
-        }
         CapturedStep::eager(&*model, &mut opt, body)?
     };
     for epoch in start_epoch..end_epoch {
