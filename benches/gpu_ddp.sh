@@ -3,8 +3,9 @@
 #   1. tests/cuda_distributed.rs: NCCL at world size 1 for real (rendezvous, unique id,
 #      communicator, every collective on the communication stream), a DDP step bitwise equal to
 #      the unwrapped one with no host sync and buckets launched during backward, the overflow
-#      check reading the reduced gradients, the captured DDP step bitwise the eager one (and on
-#      two GPUs: two ranks eager and captured, and a rank leaving while the other replays);
+#      check reading the reduced gradients, the captured DDP step bitwise the eager one, with
+#      SyncBatchNorm too, a graph refused once its group failed (and on two GPUs: two ranks
+#      eager and captured, with SyncBatchNorm, and a rank leaving while the other replays);
 #   2. the ResNet-50 O2 step (batch 256) unwrapped vs in DDP at world size 1 (bound: 3%);
 #   3. PyTorch's DDP at world size 1 beside it (torchrun --standalone --nproc_per_node=1).
 #   4. with two or more GPUs, the bench on every GPU at once (NET=main-job, then ResNet-50);
