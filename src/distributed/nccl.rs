@@ -558,23 +558,23 @@ impl NcclEngine {
     fn track_replays(&self, captured: u64, what: String) -> Result<()> {
         // Before each launch, what an eager call checks before it enqueues: the group has not
         // failed and its communicator is still there (a replay must not run NCCL's nodes on an
-        // aborted or destroyed communicator).
+        // aborted or destroyed communicator). Once per graph and communicator.
         let (ctl, comm) = (self.ctl.clone(), self.comm.clone());
-        let check_what = what.clone();
+        let key = Arc::as_ptr(&comm) as usize;
         let check = move || -> Result<()> {
             ctl.check()?;
             if lock(&comm).is_none() {
                 return Err(ctl.error_now(
                     None,
-                    format!(
-                        "replaying {check_what}: the process group's NCCL communicator was \
-                         released (the group was shut down); capture again on a new group"
-                    ),
+                    "replaying a graph that holds this group's collectives: the process \
+                     group's NCCL communicator was released (the group was shut down); capture \
+                     again on a new group"
+                        .into(),
                 ));
             }
             Ok(())
         };
-        if !graph::before_replay(Box::new(check)) {
+        if !graph::before_replay(key, Box::new(check)) {
             return Err(Error::Capture {
                 op: "NCCL collective",
                 detail: format!("collective #{captured}: no capture to attach its replays to"),

@@ -88,7 +88,8 @@ struct Session {
     /// Cache entries the graph reads.
     keep: Vec<Arc<dyn Any + Send + Sync>>,
     hooks: Vec<Box<dyn FnMut() -> Result<()> + Send>>,
-    checks: Vec<Box<dyn FnMut() -> Result<()> + Send>>,
+    /// Pre-launch checks with the key they were registered under (one per key).
+    checks: Vec<(usize, Check)>,
     /// The first refusal: the capture fails with it even if the caller went on.
     refused: Option<Error>,
 }
@@ -304,11 +305,20 @@ pub(crate) fn on_replay(hook: Box<dyn FnMut() -> Result<()> + Send>) -> bool {
     with_session(|sess| sess.hooks.push(hook))
 }
 
+/// A pre-launch check (see [`before_replay`]).
+pub(crate) type Check = Box<dyn FnMut() -> Result<()> + Send>;
+
 /// Registers `check` to run on the host before every launch of the graph being captured on
 /// this thread: a launch is refused with its error (nothing enqueued), as the eager call would
-/// have been. Returns false (and drops the check) when this thread is not capturing.
-pub(crate) fn before_replay(check: Box<dyn FnMut() -> Result<()> + Send>) -> bool {
-    with_session(|sess| sess.checks.push(check))
+/// have been. One check per `key` (the object checked: a graph with a hundred collectives of
+/// one group checks the group once); a later one under the same key is dropped. Returns false
+/// when this thread is not capturing.
+pub(crate) fn before_replay(key: usize, check: Check) -> bool {
+    with_session(|sess| {
+        if !sess.checks.iter().any(|(k, _)| *k == key) {
+            sess.checks.push((key, check));
+        }
+    })
 }
 
 fn with_session(f: impl FnOnce(&mut Session)) -> bool {
@@ -488,7 +498,7 @@ pub(crate) fn end(dev: &Arc<CudaDevice>) -> Result<Graph> {
         _deferred: sess.deferred,
         _keep: sess.keep,
         hooks: sess.hooks,
-        checks: sess.checks,
+        checks: sess.checks.into_iter().map(|(_, c)| c).collect(),
     })
 }
 
@@ -518,17 +528,18 @@ pub struct Graph {
     _deferred: Vec<CudaSlice<u8>>,
     _keep: Vec<Arc<dyn Any + Send + Sync>>,
     hooks: Vec<Box<dyn FnMut() -> Result<()> + Send>>,
-    checks: Vec<Box<dyn FnMut() -> Result<()> + Send>>,
+    checks: Vec<Check>,
 }
 
 impl std::fmt::Debug for Graph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "Graph(cuda:{}, {} pinned buffers, {} replay hooks)",
+            "Graph(cuda:{}, {} pinned buffers, {} replay hooks, {} pre-launch checks)",
             self.dev.ordinal,
             self.pinned.len(),
-            self.hooks.len()
+            self.hooks.len(),
+            self.checks.len()
         )
     }
 }
