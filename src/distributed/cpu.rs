@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 
+use super::collective::{Coll, ReduceOp};
 use super::control::{grace, Control};
-use super::group::{Coll, ReduceOp};
 use super::wire::{read_frame, tag, write_frame2, Dec, Enc};
 use crate::backend::cpu::CpuStorage;
 use crate::error::{Error, Result};

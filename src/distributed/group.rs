@@ -6,6 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::collective::Coll;
+pub use super::collective::{Backend, ReduceOp};
 use super::control::Control;
 use super::cpu::{Completion, CpuEngine};
 use super::env::LaunchEnv;
@@ -13,57 +15,6 @@ use super::nccl::{NcclEngine, NcclWork};
 use super::rendezvous::rendezvous;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Shape, Tensor};
-
-/// How a reduction combines the ranks' values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    Sum = 0,
-    /// The sum divided by the world size.
-    Avg = 1,
-    Max = 2,
-    Min = 3,
-}
-
-/// A collective, as the backends see it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Coll {
-    AllReduce(ReduceOp),
-    Broadcast(usize),
-    AllGather,
-    Barrier,
-}
-
-/// Which engine moves the data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
-    /// CPU tensors over TCP (processes on one machine or several): for tests and development.
-    Cpu,
-    /// CUDA tensors through NCCL, one GPU per process.
-    Nccl,
-}
-
-impl Backend {
-    /// The backend for tensors on `device`.
-    pub fn for_device(device: Device) -> Backend {
-        if device.is_cuda() {
-            Backend::Nccl
-        } else {
-            Backend::Cpu
-        }
-    }
-
-    fn code(self) -> u8 {
-        self as u8
-    }
-}
-
-pub(crate) fn backend_name(code: u8) -> &'static str {
-    match code {
-        0 => "cpu",
-        1 => "nccl",
-        _ => "unknown",
-    }
-}
 
 /// How to set a group up.
 #[derive(Clone, Debug)]

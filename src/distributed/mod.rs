@@ -8,6 +8,7 @@
 //! - `rendezvous.rs`, `wire.rs`: rank 0's TCP rendezvous and the frames on mixprec's links;
 //! - `control.rs`: the control plane: dead and hung ranks, fault relay, host-side gathers;
 //! - `group.rs`: `ProcessGroup` and its collectives; `cpu.rs` and `nccl.rs`: the backends;
+//!   `collective.rs`: what they share (the reduction ops, the collectives, the backend codes);
 //! - `ddp.rs`, `reducer.rs`: `DistributedDataParallel` and its gradient buckets;
 //! - `sync_batch_norm.rs`: batch statistics over every rank;
 //! - `launch.rs`: spawning and supervising the rank processes of one machine.
@@ -15,6 +16,7 @@
 //! A dead or hung rank is an [`Error::Distributed`](crate::Error::Distributed) on every other
 //! rank within a bounded time, naming the rank; README.md ("Several GPUs") shows each fault.
 
+mod collective;
 mod control;
 mod cpu;
 pub mod ddp;

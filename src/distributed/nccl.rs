@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::sys;
 
+use super::collective::ReduceOp;
 use super::control::Control;
-use super::group::ReduceOp;
 use crate::backend::cuda::{graph, CudaDevice};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Storage, Tensor};

@@ -201,8 +201,8 @@ fn serve(
         } else if h.backend != backend {
             Some(format!(
                 "rank {r} uses backend {} and rank 0 backend {}",
-                super::group::backend_name(h.backend),
-                super::group::backend_name(backend)
+                super::collective::backend_name(h.backend),
+                super::collective::backend_name(backend)
             ))
         } else {
             None
