@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::amp::{OptLevel, Policy};
 use crate::config_toml::ConfigText;
 use crate::error::{fmt_number, Error, Result};
+use crate::tensor::Device;
 
 /// The ResNet trained by the main job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -488,6 +489,24 @@ pub fn parse_opt_level(s: &str) -> Result<OptLevel> {
         "O3" => Ok(OptLevel::O3),
         _ => Err(invalid("run config", "amp.opt_level", format!("{s:?}"))),
     }
+}
+
+/// The device a run asked for, and a note saying why `auto` chose it.
+pub fn select_device(spec: &str) -> Result<(Device, String)> {
+    Ok(match parse_device(spec)? {
+        None => match Device::cuda(0) {
+            Ok(d) => (d, " (auto: the first GPU)".into()),
+            Err(e) => {
+                // The first clause says what is missing; the rest is for RUST_LOG=debug.
+                let why = e.to_string();
+                let why = why.trim_start_matches("cuda: ");
+                let why = why.split(" (RUST_LOG").next().unwrap_or(why).to_string();
+                (Device::Cpu, format!(" (auto: no usable GPU: {why})"))
+            }
+        },
+        Some(None) => (Device::Cpu, String::new()),
+        Some(Some(n)) => (Device::cuda(n)?, String::new()),
+    })
 }
 
 /// Which device a run asked for: `None` = auto, `Some(None)` = CPU, `Some(Some(n))` = GPU n.

@@ -7,7 +7,7 @@ use crate::distributed::{Backend, GroupOptions, LaunchEnv, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::tensor::Device;
 
-use super::config::parse_device;
+use super::config::{parse_device, select_device};
 
 /// This process's place in the run.
 pub struct Ranks {
@@ -43,7 +43,7 @@ impl Ranks {
     /// Also a note saying why `auto` chose what it chose (empty with several ranks).
     pub fn device(&self, spec: &str) -> Result<(Device, String)> {
         if !self.env.is_distributed() {
-            return super::trainer::select_device(spec);
+            return select_device(spec);
         }
         let local = self.env.cuda_ordinal();
         let device = match parse_device(spec)? {

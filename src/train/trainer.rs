@@ -34,7 +34,7 @@ use crate::optim::{
 };
 use crate::tensor::{Device, MemoryFormat, Tensor};
 
-use super::config::{parse_device, RunConfig};
+use super::config::RunConfig;
 use super::data::LARGE_IMAGE;
 use super::distributed::Ranks;
 use super::divergence::DivergenceWatch;
@@ -165,24 +165,6 @@ pub fn auto_checkpoint(out: &Path) -> Result<Option<Found>> {
             checkpoint: l.checkpoint,
         }
     }))
-}
-
-/// The device a run asked for, and a note saying why `auto` chose it.
-pub fn select_device(spec: &str) -> Result<(Device, String)> {
-    Ok(match parse_device(spec)? {
-        None => match Device::cuda(0) {
-            Ok(d) => (d, " (auto: the first GPU)".into()),
-            Err(e) => {
-                // The first clause says what is missing; the rest is for RUST_LOG=debug.
-                let why = e.to_string();
-                let why = why.trim_start_matches("cuda: ");
-                let why = why.split(" (RUST_LOG").next().unwrap_or(why).to_string();
-                (Device::Cpu, format!(" (auto: no usable GPU: {why})"))
-            }
-        },
-        Some(None) => (Device::Cpu, String::new()),
-        Some(Some(n)) => (Device::cuda(n)?, String::new()),
-    })
 }
 
 /// The network `cfg.model` asks for, fitted to the data: `auto` is the small-image ResNet for
