@@ -6,8 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::collective::Coll;
-pub use super::collective::{Backend, ReduceOp};
+use super::collective::{Backend, Coll, ReduceOp};
 use super::control::Control;
 use super::cpu::{Completion, CpuEngine};
 use super::env::LaunchEnv;

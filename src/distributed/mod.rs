@@ -29,8 +29,9 @@ mod rendezvous;
 pub mod sync_batch_norm;
 mod wire;
 
+pub use collective::{Backend, ReduceOp};
 pub use ddp::{DdpConfig, DistributedDataParallel, NoSyncGuard};
 pub use env::{LaunchEnv, Launcher};
-pub use group::{default_timeout, Backend, GroupOptions, ProcessGroup, ReduceOp, Work};
+pub use group::{default_timeout, GroupOptions, ProcessGroup, Work};
 pub use reducer::ReductionStats;
 pub use sync_batch_norm::convert_sync_batchnorm;

@@ -26,7 +26,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use super::group::{ProcessGroup, ReduceOp, Work};
+use super::collective::ReduceOp;
+use super::group::{ProcessGroup, Work};
 use crate::autograd::queue_callback;
 use crate::error::{Error, Result};
 use crate::multi_tensor;

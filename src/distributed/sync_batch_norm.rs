@@ -19,7 +19,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use super::group::{ProcessGroup, ReduceOp, WeakGroup};
+use super::collective::ReduceOp;
+use super::group::{ProcessGroup, WeakGroup};
 use crate::autograd::custom_function;
 use crate::error::{Error, Result};
 use crate::nn::module::{Module, TensorKind};
