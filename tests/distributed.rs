@@ -57,7 +57,9 @@ fn rank_entry() {
         "early" => worker_early(&env),
         "mismatch-shape" | "mismatch-dtype" => worker_mismatch(&env, &role),
         "trainer" => worker_trainer(&env, &out),
-        "buffers" => worker_buffers(&env, &out),
+        "buffers" => worker_buffers(&env, &out, DType::F32),
+        // F64 buffers take the broadcast's general path (no flat multi-tensor copy for F64).
+        "buffers-f64" => worker_buffers(&env, &out, DType::F64),
         other => Err(Error::invalid_arg(
             "rank_entry",
             "role",
@@ -262,10 +264,21 @@ fn save(out: &Path, name: &str, tensors: Vec<(String, Tensor)>) -> Result<()> {
 
 /// broadcast_buffers: each rank first gives its batch-norm statistics values of its own, then
 /// runs one training forward through DDP on a batch all ranks share. The forward starts from
-/// rank 0's statistics, so after it every rank holds the same; the rank saves them.
-fn worker_buffers(env: &LaunchEnv, out: &Path) -> Result<()> {
+/// rank 0's statistics, so after it every rank holds the same; the rank saves them. The model
+/// and the batch are in `dtype`.
+fn worker_buffers(env: &LaunchEnv, out: &Path, dtype: DType) -> Result<()> {
     let g = group(env)?;
-    let ddp = DistributedDataParallel::new(tiny_resnet(0)?, &g, DdpConfig::default())?;
+    let model = tiny_resnet(0)?;
+    let mut floats = Vec::new();
+    model.visit("", &mut |i| {
+        if i.tensor.dtype().is_float() {
+            floats.push(i.tensor.clone());
+        }
+    });
+    for t in floats {
+        t.cast_in_place(dtype)?;
+    }
+    let ddp = DistributedDataParallel::new(model, &g, DdpConfig::default())?;
     let r = env.rank as f64;
     let mut floats = 0;
     for (_, b) in ddp.named_buffers() {
@@ -277,7 +290,7 @@ fn worker_buffers(env: &LaunchEnv, out: &Path) -> Result<()> {
     }
     check(floats > 0, || "the net has float buffers".into())?;
     for step in 0..2 {
-        let x = Tensor::randn([4, 1, 8, 8], 0.0, 1.0, 7 + step, DType::F32, CPU)?;
+        let x = Tensor::randn([4, 1, 8, 8], 0.0, 1.0, 7 + step, dtype, CPU)?;
         ddp.forward(&x)?;
     }
     save(
@@ -701,12 +714,14 @@ fn collectives_on_two_and_three_ranks() {
 
 #[test]
 fn each_training_forward_starts_from_rank_zeros_buffers() {
-    let run = run_ranks("buffers", 3, &[], Duration::from_secs(10));
-    run.expect_ok();
-    let base = run.tensors(0);
-    for r in 1..3 {
-        for ((n, a), (_, b)) in base.iter().zip(&run.tensors(r)) {
-            assert!(bits(a) == bits(b), "rank {r}: {n} differs from rank 0's");
+    for role in ["buffers", "buffers-f64"] {
+        let run = run_ranks(role, 3, &[], Duration::from_secs(10));
+        run.expect_ok();
+        let base = run.tensors(0);
+        for r in 1..3 {
+            for ((n, a), (_, b)) in base.iter().zip(&run.tensors(r)) {
+                assert!(bits(a) == bits(b), "{role}, rank {r}: {n} differs from rank 0's");
+            }
         }
     }
 }

@@ -171,7 +171,8 @@ impl BufferSync {
             let got = broadcast_packed(group, bufs, root)?;
             if group.rank() != root {
                 for (b, v) in bufs.iter().zip(got) {
-                    b.set_data(&v)?;
+                    // In place where it can (a graph replays on the buffers' addresses).
+                    b.update_values(&v)?;
                 }
             }
             return Ok(());
