@@ -574,11 +574,12 @@ impl NcclEngine {
             }
             Ok(())
         };
+        let no_capture = || Error::Capture {
+            op: "NCCL collective",
+            detail: format!("collective #{captured}: no capture to attach its replays to"),
+        };
         if !graph::before_replay(key, Box::new(check)) {
-            return Err(Error::Capture {
-                op: "NCCL collective",
-                detail: format!("collective #{captured}: no capture to attach its replays to"),
-            });
+            return Err(no_capture());
         }
         let (ctl, pending, dev) = (self.ctl.clone(), self.pending.clone(), self.dev.clone());
         let hook = move || -> Result<()> {
@@ -598,10 +599,7 @@ impl NcclEngine {
         if graph::on_replay(Box::new(hook)) {
             Ok(())
         } else {
-            Err(Error::Capture {
-                op: "NCCL collective",
-                detail: format!("collective #{captured}: no capture to attach its replays to"),
-            })
+            Err(no_capture())
         }
     }
 
