@@ -720,7 +720,10 @@ fn each_training_forward_starts_from_rank_zeros_buffers() {
         let base = run.tensors(0);
         for r in 1..3 {
             for ((n, a), (_, b)) in base.iter().zip(&run.tensors(r)) {
-                assert!(bits(a) == bits(b), "{role}, rank {r}: {n} differs from rank 0's");
+                assert!(
+                    bits(a) == bits(b),
+                    "{role}, rank {r}: {n} differs from rank 0's"
+                );
             }
         }
     }
