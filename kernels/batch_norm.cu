@@ -857,3 +857,104 @@ __device__ void bn_bwd_dx_nchw(BnGeo g, const T* gr, const T* x, const T* y, con
 BN_FUSED(f16, f16)
 BN_FUSED(bf16, bf16)
 BN_FUSED(f32, float)
+
+// ---- SyncBatchNorm's pieces ----------------------------------------------------------------------
+//
+// A batch norm whose statistics are every process's: the fused kernels above do the passes over
+// the data, these small ones turn their partials into what crosses between processes and back:
+//   forward:  bn_stats → bn_sync_stats (this batch's [mean, Σ(x − mean)², count], in double)
+//             → all-gather → bn_sync_gather (the union's mean, invstd, running statistics, count)
+//             → bn_sync_coef → bn_apply;
+//   backward: bn_bwd_reduce → bn_sync_bwd_sums ([Σg'·x̂, Σg'], the weight's and bias's gradients)
+//             → all-reduce → bn_sync_bwd_coef (with the total count) → bn_bwd_dx.
+
+// out = [mean (c), Σ(x − mean)² (c), m] from bn_stats's partials of d = x − K:
+// mean = K + Σd/m, Σ(x − mean)² = Σd² − (Σd)²/m. One block per channel.
+extern "C" __global__ void bn_sync_stats(BnGeo g, const float* part, const float* shift,
+                                         double* out) {
+    __shared__ double sh[32];
+    double m = (double)(g.n * g.sp);
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[2 * g.c] = m;
+    for (u64 ch = blockIdx.x; ch < g.c; ch += gridDim.x) {
+        double a, b;
+        channel_sums(part, ch, g.S, a, b, sh);
+        if (threadIdx.x != 0) continue;
+        double ss = b - a * a / m;
+        out[ch] = (double)shift[ch] + a / m;
+        out[g.c + ch] = ss > 0 ? ss : 0;
+    }
+}
+
+// `ranks` rows of bn_sync_stats (rank order) combined per channel in rank order, Chan et al.'s
+// pairwise update (n, mean, M2) ⊕ (n_r, mean_r, M2_r): mean and invstd (biased variance) for
+// the forward and the backward, the running statistics (unbiased), the total count. One thread
+// per channel; every process gets the same bits from the same rows.
+extern "C" __global__ void bn_sync_gather(u64 ranks, u64 c, const double* rows, double eps,
+                                          double momentum, float* rm, float* rv, float* mean,
+                                          float* invstd, double* count) {
+    u64 ch = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    u64 w = 2 * c + 1;
+    if (ch == 0) {
+        double t = 0;
+        for (u64 r = 0; r < ranks; r++) t += rows[r * w + 2 * c] > 0 ? rows[r * w + 2 * c] : 0;
+        count[0] = t;
+    }
+    if (ch >= c) return;
+    double n = 0, mu = 0, m2 = 0;
+    for (u64 r = 0; r < ranks; r++) {
+        const double* row = rows + r * w;
+        double nr = row[2 * c];
+        if (!(nr > 0)) continue;
+        double t = n + nr, d = row[ch] - mu;
+        mu += d * nr / t;
+        m2 += row[c + ch] + d * d * n * nr / t;
+        n = t;
+    }
+    double var = m2 / n;
+    double unbiased = n > 1 ? var * n / (n - 1) : var;
+    rm[ch] = (float)((1.0 - momentum) * (double)rm[ch] + momentum * mu);
+    rv[ch] = (float)((1.0 - momentum) * (double)rv[ch] + momentum * unbiased);
+    mean[ch] = (float)mu;
+    invstd[ch] = (float)(1.0 / sqrt(var + eps));
+}
+
+// bn_apply's coefficients from given statistics: scale = w·invstd, shift = b − mean·scale.
+extern "C" __global__ void bn_sync_coef(u64 c, const float* w, const float* b, const float* mean,
+                                        const float* invstd, float* coef) {
+    u64 ch = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    double sc = (double)w[ch] * (double)invstd[ch];
+    coef[2 * ch] = (float)sc;
+    coef[2 * ch + 1] = (float)((double)b[ch] - (double)mean[ch] * sc);
+}
+
+// out = [Σg'·x̂ (c), Σg' (c)] from bn_bwd_reduce's partials (Σg', Σg'·(x − mean)). One block
+// per channel.
+extern "C" __global__ void bn_sync_bwd_sums(u64 c, u64 S, const float* part, const float* invstd,
+                                            float* out) {
+    __shared__ float sh[32];
+    for (u64 ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        float sg, sgx;
+        channel_sums(part, ch, S, sg, sgx, sh);
+        if (threadIdx.x != 0) continue;
+        out[ch] = sgx * invstd[ch];
+        out[c + ch] = sg;
+    }
+}
+
+// bn_bwd_dx's coefficients [w·invstd, w·invstd/N, Σg', Σg'·x̂, mean, invstd] from the sums
+// over every process (bn_sync_bwd_sums's layout) and their count N.
+extern "C" __global__ void bn_sync_bwd_coef(u64 c, const float* sums, const double* count,
+                                            const float* w, const float* mean,
+                                            const float* invstd, float* coef) {
+    u64 ch = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+    if (ch >= c) return;
+    float is = invstd[ch];
+    float* k = coef + 6 * ch;
+    k[0] = w[ch] * is;
+    k[1] = w[ch] * is / (float)count[0];
+    k[2] = sums[c + ch];
+    k[3] = sums[ch];
+    k[4] = mean[ch];
+    k[5] = is;
+}

@@ -23,9 +23,9 @@ use mixprec::distributed::{
     convert_sync_batchnorm, Backend, DdpConfig, DistributedDataParallel, GroupOptions, LaunchEnv,
     ProcessGroup, ReduceOp,
 };
-use mixprec::nn::{cross_entropy, Module, ResNet};
+use mixprec::nn::{cross_entropy, BatchNorm2d, Module, ResNet};
 use mixprec::optim::{Optimizer, Sgd, SgdConfig};
-use mixprec::{DType, Device, Error, Result, Tensor};
+use mixprec::{DType, Device, Error, MemoryFormat, Result, Tensor};
 
 const GPU: Device = Device::Cuda(0);
 
@@ -292,7 +292,7 @@ fn batch_with(step: usize, inf: bool) -> (Tensor, Tensor) {
 /// Steps of the small ResNet through DDP at world size 1 over NCCL, as a `CapturedStep` that
 /// captures (`capture`) or runs eagerly: O2 with a dynamic loss scale, a learning rate set every
 /// step, an Inf planted in step 4's batch; with `sync_bn`, its batch norms are SyncBatchNorm
-/// (two all-reduces forward and backward each). Returns the state dict, the scaler's stats,
+/// (an all-gather forward and an all-reduce backward each). Returns the state dict, the scaler's stats,
 /// the step's stats and the host synchronisations of the last three steps.
 fn ddp_steps(
     g: &ProcessGroup,
@@ -351,7 +351,7 @@ fn ddp_nccl_captured_step_equals_the_eager_step() {
     captured_equals_eager(&g, false);
 }
 
-/// The same with SyncBatchNorm: its statistics' all-reduces (forward) and their gradients'
+/// The same with SyncBatchNorm: its statistics' all-gathers (forward) and their gradients'
 /// (backward) are graph nodes too, and its running statistics are updated in their buffers.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -359,6 +359,92 @@ fn sync_batchnorm_captured_step_equals_the_eager_step() {
     let _serial = serial();
     let g = nccl_group();
     captured_equals_eager(&g, true);
+}
+
+/// SyncBatchNorm's CUDA pieces (statistics, the all-gather, their combination, the normalised
+/// output; the gradient sums, their all-reduce, the input's gradient) against a plain batch norm
+/// on the CPU, which at world size 1 it must equal: every memory format, half type and fused
+/// epilogue the layer runs, the output, all gradients and the running statistics.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sync_batchnorm_pieces_match_the_cpu_batch_norm() {
+    let _serial = serial();
+    let g = nccl_group();
+    let cpu = Device::Cpu;
+    let (n, c, h, w) = (8, 24, 7, 9);
+    let mut worst_of = Vec::new();
+    for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+        for (dtype, tol) in [(DType::F32, 2e-5), (DType::F16, 4e-3), (DType::BF16, 3e-2)] {
+            for epilogue in ["plain", "relu", "add_relu"] {
+                let what = format!("{} {dtype} {epilogue}", format.name());
+                let make = |dev: &Device| {
+                    let bn = BatchNorm2d::new(c, dev).unwrap();
+                    let set = |t: &Tensor, seed| {
+                        let v = Tensor::randn([c], 1.0, 0.5, seed, DType::F32, cpu).unwrap();
+                        t.set_data(&v.to_device(*dev).unwrap()).unwrap();
+                    };
+                    set(&bn.weight, 3);
+                    set(&bn.bias, 4);
+                    bn
+                };
+                let (bn_cpu, bn_gpu) = (make(&cpu), make(&GPU));
+                assert_eq!(convert_sync_batchnorm(&bn_gpu, &g).unwrap(), 1);
+                let x = Tensor::randn([n, c, h, w], 0.7, 2.0, 5, dtype, cpu).unwrap();
+                let r = Tensor::randn([n, c, h, w], 0.0, 1.0, 6, dtype, cpu).unwrap();
+                let up = Tensor::randn([n, c, h, w], 0.0, 1.0, 7, dtype, cpu).unwrap();
+                let run = |bn: &BatchNorm2d, dev: Device| {
+                    let on = |t: &Tensor| {
+                        t.to_device(dev)
+                            .unwrap()
+                            .to_memory_format(format)
+                            .unwrap()
+                            .to_variable()
+                    };
+                    let (x, r) = (on(&x), on(&r));
+                    let y = match epilogue {
+                        "plain" => bn.forward(&x),
+                        "relu" => bn.forward_relu(&x),
+                        _ => bn.forward_add_relu(&x, &r),
+                    }
+                    .unwrap();
+                    let loss = y.mul(&on(&up)).unwrap().sum_all().unwrap();
+                    loss.backward().unwrap();
+                    let mut out = vec![
+                        ("y", y.detach()),
+                        ("dx", x.grad().unwrap()),
+                        ("dweight", bn.weight.grad().unwrap()),
+                        ("dbias", bn.bias.grad().unwrap()),
+                        ("running_mean", bn.running_mean.clone()),
+                        ("running_var", bn.running_var.clone()),
+                    ];
+                    if epilogue == "add_relu" {
+                        out.push(("dresidual", r.grad().unwrap()));
+                    }
+                    out
+                };
+                let want = run(&bn_cpu, cpu);
+                let got = run(&bn_gpu, GPU);
+                for ((name, a), (_, b)) in got.iter().zip(&want) {
+                    let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+                    let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+                    let e = a
+                        .iter()
+                        .zip(&b)
+                        .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()))
+                        / scale;
+                    assert!(e < tol, "{what}: {name} off by {e:e} (bound {tol:e})");
+                    worst_of.push((e / tol, format!("{what} {name} {e:.1e}")));
+                }
+            }
+        }
+    }
+    worst_of.sort_by(|a, b| a.0.total_cmp(&b.0));
+    println!(
+        "SyncBatchNorm on the GPU = batch norm on the CPU in {} comparisons; closest to its \
+         bound: {}",
+        worst_of.len(),
+        worst_of.last().map_or("", |w| &w.1)
+    );
 }
 
 fn captured_equals_eager(g: &ProcessGroup, sync_bn: bool) {

@@ -349,6 +349,70 @@ pub trait BackendStorage: Sized {
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>>;
 
+    // SyncBatchNorm's pieces (PyTorch's batch_norm_stats, _gather_stats, _elemt,
+    // _backward_reduce, _backward_elemt): the statistics and the gradient sums leave the
+    // backend between the pieces, to be combined over the processes.
+
+    /// The local batch's statistics: F64 `[2c + 1]`, each channel's mean, each channel's sum
+    /// of squared deviations from its mean, then the count of values per channel (`n·spatial`).
+    fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self>;
+    /// Called on `ranks` rows of [`BackendStorage::batch_norm_stats`] (F64 `[ranks, 2c + 1]`,
+    /// contiguous, rank order): the union's `(mean, invstd, count)`, mean and invstd in the
+    /// running statistics' dtype (`[c]`, biased variance as `batch_norm_train` saves them),
+    /// count F64 `[1]`. The running statistics are updated in place (unbiased variance). Every
+    /// process computes the same values from the same rows.
+    fn batch_norm_gather_stats(
+        &self,
+        ranks: usize,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)>;
+    /// `y = (x − mean)·invstd·weight + bias` with `p`'s epilogue: the training forward's output
+    /// given its statistics (`weight`, `bias`, `mean`, `invstd` as `batch_norm_train`'s).
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_elemt(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self>;
+    /// Called on the output gradient: `[Σ g'·x̂, Σ g']` per channel over this batch (`[2c]`,
+    /// the statistics' dtype; g' is the gradient through the fused ReLU, read from `y`), which
+    /// are the weight's and the bias's gradients.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_backward_reduce(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self>;
+    /// Called on the output gradient: the input's gradient given `sums` (as
+    /// `batch_norm_backward_reduce`'s, summed over the processes) and `count` (F64 `[1]`, the
+    /// values per channel over the processes), and g' for the residual when `p.residual`.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_backward_elemt(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        mean: &Self,
+        invstd: &Self,
+        sums: &Self,
+        count: &Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Option<Self>)>;
+
     /// Returns `(out, argmax)` where argmax (I64) is the flat `h·w` index of each maximum.
     fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)>;
     /// Called on the output gradient.

@@ -4,12 +4,20 @@
 //!
 //! [`convert_sync_batchnorm`] marks a model's `BatchNorm2d` layers (torch's
 //! `SyncBatchNorm.convert_sync_batchnorm`); a marked layer's training forward then runs
-//! [`forward`] instead of the batch-norm kernel: per-channel sums all-reduced, then centred
-//! squares all-reduced (two passes, in f32; f64 for f64 input), normalised with the global mean
-//! and biased variance, running statistics updated with the unbiased one. The all-reduces are
-//! differentiable (their backward all-reduces the incoming gradient), so autograd gives every
-//! rank the gradient of the global batch's loss. Eval mode uses the running statistics, as a
-//! plain `BatchNorm2d`.
+//! [`forward`] instead of the batch-norm kernel, with the same fused epilogue (ReLU, residual
+//! add), as PyTorch's `batch_norm_stats` / `gather_stats` / `elemt`:
+//! - forward: each rank's per-channel mean, sum of squared deviations and count (the fused
+//!   batch-norm kernels' statistics pass), one all-gather of those rows, combined on every rank
+//!   in rank order (Chan et al.'s pairwise update, in f64: no cancellation however far apart
+//!   the ranks' means), which also updates the running statistics (unbiased variance); then the
+//!   normalisation with the global mean and invstd;
+//! - backward: each rank's Σg'·x̂ and Σg' per channel (g' through the fused ReLU), which are
+//!   the weight's and bias's gradients (local, as PyTorch's: DDP averages them), one all-reduce
+//!   of them, then the input's gradient from the global sums and count.
+//!
+//! So a layer costs one collective each way and the passes of a plain batch norm, and keeps
+//! what a plain batch norm keeps for backward. Eval mode uses the running statistics, as a
+//! plain `BatchNorm2d`. On CUDA it runs f16, bf16 and f32 inputs (the fused kernels' dtypes).
 //!
 //! The mark lives in a registry keyed by the layer's weight tensor and holds the group weakly:
 //! dropping the group unmarks nothing by itself but makes the layer fail loudly (an error, not
@@ -22,6 +30,7 @@ use std::sync::Mutex;
 use super::collective::ReduceOp;
 use super::group::{ProcessGroup, WeakGroup};
 use crate::autograd::custom_function;
+use crate::backend::BatchNormParams;
 use crate::error::{Error, Result};
 use crate::nn::module::{Module, TensorKind};
 use crate::nn::BatchNorm2d;
@@ -73,27 +82,15 @@ fn group_of(weight: &Tensor) -> Result<Option<ProcessGroup>> {
     }
 }
 
-/// A copy of `t` summed over the ranks, whose gradient is summed over the ranks too.
-fn all_reduce_sum(group: &ProcessGroup, t: &Tensor) -> Result<Tensor> {
-    let value = crate::with_no_grad(|| t.detach().owned())?;
-    group.all_reduce(&value, ReduceOp::Sum)?;
-    let g = group.clone();
-    Ok(custom_function(
-        "SyncBatchNorm all_reduce",
-        &[t],
-        &value,
-        move |grad| {
-            // A copy: the incoming gradient may be shared with other nodes.
-            let total = grad.detach().owned()?.contiguous()?;
-            g.all_reduce(&total, ReduceOp::Sum)?;
-            Ok(vec![Some(total)])
-        },
-    ))
-}
-
-/// The training forward of a marked layer, or None when `bn` is not marked (see the module
-/// docs). Updates the running statistics; the caller counts the batch.
-pub(crate) fn forward(bn: &BatchNorm2d, x: &Tensor) -> Result<Option<Tensor>> {
+/// The training forward of a marked layer, `y = relu(bn(x) + residual)` with each part of the
+/// epilogue optional, or None when `bn` is not marked (see the module docs). Updates the
+/// running statistics; the caller counts the batch.
+pub(crate) fn forward(
+    bn: &BatchNorm2d,
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    relu: bool,
+) -> Result<Option<Tensor>> {
     let Some(group) = group_of(&bn.weight)? else {
         return Ok(None);
     };
@@ -107,48 +104,101 @@ pub(crate) fn forward(bn: &BatchNorm2d, x: &Tensor) -> Result<Option<Tensor>> {
             format!("input must be [n, {c}, h, w]"),
         ));
     }
-    let count = x.elem_count() / c;
-    if count * group.world_size() < 2 {
+    let n = x.dims()[0];
+    let spatial = x.elem_count() / (n * c).max(1);
+    if n * spatial == 0 || n * spatial * group.world_size() < 2 {
         return Err(Error::invalid_shape(
             op,
             x.shape(),
-            "training needs more than one value per channel over all ranks",
+            "training needs at least one value per channel on each rank, more than one over all \
+             ranks",
         ));
+    }
+    if let Some(r) = residual {
+        if r.shape() != x.shape() {
+            return Err(Error::shape_mismatch(
+                op,
+                x.shape(),
+                r.shape(),
+                "the residual must have the input's shape",
+            ));
+        }
+        if r.dtype() != x.dtype() {
+            // The kernels add a residual of the input's dtype; another one promotes, unfused.
+            let y = forward(bn, x, None, false)?.ok_or_else(|| unmarked(op))?;
+            let y = y.add(r)?;
+            return Ok(Some(if relu { y.relu()? } else { y }));
+        }
     }
     let acc = if x.dtype() == DType::F64 {
         DType::F64
     } else {
         DType::F32
     };
-    let dev = x.device();
-    let xf = x.to_dtype(acc)?;
-    let sum = xf.sum_dims(&[0, 2, 3], false)?;
-    let n_local = Tensor::full([1], count as f64, acc, dev)?;
-    let stats = all_reduce_sum(&group, &Tensor::cat(&[&sum, &n_local], 0)?)?;
-    let total = stats.narrow(0, c, 1)?;
-    let mean = stats.narrow(0, 0, c)?.div(&total)?;
-    let centred = xf.sub(&mean.reshape([1, c, 1, 1])?)?;
-    let sq = all_reduce_sum(&group, &centred.sqr()?.sum_dims(&[0, 2, 3], false)?)?;
-    let var = sq.div(&total)?;
-    let invstd = var.add_scalar(bn.eps)?.powf(-0.5)?;
-    let scale = invstd
-        .mul(&bn.weight.to_dtype(acc)?)?
-        .reshape([1, c, 1, 1])?;
-    let shift = bn.bias.to_dtype(acc)?.reshape([1, c, 1, 1])?;
-    let y = centred.mul(&scale)?.add(&shift)?.to_dtype(x.dtype())?;
-    {
-        let _g = crate::no_grad();
-        let m = bn.momentum;
-        let (mean, var, total) = (mean.detach(), var.detach(), total.detach());
-        let unbiased = var.mul(&total.div(&total.add_scalar(-1.0)?)?)?;
-        for (running, batch) in [(&bn.running_mean, &mean), (&bn.running_var, &unbiased)] {
-            let new = running
-                .to_dtype(acc)?
-                .affine(1.0 - m, 0.0)?
-                .add(&batch.affine(m, 0.0)?)?
-                .to_dtype(running.dtype())?;
-            running.update_values(&new)?;
+    let (run, keep) = x.op_formats(None);
+    let p = BatchNormParams {
+        n,
+        c,
+        spatial,
+        format: run,
+        eps: bn.eps,
+        momentum: bn.momentum,
+        residual: residual.is_some(),
+        relu,
+    };
+    let xs = x.detach().packed_as(run)?;
+    let res = residual.map(|r| r.detach().packed_as(run)).transpose()?;
+    // Statistics: this rank's, every rank's (one all-gather), then combined the same way on
+    // every rank, which also updates the running statistics.
+    let stats = xs.batch_norm_stats(&p)?;
+    let rows = group.all_gather(&stats)?;
+    let (mean, invstd, count) = rows.batch_norm_gather_stats(
+        group.world_size(),
+        &bn.running_mean,
+        &bn.running_var,
+        acc,
+        &p,
+    )?;
+    // The parameters in the statistics' dtype; the casts are recorded so that their gradients
+    // return in the parameters' own dtype (O3 keeps BatchNorm in half).
+    let (w, b) = (bn.weight.to_dtype(acc)?, bn.bias.to_dtype(acc)?);
+    let (wd, bd) = (w.detach().compact()?, b.detach().compact()?);
+    let y = xs.batch_norm_elemt(res.as_ref(), &wd, &bd, &mean, &invstd, &p)?;
+    let saved_y = relu.then(|| y.clone());
+    let mut inputs = vec![x, &w, &b];
+    inputs.extend(residual);
+    let y = custom_function(op, &inputs, &y, move |g| {
+        // Local sums (the weight's and bias's gradients, as PyTorch's), then their total over
+        // the ranks for the input's gradient (one all-reduce).
+        let sums = g.batch_norm_backward_reduce(&xs, saved_y.as_ref(), &mean, &invstd, &p)?;
+        let total = sums.owned()?;
+        group.all_reduce(&total, ReduceOp::Sum)?;
+        let (dx, dres) = g.batch_norm_backward_elemt(
+            &xs,
+            saved_y.as_ref(),
+            &wd,
+            &mean,
+            &invstd,
+            &total,
+            &count,
+            &p,
+        )?;
+        let mut grads = vec![
+            Some(dx),
+            Some(sums.narrow(0, 0, p.c)?),
+            Some(sums.narrow(0, p.c, p.c)?),
+        ];
+        if p.residual {
+            grads.push(dres);
         }
+        Ok(grads)
+    });
+    Ok(Some(y.to_memory_format(keep)?))
+}
+
+fn unmarked(op: &'static str) -> Error {
+    Error::Unsupported {
+        op,
+        detail: "the layer is no longer converted to SyncBatchNorm".into(),
     }
-    Ok(Some(y))
 }

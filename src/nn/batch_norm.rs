@@ -76,7 +76,8 @@ impl BatchNorm2d {
         self.run(
             x,
             |x, w, b, rm, rv, cfg| x.batch_norm_relu(w, b, rm, rv, cfg),
-            |y| y.relu(),
+            None,
+            true,
         )
     }
 
@@ -85,18 +86,20 @@ impl BatchNorm2d {
         self.run(
             x,
             |x, w, b, rm, rv, cfg| x.batch_norm_add_relu(residual, w, b, rm, rv, cfg),
-            |y| y.add(residual)?.relu(),
+            Some(residual),
+            true,
         )
     }
 
     /// Checks the input, runs `op` with this module's tensors and settings, and counts a
     /// training batch. A layer converted to SyncBatchNorm normalises over every rank's batch in
-    /// training instead, then applies `unfused` (what `op` fuses after the normalisation).
+    /// training instead, with the same epilogue as `op` (`relu(bn(x) + residual)`).
     fn run(
         &self,
         x: &Tensor,
         op: impl FnOnce(&Tensor, &Tensor, &Tensor, &Tensor, &Tensor, BatchNormConfig) -> Result<Tensor>,
-        unfused: impl FnOnce(Tensor) -> Result<Tensor>,
+        residual: Option<&Tensor>,
+        relu: bool,
     ) -> Result<Tensor> {
         if x.rank() != 4 {
             return Err(Error::invalid_shape(
@@ -107,12 +110,12 @@ impl BatchNorm2d {
         }
         let training = self.training.get();
         let synced = if training {
-            crate::distributed::sync_batch_norm::forward(self, x)?
+            crate::distributed::sync_batch_norm::forward(self, x, residual, relu)?
         } else {
             None
         };
         let y = match synced {
-            Some(y) => unfused(y)?,
+            Some(y) => y,
             None => op(
                 x,
                 &self.weight,
@@ -144,7 +147,8 @@ impl Module for BatchNorm2d {
         self.run(
             x,
             |x, w, b, rm, rv, cfg| x.batch_norm(w, b, rm, rv, cfg),
-            Ok,
+            None,
+            false,
         )
     }
 

@@ -374,6 +374,165 @@ impl Storage {
             (_, x, _, _) => Err(mismatch(x)),
         }
     }
+    /// The device mismatch of `op` between this storage and `other`.
+    fn mismatch(&self, op: &'static str, other: &Storage) -> Error {
+        Error::DeviceMismatch {
+            op,
+            lhs: self.device(),
+            rhs: other.device(),
+        }
+    }
+    fn cpu_operand<'a>(&self, op: &'static str, s: &'a Storage) -> Result<&'a CpuStorage> {
+        s.as_cpu().ok_or_else(|| self.mismatch(op, s))
+    }
+    fn cuda_operand<'a>(&self, op: &'static str, s: &'a Storage) -> Result<&'a CudaStorage> {
+        s.as_cuda().ok_or_else(|| self.mismatch(op, s))
+    }
+
+    pub fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
+        let _t = timer_with(self, "batch_norm_stats", || bn_detail(p));
+        match self {
+            Storage::Cpu(x) => {
+                crate::graph::refuse_host_op("batch_norm_stats")?;
+                Ok(Storage::Cpu(x.batch_norm_stats(l, p)?))
+            }
+            Storage::Cuda(x) => Ok(Storage::Cuda(x.batch_norm_stats(l, p)?)),
+        }
+    }
+    pub fn batch_norm_gather_stats(
+        &self,
+        ranks: usize,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)> {
+        let op = "batch_norm_gather_stats";
+        let _t = timer_with(self, op, || bn_detail(p));
+        match (self, running_mean, running_var) {
+            (Storage::Cpu(s), Storage::Cpu(m), Storage::Cpu(v)) => {
+                crate::graph::refuse_host_op(op)?;
+                let (a, b, c) = s.batch_norm_gather_stats(ranks, m, v, p)?;
+                Ok((Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)))
+            }
+            (Storage::Cuda(s), Storage::Cuda(m), Storage::Cuda(v)) => {
+                let (a, b, c) = s.batch_norm_gather_stats(ranks, m, v, p)?;
+                Ok((Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)))
+            }
+            (_, m, v) => Err(self.mismatch(op, if m.device() != self.device() { m } else { v })),
+        }
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_elemt(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        let op = "batch_norm_elemt";
+        let _t = timer_with(self, op, || bn_detail(p));
+        match self {
+            Storage::Cpu(x) => {
+                crate::graph::refuse_host_op(op)?;
+                let c = |s| self.cpu_operand(op, s);
+                let r = residual.map(|(r, rl)| c(r).map(|r| (r, rl))).transpose()?;
+                let y = x.batch_norm_elemt(l, r, c(weight)?, c(bias)?, c(mean)?, c(invstd)?, p)?;
+                Ok(Storage::Cpu(y))
+            }
+            Storage::Cuda(x) => {
+                let c = |s| self.cuda_operand(op, s);
+                let r = residual.map(|(r, rl)| c(r).map(|r| (r, rl))).transpose()?;
+                let y = x.batch_norm_elemt(l, r, c(weight)?, c(bias)?, c(mean)?, c(invstd)?, p)?;
+                Ok(Storage::Cuda(y))
+            }
+        }
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_backward_reduce(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        let op = "batch_norm_backward_reduce";
+        let _t = timer_with(self, op, || bn_detail(p));
+        match self {
+            Storage::Cpu(g) => {
+                crate::graph::refuse_host_op(op)?;
+                let c = |s| self.cpu_operand(op, s);
+                let y = y.map(|(y, yl)| c(y).map(|y| (y, yl))).transpose()?;
+                let out = g.batch_norm_backward_reduce(l, c(x)?, xl, y, c(mean)?, c(invstd)?, p)?;
+                Ok(Storage::Cpu(out))
+            }
+            Storage::Cuda(g) => {
+                let c = |s| self.cuda_operand(op, s);
+                let y = y.map(|(y, yl)| c(y).map(|y| (y, yl))).transpose()?;
+                let out = g.batch_norm_backward_reduce(l, c(x)?, xl, y, c(mean)?, c(invstd)?, p)?;
+                Ok(Storage::Cuda(out))
+            }
+        }
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_backward_elemt(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        mean: &Self,
+        invstd: &Self,
+        sums: &Self,
+        count: &Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Option<Self>)> {
+        let op = "batch_norm_backward_elemt";
+        let _t = timer_with(self, op, || bn_detail(p));
+        match self {
+            Storage::Cpu(g) => {
+                crate::graph::refuse_host_op(op)?;
+                let c = |s| self.cpu_operand(op, s);
+                let y = y.map(|(y, yl)| c(y).map(|y| (y, yl))).transpose()?;
+                let (dx, dr) = g.batch_norm_backward_elemt(
+                    l,
+                    c(x)?,
+                    xl,
+                    y,
+                    c(weight)?,
+                    c(mean)?,
+                    c(invstd)?,
+                    c(sums)?,
+                    c(count)?,
+                    p,
+                )?;
+                Ok((Storage::Cpu(dx), dr.map(Storage::Cpu)))
+            }
+            Storage::Cuda(g) => {
+                let c = |s| self.cuda_operand(op, s);
+                let y = y.map(|(y, yl)| c(y).map(|y| (y, yl))).transpose()?;
+                let (dx, dr) = g.batch_norm_backward_elemt(
+                    l,
+                    c(x)?,
+                    xl,
+                    y,
+                    c(weight)?,
+                    c(mean)?,
+                    c(invstd)?,
+                    c(sums)?,
+                    c(count)?,
+                    p,
+                )?;
+                Ok((Storage::Cuda(dx), dr.map(Storage::Cuda)))
+            }
+        }
+    }
     pub fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
         let _t = timer_with(self, "max_pool2d", || format!("{p:?}"));
         match self {

@@ -2,7 +2,7 @@
 //! type. Per-channel sums run in parallel over channels (each reads its `n` rows of `spatial`
 //! values); the elementwise passes run in parallel over the `n·c` rows.
 
-use num_traits::{Float, One, Zero};
+use num_traits::{Float, One, ToPrimitive, Zero};
 use rayon::prelude::*;
 
 use super::{Elem, PAR_THRESHOLD};
@@ -51,24 +51,12 @@ fn runs<'a, T>(x: &'a [T], p: &BatchNormParams, c: usize) -> impl Iterator<Item 
     rows(x, p, c).flat_map(|r| r.chunks(RUN))
 }
 
-/// `y = bn(x)`, or with the fused epilogue `relu(bn(x) + residual)` (`residual` laid out as x),
-/// rounded once to `T`.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_train<T: Elem>(
-    x: &[T],
-    residual: Option<&[T]>,
-    relu: bool,
-    w: &[T::Acc],
-    b: &[T::Acc],
-    rm: &mut [T::Acc],
-    rv: &mut [T::Acc],
-    p: &BatchNormParams,
-) -> (Vec<T>, Vec<T::Acc>, Vec<T::Acc>) {
-    let count = p.n * p.spatial;
-    let nf = T::acc(count as f64);
-    // Two passes (mean, then squared deviations): no cancellation, unlike Σx² − (Σx)².
-    // Each run of values is summed on its own first (`runs`).
-    let stats = per_channel(p, |c| {
+/// Per channel: the mean and the sum of squared deviations from it, in two passes (mean, then
+/// squared deviations: no cancellation, unlike Σx² − (Σx)²). Each run of values is summed on
+/// its own first (`runs`).
+fn moments<T: Elem>(x: &[T], p: &BatchNormParams) -> Vec<(T::Acc, T::Acc)> {
+    let nf = T::acc((p.n * p.spatial) as f64);
+    per_channel(p, |c| {
         let mut sum = T::Acc::zero();
         for row in runs(x, p, c) {
             let mut s = T::Acc::zero();
@@ -87,8 +75,25 @@ pub fn forward_train<T: Elem>(
             }
             ss += s;
         }
-        (mean, ss / nf)
-    });
+        (mean, ss)
+    })
+}
+
+/// `y = bn(x)`, or with the fused epilogue `relu(bn(x) + residual)` (`residual` laid out as x),
+/// rounded once to `T`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_train<T: Elem>(
+    x: &[T],
+    residual: Option<&[T]>,
+    relu: bool,
+    w: &[T::Acc],
+    b: &[T::Acc],
+    rm: &mut [T::Acc],
+    rv: &mut [T::Acc],
+    p: &BatchNormParams,
+) -> (Vec<T>, Vec<T::Acc>, Vec<T::Acc>) {
+    let count = p.n * p.spatial;
+    let nf = T::acc(count as f64);
     let eps = T::acc(p.eps);
     let m = T::acc(p.momentum);
     let unbias = if count > 1 {
@@ -98,12 +103,30 @@ pub fn forward_train<T: Elem>(
     };
     let mut mean = Vec::with_capacity(p.c);
     let mut invstd = Vec::with_capacity(p.c);
-    for (c, &(mu, var)) in stats.iter().enumerate() {
+    for (c, (mu, ss)) in moments(x, p).into_iter().enumerate() {
+        let var = ss / nf;
         mean.push(mu);
         invstd.push(T::Acc::one() / (var + eps).sqrt());
         rm[c] = (T::Acc::one() - m) * rm[c] + m * mu;
         rv[c] = (T::Acc::one() - m) * rv[c] + m * var * unbias;
     }
+    let y = normalize(x, residual, relu, w, b, &mean, &invstd, p);
+    (y, mean, invstd)
+}
+
+/// `y = (x − mean)·invstd·w + b`, then the fused epilogue (`residual` laid out as x, ReLU),
+/// rounded once to `T`: the forward's output given its statistics.
+#[allow(clippy::too_many_arguments)]
+pub fn normalize<T: Elem>(
+    x: &[T],
+    residual: Option<&[T]>,
+    relu: bool,
+    w: &[T::Acc],
+    b: &[T::Acc],
+    mean: &[T::Acc],
+    invstd: &[T::Acc],
+    p: &BatchNormParams,
+) -> Vec<T> {
     let mut y = vec![T::default(); x.len()];
     per_row(p, x, &mut y, |c, start, row| {
         // y = x·scale + shift with scale = w·invstd, shift = b − mean·scale.
@@ -122,7 +145,7 @@ pub fn forward_train<T: Elem>(
             *d = T::from_acc(t);
         }
     });
-    (y, mean, invstd)
+    y
 }
 
 /// `dbeta = Σg`, `dgamma = Σ g·x̂`, `dx = w·invstd/N · (N·g − dbeta − x̂·dgamma)`.
@@ -134,7 +157,20 @@ pub fn backward<T: Elem>(
     invstd: &[T::Acc],
     p: &BatchNormParams,
 ) -> (Vec<T>, Vec<T::Acc>, Vec<T::Acc>) {
+    let (dgamma, dbeta) = grad_sums(g, x, mean, invstd, p);
     let nf = T::acc((p.n * p.spatial) as f64);
+    let dx = grad_input(g, x, w, mean, invstd, &dgamma, &dbeta, nf, p);
+    (dx, dgamma, dbeta)
+}
+
+/// Per channel `(Σ g·x̂, Σ g)`: the weight's and the bias's gradients.
+pub fn grad_sums<T: Elem>(
+    g: &[T],
+    x: &[T],
+    mean: &[T::Acc],
+    invstd: &[T::Acc],
+    p: &BatchNormParams,
+) -> (Vec<T::Acc>, Vec<T::Acc>) {
     let sums = per_channel(p, |c| {
         let (mu, is) = (mean[c], invstd[c]);
         let (mut db, mut dg) = (T::Acc::zero(), T::Acc::zero());
@@ -150,7 +186,23 @@ pub fn backward<T: Elem>(
         }
         (dg, db)
     });
-    let (dgamma, dbeta): (Vec<_>, Vec<_>) = sums.into_iter().unzip();
+    sums.into_iter().unzip()
+}
+
+/// `dx = w·invstd/N · (N·g − dbeta − x̂·dgamma)` given the sums of `N` values per channel (the
+/// local batch's, or every process's for SyncBatchNorm).
+#[allow(clippy::too_many_arguments)]
+pub fn grad_input<T: Elem>(
+    g: &[T],
+    x: &[T],
+    w: &[T::Acc],
+    mean: &[T::Acc],
+    invstd: &[T::Acc],
+    dgamma: &[T::Acc],
+    dbeta: &[T::Acc],
+    nf: T::Acc,
+    p: &BatchNormParams,
+) -> Vec<T> {
     let mut dx = vec![T::default(); x.len()];
     if nf > T::Acc::zero() {
         per_row(p, x, &mut dx, |c, start, row| {
@@ -164,7 +216,61 @@ pub fn backward<T: Elem>(
             }
         });
     }
-    (dx, dgamma, dbeta)
+    dx
+}
+
+/// The local batch's statistics for SyncBatchNorm, F64 `[2c + 1]`: each channel's mean, each
+/// channel's sum of squared deviations from its mean, then the count of values per channel.
+pub fn stats<T: Elem>(x: &[T], p: &BatchNormParams) -> Vec<f64> {
+    let wide = |v: T::Acc| v.to_f64().unwrap_or(f64::NAN);
+    let m = moments(x, p);
+    let mut out: Vec<f64> = m.iter().map(|&(mu, _)| wide(mu)).collect();
+    out.extend(m.iter().map(|&(_, ss)| wide(ss)));
+    out.push((p.n * p.spatial) as f64);
+    out
+}
+
+/// Every process's [`stats`] (`ranks` rows, in rank order) combined per channel, in f64 and in
+/// rank order (Chan et al.'s pairwise update, so that a far-off mean does not cancel): returns
+/// the global mean and `invstd = 1/√(var + eps)` (biased variance) and the total count, and
+/// updates the running statistics as [`forward_train`] does (unbiased variance).
+pub fn gather_stats<A: Float>(
+    rows: &[f64],
+    ranks: usize,
+    rm: &mut [A],
+    rv: &mut [A],
+    p: &BatchNormParams,
+) -> (Vec<A>, Vec<A>, f64) {
+    let c = p.c;
+    let narrow = |v: f64| A::from(v).unwrap_or_else(A::nan);
+    let (mut mean, mut invstd) = (Vec::with_capacity(c), Vec::with_capacity(c));
+    let total: f64 = rows
+        .chunks(2 * c + 1)
+        .take(ranks)
+        .map(|row| row[2 * c].max(0.0))
+        .sum();
+    for ch in 0..c {
+        let (mut n, mut mu, mut m2) = (0.0f64, 0.0f64, 0.0f64);
+        for row in rows.chunks(2 * c + 1).take(ranks) {
+            let nr = row[2 * c];
+            if nr <= 0.0 {
+                continue;
+            }
+            let t = n + nr;
+            let d = row[ch] - mu;
+            mu += d * nr / t;
+            m2 += row[c + ch] + d * d * n * nr / t;
+            n = t;
+        }
+        let var = m2 / n;
+        let unbiased = if n > 1.0 { var * n / (n - 1.0) } else { var };
+        let m = p.momentum;
+        rm[ch] = narrow((1.0 - m) * rm[ch].to_f64().unwrap_or(f64::NAN) + m * mu);
+        rv[ch] = narrow((1.0 - m) * rv[ch].to_f64().unwrap_or(f64::NAN) + m * unbiased);
+        mean.push(narrow(mu));
+        invstd.push(narrow(1.0 / (var + p.eps).sqrt()));
+    }
+    (mean, invstd, total)
 }
 
 /// `g·(y > 0)`: the gradient through the fused ReLU (from its output, which is saved).

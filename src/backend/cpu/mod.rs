@@ -637,21 +637,7 @@ impl BackendStorage for CpuStorage {
         }
         contiguous_only(op, p.format)?;
         let (g, x) = (self.span(l), x.span(xl));
-        // Through the fused ReLU: g' = g·(y > 0); g' is also the residual's gradient.
-        let masked = match (p.relu, y) {
-            (true, Some((ys, yl))) => Some(map_float2!(&*g, &*ys.span(yl), op, |g, y| {
-                batch_norm::relu_mask(g, y)
-            })),
-            (true, None) => {
-                return Err(Error::invalid_arg(
-                    op,
-                    "y",
-                    "none",
-                    "the forward output, for the fused ReLU",
-                ))
-            }
-            _ => None,
-        };
+        let masked = bn_relu_masked(op, &g, y, p)?;
         let g = match &masked {
             Some(m) => std::borrow::Cow::Borrowed(m),
             None => g,
@@ -690,6 +676,214 @@ impl BackendStorage for CpuStorage {
             bias,
             residual,
         })
+    }
+
+    fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
+        let op = "batch_norm_stats";
+        contiguous_only(op, p.format)?;
+        Ok(CpuStorage::F64(match &*self.span(l) {
+            CpuStorage::F16(x) => batch_norm::stats(&cast::widen(x), p),
+            CpuStorage::BF16(x) => batch_norm::stats(&cast::widen(x), p),
+            CpuStorage::F32(x) => batch_norm::stats(x, p),
+            CpuStorage::F64(x) => batch_norm::stats(x, p),
+            other => return Err(not_float(op, other.dtype())),
+        }))
+    }
+
+    fn batch_norm_gather_stats(
+        &self,
+        ranks: usize,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)> {
+        let op = "batch_norm_gather_stats";
+        let CpuStorage::F64(rows) = self else {
+            return Err(Error::UnsupportedDType {
+                op,
+                got: self.dtype(),
+                expected: "f64 statistics (batch_norm_stats's)",
+            });
+        };
+        macro_rules! arm {
+            ($acc:ident) => {{
+                let rm = acc_slice_mut!(running_mean, $acc, op);
+                let rv = acc_slice_mut!(running_var, $acc, op);
+                let (mean, invstd, count) = batch_norm::gather_stats(rows, ranks, rm, rv, p);
+                (
+                    CpuStorage::$acc(mean),
+                    CpuStorage::$acc(invstd),
+                    CpuStorage::F64(vec![count]),
+                )
+            }};
+        }
+        Ok(match running_mean.dtype() {
+            DType::F64 => arm!(F64),
+            _ => arm!(F32),
+        })
+    }
+
+    fn batch_norm_elemt(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        let op = "batch_norm_elemt";
+        macro_rules! arm {
+            ($x:expr, $r:expr, $acc:ident) => {{
+                let (w, b) = (acc_slice!(weight, $acc, op), acc_slice!(bias, $acc, op));
+                let (m, s) = (acc_slice!(mean, $acc, op), acc_slice!(invstd, $acc, op));
+                batch_norm::normalize($x, $r, p.relu, w, b, m, s, p)
+            }};
+        }
+        contiguous_only(op, p.format)?;
+        let res = residual.map(|(r, rl)| r.span(rl));
+        let mismatch = |got: DType| Error::DTypeMismatch {
+            op,
+            lhs: self.dtype(),
+            rhs: got,
+        };
+        Ok(match (&*self.span(l), res.as_deref()) {
+            (CpuStorage::F16(x), r) => {
+                let r = match r {
+                    None => None,
+                    Some(CpuStorage::F16(r)) => Some(cast::widen(r)),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                CpuStorage::F16(narrow_vec(arm!(&cast::widen(x), r.as_deref(), F32)))
+            }
+            (CpuStorage::BF16(x), r) => {
+                let r = match r {
+                    None => None,
+                    Some(CpuStorage::BF16(r)) => Some(cast::widen(r)),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                CpuStorage::BF16(narrow_vec(arm!(&cast::widen(x), r.as_deref(), F32)))
+            }
+            (CpuStorage::F32(x), r) => {
+                let r = match r {
+                    None => None,
+                    Some(CpuStorage::F32(r)) => Some(r.as_slice()),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                CpuStorage::F32(arm!(x, r, F32))
+            }
+            (CpuStorage::F64(x), r) => {
+                let r = match r {
+                    None => None,
+                    Some(CpuStorage::F64(r)) => Some(r.as_slice()),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                CpuStorage::F64(arm!(x, r, F64))
+            }
+            (other, _) => return Err(not_float(op, other.dtype())),
+        })
+    }
+
+    fn batch_norm_backward_reduce(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        let op = "batch_norm_backward_reduce";
+        macro_rules! arm {
+            ($g:expr, $x:expr, $acc:ident) => {{
+                let (m, s) = (acc_slice!(mean, $acc, op), acc_slice!(invstd, $acc, op));
+                let (mut dw, db) = batch_norm::grad_sums($g, $x, m, s, p);
+                dw.extend(db);
+                CpuStorage::$acc(dw)
+            }};
+        }
+        contiguous_only(op, p.format)?;
+        let (g, x) = (self.span(l), x.span(xl));
+        let masked = bn_relu_masked(op, &g, y, p)?;
+        let g = masked.as_ref().unwrap_or(&g);
+        Ok(match (g, &*x) {
+            (CpuStorage::F16(g), CpuStorage::F16(x)) => {
+                arm!(&cast::widen(g), &cast::widen(x), F32)
+            }
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
+                arm!(&cast::widen(g), &cast::widen(x), F32)
+            }
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => arm!(g, x, F32),
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => arm!(g, x, F64),
+            (g, x) => {
+                return Err(Error::DTypeMismatch {
+                    op,
+                    lhs: g.dtype(),
+                    rhs: x.dtype(),
+                })
+            }
+        })
+    }
+
+    fn batch_norm_backward_elemt(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        mean: &Self,
+        invstd: &Self,
+        sums: &Self,
+        count: &Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Option<Self>)> {
+        let op = "batch_norm_backward_elemt";
+        let n = match count {
+            CpuStorage::F64(v) if v.len() == 1 => v[0],
+            other => {
+                return Err(Error::invalid_arg(
+                    op,
+                    "count",
+                    format!("{} of {} element(s)", other.dtype(), other.len()),
+                    "f64 [1] (batch_norm_gather_stats's count)",
+                ))
+            }
+        };
+        macro_rules! arm {
+            ($g:expr, $x:expr, $acc:ident, $A:ty) => {{
+                let w = acc_slice!(weight, $acc, op);
+                let (m, s) = (acc_slice!(mean, $acc, op), acc_slice!(invstd, $acc, op));
+                let sums = acc_slice!(sums, $acc, op);
+                let (dgamma, dbeta) = sums.split_at(p.c);
+                batch_norm::grad_input($g, $x, w, m, s, dgamma, dbeta, n as $A, p)
+            }};
+        }
+        contiguous_only(op, p.format)?;
+        let (g, x) = (self.span(l), x.span(xl));
+        let masked = bn_relu_masked(op, &g, y, p)?;
+        let g = masked.as_ref().unwrap_or(&g);
+        let dx = match (g, &*x) {
+            (CpuStorage::F16(g), CpuStorage::F16(x)) => {
+                CpuStorage::F16(narrow_vec(arm!(&cast::widen(g), &cast::widen(x), F32, f32)))
+            }
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
+                CpuStorage::BF16(narrow_vec(arm!(&cast::widen(g), &cast::widen(x), F32, f32)))
+            }
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => CpuStorage::F32(arm!(g, x, F32, f32)),
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => CpuStorage::F64(arm!(g, x, F64, f64)),
+            (g, x) => {
+                return Err(Error::DTypeMismatch {
+                    op,
+                    lhs: g.dtype(),
+                    rhs: x.dtype(),
+                })
+            }
+        };
+        let residual = p.residual.then(|| g.clone());
+        Ok((dx, residual))
     }
 
     fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
@@ -773,6 +967,38 @@ impl BackendStorage for CpuStorage {
 
 /// The reference kernels of convolution, batch norm and pooling are NCHW only (the tensor
 /// layer converts channels_last operands first: `channels_last_native` is false).
+/// The output gradient through a batch norm's fused ReLU, `g' = g·(y > 0)` (None without one);
+/// g' is also the residual's gradient.
+fn bn_relu_masked(
+    op: &'static str,
+    g: &CpuStorage,
+    y: Option<(&CpuStorage, &Layout)>,
+    p: &BatchNormParams,
+) -> Result<Option<CpuStorage>> {
+    Ok(match (p.relu, y) {
+        (true, Some((ys, yl))) => Some(map_float2!(g, &*ys.span(yl), op, |g, y| {
+            batch_norm::relu_mask(g, y)
+        })),
+        (true, None) => {
+            return Err(Error::invalid_arg(
+                op,
+                "y",
+                "none",
+                "the forward output, for the fused ReLU",
+            ))
+        }
+        _ => None,
+    })
+}
+
+fn not_float(op: &'static str, got: DType) -> Error {
+    Error::UnsupportedDType {
+        op,
+        got,
+        expected: "a float dtype",
+    }
+}
+
 fn contiguous_only(op: &'static str, format: MemoryFormat) -> Result<()> {
     match format {
         MemoryFormat::Contiguous => Ok(()),

@@ -381,6 +381,59 @@ impl BackendStorage for CudaStorage {
     ) -> Result<BatchNormGrads<Self>> {
         super::batch_norm::backward(self, l, x, xl, y, weight, bias, saved, p)
     }
+    fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
+        super::batch_norm::sync_stats(self, l, p)
+    }
+    fn batch_norm_gather_stats(
+        &self,
+        ranks: usize,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)> {
+        super::batch_norm::sync_gather(self, ranks, running_mean, running_var, p)
+    }
+    fn batch_norm_elemt(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        super::batch_norm::sync_elemt(self, l, residual, weight, bias, mean, invstd, p)
+    }
+    fn batch_norm_backward_reduce(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        super::batch_norm::sync_backward_reduce(self, l, x, xl, y, mean, invstd, p)
+    }
+    fn batch_norm_backward_elemt(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        mean: &Self,
+        invstd: &Self,
+        sums: &Self,
+        count: &Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Option<Self>)> {
+        super::batch_norm::sync_backward_elemt(
+            self, l, x, xl, y, weight, mean, invstd, sums, count, p,
+        )
+    }
     fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
         super::pool::max_pool2d(self, l, p)
     }
