@@ -10,7 +10,8 @@ ResNet 16-32-64 on 1x28x28, as benches/torch_capture_speed.py builds it), BATCH 
 main-job), ROUNDS (7), STEPS per round (6), WARMUP steps (5), as the Rust bench. CAPTURE=1 adds
 a third contender, the DDP step captured whole with torch.cuda.graph as PyTorch documents it for
 DDP (built and warmed up for 11 iterations on a side stream, then captured; the learning rate a
-device tensor); if PyTorch refuses, the JSON says why.
+device tensor); if PyTorch refuses, the JSON says why. SYNC_BN=1 converts the wrapped models'
+batch norms to nn.SyncBatchNorm (the unwrapped one keeps BatchNorm2d), as the Rust bench does.
 """
 import json
 import os
@@ -54,6 +55,8 @@ def main():
 
     def build(wrap, lr=0.01):
         net = make_net()
+        if wrap and os.environ.get("SYNC_BN") == "1":
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
         model = nn.parallel.DistributedDataParallel(
             net, device_ids=[local], bucket_cap_mb=25, gradient_as_bucket_view=True
         ) if wrap else net
@@ -102,7 +105,7 @@ def main():
     if rank == 0:
         print(json.dumps({
             "check": "torch-ddp", "net": "main-job" if small else "resnet50",
-            "world": world, "batch": batch, **extra,
+            "world": world, "batch": batch, "sync_bn": os.environ.get("SYNC_BN") == "1", **extra,
             "unwrapped_ms": round(1e3 * p, 2), "ddp_ms": round(1e3 * d, 2),
             "ratio": round(d / p, 4),
             "unwrapped_img_per_s": round(batch / p, 1), "ddp_img_per_s": round(batch / d, 1),
