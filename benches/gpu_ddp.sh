@@ -4,7 +4,8 @@
 #      communicator, every collective on the communication stream), a DDP step bitwise equal to
 #      the unwrapped one with no host sync and buckets launched during backward, the overflow
 #      check reading the reduced gradients, the captured DDP step bitwise the eager one, with
-#      SyncBatchNorm too, a graph refused once its group failed (and on two GPUs: two ranks
+#      SyncBatchNorm too (and its CUDA pieces against the CPU's batch norm), a graph refused
+#      once its group failed (and on two GPUs: two ranks
 #      eager and captured, with SyncBatchNorm, and a rank leaving while the other replays);
 #   2. the ResNet-50 O2 step (batch 256) unwrapped vs in DDP at world size 1 (bound: 3%);
 #   3. PyTorch's DDP at world size 1 beside it (torchrun --standalone --nproc_per_node=1).

@@ -4,7 +4,8 @@
 //! DDP's buckets launched during backward, AMP's overflow check after the all-reduce — and a
 //! step through the wrapper equals the unwrapped step bit for bit, with no host synchronisation;
 //! the DDP step captured into a CUDA graph (its collectives as graph nodes) replays to the eager
-//! step's bits, with SyncBatchNorm too, and a graph is not launched once its group has failed.
+//! step's bits, with SyncBatchNorm too, SyncBatchNorm's CUDA pieces equal the CPU's batch norm,
+//! and a graph is not launched once its group has failed.
 //! With two GPUs, two ranks train, eagerly and captured, and must end bitwise equal, and a rank
 //! that leaves mid-replay is named at once (skipped on one GPU, saying so). The tests run one at
 //! a time (a capture owns the stream).
