@@ -135,6 +135,15 @@ pub(crate) fn forward(
     } else {
         DType::F32
     };
+    if acc == DType::F64 && !x.device().is_cpu() {
+        return Err(Error::Unsupported {
+            op,
+            detail: format!(
+                "f64 input on {}: the CUDA kernels run f16, bf16 and f32",
+                x.device()
+            ),
+        });
+    }
     let (run, keep) = x.op_formats(None);
     let p = BatchNormParams {
         n,
