@@ -480,6 +480,10 @@ fn per_channel_threads(c: usize) -> Grid {
 pub(crate) fn sync_stats(x: &CudaStorage, l: &Layout, p: &BatchNormParams) -> Result<CudaStorage> {
     let s = fused_dtype("batch_norm_stats", x)?;
     let f = fmt_name(p.format);
+    if l.elem_count() == 0 {
+        // No values: a count of 0, which the combination skips (the kernels read a first value).
+        return CudaStorage::zeroed(&x.dev, DType::F64, 2 * p.c + 1);
+    }
     let out = CudaStorage::alloc(&x.dev, DType::F64, 2 * p.c + 1)?;
     let (geo, grid) = fused_plan(x, p);
     let part = CudaStorage::alloc(&x.dev, DType::F32, 2 * p.c * geo.parts as usize)?;
@@ -574,10 +578,10 @@ pub(crate) fn sync_backward_reduce(
     let s = fused_dtype(op, g)?;
     let f = fmt_name(p.format);
     let py = relu_output(op, p, y)?;
-    let out = CudaStorage::zeroed(&g.dev, DType::F32, 2 * p.c)?;
     if p.c == 0 || lg.elem_count() == 0 {
-        return Ok(out);
+        return CudaStorage::zeroed(&g.dev, DType::F32, 2 * p.c);
     }
+    let out = CudaStorage::alloc(&g.dev, DType::F32, 2 * p.c)?;
     let (geo, grid) = fused_plan(g, p);
     let parts = geo.parts as usize;
     let part = CudaStorage::alloc(&g.dev, DType::F32, 2 * p.c * parts)?;
