@@ -705,6 +705,14 @@ impl BackendStorage for CpuStorage {
                 expected: "f64 statistics (batch_norm_stats's)",
             });
         };
+        if rows.len() != ranks * (2 * p.c + 1) {
+            return Err(Error::invalid_arg(
+                op,
+                "statistics",
+                format!("{} value(s)", rows.len()),
+                format!("{ranks} row(s) of {}", 2 * p.c + 1),
+            ));
+        }
         macro_rules! arm {
             ($acc:ident) => {{
                 let rm = acc_slice_mut!(running_mean, $acc, op);

@@ -521,6 +521,14 @@ pub(crate) fn sync_gather(
             ));
         }
     }
+    if rows.len() != ranks * (2 * p.c + 1) {
+        return Err(Error::invalid_arg(
+            op,
+            "statistics",
+            format!("{} value(s)", rows.len()),
+            format!("{ranks} row(s) of {}", 2 * p.c + 1),
+        ));
+    }
     let dev = &rows.dev;
     let mean = CudaStorage::alloc(dev, DType::F32, p.c)?;
     let invstd = CudaStorage::alloc(dev, DType::F32, p.c)?;
