@@ -5,7 +5,7 @@
 //! running statistics, composed from elementwise ops. The fused variants end in a residual add
 //! and a ReLU in the same kernel (ResNet's `bn → relu` and `bn → + identity → relu`).
 
-use super::{DType, Shape, Tensor};
+use super::{DType, Shape, Storage, Tensor};
 use crate::autograd::Op;
 use crate::backend::BatchNormParams;
 use crate::error::{Error, Result};
@@ -208,46 +208,20 @@ impl Tensor {
             weight.to_dtype(acc)?.compact()?,
             bias.to_dtype(acc)?.compact()?,
         );
-        let in_place = |t: &Tensor| {
-            let l = t.layout();
-            t.dtype() == acc && l.offset() == 0 && t.storage().len() == c
-        };
         let res_storage = res.as_ref().map(|r| r.storage());
         let res_layout = res.as_ref().map(|r| r.layout());
         let res_arg = res_storage.as_deref().zip(res_layout.as_deref());
-        let (y, saved) = if in_place(running_mean) && in_place(running_var) {
-            let mut rm = running_mean.storage_mut();
-            let mut rv = running_var.storage_mut();
+        let (y, saved) = update_running(running_mean, running_var, acc, |rm, rv| {
             x.storage().batch_norm_train(
                 &x.layout(),
                 res_arg,
                 &w.storage(),
                 &b.storage(),
-                &mut rm,
-                &mut rv,
+                rm,
+                rv,
                 &p,
-            )?
-        } else {
-            // Statistics kept in half (O3), or views: update a wide copy, then store it back.
-            let (rm_acc, rv_acc) = (
-                running_mean.detach().to_dtype(acc)?.compact()?,
-                running_var.detach().to_dtype(acc)?.compact()?,
-            );
-            let (rm_acc, rv_acc) = (rm_acc.owned()?, rv_acc.owned()?);
-            let out = x.storage().batch_norm_train(
-                &x.layout(),
-                res_arg,
-                &w.storage(),
-                &b.storage(),
-                &mut rm_acc.storage_mut(),
-                &mut rv_acc.storage_mut(),
-                &p,
-            )?;
-            for (stat, wide) in [(running_mean, &rm_acc), (running_var, &rv_acc)] {
-                stat.update_values(&wide.to_dtype(stat.dtype())?)?;
-            }
-            out
-        };
+            )
+        })?;
         drop(res_storage);
         let cs = Shape::new(vec![c]);
         let (mean, invstd) = (
@@ -348,30 +322,9 @@ impl Tensor {
             }
         }
         let rows = self.contiguous()?;
-        let in_place = |t: &Tensor| {
-            let l = t.layout();
-            t.dtype() == acc && l.offset() == 0 && t.storage().len() == p.c
-        };
-        let (mean, invstd, count) = if in_place(running_mean) && in_place(running_var) {
-            let mut rm = running_mean.storage_mut();
-            let mut rv = running_var.storage_mut();
-            rows.storage()
-                .batch_norm_gather_stats(ranks, &mut rm, &mut rv, p)?
-        } else {
-            let _g = crate::no_grad();
-            let wide = |t: &Tensor| t.detach().to_dtype(acc)?.compact()?.owned();
-            let (rm, rv) = (wide(running_mean)?, wide(running_var)?);
-            let out = rows.storage().batch_norm_gather_stats(
-                ranks,
-                &mut rm.storage_mut(),
-                &mut rv.storage_mut(),
-                p,
-            )?;
-            for (stat, w) in [(running_mean, &rm), (running_var, &rv)] {
-                stat.update_values(&w.to_dtype(stat.dtype())?)?;
-            }
-            out
-        };
+        let (mean, invstd, count) = update_running(running_mean, running_var, acc, |rm, rv| {
+            rows.storage().batch_norm_gather_stats(ranks, rm, rv, p)
+        })?;
         let cs = Shape::new(vec![p.c]);
         Ok((
             Tensor::from_storage(mean, cs.clone()),
@@ -559,6 +512,32 @@ impl Tensor {
         }
         t.packed_as(p.format)
     }
+}
+
+/// Runs `f` on the running statistics' storages for a kernel that updates them in place, in
+/// the statistics' dtype `acc`: their own buffers when they are `acc` and whole; otherwise
+/// (kept in half at O3, or views) a wide copy, whose values are then stored back.
+fn update_running<R>(
+    running_mean: &Tensor,
+    running_var: &Tensor,
+    acc: DType,
+    f: impl FnOnce(&mut Storage, &mut Storage) -> Result<R>,
+) -> Result<R> {
+    let own = |t: &Tensor| t.dtype() == acc && t.is_whole_buffer();
+    if own(running_mean) && own(running_var) {
+        return f(
+            &mut running_mean.storage_mut(),
+            &mut running_var.storage_mut(),
+        );
+    }
+    let _g = crate::no_grad();
+    let wide = |t: &Tensor| t.detach().to_dtype(acc)?.compact()?.owned();
+    let (rm, rv) = (wide(running_mean)?, wide(running_var)?);
+    let out = f(&mut rm.storage_mut(), &mut rv.storage_mut())?;
+    for (stat, w) in [(running_mean, &rm), (running_var, &rv)] {
+        stat.update_values(&w.to_dtype(stat.dtype())?)?;
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

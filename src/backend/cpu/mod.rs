@@ -751,45 +751,42 @@ impl BackendStorage for CpuStorage {
         }
         contiguous_only(op, p.format)?;
         let res = residual.map(|(r, rl)| r.span(rl));
-        let mismatch = |got: DType| Error::DTypeMismatch {
-            op,
-            lhs: self.dtype(),
-            rhs: got,
+        let res = res.as_deref();
+        if let Some(r) = res.filter(|r| r.dtype() != self.dtype()) {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self.dtype(),
+                rhs: r.dtype(),
+            });
+        }
+        // The residual as the arm computes: widened for half inputs.
+        let wide = match res {
+            Some(CpuStorage::F16(r)) => Some(cast::widen(r)),
+            Some(CpuStorage::BF16(r)) => Some(cast::widen(r)),
+            _ => None,
         };
-        Ok(match (&*self.span(l), res.as_deref()) {
-            (CpuStorage::F16(x), r) => {
-                let r = match r {
-                    None => None,
-                    Some(CpuStorage::F16(r)) => Some(cast::widen(r)),
-                    Some(other) => return Err(mismatch(other.dtype())),
-                };
-                CpuStorage::F16(narrow_vec(arm!(&cast::widen(x), r.as_deref(), F32)))
+        Ok(match &*self.span(l) {
+            CpuStorage::F16(x) => {
+                CpuStorage::F16(narrow_vec(arm!(&cast::widen(x), wide.as_deref(), F32)))
             }
-            (CpuStorage::BF16(x), r) => {
-                let r = match r {
-                    None => None,
-                    Some(CpuStorage::BF16(r)) => Some(cast::widen(r)),
-                    Some(other) => return Err(mismatch(other.dtype())),
-                };
-                CpuStorage::BF16(narrow_vec(arm!(&cast::widen(x), r.as_deref(), F32)))
+            CpuStorage::BF16(x) => {
+                CpuStorage::BF16(narrow_vec(arm!(&cast::widen(x), wide.as_deref(), F32)))
             }
-            (CpuStorage::F32(x), r) => {
-                let r = match r {
-                    None => None,
+            CpuStorage::F32(x) => {
+                let r = match res {
                     Some(CpuStorage::F32(r)) => Some(r.as_slice()),
-                    Some(other) => return Err(mismatch(other.dtype())),
+                    _ => None,
                 };
                 CpuStorage::F32(arm!(x, r, F32))
             }
-            (CpuStorage::F64(x), r) => {
-                let r = match r {
-                    None => None,
+            CpuStorage::F64(x) => {
+                let r = match res {
                     Some(CpuStorage::F64(r)) => Some(r.as_slice()),
-                    Some(other) => return Err(mismatch(other.dtype())),
+                    _ => None,
                 };
                 CpuStorage::F64(arm!(x, r, F64))
             }
-            (other, _) => return Err(not_float(op, other.dtype())),
+            other => return Err(not_float(op, other.dtype())),
         })
     }
 
