@@ -1,14 +1,23 @@
 //! The NCCL backend: collectives on CUDA tensors through NCCL, loaded at run time by cudarc and
 //! probed first (cudarc panics on a missing library; mixprec returns an error naming it).
 //!
-//! - The communicator is created non-blocking (`ncclCommInitRankConfig` with `blocking = 0`,
-//!   NCCL >= 2.14) from the unique id that rank 0 handed out at the rendezvous, and its
-//!   initialisation is polled with a deadline, so a rank that never arrives is an error, not a
-//!   hang.
+//! - Every NCCL call of a rank is made by one issuing thread, in the order the collectives were
+//!   asked for; the thread that asks gets a work handle at once and waits only where it needs
+//!   the call made ([`NcclWork::wait`]), and then within the group's timeout and faults, never
+//!   inside NCCL. So the communicator can be blocking (NCCL's default): a blocking call returns
+//!   in microseconds, where a non-blocking one goes to a thread NCCL starts for it and returned
+//!   "in progress" for ~0.2 ms on the lent H100s (RESULTS.md, calls C7 and A8).
+//!   `NCCL_COMM_BLOCKING=0` (NCCL's own switch) makes it non-blocking, and the issuing thread
+//!   then polls each call to completion.
+//! - The communicator is created by the issuing thread from the unique id that rank 0 handed out
+//!   at the rendezvous; the caller waits for it with a deadline, so a rank that never arrives is
+//!   an error, not a hang.
 //! - Collectives run on a communication stream of their own, ordered against the device's
 //!   compute stream by events: the communication stream waits for the work that produced the
 //!   input, and the compute stream waits for the collective only where the result is used
-//!   ([`NcclWork::wait`]). Nothing here waits on the host: no host synchronisation per step.
+//!   ([`NcclWork::wait`]). Nothing here waits for the GPU on the host: no host synchronisation
+//!   per step. The issuing thread keeps at most [`MAX_IN_FLIGHT`] collectives incomplete, so
+//!   that NCCL never waits inside a call for room in its queue to the GPU.
 //! - A collective issued while the device's stream is being captured into a CUDA graph
 //!   (`amp::CapturedStep` over DDP) becomes a node of the graph, as NCCL supports: the
 //!   communication stream joins the capture through the same events. Every replay of the graph
@@ -19,212 +28,112 @@
 //!   progress to rank 0 and fails the group when a collective has not completed within the
 //!   timeout; any fault of the group (a dead peer seen by the control plane included) aborts the
 //!   communicator (`ncclCommAbort`), which unblocks kernels waiting for a peer that will not come.
+//!   NCCL allows no abort while a thread is inside a call on the communicator: an abort asked
+//!   for then is made by the issuing thread as its call returns.
 
 use std::collections::VecDeque;
-use std::ffi::{c_char, c_int, c_uint, CStr};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::ffi::{c_char, c_int};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::sys;
 
 use super::collective::ReduceOp;
 use super::control::Control;
+use super::handoff::{lock, poll, Queue, Slot};
+use super::nccl_comm::{
+    abort_comm, count_wait, cuda, describe, diagnostics, nccl_dtype, nccl_op, no_panic, Collective,
+    Issued, Pending, Shared,
+};
+pub(crate) use super::nccl_comm::{probe, unique_id};
 use crate::backend::cuda::{graph, CudaDevice};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Storage, Tensor};
+use crate::tensor::{Storage, Tensor};
 
-/// The oldest NCCL whose communicator configuration (`blocking`) this backend relies on.
-const MIN_VERSION: c_int = 21400;
-
-/// `ncclConfig_t` as of NCCL 2.14: the prefix that every later version shares. NCCL copies
-/// `size` bytes and gives the fields added after `version` their defaults.
-#[repr(C)]
-struct ConfigV214 {
-    size: usize,
-    magic: c_uint,
-    version: c_uint,
-    blocking: c_int,
-    cga_cluster_size: c_int,
-    min_ctas: c_int,
-    max_ctas: c_int,
-    net_name: *const c_char,
+/// What the issuing thread is asked to do.
+enum Job {
+    Collective(Collective),
+    /// Leaving the group: wait for this rank's collectives and finalize the communicator.
+    Finalize(Arc<Issued>),
 }
 
-/// NCCL_CONFIG_UNDEF_INT: "let NCCL decide".
-const UNDEF_INT: c_int = c_int::MIN;
-
-struct Comm(sys::ncclComm_t);
-// SAFETY: an NCCL communicator may be used from any thread; this crate serialises its calls
-// through a mutex (and `ncclCommAbort` is documented for use from another thread).
-unsafe impl Send for Comm {}
-
-/// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
-fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(Error::Cuda(format!("{what}: {msg}")))
-        }
-    }
-}
-
-fn cuda(what: &str, e: impl std::fmt::Debug) -> Error {
-    Error::Cuda(format!("{what}: {e:?}"))
-}
-
-/// NCCL's words for a result, plus the communicator's last error when there is one.
-fn describe(r: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> String {
-    // SAFETY: ncclGetErrorString returns a static string; ncclGetLastError a string owned by
-    // NCCL, valid until the next NCCL call on this thread; both are copied at once.
-    let s = unsafe {
-        let p = sys::ncclGetErrorString(r);
-        let mut s = if p.is_null() {
-            format!("{r:?}")
-        } else {
-            format!("{r:?} ({})", CStr::from_ptr(p).to_string_lossy())
-        };
-        let last = sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut()));
-        if !last.is_null() {
-            let l = CStr::from_ptr(last).to_string_lossy();
-            if !l.is_empty() {
-                s = format!("{s}: {l}");
+/// The issuing thread: creates the communicator, then makes every NCCL call of this rank, in
+/// the order they were asked for, so that the threads asking never wait inside NCCL.
+fn issuing_thread(
+    shared: Arc<Shared>,
+    queue: Arc<Queue<Job>>,
+    init: (usize, usize, sys::ncclUniqueId, Duration),
+    init_slot: Arc<Issued>,
+) {
+    let (world, rank, id, limit) = init;
+    // Nothing waits on the slot's event; the slot only says "initialised".
+    let r = shared.init_comm(world, rank, id, limit).and_then(|()| {
+        shared
+            .stream
+            .record_event(None)
+            .map(Arc::new)
+            .map_err(|e| cuda("recording the communication stream", e))
+    });
+    let ok = r.is_ok();
+    init_slot.set(r);
+    if ok {
+        while let Some(job) = queue.next() {
+            match job {
+                Job::Collective(c) => {
+                    let slot = c.slot.clone();
+                    slot.set(shared.issue(c));
+                }
+                Job::Finalize(slot) => {
+                    let ok = shared.finalize();
+                    slot.set(if ok {
+                        shared
+                            .stream
+                            .record_event(None)
+                            .map(Arc::new)
+                            .map_err(|e| cuda("recording the communication stream", e))
+                    } else {
+                        Err(Error::Cuda("the communicator did not finalize".into()))
+                    });
+                }
             }
         }
-        s
-    };
-    s
-}
-
-/// Checks (once per process) that NCCL can be loaded and is recent enough; the error names the
-/// library, the file names searched and what to install.
-pub(crate) fn probe() -> Result<c_int> {
-    static RESULT: OnceLock<std::result::Result<c_int, String>> = OnceLock::new();
-    RESULT
-        .get_or_init(|| {
-            // SAFETY: loading NVIDIA's library runs its initialisers, as cudarc itself would.
-            let present =
-                std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
-            if !present {
-                let mut names = cudarc::get_lib_name_candidates("nccl");
-                let mut seen = std::collections::HashSet::new();
-                names.retain(|n| seen.insert(n.clone()));
-                return Err(format!(
-                    "NCCL (libnccl) not found (searched {}); install NCCL 2.14 or newer (the \
-                     libnccl2 package, or put the lib/ directory of PyTorch's nvidia-nccl wheel \
-                     on LD_LIBRARY_PATH), or use the CPU backend",
-                    names.join(", ")
-                ));
-            }
-            let mut v: c_int = 0;
-            let r = no_panic("ncclGetVersion", || {
-                // SAFETY: a valid out-pointer.
-                Ok(unsafe { sys::ncclGetVersion(&mut v) })
-            })
-            .map_err(|e| e.to_string())?;
-            if r != sys::ncclResult_t::ncclSuccess {
-                return Err(format!("ncclGetVersion failed: {}", describe(r, None)));
-            }
-            if v < MIN_VERSION {
-                return Err(format!(
-                    "NCCL {v} is too old: mixprec needs 2.14 or newer (non-blocking communicators)"
-                ));
-            }
-            Ok(v)
-        })
-        .clone()
-        .map_err(Error::Cuda)
-}
-
-/// Rank 0's part of the rendezvous: a new NCCL unique id, as bytes.
-pub(crate) fn unique_id() -> Result<Vec<u8>> {
-    probe()?;
-    no_panic("ncclGetUniqueId", || {
-        let mut id = sys::ncclUniqueId { internal: [0; 128] };
-        // SAFETY: a valid out-pointer.
-        let r = unsafe { sys::ncclGetUniqueId(&mut id) };
-        if r != sys::ncclResult_t::ncclSuccess {
-            return Err(Error::Cuda(format!(
-                "ncclGetUniqueId failed: {} (is a network interface up? NCCL_SOCKET_IFNAME \
-                 selects one)",
-                describe(r, None)
-            )));
-        }
-        Ok(id.internal.iter().map(|&c| c as u8).collect())
-    })
-}
-
-fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
-    match d {
-        DType::F16 => sys::ncclDataType_t::ncclFloat16,
-        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
-        DType::F32 => sys::ncclDataType_t::ncclFloat32,
-        DType::F64 => sys::ncclDataType_t::ncclFloat64,
-        DType::I64 => sys::ncclDataType_t::ncclInt64,
     }
-}
-
-fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
-    match op {
-        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
-        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
-        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
-        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
-    }
-}
-
-/// A collective in flight, for the watchdog.
-struct Pending {
-    seq: u64,
-    what: String,
-    done: Arc<CudaEvent>,
-    since: Instant,
+    queue.mark_exited();
 }
 
 pub(crate) struct NcclEngine {
-    ctl: Arc<Control>,
-    dev: Arc<CudaDevice>,
-    comm: Arc<Mutex<Option<Comm>>>,
-    /// The communication stream.
-    stream: Arc<CudaStream>,
-    pending: Arc<Mutex<VecDeque<Pending>>>,
+    shared: Arc<Shared>,
+    queue: Arc<Queue<Job>>,
+    issuer: Mutex<Option<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     /// Set by [`NcclEngine::flush`] when the communicator finalized cleanly.
     finalized: AtomicBool,
 }
 
-/// Diagnostics of the host side of this process's NCCL calls (logged at debug level when a
-/// group shuts down): calls made, calls that returned "in progress", nanoseconds inside the
-/// calls and polling after them.
-static CALLS: AtomicU64 = AtomicU64::new(0);
-static IN_PROGRESS: AtomicU64 = AtomicU64::new(0);
-static CALL_NS: AtomicU64 = AtomicU64::new(0);
-static SETTLE_NS: AtomicU64 = AtomicU64::new(0);
-
-/// How long `settle` polls without sleeping. On the lent H100s every collective call on the
-/// non-blocking communicator returned "in progress"; polling it with 200 µs sleeps from the
-/// start made SyncBatchNorm's eager DDP step at 2 ranks (18 collectives) 10.9–12.3 ms, against
-/// 6.9 ms polling without sleeping for the first 2 ms (RESULTS.md, call C7). Longer waits (a
-/// peer still busy) sleep between polls.
-const SPIN: Duration = Duration::from_millis(2);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+impl Drop for NcclEngine {
+    /// After [`NcclEngine::flush`] and [`NcclEngine::release`] there is nothing left to do; an
+    /// engine dropped without them (its initialisation failed after the communicator was made)
+    /// stops the issuing thread and aborts the communicator.
+    fn drop(&mut self) {
+        self.queue.stop();
+        if let Ok(mut g) = self.shared.comm.try_lock() {
+            if let Some(c) = g.take() {
+                abort_comm(c);
+            }
+        }
+    }
 }
 
 /// A queued NCCL collective: [`NcclWork::wait`] orders the compute stream after it (no host
-/// wait). Keeps the tensors it reads and writes alive until then, so that their memory is not
-/// reused under the collective.
+/// wait for the GPU; a wait for the issuing thread to have made the call, if it has not yet).
+/// Keeps the tensors it reads and writes alive until then, so that their memory is not reused
+/// under the collective.
 pub(crate) struct NcclWork {
-    done: Arc<CudaEvent>,
+    slot: Arc<Issued>,
+    ctl: Arc<Control>,
     dev: Arc<CudaDevice>,
     keep: Vec<Tensor>,
     waited: bool,
@@ -240,16 +149,20 @@ impl NcclWork {
             return Ok(());
         }
         self.waited = true;
+        let t0 = Instant::now();
+        let done = self.slot.wait(&self.ctl, self.ctl.timeout);
+        count_wait(t0.elapsed().as_nanos() as u64);
+        let done = done?;
         self.dev
             .stream
-            .wait(&self.done)
+            .wait(&done)
             .map_err(|e| cuda("making the compute stream wait for a collective", e))?;
         self.keep.clear();
         Ok(())
     }
 
     pub(crate) fn is_done(&self) -> bool {
-        self.done.is_complete()
+        matches!(self.slot.peek(), Some(Ok(done)) if done.is_complete())
     }
 }
 
@@ -291,136 +204,69 @@ impl NcclEngine {
             .ctx
             .new_stream()
             .map_err(|e| cuda("creating the communication stream", e))?;
-        let mut config = ConfigV214 {
-            size: std::mem::size_of::<ConfigV214>(),
-            magic: 0xcafe_beef,
-            version: MIN_VERSION as c_uint,
-            blocking: 0,
-            cga_cluster_size: UNDEF_INT,
-            min_ctas: UNDEF_INT,
-            max_ctas: UNDEF_INT,
-            net_name: std::ptr::null(),
-        };
-        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
-        let r = no_panic("ncclCommInitRankConfig", || {
-            // SAFETY: `config` starts with the 2.14 layout NCCL reads (it copies `size` bytes);
-            // `raw` is a valid out-pointer; the device's context is current on this thread.
-            Ok(unsafe {
-                sys::ncclCommInitRankConfig(
-                    &mut raw,
-                    world as c_int,
-                    id,
-                    rank as c_int,
-                    &mut config as *mut ConfigV214 as *mut sys::ncclConfig_t,
-                )
-            })
-        })?;
-        let comm = Arc::new(Mutex::new(None::<Comm>));
-        if !raw.is_null() {
-            *lock(&comm) = Some(Comm(raw));
-        }
-        let abort = {
-            let comm = comm.clone();
-            move || {
-                if let Some(c) = lock(&comm).take() {
-                    // SAFETY: the communicator is live (taken out of the slot exactly once).
-                    let _ = no_panic("ncclCommAbort", || Ok(unsafe { sys::ncclCommAbort(c.0) }));
-                }
-            }
-        };
-        ctl.on_abort(abort);
-        match r {
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
-            other => {
-                let d = describe(other, (!raw.is_null()).then_some(raw));
-                return Err(ctl.fail(None, format!("NCCL communicator init failed: {d}")));
-            }
-        }
-        let engine = NcclEngine {
+        let shared = Arc::new(Shared {
             ctl: ctl.clone(),
             dev,
-            comm,
+            comm: Arc::new(Mutex::new(None)),
             stream,
             pending: Arc::new(Mutex::new(VecDeque::new())),
+            in_call: Arc::new(AtomicBool::new(false)),
+            abort_asked: Arc::new(AtomicBool::new(false)),
+        });
+        ctl.on_abort(shared.abort_action());
+        let queue = Arc::new(Queue::new());
+        let init_slot = Slot::new("initialising the NCCL communicator".into());
+        let issuer = {
+            let (shared, queue, slot) = (shared.clone(), queue.clone(), init_slot.clone());
+            std::thread::Builder::new()
+                .name("mixprec-nccl-issue".into())
+                .spawn(move || issuing_thread(shared, queue, (world, rank, id, init_timeout), slot))
+                .map_err(|e| ctl.fail(None, format!("starting the NCCL issuing thread: {e}")))?
+        };
+        // Bounded even when NCCL's blocking initialisation waits for a rank that never comes
+        // (the issuing thread is then left behind, and aborts the communicator if it returns).
+        let inited = poll(
+            &ctl,
+            init_timeout + Duration::from_secs(1),
+            || init_slot.peek(),
+            || {
+                ctl.fail(
+                    None,
+                    format!(
+                        "initialising the NCCL communicator: not done after {} s",
+                        init_timeout.as_secs()
+                    ),
+                )
+            },
+        )?;
+        if let Err(d) = inited {
+            return Err(ctl.check().err().unwrap_or(Error::Cuda(d)));
+        }
+        let engine = NcclEngine {
+            shared,
+            queue,
+            issuer: Mutex::new(Some(issuer)),
             stop: Arc::new(AtomicBool::new(false)),
             watchdog: Mutex::new(None),
             finalized: AtomicBool::new(false),
         };
-        engine.settle("initialising the NCCL communicator", init_timeout)?;
         engine.start_watchdog()?;
         log::info!(
             "distributed: rank {rank} of {world}: NCCL {} communicator on cuda:{}",
             probe().unwrap_or(0),
-            engine.dev.ordinal
+            engine.shared.dev.ordinal
         );
         Ok(engine)
     }
 
-    /// Polls a non-blocking communicator until its last call is no longer in progress (without
-    /// holding the lock between polls, so that an abort can get in).
-    fn settle(&self, what: &str, limit: Duration) -> Result<()> {
-        let t0 = Instant::now();
-        let r = self.settle_inner(what, limit);
-        SETTLE_NS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        r
-    }
-
-    fn settle_inner(&self, what: &str, limit: Duration) -> Result<()> {
-        let start = Instant::now();
-        let deadline = start + limit;
-        loop {
-            self.ctl.check()?;
-            let state = {
-                let g = lock(&self.comm);
-                let Some(c) = g.as_ref() else {
-                    drop(g);
-                    self.ctl.check()?;
-                    return Err(self
-                        .ctl
-                        .fail(None, format!("{what}: the communicator is gone")));
-                };
-                let mut s = sys::ncclResult_t::ncclSuccess;
-                // SAFETY: a live communicator and a valid out-pointer.
-                let r = no_panic("ncclCommGetAsyncError", || {
-                    Ok(unsafe { sys::ncclCommGetAsyncError(c.0, &mut s) })
-                })?;
-                if r != sys::ncclResult_t::ncclSuccess {
-                    Err(describe(r, Some(c.0)))
-                } else if s != sys::ncclResult_t::ncclSuccess
-                    && s != sys::ncclResult_t::ncclInProgress
-                {
-                    Err(describe(s, Some(c.0)))
-                } else {
-                    Ok(s)
-                }
-            };
-            match state {
-                Ok(sys::ncclResult_t::ncclInProgress) => {
-                    if Instant::now() >= deadline {
-                        return Err(self.ctl.fail(
-                            None,
-                            format!("{what}: still in progress after {} s", limit.as_secs()),
-                        ));
-                    }
-                    if start.elapsed() < SPIN {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(Duration::from_micros(200));
-                    }
-                }
-                Ok(_) => return Ok(()),
-                Err(d) => return Err(self.ctl.fail(None, format!("{what}: NCCL error {d}"))),
-            }
-        }
-    }
-
     fn start_watchdog(&self) -> Result<()> {
+        let sh = &self.shared;
         let (ctl, comm, pending, stop, ctx) = (
-            self.ctl.clone(),
-            self.comm.clone(),
-            self.pending.clone(),
+            sh.ctl.clone(),
+            sh.comm.clone(),
+            sh.pending.clone(),
             self.stop.clone(),
-            self.dev.ctx.clone(),
+            sh.dev.ctx.clone(),
         );
         let h = std::thread::Builder::new()
             .name("mixprec-nccl-watchdog".into())
@@ -429,9 +275,10 @@ impl NcclEngine {
                 while !stop.load(Ordering::Acquire) && !ctl.is_faulted() {
                     ctl.report_progress();
                     // NCCL's asynchronous errors (a network failure, a peer's abort).
-                    let err = {
-                        let g = lock(&comm);
-                        g.as_ref().and_then(|c| {
+                    // Not while the issuing thread is inside a call (NCCL allows one caller).
+                    let err = match comm.try_lock() {
+                        Err(_) => None,
+                        Ok(g) => g.as_ref().and_then(|c| {
                             let mut s = sys::ncclResult_t::ncclSuccess;
                             // SAFETY: a live communicator and a valid out-pointer.
                             let r = no_panic("ncclCommGetAsyncError", || {
@@ -449,7 +296,7 @@ impl NcclEngine {
                             } else {
                                 None
                             }
-                        })
+                        }),
                     };
                     if let Some(e) = err {
                         ctl.fail(
@@ -500,88 +347,75 @@ impl NcclEngine {
                 }
             })
             .map_err(|e| {
-                self.ctl
+                self.shared
+                    .ctl
                     .fail(None, format!("starting the NCCL watchdog: {e}"))
             })?;
         *lock(&self.watchdog) = Some(h);
         Ok(())
     }
 
-    /// Enqueues one NCCL call on the communication stream after the compute stream's current
-    /// work; `call` gets the communicator and the stream.
+    /// Asks the issuing thread for one NCCL call on the communication stream, after the
+    /// compute stream's current work; `call` gets the communicator and the stream. Returns at
+    /// once (unless the compute stream is being captured: the graph needs the call recorded
+    /// before the capture goes on, and this thread tracks its replays).
     fn enqueue(
         &self,
         seq: u64,
         what: String,
         keep: Vec<Tensor>,
-        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
+        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t + Send + 'static,
     ) -> Result<NcclWork> {
-        self.ctl.check()?;
-        let cstream = &self.dev.stream;
-        let ready = cstream
+        let sh = &self.shared;
+        sh.ctl.check()?;
+        if self.queue.has_exited() {
+            return Err(sh.ctl.error_now(
+                None,
+                format!("{what}: the process group's NCCL engine has shut down"),
+            ));
+        }
+        let captured = graph::capturing_device() == Some(sh.dev.ordinal);
+        let ready = sh
+            .dev
+            .stream
             .record_event(None)
             .map_err(|e| cuda("recording the compute stream", e))?;
-        self.stream
-            .wait(&ready)
-            .map_err(|e| cuda("ordering the communication stream", e))?;
-        let r = {
-            let g = lock(&self.comm);
-            match g.as_ref() {
-                Some(c) => {
-                    let (c, s) = (c.0, self.stream.cu_stream() as sys::cudaStream_t);
-                    let t0 = Instant::now();
-                    let r = no_panic(&what, || Ok(call(c, s))).map(|r| (r, c));
-                    CALL_NS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    CALLS.fetch_add(1, Ordering::Relaxed);
-                    r
-                }
-                None => Err(Error::Cuda("the NCCL communicator was aborted".into())),
-            }
-        };
-        let (r, c) = match r {
-            Ok(x) => x,
-            Err(e) => {
-                self.ctl.check()?;
-                return Err(self.ctl.fail(None, format!("{what}: {e}")));
-            }
-        };
-        match r {
-            sys::ncclResult_t::ncclSuccess => {}
-            sys::ncclResult_t::ncclInProgress => {
-                IN_PROGRESS.fetch_add(1, Ordering::Relaxed);
-                self.settle(&what, self.ctl.timeout)?
-            }
-            other => {
-                let d = describe(other, Some(c));
-                return Err(self.ctl.fail(
-                    None,
-                    format!("{what} failed on rank {}: {d}", self.ctl.rank),
-                ));
-            }
-        }
-        let done = Arc::new(
-            self.stream
-                .record_event(None)
-                .map_err(|e| cuda("recording the communication stream", e))?,
-        );
-        if graph::capturing_device() == Some(self.dev.ordinal) {
-            // Recorded into a CUDA graph: it runs at each replay, not now. The watchdog must
-            // not query an event recorded in a capture; each replay is tracked instead.
-            self.track_replays(seq, what)?;
-        } else {
-            lock(&self.pending).push_back(Pending {
-                seq,
-                what,
-                done: done.clone(),
-                since: Instant::now(),
-            });
-        }
-        Ok(NcclWork {
-            done,
-            dev: self.dev.clone(),
+        let slot = Slot::new(what.clone());
+        self.queue.post(Job::Collective(Collective {
+            seq,
+            what: what.clone(),
+            ready,
+            captured,
+            call: Box::new(call),
+            keep: keep.clone(),
+            slot: slot.clone(),
+        }));
+        let work = NcclWork {
+            slot,
+            ctl: sh.ctl.clone(),
+            dev: sh.dev.clone(),
             keep,
             waited: false,
-        })
+        };
+        if captured {
+            // Recorded into a CUDA graph: it runs at each replay, not now. The watchdog must
+            // not query an event recorded in a capture; each replay is tracked instead.
+            if let Err(d) = poll(
+                &sh.ctl,
+                sh.ctl.timeout,
+                || work.slot.peek(),
+                || {
+                    sh.ctl.fail(
+                        None,
+                        format!("{what}: not recorded into the graph within the timeout"),
+                    )
+                },
+            )? {
+                return Err(sh.ctl.check().err().unwrap_or(Error::Cuda(d)));
+            }
+            self.track_replays(seq, what)?;
+        }
+        Ok(work)
     }
 
     /// A collective captured as collective `captured` is issued again by every launch of the
@@ -593,11 +427,15 @@ impl NcclEngine {
         // Before each launch, what an eager call checks before it enqueues: the group has not
         // failed and its communicator is still there (a replay must not run NCCL's nodes on an
         // aborted or destroyed communicator). Once per graph and communicator.
-        let (ctl, comm) = (self.ctl.clone(), self.comm.clone());
+        let sh = &self.shared;
+        let (ctl, comm, asked) = (sh.ctl.clone(), sh.comm.clone(), sh.abort_asked.clone());
         let key = Arc::as_ptr(&comm) as usize;
         let check = move || -> Result<()> {
             ctl.check()?;
-            if lock(&comm).is_none() {
+            // Busy (the issuing thread is in a call) means present.
+            let gone = asked.load(Ordering::SeqCst)
+                || comm.try_lock().map(|g| g.is_none()).unwrap_or(false);
+            if gone {
                 return Err(ctl.error_now(
                     None,
                     "replaying a graph that holds this group's collectives: the process \
@@ -615,7 +453,7 @@ impl NcclEngine {
         if !graph::before_replay(key, Box::new(check)) {
             return Err(no_capture());
         }
-        let (ctl, pending, dev) = (self.ctl.clone(), self.pending.clone(), self.dev.clone());
+        let (ctl, pending, dev) = (sh.ctl.clone(), sh.pending.clone(), sh.dev.clone());
         let hook = move || -> Result<()> {
             let seq = ctl.next_seq()?;
             let done = dev
@@ -651,7 +489,7 @@ impl NcclEngine {
     pub(crate) fn all_reduce(&self, seq: u64, t: &Tensor, op: ReduceOp) -> Result<NcclWork> {
         let (p, n, dt) = (Self::ptr(t)?, t.elem_count(), t.dtype());
         let what = format!("collective #{seq} (all_reduce {op:?} of {n} {dt} element(s))");
-        self.enqueue(seq, what, vec![t.clone()], |c, s| {
+        self.enqueue(seq, what, vec![t.clone()], move |c, s| {
             // SAFETY: `p` holds `n` elements of `dt` on this device, kept alive by the work.
             unsafe {
                 sys::ncclAllReduce(
@@ -670,7 +508,7 @@ impl NcclEngine {
     pub(crate) fn broadcast(&self, seq: u64, t: &Tensor, root: usize) -> Result<NcclWork> {
         let (p, n, dt) = (Self::ptr(t)?, t.elem_count(), t.dtype());
         let what = format!("collective #{seq} (broadcast from rank {root} of {n} {dt} element(s))");
-        self.enqueue(seq, what, vec![t.clone()], |c, s| {
+        self.enqueue(seq, what, vec![t.clone()], move |c, s| {
             // SAFETY: as in all_reduce.
             unsafe {
                 sys::ncclBroadcast(
@@ -689,82 +527,74 @@ impl NcclEngine {
     pub(crate) fn all_gather(&self, seq: u64, t: &Tensor, out: &Tensor) -> Result<NcclWork> {
         let (p, q, n, dt) = (Self::ptr(t)?, Self::ptr(out)?, t.elem_count(), t.dtype());
         let what = format!("collective #{seq} (all_gather of {n} {dt} element(s))");
-        self.enqueue(seq, what, vec![t.clone(), out.clone()], |c, s| {
+        self.enqueue(seq, what, vec![t.clone(), out.clone()], move |c, s| {
             // SAFETY: `q` holds world_size × n elements of `dt`; both stay alive with the work.
             unsafe { sys::ncclAllGather(p as *const _, q as *mut _, n, nccl_dtype(dt), c, s) }
         })
     }
 
-    /// Leaving the group, first half: stops the watchdog, waits for this rank's collectives
-    /// and finalizes the communicator (NCCL flushes what it still has of them). The group then
-    /// says goodbye to its peers, and only then [`NcclEngine::release`] destroys the
-    /// communicator: destroying it can wait on a peer that is still inside a collective this
-    /// rank never issued (seen on two H100s), and that peer learns from the goodbye to fail and
-    /// abort, which releases both.
+    /// Leaving the group, first half: stops the watchdog, has the issuing thread make the
+    /// calls still queued, wait for this rank's collectives and finalize the communicator (NCCL
+    /// flushes what it still has of them), then stops it. The group then says goodbye to its
+    /// peers, and only then [`NcclEngine::release`] destroys the communicator: destroying it
+    /// can wait on a peer that is still inside a collective this rank never issued (seen on two
+    /// H100s), and that peer learns from the goodbye to fail and abort, which releases both.
     pub(crate) fn flush(&self) {
-        log::debug!(
-            "distributed: rank {}: {} NCCL collective call(s), {} returned in progress; {} µs \
-             in the calls, {} µs settling",
-            self.ctl.rank,
-            CALLS.load(Ordering::Relaxed),
-            IN_PROGRESS.load(Ordering::Relaxed),
-            CALL_NS.load(Ordering::Relaxed) / 1000,
-            SETTLE_NS.load(Ordering::Relaxed) / 1000
-        );
+        let sh = &self.shared;
+        log::debug!("distributed: rank {}: {}", sh.ctl.rank, diagnostics());
         self.stop.store(true, Ordering::Release);
         if let Some(h) = lock(&self.watchdog).take() {
             let _ = h.join();
         }
-        if self.ctl.is_faulted() {
-            return;
+        if !sh.ctl.is_faulted() && !self.queue.has_exited() {
+            let slot = Slot::new("finalizing the NCCL communicator".into());
+            self.queue.post(Job::Finalize(slot.clone()));
+            // Bounded: the issuing thread may be stuck inside NCCL after a fault.
+            let done = poll(
+                &sh.ctl,
+                Duration::from_secs(40),
+                || slot.peek(),
+                || Error::Cuda("finalizing took too long".into()),
+            );
+            self.finalized
+                .store(matches!(done, Ok(Ok(_))), Ordering::Release);
         }
-        let _ = self.dev.ctx.bind_to_thread();
-        if self.stream.synchronize().is_err() {
-            self.ctl
-                .fail(None, "a collective failed while the group shut down");
-            return;
+        self.queue.stop();
+        let exited = self.queue.await_exit(Duration::from_secs(2));
+        let h = lock(&self.issuer).take();
+        if let Some(h) = h {
+            if exited {
+                let _ = h.join();
+            } // else: left behind inside an NCCL call that never returned
         }
-        // Out of the slot while finalizing, so that an abort from another thread meanwhile
-        // neither waits for this nor frees the communicator under it (release aborts then).
-        let Some(c) = lock(&self.comm).take() else {
-            return;
-        };
-        let ok = no_panic("finalizing the NCCL communicator", || {
-            // SAFETY: a live communicator; this rank queues nothing more on it.
-            unsafe {
-                let mut s = sys::ncclCommFinalize(c.0);
-                let deadline = Instant::now() + Duration::from_secs(30);
-                while s == sys::ncclResult_t::ncclInProgress && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(1));
-                    if sys::ncclCommGetAsyncError(c.0, &mut s) != sys::ncclResult_t::ncclSuccess {
-                        break;
-                    }
-                }
-                Ok(s == sys::ncclResult_t::ncclSuccess)
-            }
-        })
-        .unwrap_or(false);
-        self.finalized.store(ok, Ordering::Release);
-        *lock(&self.comm) = Some(c);
     }
 
     /// Leaving the group, second half: destroys the finalized communicator, or aborts it (after
     /// a fault, or when finalizing did not succeed).
     pub(crate) fn release(&self) {
-        let Some(c) = lock(&self.comm).take() else {
+        let sh = &self.shared;
+        // The issuing thread has stopped, unless it is stuck inside a call: then the
+        // communicator is left to it (it aborts after its call, the group having failed).
+        let c = match sh.comm.try_lock() {
+            Ok(mut g) => g.take(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().take(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                sh.abort_asked.store(true, Ordering::SeqCst);
+                None
+            }
+        };
+        let Some(c) = c else {
             return;
         };
-        let destroy = !self.ctl.is_faulted() && self.finalized.load(Ordering::Acquire);
-        let _ = no_panic("releasing the NCCL communicator", || {
-            // SAFETY: a live communicator, taken out of the slot; nothing is queued on it.
-            unsafe {
-                if destroy {
-                    sys::ncclCommDestroy(c.0);
-                } else {
-                    sys::ncclCommAbort(c.0);
-                }
-            }
-            Ok(())
-        });
+        let destroy = !sh.ctl.is_faulted() && self.finalized.load(Ordering::Acquire);
+        if destroy {
+            let _ = no_panic("releasing the NCCL communicator", || {
+                // SAFETY: a live communicator, taken out of the slot; nothing is queued on it.
+                unsafe { sys::ncclCommDestroy(c.0) };
+                Ok(())
+            });
+        } else {
+            abort_comm(c);
+        }
     }
 }
