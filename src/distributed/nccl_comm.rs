@@ -305,14 +305,20 @@ impl Shared {
             CALL_NS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             CALLS.fetch_add(1, Ordering::Relaxed);
             self.in_call.store(false, Ordering::SeqCst);
+            // NCCL's words for a failure, asked while the communicator is surely alive.
+            let r = r.map(|r| {
+                let failed =
+                    r != sys::ncclResult_t::ncclSuccess && r != sys::ncclResult_t::ncclInProgress;
+                (r, failed.then(|| describe(r, Some(c))))
+            });
             if self.abort_asked.load(Ordering::SeqCst) {
                 if let Some(c) = g.take() {
                     abort_comm(c);
                 }
             }
-            r.map(|r| (r, c))
+            r
         };
-        let (r, c) = match r {
+        let (r, d) = match r {
             Ok(x) => x,
             Err(e) => {
                 self.ctl.check()?;
@@ -326,7 +332,8 @@ impl Shared {
                 self.settle(what, self.ctl.timeout)
             }
             other => {
-                let d = describe(other, Some(c));
+                self.ctl.check()?;
+                let d = d.unwrap_or_else(|| format!("{other:?}"));
                 Err(self.ctl.fail(
                     None,
                     format!("{what} failed on rank {}: {d}", self.ctl.rank),
@@ -426,6 +433,14 @@ impl Shared {
                 })
             });
             self.in_call.store(false, Ordering::SeqCst);
+            let r = r.map(|r| {
+                let failed =
+                    r != sys::ncclResult_t::ncclSuccess && r != sys::ncclResult_t::ncclInProgress;
+                (
+                    r,
+                    failed.then(|| describe(r, (!raw.is_null()).then_some(raw))),
+                )
+            });
             if !raw.is_null() {
                 if self.abort_asked.load(Ordering::SeqCst) {
                     abort_comm(Comm(raw));
@@ -433,15 +448,15 @@ impl Shared {
                     *g = Some(Comm(raw));
                 }
             }
-            r.map(|r| (r, raw))
+            r
         }?;
         match r {
             (sys::ncclResult_t::ncclSuccess, _) => {}
             (sys::ncclResult_t::ncclInProgress, _) => {
                 self.settle("initialising the NCCL communicator", limit)?
             }
-            (other, raw) => {
-                let d = describe(other, (!raw.is_null()).then_some(raw));
+            (other, d) => {
+                let d = d.unwrap_or_else(|| format!("{other:?}"));
                 self.ctl.check()?;
                 return Err(self
                     .ctl
