@@ -556,6 +556,18 @@ fn nccl_rank_entry() {
         let env = LaunchEnv::from_env()?;
         let g = ProcessGroup::new(&env, &GroupOptions::new(Backend::Nccl))?;
         let dev = g.device();
+        if mode == "hang-first" {
+            // Rank 1 is alive but never reaches the first collective; rank 0's all-reduce is
+            // the communicator's first, whose call connects to the peers on the host.
+            if env.rank == 1 {
+                std::thread::sleep(Duration::from_secs(60));
+                std::process::exit(5);
+            }
+            let t = Tensor::ones([4], DType::F32, dev)?;
+            g.all_reduce(&t, ReduceOp::Sum)?;
+            t.to_vec::<f32>()?;
+            return g.check();
+        }
         let model = ResNet::cifar_style(&[1, 1], 1, 10, &dev)?;
         let opt = Sgd::new(model.parameters(), sgd())?;
         let policy = Policy::opt_level(OptLevel::O2).with_report_interval(0);
@@ -654,7 +666,10 @@ fn launch_two_ranks(mode: &str) -> (PathBuf, Result<()>) {
     cfg.env = vec![
         ("MIXPREC_TEST_OUT".into(), out.display().to_string()),
         ("MIXPREC_TEST_MODE".into(), mode.into()),
-        ("MIXPREC_DIST_TIMEOUT".into(), "120".into()),
+        (
+            "MIXPREC_DIST_TIMEOUT".into(),
+            if mode == "hang-first" { "8" } else { "120" }.into(),
+        ),
     ];
     cfg.grace = Duration::from_secs(20);
     let r = launch(&cfg).map(|_| ());
@@ -797,4 +812,31 @@ fn a_rank_that_leaves_mid_replay_is_named_at_once() {
     }
     assert!(took < Duration::from_secs(60), "took {took:?}");
     println!("a rank leaving mid-replay: its peer failed in {took:?} naming it: {err}");
+}
+
+/// A rank that is alive but never issues the first collective: with a blocking communicator the
+/// first call waits inside NCCL on the host for it to connect, and that wait must not hold the
+/// other rank past the collective timeout (8 s here): rank 0 fails naming rank 1, and exits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_rank_that_never_reaches_the_first_collective_is_named_in_time() {
+    let Some(_serial) = two_gpus("a_rank_that_never_reaches_the_first_collective_is_named_in_time")
+    else {
+        return;
+    };
+    let t = std::time::Instant::now();
+    let (out, r) = launch_two_ranks("hang-first");
+    let took = t.elapsed();
+    let launcher = match r {
+        Ok(()) => panic!("rank 0 should have failed"),
+        Err(e) => e.to_string(),
+    };
+    println!("the launcher: {launcher}");
+    let err = std::fs::read_to_string(out.join("rank0.err")).expect("rank 0's error");
+    assert!(
+        err.contains("rank(s) [1] had not issued collective #1"),
+        "rank 0's error does not name rank 1: {err}"
+    );
+    assert!(took < Duration::from_secs(50), "took {took:?}");
+    println!("a rank that never reached the first collective: named in {took:?}: {err}");
 }

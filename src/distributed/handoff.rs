@@ -78,24 +78,14 @@ impl<T: Clone> Slot<T> {
 
     /// Waits up to `limit` for the outcome. A failure is the group's error when the group has
     /// failed (the worker's failures fail it), else `Error::Cuda` with the worker's words; the
-    /// limit passing fails the group, naming the job.
-    pub(crate) fn wait(&self, ctl: &Control, limit: Duration) -> Result<T> {
-        let r = poll(
-            ctl,
-            limit,
-            || self.peek(),
-            || {
-                ctl.fail(
-                    None,
-                    format!(
-                        "{}: not done after {} s on rank {} (its thread is stuck in a call)",
-                        self.what,
-                        limit.as_secs(),
-                        ctl.rank
-                    ),
-                )
-            },
-        )?;
+    /// limit passing is `late()`'s error (which should fail the group).
+    pub(crate) fn wait(
+        &self,
+        ctl: &Control,
+        limit: Duration,
+        late: impl FnOnce() -> Error,
+    ) -> Result<T> {
+        let r = poll(ctl, limit, || self.peek(), late)?;
         r.map_err(|detail| ctl.check().err().unwrap_or(Error::Cuda(detail)))
     }
 }
@@ -211,10 +201,11 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             s.set(Ok(7));
         });
-        assert_eq!(slot.wait(&ctl, Duration::from_secs(5)).unwrap(), 7);
+        let late = || Error::Cuda("late".into());
+        assert_eq!(slot.wait(&ctl, Duration::from_secs(5), late).unwrap(), 7);
         let failed: Arc<Slot<u32>> = Slot::new("job 2".into());
         failed.set(Err(Error::Cuda("the call failed".into())));
-        let e = failed.wait(&ctl, Duration::from_secs(5)).unwrap_err();
+        let e = failed.wait(&ctl, Duration::from_secs(5), late).unwrap_err();
         assert!(e.to_string().contains("the call failed"), "{e}");
     }
 
@@ -224,7 +215,11 @@ mod tests {
         let ctl = group(Duration::from_secs(10));
         let slot: Arc<Slot<u32>> = Slot::new("collective #3".into());
         let t0 = Instant::now();
-        let e = slot.wait(&ctl, Duration::from_millis(100)).unwrap_err();
+        let e = slot
+            .wait(&ctl, Duration::from_millis(100), || {
+                ctl.fail(None, format!("{}: not done", slot.what))
+            })
+            .unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(5));
         assert!(e.to_string().contains("collective #3: not done"), "{e}");
         assert!(ctl.check().is_err());
@@ -237,7 +232,11 @@ mod tests {
             c.fail(Some(1), "rank 1 exited");
         });
         let t0 = Instant::now();
-        let e = slot.wait(&ctl, Duration::from_secs(600)).unwrap_err();
+        let e = slot
+            .wait(&ctl, Duration::from_secs(600), || {
+                Error::Cuda("late".into())
+            })
+            .unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(5));
         assert!(e.to_string().contains("rank 1 exited"), "{e}");
     }

@@ -38,11 +38,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use cudarc::driver::CudaEvent;
 use cudarc::nccl::sys;
 
 use super::collective::ReduceOp;
 use super::control::Control;
-use super::handoff::{lock, poll, Queue, Slot};
+use super::handoff::{lock, Queue, Slot};
 use super::nccl_comm::{
     abort_comm, count_wait, cuda, describe, diagnostics, nccl_dtype, nccl_op, no_panic, Collective,
     Issued, Pending, Shared,
@@ -132,11 +133,33 @@ impl Drop for NcclEngine {
 /// Keeps the tensors it reads and writes alive until then, so that their memory is not reused
 /// under the collective.
 pub(crate) struct NcclWork {
+    seq: u64,
     slot: Arc<Issued>,
     ctl: Arc<Control>,
     dev: Arc<CudaDevice>,
     keep: Vec<Tensor>,
     waited: bool,
+}
+
+/// Waits until the issuing thread has made collective `seq`'s call. Past the timeout the group
+/// fails as for a collective that did not complete (rank 0 names the ranks that had not issued
+/// it): the call is waiting inside NCCL for a peer, which it does on the host when it first
+/// connects to the peers.
+fn wait_issued(ctl: &Control, slot: &Issued, seq: u64) -> Result<Arc<CudaEvent>> {
+    let t0 = Instant::now();
+    let r = slot.wait(ctl, ctl.timeout, || {
+        ctl.fail_stalled(
+            seq,
+            format!(
+                "{}: NCCL's call had not returned after {} s on rank {}",
+                slot.what,
+                ctl.timeout.as_secs(),
+                ctl.rank
+            ),
+        )
+    });
+    count_wait(t0.elapsed().as_nanos() as u64);
+    r
 }
 
 impl NcclWork {
@@ -149,10 +172,7 @@ impl NcclWork {
             return Ok(());
         }
         self.waited = true;
-        let t0 = Instant::now();
-        let done = self.slot.wait(&self.ctl, self.ctl.timeout);
-        count_wait(t0.elapsed().as_nanos() as u64);
-        let done = done?;
+        let done = wait_issued(&self.ctl, &self.slot, self.seq)?;
         self.dev
             .stream
             .wait(&done)
@@ -225,23 +245,15 @@ impl NcclEngine {
         };
         // Bounded even when NCCL's blocking initialisation waits for a rank that never comes
         // (the issuing thread is then left behind, and aborts the communicator if it returns).
-        let inited = poll(
-            &ctl,
-            init_timeout + Duration::from_secs(1),
-            || init_slot.peek(),
-            || {
-                ctl.fail(
-                    None,
-                    format!(
-                        "initialising the NCCL communicator: not done after {} s",
-                        init_timeout.as_secs()
-                    ),
-                )
-            },
-        )?;
-        if let Err(d) = inited {
-            return Err(ctl.check().err().unwrap_or(Error::Cuda(d)));
-        }
+        init_slot.wait(&ctl, init_timeout + Duration::from_secs(1), || {
+            ctl.fail(
+                None,
+                format!(
+                    "initialising the NCCL communicator: not done after {} s",
+                    init_timeout.as_secs()
+                ),
+            )
+        })?;
         let engine = NcclEngine {
             shared,
             queue,
@@ -391,6 +403,7 @@ impl NcclEngine {
             slot: slot.clone(),
         }));
         let work = NcclWork {
+            seq,
             slot,
             ctl: sh.ctl.clone(),
             dev: sh.dev.clone(),
@@ -400,19 +413,7 @@ impl NcclEngine {
         if captured {
             // Recorded into a CUDA graph: it runs at each replay, not now. The watchdog must
             // not query an event recorded in a capture; each replay is tracked instead.
-            if let Err(d) = poll(
-                &sh.ctl,
-                sh.ctl.timeout,
-                || work.slot.peek(),
-                || {
-                    sh.ctl.fail(
-                        None,
-                        format!("{what}: not recorded into the graph within the timeout"),
-                    )
-                },
-            )? {
-                return Err(sh.ctl.check().err().unwrap_or(Error::Cuda(d)));
-            }
+            wait_issued(&sh.ctl, &work.slot, seq)?;
             self.track_replays(seq, what)?;
         }
         Ok(work)
@@ -550,14 +551,10 @@ impl NcclEngine {
             let slot = Slot::new("finalizing the NCCL communicator".into());
             self.queue.post(Job::Finalize(slot.clone()));
             // Bounded: the issuing thread may be stuck inside NCCL after a fault.
-            let done = poll(
-                &sh.ctl,
-                Duration::from_secs(40),
-                || slot.peek(),
-                || Error::Cuda("finalizing took too long".into()),
-            );
-            self.finalized
-                .store(matches!(done, Ok(Ok(_))), Ordering::Release);
+            let done = slot.wait(&sh.ctl, Duration::from_secs(40), || {
+                Error::Cuda("finalizing took too long".into())
+            });
+            self.finalized.store(done.is_ok(), Ordering::Release);
         }
         self.queue.stop();
         let exited = self.queue.await_exit(Duration::from_secs(2));
