@@ -16,8 +16,8 @@
 //!   compute stream by events: the communication stream waits for the work that produced the
 //!   input, and the compute stream waits for the collective only where the result is used
 //!   ([`NcclWork::wait`]). Nothing here waits for the GPU on the host: no host synchronisation
-//!   per step. The issuing thread keeps at most [`MAX_IN_FLIGHT`] collectives incomplete, so
-//!   that NCCL never waits inside a call for room in its queue to the GPU.
+//!   per step. The issuing thread keeps at most `MAX_IN_FLIGHT` (`nccl_comm.rs`) collectives
+//!   incomplete, so that NCCL never waits inside a call for room in its queue to the GPU.
 //! - A collective issued while the device's stream is being captured into a CUDA graph
 //!   (`amp::CapturedStep` over DDP) becomes a node of the graph, as NCCL supports: the
 //!   communication stream joins the capture through the same events. Every replay of the graph

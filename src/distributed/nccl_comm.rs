@@ -17,6 +17,7 @@ use cudarc::nccl::sys;
 use super::collective::ReduceOp;
 use super::control::Control;
 use super::handoff::{lock, poll, Slot};
+pub(super) use crate::backend::cuda::no_panic;
 use crate::backend::cuda::CudaDevice;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -45,21 +46,6 @@ pub(super) struct Comm(pub(super) sys::ncclComm_t);
 // SAFETY: an NCCL communicator may be used from any thread; this crate serialises its calls
 // through a mutex (and `ncclCommAbort` is documented for use from another thread).
 unsafe impl Send for Comm {}
-
-/// Runs `f`, turning a panic inside cudarc (a missing library or symbol) into an error.
-pub(super) fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(Error::Cuda(format!("{what}: {msg}")))
-        }
-    }
-}
 
 pub(super) fn cuda(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("{what}: {e:?}"))

@@ -57,6 +57,7 @@ pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
 };
 pub use pinned::PinnedBuffer;
+pub(crate) use probe::no_panic;
 pub use probe::probe;
 pub(crate) use profile::OpTimer;
 pub use profile::{
