@@ -77,7 +77,8 @@ impl<T: Clone> Slot<T> {
     }
 
     /// Waits up to `limit` for the outcome. A failure is the group's error when the group has
-    /// failed (the worker's failures fail it), else `Error::Cuda` with the worker's words; the
+    /// failed (the worker's failures fail it), else the group's kind of error with the worker's
+    /// words (`Error::Distributed`, naming no rank); the
     /// limit passing is `late()`'s error (which should fail the group).
     pub(crate) fn wait(
         &self,
@@ -86,7 +87,11 @@ impl<T: Clone> Slot<T> {
         late: impl FnOnce() -> Error,
     ) -> Result<T> {
         let r = poll(ctl, limit, || self.peek(), late)?;
-        r.map_err(|detail| ctl.check().err().unwrap_or(Error::Cuda(detail)))
+        r.map_err(|detail| {
+            ctl.check()
+                .err()
+                .unwrap_or_else(|| ctl.error_now(None, detail))
+        })
     }
 }
 

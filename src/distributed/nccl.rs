@@ -57,7 +57,7 @@ use crate::tensor::{Storage, Tensor};
 enum Job {
     Collective(Collective),
     /// Leaving the group: wait for this rank's collectives and finalize the communicator.
-    Finalize(Arc<Issued>),
+    Finalize(Arc<Slot<()>>),
 }
 
 /// The issuing thread: creates the communicator, then makes every NCCL call of this rank, in
@@ -66,17 +66,10 @@ fn issuing_thread(
     shared: Arc<Shared>,
     queue: Arc<Queue<Job>>,
     init: (usize, usize, sys::ncclUniqueId, Duration),
-    init_slot: Arc<Issued>,
+    init_slot: Arc<Slot<()>>,
 ) {
     let (world, rank, id, limit) = init;
-    // Nothing waits on the slot's event; the slot only says "initialised".
-    let r = shared.init_comm(world, rank, id, limit).and_then(|()| {
-        shared
-            .stream
-            .record_event(None)
-            .map(Arc::new)
-            .map_err(|e| cuda("recording the communication stream", e))
-    });
+    let r = shared.init_comm(world, rank, id, limit);
     let ok = r.is_ok();
     init_slot.set(r);
     if ok {
@@ -86,18 +79,11 @@ fn issuing_thread(
                     let slot = c.slot.clone();
                     slot.set(shared.issue(c));
                 }
-                Job::Finalize(slot) => {
-                    let ok = shared.finalize();
-                    slot.set(if ok {
-                        shared
-                            .stream
-                            .record_event(None)
-                            .map(Arc::new)
-                            .map_err(|e| cuda("recording the communication stream", e))
-                    } else {
-                        Err(Error::Cuda("the communicator did not finalize".into()))
-                    });
-                }
+                Job::Finalize(slot) => slot.set(if shared.finalize() {
+                    Ok(())
+                } else {
+                    Err(Error::Cuda("the communicator did not finalize".into()))
+                }),
             }
         }
     }
@@ -395,7 +381,6 @@ impl NcclEngine {
         let slot = Slot::new(what.clone());
         self.queue.post(Job::Collective(Collective {
             seq,
-            what: what.clone(),
             ready,
             captured,
             call: Box::new(call),

@@ -202,7 +202,6 @@ pub(super) type Call =
 /// A collective for the issuing thread.
 pub(super) struct Collective {
     pub(super) seq: u64,
-    pub(super) what: String,
     /// Recorded on the compute stream when the collective was asked for: its input is ready.
     pub(super) ready: CudaEvent,
     /// Recorded while the compute stream was being captured: the collective becomes a node of
@@ -212,6 +211,7 @@ pub(super) struct Collective {
     /// The tensors the call reads and writes, alive until it is issued (the caller's work keeps
     /// them until the compute stream is ordered after the collective).
     pub(super) keep: Vec<Tensor>,
+    /// Where the outcome goes; its `what` names the collective in errors.
     pub(super) slot: Arc<Issued>,
 }
 
@@ -489,7 +489,7 @@ impl Shared {
             .map_err(|e| cuda("ordering the communication stream", e))?;
         let s = self.stream.cu_stream() as sys::cudaStream_t;
         let call = c.call;
-        self.call(&c.what, |comm| call(comm, s))?;
+        self.call(&c.slot.what, |comm| call(comm, s))?;
         let done = Arc::new(
             self.stream
                 .record_event(None)
@@ -498,7 +498,7 @@ impl Shared {
         if !c.captured {
             lock(&self.pending).push_back(Pending {
                 seq: c.seq,
-                what: c.what,
+                what: c.slot.what.clone(),
                 done: done.clone(),
                 since: Instant::now(),
             });
