@@ -123,9 +123,10 @@ struct Cli {
     #[arg(long, value_parser = ["bar", "lines", "off"])]
     progress: Option<String>,
     /// Data-parallel training: start N processes on this machine, one per GPU (cuda:0 ..
-    /// cuda:N-1; N CPU processes without a GPU), and supervise them. --batch-size is per process.
-    #[arg(long, value_name = "N")]
-    nproc_per_node: Option<usize>,
+    /// cuda:N-1; N CPU processes without a GPU), and supervise them; `gpu`: one per visible
+    /// GPU (torchrun's word). --batch-size is per process.
+    #[arg(long, value_name = "N|gpu", value_parser = parse_nproc, allow_negative_numbers = true)]
+    nproc_per_node: Option<Nproc>,
     /// The rendezvous port of --nproc-per-node (default: a free one).
     #[arg(long, value_name = "PORT", requires = "nproc_per_node")]
     master_port: Option<u16>,
@@ -294,7 +295,7 @@ fn main() -> std::process::ExitCode {
     // Under a launcher (ours, torchrun, srun) this process is one rank: it trains.
     let launched = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
     let result = match cli.nproc_per_node {
-        Some(n) if !launched => spawn_ranks(n, cli.master_port),
+        Some(n) if !launched => n.count().and_then(|n| spawn_ranks(n, cli.master_port)),
         _ => train(cli).map(|_| ()),
     };
     match result {
@@ -307,6 +308,52 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// `--nproc-per-node`: a number of processes, or one per visible GPU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Nproc {
+    Count(usize),
+    Gpu,
+}
+
+fn parse_nproc(s: &str) -> Result<Nproc, String> {
+    if s == "gpu" {
+        return Ok(Nproc::Gpu);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(Nproc::Count(n)),
+        _ => Err(format!(
+            "`{s}`: a number of processes >= 1, or `gpu` (one per visible GPU)"
+        )),
+    }
+}
+
+impl Nproc {
+    /// The number of processes to start; `gpu` counts the GPUs this process sees.
+    fn count(self) -> mixprec::Result<usize> {
+        match self {
+            Nproc::Count(n) => Ok(n),
+            Nproc::Gpu => gpu_processes(mixprec::backend::cuda::device_count()),
+        }
+    }
+}
+
+/// `--nproc-per-node gpu` on a machine where CUDA sees `visible` GPUs (or why it sees none).
+fn gpu_processes(visible: mixprec::Result<usize>) -> mixprec::Result<usize> {
+    let why = match visible {
+        Ok(n) if n >= 1 => return Ok(n),
+        Ok(_) => "CUDA sees no GPU".to_string(),
+        Err(e) => e.to_string(),
+    };
+    Err(Error::invalid_arg(
+        "train_resnet",
+        "--nproc-per-node",
+        "gpu",
+        format!(
+            "a machine with a usable GPU ({why}); give a number to start that many CPU processes"
+        ),
+    ))
 }
 
 /// `--nproc-per-node N`: this program N times, with the same arguments but that one, as ranks
@@ -579,6 +626,41 @@ mod tests {
             assert!(msg.contains(want), "{args:?}: {msg}");
         }
         assert!(!out.exists());
+    }
+
+    /// `--nproc-per-node` takes a count or `gpu`; `gpu` is the number of visible GPUs, and
+    /// where there is none the error says why and what to give instead.
+    #[test]
+    fn nproc_per_node_a_count_or_gpu() {
+        assert_eq!(
+            cli(&["--nproc-per-node", "3"]).nproc_per_node,
+            Some(Nproc::Count(3))
+        );
+        assert_eq!(
+            cli(&["--nproc-per-node=gpu"]).nproc_per_node,
+            Some(Nproc::Gpu)
+        );
+        for bad in ["0", "-1", "gpus", ""] {
+            let argv = ["train_resnet", "--nproc-per-node", bad];
+            let e = command()
+                .try_get_matches_from(argv)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("a number of processes >= 1, or `gpu` (one per visible GPU)"),
+                "{bad:?}: {e}"
+            );
+        }
+        assert_eq!(gpu_processes(Ok(4)).unwrap(), 4);
+        let none = gpu_processes(Ok(0)).unwrap_err().to_string();
+        assert!(
+            none.contains("CUDA sees no GPU") && none.contains("give a number"),
+            "{none}"
+        );
+        let why = gpu_processes(Err(Error::Cuda("libcuda.so.1 not found".into())))
+            .unwrap_err()
+            .to_string();
+        assert!(why.contains("libcuda.so.1 not found"), "{why}");
     }
 
     /// A `--config` given with `--resume` is read and checked (it was ignored, even when

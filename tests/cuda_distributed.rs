@@ -6,9 +6,10 @@
 //! the DDP step captured into a CUDA graph (its collectives as graph nodes) replays to the eager
 //! step's bits, with SyncBatchNorm too, SyncBatchNorm's CUDA pieces equal the CPU's batch norm,
 //! and a graph is not launched once its group has failed.
-//! With two GPUs, two ranks train, eagerly and captured, and must end bitwise equal, and a rank
-//! that leaves mid-replay is named at once (skipped on one GPU, saying so). The tests run one at
-//! a time (a capture owns the stream).
+//! With several GPUs, one rank per GPU (every visible GPU; `MIXPREC_TEST_RANKS=N` takes the first
+//! N): the ranks train, eagerly and captured, and must end bitwise equal; a rank that leaves
+//! mid-replay is named at once, and one that never reaches the first collective in time (skipped
+//! on one GPU, saying so). The tests run one at a time (a capture owns the stream).
 //!
 //! Run on a GPU machine (see benches/gpu_ddp.sh): `bash .gpu/run.sh cuda_distributed`.
 //! NCCL must be loadable (libnccl.so.2 on the library path; benches/gpu_ddp.sh adds PyTorch's).
@@ -524,15 +525,16 @@ fn a_graph_is_not_replayed_on_a_failed_or_released_group() {
     }
 }
 
-// ---- two GPUs: two ranks (skipped on a machine with one) ----------------------------------------
+// ---- several GPUs: a rank on each (skipped on a machine with one) ------------------------------
 
-/// The rank processes of the two-rank tests (a no-op unless launched by one). `MIXPREC_TEST_MODE`:
+/// The rank processes of the tests below (a no-op unless launched by one). `MIXPREC_TEST_MODE`:
 /// - unset: three O2 steps through DDP in a plain loop;
 /// - `eager` / `captured`: six steps as a `CapturedStep` that runs eagerly or captures (a
 ///   learning rate set every step); `sync-bn-eager` / `sync-bn-captured` the same with
 ///   SyncBatchNorm;
-/// - `leave-early`: captured steps, rank 1 leaving after three while rank 0 goes on, reading
-///   each step's loss; each rank exits by itself after 90 s whatever happens (status 4), so a
+/// - `leave-early`: captured steps, rank 1 leaving after three while the others go on, rank 0
+///   reading each step's loss;
+/// - `hang-first`: rank 1 sleeps while the others make the communicator's first all-reduce; each rank exits by itself after 90 s whatever happens (status 4), so a
 ///   hang fails the test rather than holding the GPUs.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -645,13 +647,13 @@ fn nccl_rank_entry() {
     std::process::exit(0);
 }
 
-/// Runs the two ranks of `nccl_rank_entry` in `mode`, writing into a fresh directory.
-fn launch_two_ranks(mode: &str) -> (PathBuf, Result<()>) {
-    let out = std::env::temp_dir().join(format!("mixprec-nccl2-{}-{mode}", std::process::id()));
+/// Runs `n` ranks of `nccl_rank_entry` in `mode`, writing into a fresh directory.
+fn launch_ranks(n: usize, mode: &str) -> (PathBuf, Result<()>) {
+    let out = std::env::temp_dir().join(format!("mixprec-nccl{n}-{}-{mode}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
     let mut cfg = LaunchConfig::new(
-        2,
+        n,
         std::env::current_exe().unwrap(),
         [
             "nccl_rank_entry",
@@ -676,14 +678,27 @@ fn launch_two_ranks(mode: &str) -> (PathBuf, Result<()>) {
     (out, r)
 }
 
-/// The serial guard of a two-rank test, or None (said) on a machine with one GPU.
-fn two_gpus(test: &str) -> Option<MutexGuard<'static, ()>> {
+/// The serial guard of a test with one rank per GPU and the number of ranks: every visible GPU,
+/// or the first `MIXPREC_TEST_RANKS`; None (said) on a machine with one GPU.
+fn several_gpus(test: &str) -> Option<(MutexGuard<'static, ()>, usize)> {
     let guard = serial();
-    if Device::cuda(1).is_err() {
-        println!("{test}: skipped, this machine has one GPU");
+    let gpus = mixprec::backend::cuda::device_count().expect("counting the GPUs");
+    let n = match std::env::var("MIXPREC_TEST_RANKS") {
+        Ok(v) => {
+            let n: usize = v.parse().expect("MIXPREC_TEST_RANKS: a number of ranks");
+            assert!(
+                n <= gpus,
+                "MIXPREC_TEST_RANKS={n}, but this machine has {gpus} GPU(s)"
+            );
+            n
+        }
+        Err(_) => gpus,
+    };
+    if n < 2 {
+        println!("{test}: skipped, {n} rank(s) here (one GPU, or MIXPREC_TEST_RANKS)");
         return None;
     }
-    Some(guard)
+    Some((guard, n))
 }
 
 fn read_state(out: &std::path::Path, mode: &str, rank: usize) -> Vec<(String, Tensor)> {
@@ -692,9 +707,18 @@ fn read_state(out: &std::path::Path, mode: &str, rank: usize) -> Vec<(String, Te
         .0
 }
 
-/// The two ranks' state dicts agree bitwise but for the batch-norm statistics of each rank's
-/// last batch; returns how many of those differ.
-fn ranks_agree(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> usize {
+/// Rank `r`'s state dicts agree bitwise with rank 0's but for the batch-norm statistics of each
+/// rank's last batch; returns how many of those differ from rank 0's, over all ranks.
+fn ranks_agree(states: &[Vec<(String, Tensor)>]) -> usize {
+    let a = &states[0];
+    let mut own = 0;
+    for (r, b) in states.iter().enumerate().skip(1) {
+        own += rank_agrees(a, b, r);
+    }
+    own
+}
+
+fn rank_agrees(a: &[(String, Tensor)], b: &[(String, Tensor)], rank: usize) -> usize {
     assert_eq!(a.len(), b.len());
     let mut own = 0;
     for ((n, ta), (nb, tb)) in a.iter().zip(b) {
@@ -706,37 +730,41 @@ fn ranks_agree(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> usize {
             own += usize::from(bits(ta) != bits(tb));
             continue;
         }
-        assert!(bits(ta) == bits(tb), "{n}: the two ranks differ");
+        assert!(bits(ta) == bits(tb), "{n}: rank {rank} differs from rank 0");
     }
     own
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn ddp_nccl_two_ranks_agree() {
-    let Some(_serial) = two_gpus("ddp_nccl_two_ranks_agree") else {
+fn ddp_nccl_ranks_agree() {
+    let Some((_serial, n)) = several_gpus("ddp_nccl_ranks_agree") else {
         return;
     };
-    let (out, r) = launch_two_ranks("");
+    let (out, r) = launch_ranks(n, "");
     r.unwrap();
-    let own = ranks_agree(&read_state(&out, "", 0), &read_state(&out, "", 1));
+    let own = ranks_agree(&read_states(&out, "", n));
     println!(
-        "two NCCL ranks on two GPUs: bitwise equal after 3 O2 steps ({own} running statistics \
-         of each rank's last batch differ, as in PyTorch)"
+        "{n} NCCL ranks on {n} GPUs: bitwise equal after 3 O2 steps ({own} running statistics \
+         of the ranks' last batches differ from rank 0's, as in PyTorch)"
     );
 }
 
-/// Two ranks replaying a captured DDP step (the collectives are nodes of each rank's graph):
+fn read_states(out: &std::path::Path, mode: &str, n: usize) -> Vec<Vec<(String, Tensor)>> {
+    (0..n).map(|r| read_state(out, mode, r)).collect()
+}
+
+/// Every rank replaying a captured DDP step (the collectives are nodes of each rank's graph):
 /// they agree as eager ranks do, and each rank's state is bitwise its eager run's.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn ddp_nccl_two_ranks_captured_equal_eager() {
-    let Some(_serial) = two_gpus("ddp_nccl_two_ranks_captured_equal_eager") else {
+fn ddp_nccl_ranks_captured_equal_eager() {
+    let Some((_serial, n)) = several_gpus("ddp_nccl_ranks_captured_equal_eager") else {
         return;
     };
-    let own = two_ranks_captured_equal_eager("");
+    let own = ranks_captured_equal_eager(n, "");
     println!(
-        "two NCCL ranks, captured DDP step: 4 replays each, ranks agree ({own} running \
+        "{n} NCCL ranks, captured DDP step: 4 replays each, ranks agree ({own} running \
          statistics their own), each rank bitwise its eager run"
     );
 }
@@ -745,33 +773,31 @@ fn ddp_nccl_two_ranks_captured_equal_eager() {
 /// backward all-reduces are graph nodes as well.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn sync_batchnorm_two_ranks_captured_equal_eager() {
-    let Some(_serial) = two_gpus("sync_batchnorm_two_ranks_captured_equal_eager") else {
+fn sync_batchnorm_ranks_captured_equal_eager() {
+    let Some((_serial, n)) = several_gpus("sync_batchnorm_ranks_captured_equal_eager") else {
         return;
     };
-    let own = two_ranks_captured_equal_eager("sync-bn-");
+    let own = ranks_captured_equal_eager(n, "sync-bn-");
     println!(
-        "two NCCL ranks, captured SyncBatchNorm step: ranks agree ({own} running statistics \
+        "{n} NCCL ranks, captured SyncBatchNorm step: ranks agree ({own} running statistics \
          differ), each rank bitwise its eager run"
     );
 }
 
-/// Runs the two ranks eagerly and captured (modes `{prefix}eager`, `{prefix}captured`), checks
-/// that the captured ranks agree and that each is bitwise its eager run; returns how many
-/// running statistics differ between the ranks.
-fn two_ranks_captured_equal_eager(prefix: &str) -> usize {
+/// Runs `n` ranks eagerly and captured (modes `{prefix}eager`, `{prefix}captured`), checks that
+/// the captured ranks agree and that each is bitwise its eager run; returns how many running
+/// statistics differ from rank 0's.
+fn ranks_captured_equal_eager(n: usize, prefix: &str) -> usize {
     let (eager, captured) = (format!("{prefix}eager"), format!("{prefix}captured"));
-    let (out, r) = launch_two_ranks(&eager);
+    let (out, r) = launch_ranks(n, &eager);
     r.unwrap();
-    let (out_g, r) = launch_two_ranks(&captured);
+    let (out_g, r) = launch_ranks(n, &captured);
     r.unwrap();
-    let own = ranks_agree(
-        &read_state(&out_g, &captured, 0),
-        &read_state(&out_g, &captured, 1),
-    );
-    for rank in 0..2 {
+    let replayed = read_states(&out_g, &captured, n);
+    let own = ranks_agree(&replayed);
+    for (rank, state) in replayed.iter().enumerate() {
         assert_same_bits(
-            &read_state(&out_g, &captured, rank),
+            state,
             &read_state(&out, &eager, rank),
             &format!("rank {rank}'s replayed {captured} step differs from its eager one"),
         );
@@ -779,19 +805,19 @@ fn two_ranks_captured_equal_eager(prefix: &str) -> usize {
     own
 }
 
-/// A rank that leaves (cleanly, after three steps) while its peer replays a captured step whose
-/// all-reduce it will never join: the peer fails at once, naming it, instead of waiting in the
+/// A rank that leaves (cleanly, after three steps) while its peers replay a captured step whose
+/// all-reduce it will never join: the peers fail at once, naming it, instead of waiting in the
 /// all-reduce. The leaving rank says goodbye before it destroys its communicator (destroying it
-/// can wait for the peer), and the peer's control plane fails the group as soon as the goodbye
-/// shows a collective the leaver never issued; the abort releases the all-reduce.
+/// can wait for the peers), and rank 0's control plane fails the group, for every rank, as soon
+/// as the goodbye shows a collective the leaver never issued; the abort releases the all-reduce.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_rank_that_leaves_mid_replay_is_named_at_once() {
-    let Some(_serial) = two_gpus("a_rank_that_leaves_mid_replay_is_named_at_once") else {
+    let Some((_serial, n)) = several_gpus("a_rank_that_leaves_mid_replay_is_named_at_once") else {
         return;
     };
     let t = std::time::Instant::now();
-    let (out, r) = launch_two_ranks("leave-early");
+    let (out, r) = launch_ranks(n, "leave-early");
     let took = t.elapsed();
     let launcher = match r {
         Ok(()) => panic!("rank 0 should have failed"),
@@ -799,14 +825,18 @@ fn a_rank_that_leaves_mid_replay_is_named_at_once() {
     };
     println!("the launcher: {launcher}");
     assert!(
-        !launcher.contains("rank 1 was still running"),
-        "rank 1 did not exit by itself: {launcher}"
+        !launcher.contains("was still running"),
+        "a rank did not exit by itself: {launcher}"
     );
     let err = std::fs::read_to_string(out.join("rank0.err")).expect("rank 0's error");
-    assert!(
-        err.contains("rank 1 shut down its process group"),
-        "rank 0's error does not name rank 1: {err}"
-    );
+    for rank in (0..n).filter(|&r| r != 1) {
+        let e = std::fs::read_to_string(out.join(format!("rank{rank}.err")))
+            .unwrap_or_else(|_| panic!("rank {rank} did not fail"));
+        assert!(
+            e.contains("rank 1 shut down its process group"),
+            "rank {rank}'s error does not name rank 1: {e}"
+        );
+    }
     if let Ok(e1) = std::fs::read_to_string(out.join("rank1.err")) {
         panic!("rank 1 left cleanly, yet failed: {e1}");
     }
@@ -816,16 +846,18 @@ fn a_rank_that_leaves_mid_replay_is_named_at_once() {
 
 /// A rank that is alive but never issues the first collective: with a blocking communicator the
 /// first call waits inside NCCL on the host for it to connect, and that wait must not hold the
-/// other rank past the collective timeout (8 s here): rank 0 fails naming rank 1, and exits.
+/// other ranks past the collective timeout (8 s here): rank 0 fails naming rank 1 (and only
+/// rank 1: the others issued it), and every rank but the sleeper exits by itself.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_rank_that_never_reaches_the_first_collective_is_named_in_time() {
-    let Some(_serial) = two_gpus("a_rank_that_never_reaches_the_first_collective_is_named_in_time")
+    let Some((_serial, n)) =
+        several_gpus("a_rank_that_never_reaches_the_first_collective_is_named_in_time")
     else {
         return;
     };
     let t = std::time::Instant::now();
-    let (out, r) = launch_two_ranks("hang-first");
+    let (out, r) = launch_ranks(n, "hang-first");
     let took = t.elapsed();
     let launcher = match r {
         Ok(()) => panic!("rank 0 should have failed"),
@@ -837,6 +869,12 @@ fn a_rank_that_never_reaches_the_first_collective_is_named_in_time() {
         err.contains("rank(s) [1] had not issued collective #1"),
         "rank 0's error does not name rank 1: {err}"
     );
+    for rank in (0..n).filter(|&r| r != 1) {
+        assert!(
+            !launcher.contains(&format!("rank {rank} was still running")),
+            "rank {rank} did not exit by itself: {launcher}"
+        );
+    }
     assert!(took < Duration::from_secs(50), "took {took:?}");
     println!("a rank that never reached the first collective: named in {took:?}: {err}");
 }

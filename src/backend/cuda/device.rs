@@ -120,10 +120,20 @@ pub fn get(ordinal: usize) -> Result<Arc<CudaDevice>> {
     Ok(dev)
 }
 
+/// How many CUDA devices this process sees (`CUDA_VISIBLE_DEVICES` applied), after probing the
+/// libraries; the error says why CUDA is not usable here. Creates no context.
+pub fn device_count() -> Result<usize> {
+    probe()?;
+    let n = no_panic("counting the CUDA devices", || {
+        CudaContext::device_count().map_err(|e| cuda_err("cuDeviceGetCount", e))
+    })?;
+    Ok(n.max(0) as usize)
+}
+
 impl CudaDevice {
     fn new(ordinal: usize) -> Result<Self> {
-        let count = CudaContext::device_count().map_err(|e| cuda_err("cuDeviceGetCount", e))?;
-        if ordinal >= count.max(0) as usize {
+        let count = device_count()?;
+        if ordinal >= count {
             return Err(Error::Cuda(format!(
                 "no CUDA device {ordinal}: {count} device(s) visible"
             )));

@@ -49,7 +49,7 @@ pub use conv::{
     clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, ConvPlanInfo, PlanSource,
 };
 pub use device::{
-    allocation_count, deterministic, get as device, host_sync_count, set_allow_tf32,
+    allocation_count, deterministic, device_count, get as device, host_sync_count, set_allow_tf32,
     set_deterministic, set_poison_allocations, CudaDevice,
 };
 pub use graph::{Graph, GraphNodes};
