@@ -209,6 +209,34 @@ fn cuda_if_available_finds_the_gpu_and_rejects_a_missing_ordinal() {
     assert!(e.contains("no CUDA device 4096"), "{e}");
 }
 
+/// A read check (what a process group registers once an abort has cut a collective short)
+/// refuses the host reads of the device while it lives, with its error; dropped, it refuses
+/// nothing. This one refuses only this thread's reads: the other tests share the device.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_read_check_refuses_host_reads_while_it_lives() {
+    gpu();
+    let dev = mixprec::backend::cuda::device(0).unwrap();
+    let t = Tensor::ones([3], DType::F32, Device::Cuda(0)).unwrap();
+    let me = std::thread::current().id();
+    let check: std::sync::Arc<mixprec::backend::cuda::ReadCheck> = std::sync::Arc::new(move || {
+        if std::thread::current().id() == me {
+            Err(mixprec::Error::Cuda("the test's check refuses".into()))
+        } else {
+            Ok(())
+        }
+    });
+    dev.add_read_check(&check);
+    let e = t.to_vec::<f32>().unwrap_err().to_string();
+    assert!(e.contains("the test's check refuses"), "{e}");
+    let one = Tensor::ones([1], DType::F32, Device::Cuda(0)).unwrap();
+    let e = one.item().unwrap_err().to_string();
+    assert!(e.contains("the test's check refuses"), "{e}");
+    drop(check);
+    assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.0; 3]);
+    assert_eq!(one.item().unwrap(), 1.0);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_kernel_family_compiles() {

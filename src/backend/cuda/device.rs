@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cudarc::driver::sys as cu;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
@@ -90,7 +90,15 @@ pub struct CudaDevice {
     functions: Mutex<HashMap<(Family, String), CudaFunction>>,
     pub(crate) blas: Mutex<Option<super::matmul::Blas>>,
     pub(crate) dnn: Mutex<Option<super::conv::Dnn>>,
+    /// Run after every host read (see [`CudaDevice::add_read_check`]); held weakly, so a check
+    /// ends with its owner.
+    read_checks: Mutex<Vec<Weak<ReadCheck>>>,
 }
+
+/// A check made after the stream has been waited for, before a host read returns: something
+/// outside the backend can make what the stream computed invalid after the fact (a collective
+/// cut short by an aborted NCCL communicator lets the kernels after it run on what it left).
+pub type ReadCheck = dyn Fn() -> Result<()> + Send + Sync;
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -174,6 +182,7 @@ impl CudaDevice {
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             dnn: Mutex::new(None),
+            read_checks: Mutex::new(Vec::new()),
         })
     }
 
@@ -241,7 +250,24 @@ impl CudaDevice {
         HOST_SYNCS.with(|c| c.set(c.get() + 1));
         self.stream
             .synchronize()
-            .map_err(|e| cuda_err("synchronizing the stream", e))
+            .map_err(|e| cuda_err("synchronizing the stream", e))?;
+        self.run_read_checks()
+    }
+
+    /// Adds a check that every later wait for the stream makes (so every host read), for as long
+    /// as `check` is alive: an error from it is returned instead of the data.
+    pub fn add_read_check(&self, check: &Arc<ReadCheck>) {
+        let mut v = self.read_checks.lock().unwrap_or_else(|e| e.into_inner());
+        v.retain(|c| c.strong_count() > 0);
+        v.push(Arc::downgrade(check));
+    }
+
+    fn run_read_checks(&self) -> Result<()> {
+        let live: Vec<Arc<ReadCheck>> = {
+            let v = self.read_checks.lock().unwrap_or_else(|e| e.into_inner());
+            v.iter().filter_map(Weak::upgrade).collect()
+        };
+        live.iter().try_for_each(|check| check())
     }
 
     pub fn ordinal(&self) -> usize {

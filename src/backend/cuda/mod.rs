@@ -50,7 +50,7 @@ pub use conv::{
 };
 pub use device::{
     allocation_count, deterministic, device_count, get as device, host_sync_count, set_allow_tf32,
-    set_deterministic, set_poison_allocations, CudaDevice,
+    set_deterministic, set_poison_allocations, CudaDevice, ReadCheck,
 };
 pub use graph::{Graph, GraphNodes};
 pub use multi_tensor::{
