@@ -72,6 +72,13 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // A program that never read a result after the group failed would otherwise end
+        // without a word about the steps that did not run.
+        if let Err(e) = self.ctl.check() {
+            log::warn!(
+                "distributed: leaving a failed process group; work queued on it did not run: {e}"
+            );
+        }
         match &self.engine {
             Engine::Cpu(e) => {
                 e.shutdown();

@@ -30,8 +30,11 @@
 //!   communicator (`ncclCommAbort`), which unblocks kernels waiting for a peer that will not come.
 //!   NCCL allows no abort while a thread is inside a call on the communicator: an abort asked
 //!   for then is made by the issuing thread as its call returns.
+//! - The kernels ordered after a collective that an abort cut short run on whatever it left, so
+//!   from then on a host read of the device (which waits for them) fails with the group's error
+//!   instead of returning their results, for as long as the group lives; an abort that finds
+//!   every collective complete invalidates nothing.
 
-use std::collections::VecDeque;
 use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,11 +48,11 @@ use super::collective::ReduceOp;
 use super::control::Control;
 use super::handoff::{lock, Queue, Slot};
 use super::nccl_comm::{
-    abort_comm, count_wait, cuda, describe, diagnostics, nccl_dtype, nccl_op, no_panic, Collective,
+    count_wait, cuda, describe, diagnostics, nccl_dtype, nccl_op, no_panic, Collective, InFlight,
     Issued, Pending, Shared,
 };
 pub(crate) use super::nccl_comm::{probe, unique_id};
-use crate::backend::cuda::{graph, CudaDevice};
+use crate::backend::cuda::{graph, CudaDevice, ReadCheck};
 use crate::error::{Error, Result};
 use crate::tensor::{Storage, Tensor};
 
@@ -96,6 +99,10 @@ pub(crate) struct NcclEngine {
     issuer: Mutex<Option<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
+    /// Registered with the device while the engine lives: once an abort has cut a collective
+    /// short, host reads of the device fail with the group's error instead of returning what
+    /// the kernels after it computed from what it left.
+    _read_check: Arc<ReadCheck>,
     /// Set by [`NcclEngine::flush`] when the communicator finalized cleanly.
     finalized: AtomicBool,
 }
@@ -108,7 +115,7 @@ impl Drop for NcclEngine {
         self.queue.stop();
         if let Ok(mut g) = self.shared.comm.try_lock() {
             if let Some(c) = g.take() {
-                abort_comm(c);
+                self.shared.inflight.abort(c);
             }
         }
     }
@@ -215,7 +222,7 @@ impl NcclEngine {
             dev,
             comm: Arc::new(Mutex::new(None)),
             stream,
-            pending: Arc::new(Mutex::new(VecDeque::new())),
+            inflight: Arc::new(InFlight::default()),
             in_call: Arc::new(AtomicBool::new(false)),
             abort_asked: Arc::new(AtomicBool::new(false)),
         });
@@ -240,12 +247,24 @@ impl NcclEngine {
                 ),
             )
         })?;
+        let read_check: Arc<ReadCheck> = {
+            let (ctl, inflight) = (ctl.clone(), shared.inflight.clone());
+            Arc::new(move || {
+                if inflight.cut_short.load(Ordering::SeqCst) {
+                    ctl.check()
+                } else {
+                    Ok(())
+                }
+            })
+        };
+        shared.dev.add_read_check(&read_check);
         let engine = NcclEngine {
             shared,
             queue,
             issuer: Mutex::new(Some(issuer)),
             stop: Arc::new(AtomicBool::new(false)),
             watchdog: Mutex::new(None),
+            _read_check: read_check,
             finalized: AtomicBool::new(false),
         };
         engine.start_watchdog()?;
@@ -259,10 +278,10 @@ impl NcclEngine {
 
     fn start_watchdog(&self) -> Result<()> {
         let sh = &self.shared;
-        let (ctl, comm, pending, stop, ctx) = (
+        let (ctl, comm, inflight, stop, ctx) = (
             sh.ctl.clone(),
             sh.comm.clone(),
-            sh.pending.clone(),
+            sh.inflight.clone(),
             self.stop.clone(),
             sh.dev.ctx.clone(),
         );
@@ -307,28 +326,10 @@ impl NcclEngine {
                         break;
                     }
                     // Retire what completed; fail on what has waited too long.
-                    let stalled = {
-                        let mut p = lock(&pending);
-                        let mut stalled = None;
-                        while let Some(front) = p.front() {
-                            match front.done.try_is_complete() {
-                                Ok(true) => {
-                                    p.pop_front();
-                                }
-                                Ok(false) => {
-                                    if front.since.elapsed() > ctl.timeout {
-                                        stalled = Some((front.seq, front.what.clone()));
-                                    }
-                                    break;
-                                }
-                                Err(e) => {
-                                    stalled =
-                                        Some((front.seq, format!("{} (CUDA: {e:?})", front.what)));
-                                    break;
-                                }
-                            }
-                        }
-                        stalled
+                    let stalled = match inflight.retire_completed() {
+                        Some((seq, what, Ok(age))) if age > ctl.timeout => Some((seq, what)),
+                        Some((seq, what, Err(e))) => Some((seq, format!("{what} (CUDA: {e})"))),
+                        _ => None,
                     };
                     if let Some((seq, what)) = stalled {
                         ctl.fail_stalled(
@@ -439,14 +440,16 @@ impl NcclEngine {
         if !graph::before_replay(key, Box::new(check)) {
             return Err(no_capture());
         }
-        let (ctl, pending, dev) = (sh.ctl.clone(), sh.pending.clone(), sh.dev.clone());
+        let (ctl, inflight, dev) = (sh.ctl.clone(), sh.inflight.clone(), sh.dev.clone());
         let hook = move || -> Result<()> {
             let seq = ctl.next_seq()?;
             let done = dev
                 .stream
                 .record_event(None)
                 .map_err(|e| cuda("recording the compute stream after a replay", e))?;
-            lock(&pending).push_back(Pending {
+            // This thread made the events: it destroys the retired ones (see InFlight).
+            inflight.reap();
+            inflight.push(Pending {
                 seq,
                 what: format!("collective #{seq}, a replay of captured {what}"),
                 done: Arc::new(done),
@@ -576,7 +579,7 @@ impl NcclEngine {
                 Ok(())
             });
         } else {
-            abort_comm(c);
+            sh.inflight.abort(c);
         }
     }
 }

@@ -222,7 +222,7 @@ pub(super) struct Shared {
     pub(super) comm: Arc<Mutex<Option<Comm>>>,
     /// The communication stream.
     pub(super) stream: Arc<CudaStream>,
-    pub(super) pending: Arc<Mutex<VecDeque<Pending>>>,
+    pub(super) inflight: Arc<InFlight>,
     /// The issuing thread is inside an NCCL call (holding `comm`): an abort asked for meanwhile
     /// is left to it, to do when the call returns (NCCL allows no abort while a thread is
     /// inside a call on the communicator).
@@ -230,19 +230,101 @@ pub(super) struct Shared {
     pub(super) abort_asked: Arc<AtomicBool>,
 }
 
-pub(super) fn abort_comm(c: Comm) {
-    // SAFETY: a live communicator, taken out of its slot; no thread is inside a call on it.
-    let _ = no_panic("ncclCommAbort", || Ok(unsafe { sys::ncclCommAbort(c.0) }));
+/// The collectives issued and not yet seen complete, and whether an abort cut one short.
+///
+/// Destroying a CUDA event waits for a driver lock that a thread inside `cuStreamSynchronize`
+/// holds (seen on the lent H100s: the watchdog stuck in `cuEventDestroy` while the compute thread
+/// waited for a collective that only an abort would end). So the watchdog, which must keep
+/// watching while the compute thread waits, and the abort never destroy an event, nor wait for
+/// a lock held by a thread that might: the watchdog moves what completed to `retired`, and the
+/// threads that create the events (the issuing thread, the compute thread's replay hook)
+/// destroy them ([`InFlight::reap`]).
+#[derive(Default)]
+pub(super) struct InFlight {
+    pending: Mutex<VecDeque<Pending>>,
+    retired: Mutex<Vec<Pending>>,
+    /// Set just before an abort that found a collective incomplete: the abort lets the kernels
+    /// ordered after it run on whatever it left, so the compute stream's results are not to be
+    /// read (the group's read check, registered with the device, refuses them).
+    pub(super) cut_short: AtomicBool,
+}
+
+impl InFlight {
+    pub(super) fn push(&self, p: Pending) {
+        lock(&self.pending).push_back(p);
+    }
+
+    /// Moves the completed collectives at the front to `retired` (no event is destroyed here);
+    /// returns the first incomplete one's sequence number, name and age, or its query's error.
+    pub(super) fn retire_completed(
+        &self,
+    ) -> Option<(u64, String, std::result::Result<Duration, String>)> {
+        let mut done = Vec::new();
+        let first = {
+            let mut p = lock(&self.pending);
+            loop {
+                let Some(front) = p.front() else { break None };
+                match front.done.try_is_complete() {
+                    Ok(true) => done.extend(p.pop_front()),
+                    Ok(false) => {
+                        break Some((front.seq, front.what.clone(), Ok(front.since.elapsed())))
+                    }
+                    Err(e) => break Some((front.seq, front.what.clone(), Err(format!("{e:?}")))),
+                }
+            }
+        };
+        if !done.is_empty() {
+            lock(&self.retired).extend(done);
+        }
+        first
+    }
+
+    /// How many collectives are incomplete, after moving the completed ones to `retired`.
+    pub(super) fn incomplete(&self) -> usize {
+        self.retire_completed();
+        lock(&self.pending).len()
+    }
+
+    /// Destroys the events of retired collectives: only on a thread that creates them.
+    pub(super) fn reap(&self) {
+        let dead = std::mem::take(&mut *lock(&self.retired));
+        drop(dead);
+    }
+
+    /// Aborts `c` (taken out of its slot; no thread is inside a call on it).
+    pub(super) fn abort(&self, c: Comm) {
+        // The pending list's holders only query events; should it stay taken anyway, count
+        // the collectives as cut short rather than wait.
+        let until = Instant::now() + Duration::from_millis(100);
+        let incomplete = loop {
+            let p = match self.pending.try_lock() {
+                Ok(p) => p,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => {
+                    std::thread::yield_now();
+                    continue;
+                }
+                Err(std::sync::TryLockError::WouldBlock) => break true,
+            };
+            break p.iter().any(|p| !p.done.try_is_complete().unwrap_or(false));
+        };
+        if incomplete {
+            self.cut_short.store(true, Ordering::SeqCst);
+        }
+        // SAFETY: a live communicator, taken out of its slot; no thread is inside a call on it.
+        let _ = no_panic("ncclCommAbort", || Ok(unsafe { sys::ncclCommAbort(c.0) }));
+    }
 }
 
 impl Shared {
     /// The action a fault of the group runs: abort the communicator (unblocking kernels that
     /// wait for a peer that will not come), now, or when the issuing thread's call returns.
     pub(super) fn abort_action(&self) -> impl Fn() + Send + Sync + 'static {
-        let (comm, in_call, asked) = (
+        let (comm, in_call, asked, inflight) = (
             self.comm.clone(),
             self.in_call.clone(),
             self.abort_asked.clone(),
+            self.inflight.clone(),
         );
         move || {
             asked.store(true, Ordering::SeqCst);
@@ -259,7 +341,7 @@ impl Shared {
                     }
                 };
                 if let Some(c) = g.take() {
-                    abort_comm(c);
+                    inflight.abort(c);
                 }
                 return;
             }
@@ -299,7 +381,7 @@ impl Shared {
             });
             if self.abort_asked.load(Ordering::SeqCst) {
                 if let Some(c) = g.take() {
-                    abort_comm(c);
+                    self.inflight.abort(c);
                 }
             }
             r
@@ -429,7 +511,7 @@ impl Shared {
             });
             if !raw.is_null() {
                 if self.abort_asked.load(Ordering::SeqCst) {
-                    abort_comm(Comm(raw));
+                    self.inflight.abort(Comm(raw));
                 } else {
                     *g = Some(Comm(raw));
                 }
@@ -457,13 +539,7 @@ impl Shared {
         poll(
             &self.ctl,
             self.ctl.timeout,
-            || {
-                let mut p = lock(&self.pending);
-                while p.front().is_some_and(|f| f.done.is_complete()) {
-                    p.pop_front();
-                }
-                (p.len() < MAX_IN_FLIGHT).then_some(())
-            },
+            || (self.inflight.incomplete() < MAX_IN_FLIGHT).then_some(()),
             || {
                 self.ctl.fail(
                     None,
@@ -484,6 +560,7 @@ impl Shared {
         if !c.captured {
             self.throttle()?;
         }
+        self.inflight.reap();
         self.stream
             .wait(&c.ready)
             .map_err(|e| cuda("ordering the communication stream", e))?;
@@ -496,7 +573,7 @@ impl Shared {
                 .map_err(|e| cuda("recording the communication stream", e))?,
         );
         if !c.captured {
-            lock(&self.pending).push_back(Pending {
+            self.inflight.push(Pending {
                 seq: c.seq,
                 what: c.slot.what.clone(),
                 done: done.clone(),
