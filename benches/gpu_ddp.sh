@@ -5,8 +5,9 @@
 #      the unwrapped one with no host sync and buckets launched during backward, the overflow
 #      check reading the reduced gradients, the captured DDP step bitwise the eager one, with
 #      SyncBatchNorm too (and its CUDA pieces against the CPU's batch norm), a graph refused
-#      once its group failed (and on two GPUs: two ranks
-#      eager and captured, with SyncBatchNorm, and a rank leaving while the other replays);
+#      once its group failed (and with several GPUs, a rank on each: the ranks agree eager and
+#      captured, with SyncBatchNorm; a rank leaving while the others replay; a rank that never
+#      reaches the first collective);
 #   2. the ResNet-50 O2 step (batch 256) unwrapped vs in DDP at world size 1 (bound: 3%);
 #   3. PyTorch's DDP at world size 1 beside it (torchrun --standalone --nproc_per_node=1).
 #   4. with two or more GPUs, the bench on every GPU at once (NET=main-job, then ResNet-50);
