@@ -533,9 +533,10 @@ fn a_graph_is_not_replayed_on_a_failed_or_released_group() {
 ///   learning rate set every step); `sync-bn-eager` / `sync-bn-captured` the same with
 ///   SyncBatchNorm;
 /// - `leave-early`: captured steps, rank 1 leaving after three while the others go on; rank 0
-///   reads each step's loss, ranks 2.. only their last (`leave-early-quiet`: rank 0 too);
-/// - `hang-first`: rank 1 sleeps while the others make the communicator's first all-reduce; each rank exits by itself after 90 s whatever happens (status 4), so a
-///   hang fails the test rather than holding the GPUs.
+///   reads each step's loss, ranks 2.. only their last (`leave-early-quiet`: rank 0 too); each
+///   rank exits by itself after 90 s whatever happens (status 4), so a hang fails the test
+///   rather than holding the GPUs;
+/// - `hang-first`: rank 1 sleeps while the others make the communicator's first all-reduce.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn nccl_rank_entry() {
