@@ -173,6 +173,28 @@ pub struct BatchNormParams {
     pub relu: bool,
 }
 
+impl BatchNormParams {
+    /// The length of one rank's row of SyncBatchNorm statistics (`batch_norm_stats`): each
+    /// channel's mean, each channel's sum of squared deviations, then the count.
+    pub fn stats_len(&self) -> usize {
+        2 * self.c + 1
+    }
+
+    /// Checks that `len` values are `ranks` rows of statistics before a backend reads them
+    /// (`batch_norm_gather_stats`; the CUDA kernel would read past a shorter buffer).
+    pub fn check_gathered_stats(&self, ranks: usize, len: usize) -> Result<()> {
+        if len == ranks * self.stats_len() {
+            return Ok(());
+        }
+        Err(crate::error::Error::invalid_arg(
+            "batch_norm_gather_stats",
+            "statistics",
+            format!("{len} value(s)"),
+            format!("{ranks} row(s) of {}", self.stats_len()),
+        ))
+    }
+}
+
 /// What a training-mode batch norm keeps for its backward: the batch statistics (`mean` and
 /// `invstd = 1/sqrt(var + eps)`, F32 of length `c`, F64 for F64 inputs), and whatever else the
 /// implementation that ran needs (cuDNN's reserve space, which holds its fused ReLU's mask; its

@@ -284,7 +284,7 @@ impl Tensor {
         self.bn_data(op, p)?;
         let x = self.packed_as(p.format)?;
         let s = x.storage().batch_norm_stats(&x.layout(), p)?;
-        Ok(Tensor::from_storage(s, Shape::new(vec![2 * p.c + 1])))
+        Ok(Tensor::from_storage(s, Shape::new(vec![p.stats_len()])))
     }
 
     /// Called on `ranks` rows of [`Tensor::batch_norm_stats`] (`[ranks, 2c + 1]`, rank order):
@@ -299,14 +299,14 @@ impl Tensor {
         p: &BatchNormParams,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let op = "batch_norm_gather_stats";
-        if self.dtype() != DType::F64 || self.dims() != [ranks, 2 * p.c + 1] {
+        if self.dtype() != DType::F64 || self.dims() != [ranks, p.stats_len()] {
             return Err(Error::invalid_arg(
                 op,
                 "statistics",
                 format!("{} {:?}", self.dtype(), self.dims()),
                 format!(
                     "f64 [{ranks}, {}] (batch_norm_stats of every rank)",
-                    2 * p.c + 1
+                    p.stats_len()
                 ),
             ));
         }
@@ -553,6 +553,44 @@ mod tests {
             .zip(&w)
             .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
             / scale
+    }
+
+    /// Statistics that are not `ranks` whole rows are refused where a backend gets them (the
+    /// storage API is public, and the CUDA kernel would read past a short buffer).
+    #[test]
+    fn gathered_statistics_must_be_whole_rows() {
+        use crate::backend::cpu::CpuStorage;
+        use crate::backend::BackendStorage;
+        let p = BatchNormParams {
+            n: 2,
+            c: 3,
+            spatial: 4,
+            format: MemoryFormat::Contiguous,
+            eps: 1e-5,
+            momentum: 0.1,
+            residual: false,
+            relu: false,
+        };
+        assert_eq!(p.stats_len(), 7);
+        let (mut rm, mut rv) = (CpuStorage::F32(vec![0.0; 3]), CpuStorage::F32(vec![1.0; 3]));
+        let short = CpuStorage::F64(vec![1.0; 13]);
+        let e = short
+            .batch_norm_gather_stats(2, &mut rm, &mut rv, &p)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("batch_norm_gather_stats") && e.contains("13 value(s)"),
+            "{e}"
+        );
+        assert!(e.contains("2 row(s) of 7"), "{e}");
+        let (CpuStorage::F32(m), CpuStorage::F32(v)) = (&rm, &rv) else {
+            unreachable!()
+        };
+        assert_eq!((m.as_slice(), v.as_slice()), (&[0.0; 3][..], &[1.0; 3][..]));
+        let whole = CpuStorage::F64(vec![1.0; 14]);
+        assert!(whole
+            .batch_norm_gather_stats(2, &mut rm, &mut rv, &p)
+            .is_ok());
     }
 
     /// SyncBatchNorm's pieces run as three processes would on three parts of one batch (2, 3

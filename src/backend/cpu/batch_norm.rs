@@ -245,13 +245,13 @@ pub fn gather_stats<A: Float>(
     let narrow = |v: f64| A::from(v).unwrap_or_else(A::nan);
     let (mut mean, mut invstd) = (Vec::with_capacity(c), Vec::with_capacity(c));
     let total: f64 = rows
-        .chunks(2 * c + 1)
+        .chunks(p.stats_len())
         .take(ranks)
         .map(|row| row[2 * c].max(0.0))
         .sum();
     for ch in 0..c {
         let (mut n, mut mu, mut m2) = (0.0f64, 0.0f64, 0.0f64);
-        for row in rows.chunks(2 * c + 1).take(ranks) {
+        for row in rows.chunks(p.stats_len()).take(ranks) {
             let nr = row[2 * c];
             if nr <= 0.0 {
                 continue;

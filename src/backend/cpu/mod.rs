@@ -705,14 +705,7 @@ impl BackendStorage for CpuStorage {
                 expected: "f64 statistics (batch_norm_stats's)",
             });
         };
-        if rows.len() != ranks * (2 * p.c + 1) {
-            return Err(Error::invalid_arg(
-                op,
-                "statistics",
-                format!("{} value(s)", rows.len()),
-                format!("{ranks} row(s) of {}", 2 * p.c + 1),
-            ));
-        }
+        p.check_gathered_stats(ranks, rows.len())?;
         macro_rules! arm {
             ($acc:ident) => {{
                 let rm = acc_slice_mut!(running_mean, $acc, op);

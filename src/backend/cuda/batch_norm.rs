@@ -482,9 +482,9 @@ pub(crate) fn sync_stats(x: &CudaStorage, l: &Layout, p: &BatchNormParams) -> Re
     let f = fmt_name(p.format);
     if l.elem_count() == 0 {
         // No values: a count of 0, which the combination skips (the kernels read a first value).
-        return CudaStorage::zeroed(&x.dev, DType::F64, 2 * p.c + 1);
+        return CudaStorage::zeroed(&x.dev, DType::F64, p.stats_len());
     }
-    let out = CudaStorage::alloc(&x.dev, DType::F64, 2 * p.c + 1)?;
+    let out = CudaStorage::alloc(&x.dev, DType::F64, p.stats_len())?;
     let (geo, grid) = fused_plan(x, p);
     let part = CudaStorage::alloc(&x.dev, DType::F32, 2 * p.c * geo.parts as usize)?;
     let shift = CudaStorage::alloc(&x.dev, DType::F32, p.c)?;
@@ -521,14 +521,7 @@ pub(crate) fn sync_gather(
             ));
         }
     }
-    if rows.len() != ranks * (2 * p.c + 1) {
-        return Err(Error::invalid_arg(
-            op,
-            "statistics",
-            format!("{} value(s)", rows.len()),
-            format!("{ranks} row(s) of {}", 2 * p.c + 1),
-        ));
-    }
+    p.check_gathered_stats(ranks, rows.len())?;
     let dev = &rows.dev;
     let mean = CudaStorage::alloc(dev, DType::F32, p.c)?;
     let invstd = CudaStorage::alloc(dev, DType::F32, p.c)?;
