@@ -8,8 +8,8 @@
 //! and a graph is not launched once its group has failed.
 //! With several GPUs, one rank per GPU (every visible GPU; `MIXPREC_TEST_RANKS=N` takes the first
 //! N): the ranks train, eagerly and captured, and must end bitwise equal; a rank that leaves
-//! mid-replay is named at once, and one that never reaches the first collective in time (skipped
-//! on one GPU, saying so). The tests run one at a time (a capture owns the stream).
+//! mid-replay is named at once, one that never reaches the first collective in time, and the
+//! others leave in bounded time while one hangs (skipped on one GPU, saying so). The tests run one at a time (a capture owns the stream).
 //!
 //! Run on a GPU machine (see benches/gpu_ddp.sh): `bash .gpu/run.sh cuda_distributed`.
 //! NCCL must be loadable (libnccl.so.2 on the library path; benches/gpu_ddp.sh adds PyTorch's).
@@ -536,7 +536,10 @@ fn a_graph_is_not_replayed_on_a_failed_or_released_group() {
 ///   reads each step's loss, ranks 2.. only their last (`leave-early-quiet`: rank 0 too); each
 ///   rank exits by itself after 90 s whatever happens (status 4), so a hang fails the test
 ///   rather than holding the GPUs;
-/// - `hang-first`: rank 1 sleeps while the others make the communicator's first all-reduce.
+/// - `hang-first`: rank 1 sleeps while the others make the communicator's first all-reduce;
+/// - `peer-hangs`: three O2 steps, then rank 1 issues an all-reduce no other rank issues, writes
+///   its pid (`rank1.pid`) and stops itself (SIGSTOP: its host hung, its kernel waiting); the
+///   others then leave the group cleanly and write how long leaving took (`rank{r}.left`).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn nccl_rank_entry() {
@@ -546,7 +549,7 @@ fn nccl_rank_entry() {
     let out = PathBuf::from(out);
     let mode = std::env::var("MIXPREC_TEST_MODE").unwrap_or_default();
     let rank = LaunchEnv::from_env().map_or(0, |e| e.rank);
-    if mode.starts_with("leave-early") {
+    if mode.starts_with("leave-early") || mode == "peer-hangs" {
         let out = out.clone();
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_secs(90));
@@ -599,13 +602,17 @@ fn nccl_rank_entry() {
             )?;
             Ok((x, y))
         };
-        if mode.is_empty() {
+        if mode.is_empty() || mode == "peer-hangs" {
             for step in 0..3 {
                 let (x, y) = batch(step)?;
                 let loss = cross_entropy(&ddp.forward(&x)?, &y)?;
                 opt.zero_grad()?;
                 opt.backward(&loss)?;
                 opt.step()?;
+            }
+            if mode == "peer-hangs" {
+                drop((ddp, opt));
+                return peer_hangs(g, &env, &out);
             }
         } else {
             let body = |x: &Tensor, y: &Tensor| cross_entropy(&ddp.forward(x)?, y);
@@ -659,9 +666,45 @@ fn nccl_rank_entry() {
     std::process::exit(0);
 }
 
+/// `nccl_rank_entry`'s `peer-hangs` after the steps: rank 1 hangs inside a collective of its
+/// own, the others leave once it has (a clean leave: the group has not failed).
+fn peer_hangs(g: ProcessGroup, env: &LaunchEnv, out: &std::path::Path) -> Result<()> {
+    if env.rank == 1 {
+        let t = Tensor::ones([4], DType::F32, g.device())?;
+        // Waits until the issuing thread has made the NCCL call: the kernel is on the GPU.
+        g.all_reduce_async(&t, ReduceOp::Sum)?.wait()?;
+        std::fs::write(out.join("rank1.pid"), std::process::id().to_string()).unwrap();
+        // SAFETY: raising a signal; the process stops here until the test kills it.
+        unsafe { libc::raise(libc::SIGSTOP) };
+        std::process::exit(6);
+    }
+    let t0 = std::time::Instant::now();
+    while !out.join("rank1.pid").exists() {
+        if t0.elapsed() > Duration::from_secs(60) {
+            return Err(Error::Cuda("rank 1 never wrote its pid".into()));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    g.check()?;
+    let t = std::time::Instant::now();
+    drop(g);
+    std::fs::write(
+        out.join(format!("rank{}.left", env.rank)),
+        t.elapsed().as_secs_f64().to_string(),
+    )
+    .unwrap();
+    Ok(())
+}
+
+/// The directory the ranks of `launch_ranks(n, mode)` write into.
+fn ranks_out(n: usize, mode: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("mixprec-nccl{n}-{}-{mode}", std::process::id()))
+}
+
 /// Runs `n` ranks of `nccl_rank_entry` in `mode`, writing into a fresh directory.
 fn launch_ranks(n: usize, mode: &str) -> (PathBuf, Result<()>) {
-    let out = std::env::temp_dir().join(format!("mixprec-nccl{n}-{}-{mode}", std::process::id()));
+    let out = ranks_out(n, mode);
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
     let mut cfg = LaunchConfig::new(
@@ -898,4 +941,65 @@ fn a_rank_that_never_reaches_the_first_collective_is_named_in_time() {
     }
     assert!(took < Duration::from_secs(50), "took {took:?}");
     println!("a rank that never reached the first collective: named in {took:?}: {err}");
+}
+
+/// A peer whose host hangs inside a collective that the others never issue (rank 1 stops itself
+/// with its all-reduce's kernel on the GPU): NCCL's destroy of a finalized communicator waits for
+/// such a peer, and leaving the group must not wait with it. Every other rank leaves cleanly in
+/// bounded time and exits 0; the test then kills rank 1.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn leaving_does_not_wait_for_a_hung_peer() {
+    let Some((_serial, n)) = several_gpus("leaving_does_not_wait_for_a_hung_peer") else {
+        return;
+    };
+    let out = ranks_out(n, "peer-hangs");
+    let _ = std::fs::remove_dir_all(&out);
+    let others: Vec<usize> = (0..n).filter(|&r| r != 1).collect();
+    let watcher = {
+        let (out, others) = (out.clone(), others.clone());
+        std::thread::spawn(move || {
+            // Until every other rank has left or failed (each exits by itself within 90 s).
+            let t0 = std::time::Instant::now();
+            let ended = |r: usize| {
+                out.join(format!("rank{r}.left")).exists()
+                    || out.join(format!("rank{r}.err")).exists()
+            };
+            while !others.iter().all(|&r| ended(r)) && t0.elapsed() < Duration::from_secs(100) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            std::thread::sleep(Duration::from_secs(2));
+            if let Ok(pid) = std::fs::read_to_string(out.join("rank1.pid")) {
+                let pid: i32 = pid.trim().parse().unwrap();
+                // SAFETY: a signal to the stopped rank process this test launched.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        })
+    };
+    let (_, r) = launch_ranks(n, "peer-hangs");
+    watcher.join().unwrap();
+    let launcher = match r {
+        Ok(()) => panic!("rank 1 should have been killed"),
+        Err(e) => e.to_string(),
+    };
+    println!("the launcher: {launcher}");
+    assert!(
+        launcher.contains("rank 1 exited with signal 9"),
+        "rank 1 was not the one killed: {launcher}"
+    );
+    for &rank in &others {
+        if let Ok(e) = std::fs::read_to_string(out.join(format!("rank{rank}.err"))) {
+            panic!("rank {rank} failed: {e}");
+        }
+        assert!(
+            !launcher.contains(&format!("rank {rank} ")),
+            "rank {rank} did not exit cleanly: {launcher}"
+        );
+        let left: f64 = std::fs::read_to_string(out.join(format!("rank{rank}.left")))
+            .expect("how long leaving took")
+            .parse()
+            .unwrap();
+        println!("rank {rank} left its group in {left:.2} s while rank 1 hung");
+        assert!(left < 30.0, "rank {rank} took {left} s to leave");
+    }
 }

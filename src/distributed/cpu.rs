@@ -26,7 +26,11 @@ use crate::backend::cpu::CpuStorage;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Storage, Tensor};
 
-/// The outcome of a queued collective, for [`super::Work`].
+/// The outcome of a queued collective, for [`super::Work`]. Not a [`super::handoff::Slot`]:
+/// the CPU communication thread's reads have the group's deadline and a fault shuts its
+/// sockets, so it always comes back to set the outcome, and a wait can sleep on a condition
+/// variable and keep the typed error; the NCCL issuing thread may stay inside a call that never
+/// returns, so a wait for it polls within a limit of its own.
 #[derive(Default)]
 pub(crate) struct Completion {
     result: Mutex<Option<Result<()>>>,

@@ -24,6 +24,9 @@
 //!   issues it again, so a replay hook numbers it anew and hands the watchdog an event after the
 //!   replay ([`NcclEngine::track_replays`]), and a check before each launch refuses it once the
 //!   group has failed or released its communicator; every rank captures at the same step.
+//! - Leaving the group finalizes the communicator, says goodbye, then destroys it on a thread
+//!   of its own, waiting at most `DESTROY_LIMIT`: NCCL's destroy waits for a peer still inside a
+//!   collective this rank never issued, which a hung peer never leaves.
 //! - A watchdog thread polls `ncclCommGetAsyncError`, retires completed collectives, reports
 //!   progress to rank 0 and fails the group when a collective has not completed within the
 //!   timeout; any fault of the group (a dead peer seen by the control plane included) aborts the
@@ -48,8 +51,8 @@ use super::collective::ReduceOp;
 use super::control::Control;
 use super::handoff::{lock, Queue, Slot};
 use super::nccl_comm::{
-    count_wait, cuda, describe, diagnostics, nccl_dtype, nccl_op, no_panic, Collective, InFlight,
-    Issued, Pending, Shared,
+    count_wait, cuda, describe, diagnostics, nccl_dtype, nccl_op, no_panic, Collective, Comm,
+    InFlight, Issued, Pending, Shared,
 };
 pub(crate) use super::nccl_comm::{probe, unique_id};
 use crate::backend::cuda::{graph, CudaDevice, ReadCheck};
@@ -527,7 +530,8 @@ impl NcclEngine {
     /// flushes what it still has of them), then stops it. The group then says goodbye to its
     /// peers, and only then [`NcclEngine::release`] destroys the communicator: destroying it
     /// can wait on a peer that is still inside a collective this rank never issued (seen on two
-    /// H100s), and that peer learns from the goodbye to fail and abort, which releases both.
+    /// H100s), and that peer learns from the goodbye to fail and abort, which releases both (a
+    /// peer that never does is not waited for past [`DESTROY_LIMIT`]).
     pub(crate) fn flush(&self) {
         let sh = &self.shared;
         log::debug!("distributed: rank {}: {}", sh.ctl.rank, diagnostics());
@@ -573,13 +577,57 @@ impl NcclEngine {
         };
         let destroy = !sh.ctl.is_faulted() && self.finalized.load(Ordering::Acquire);
         if destroy {
-            let _ = no_panic("releasing the NCCL communicator", || {
-                // SAFETY: a live communicator, taken out of the slot; nothing is queued on it.
-                unsafe { sys::ncclCommDestroy(c.0) };
-                Ok(())
-            });
+            destroy_bounded(&sh.dev, c, sh.ctl.rank);
         } else {
             sh.inflight.abort(c);
         }
+    }
+}
+
+/// How long leaving the group waits for `ncclCommDestroy` of a finalized communicator. A clean
+/// destroy takes milliseconds, but it waits for a peer that is inside a collective this rank
+/// never issued (seen on the lent H100s): a live peer learns from the goodbye to abort, which
+/// releases both; a peer whose host is hung never does, and a program leaving its group must
+/// not hang with it.
+const DESTROY_LIMIT: Duration = Duration::from_secs(10);
+
+/// Destroys a finalized communicator on a thread of its own, waiting at most [`DESTROY_LIMIT`];
+/// past that the thread is left with it (it ends when the peer does, or with the process).
+fn destroy_bounded(dev: &CudaDevice, c: Comm, rank: usize) {
+    let destroy = |c: Comm| {
+        let _ = no_panic("releasing the NCCL communicator", || {
+            // SAFETY: a live communicator, taken out of the group's slot; nothing is queued
+            // on it and no other thread has it.
+            unsafe { sys::ncclCommDestroy(c.0) };
+            Ok(())
+        });
+    };
+    // The communicator goes to the thread through a slot, so that it is destroyed here if no
+    // thread can be started.
+    let slot = Arc::new(Mutex::new(Some(c)));
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let (ctx, theirs) = (dev.ctx.clone(), slot.clone());
+    let started = std::thread::Builder::new()
+        .name(format!("nccl-destroy-{rank}"))
+        .spawn(move || {
+            let _ = ctx.bind_to_thread();
+            if let Some(c) = lock(&theirs).take() {
+                destroy(c);
+            }
+            let _ = done_tx.send(());
+        });
+    if started.is_err() {
+        if let Some(c) = lock(&slot).take() {
+            destroy(c);
+        }
+        return;
+    }
+    if done.recv_timeout(DESTROY_LIMIT).is_err() {
+        log::warn!(
+            "distributed: rank {rank}: destroying the NCCL communicator still waits after {} s \
+             (a peer inside a collective this rank never issued, and not aborting?); it is left \
+             to a thread of its own",
+            DESTROY_LIMIT.as_secs()
+        );
     }
 }
