@@ -181,6 +181,47 @@ fn captured_resnet_with_cudnn_batch_norm() {
     assert!(runs > 0, "no batch norm ran on cuDNN");
 }
 
+/// Backward's convolution weight gradients on the device's side stream (the default) are the
+/// bits of the one-stream run, eagerly and captured (the graph then holds the side branch).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn weight_gradients_beside_are_the_one_stream_bits() {
+    use mixprec::backend::cuda::{set_side_stream, side_stream_forks};
+    let _g = serial();
+    let cases = [
+        (Net::ResNetCl, Kind::Sgd, "O2"),
+        (Net::ResNetCl, Kind::Lamb, "O2 bf16"),
+        (Net::Conv, Kind::AdamW, "O1"),
+        (Net::Conv, Kind::Sgd, "O3"),
+        (Net::ResNetCl, Kind::AdamW, "O0"),
+    ];
+    let mut failures = Vec::new();
+    for (net, kind, level) in cases {
+        let mut case = Case::new(net, kind, level);
+        case.micro_batches = 2;
+        set_side_stream(false);
+        let forks = side_stream_forks();
+        let (one, _) = run(&case, GPU, Mode::Eager, 3);
+        assert_eq!(side_stream_forks(), forks, "off, yet work went beside");
+        set_side_stream(true);
+        let (eager, _) = run(&case, GPU, Mode::Eager, 3);
+        let beside = side_stream_forks() - forks;
+        let (captured, stats) = run(&case, GPU, Mode::Captured, 3);
+        assert!(stats.captures >= 1);
+        assert!(beside > 0, "{net:?} {level}: nothing went beside");
+        let what = format!("{net:?} {kind:?} {level}");
+        for (mode, got) in [("eager", &eager), ("captured", &captured)] {
+            match got.diff(&one) {
+                None => println!("{what}: {mode} with the side stream ({beside} forks): bitwise the one-stream run"),
+                Some(d) => failures.push(format!("{what}: {mode} with the side stream vs one stream: {d}")),
+            }
+        }
+    }
+    set_side_stream(true);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    device_is_healthy();
+}
+
 /// A replayed step costs one graph launch: no host synchronisation, no allocation, the learning
 /// rate set every step included; the loss is read only when asked.
 #[test]

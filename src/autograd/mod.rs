@@ -8,9 +8,13 @@
 //! across backward calls until `zero_grad`). The backward pass itself records nothing: there are
 //! no higher-order gradients.
 //!
+//! Small convolution weight gradients run beside the main stream of a CUDA device (`beside.rs`);
+//! the engine joins the streams before anything reads them.
+//!
 //! Memory: a tensor's buffer lives while a handle to it does — the user's, or a node's saved
 //! copy — never because the graph passes through it (PyTorch's rule).
 
+mod beside;
 pub mod hooks;
 mod op;
 
@@ -210,21 +214,35 @@ fn topo_order(root: &Arc<Node>) -> Vec<Vertex> {
     order
 }
 
-/// The adds into variables' own gradient buffers that a backward pass has still to do. They are
-/// made together, one launch per dtype ([`Tensor::add_in_place_many`]), rather than one per
-/// variable as each gradient completes (a ResNet-18 step: ~60 launches fewer). They are flushed
-/// before any user code runs inside the pass (a hook, a custom function's backward, a queued
-/// callback) and when the pass ends, so nothing outside the engine sees a gradient without the
-/// adds the engine has already decided.
+/// What a backward pass has put off: the adds into variables' own gradient buffers, and the
+/// weight gradients computed beside the main stream (`beside.rs`).
+///
+/// The adds are made together, one launch per dtype ([`Tensor::add_in_place_many`]), rather
+/// than one per variable as each gradient completes (a ResNet-18 step: ~60 launches fewer).
+/// They are flushed, after a join of the streams, before any user code runs inside the pass (a
+/// hook, a custom function's backward, a queued callback) and when the pass ends, so nothing
+/// outside the engine sees a gradient without the adds the engine has already decided. A
+/// gradient from beside is read by the engine only after a join too (`from_side` says which).
 #[derive(Default)]
-struct PendingAdds(Vec<(Tensor, Tensor)>);
+struct Deferred {
+    adds: Vec<(Tensor, Tensor)>,
+    /// The vertices whose gradient so far was computed beside and not yet joined.
+    from_side: HashSet<Key>,
+}
 
-impl PendingAdds {
+impl Deferred {
+    /// Orders the main stream after the side work, so that its results may be read.
+    fn join(&mut self) -> Result<()> {
+        self.from_side.clear();
+        beside::join()
+    }
+
     fn flush(&mut self) -> Result<()> {
-        if self.0.is_empty() {
+        self.join()?;
+        if self.adds.is_empty() {
             return Ok(());
         }
-        let pairs = std::mem::take(&mut self.0);
+        let pairs = std::mem::take(&mut self.adds);
         Tensor::add_in_place_many(&pairs)
     }
 }
@@ -258,7 +276,7 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
         hooks::after_accumulate(root)?;
         return scope.finish();
     };
-    let mut pending = PendingAdds::default();
+    let mut pending = Deferred::default();
     let walked = walk(root_node, seed, retain_graph, &mut pending);
     // The variables reached before an error keep their gradients, as when each was added at once.
     let flushed = pending.flush();
@@ -273,7 +291,7 @@ fn walk(
     root_node: Arc<Node>,
     seed: Tensor,
     retain_graph: bool,
-    pending: &mut PendingAdds,
+    pending: &mut Deferred,
 ) -> Result<()> {
     let order = topo_order(&root_node);
     let mut grads: HashMap<Key, Tensor> = HashMap::new();
@@ -283,6 +301,7 @@ fn walk(
         let Some(g) = grads.remove(&v.key()) else {
             continue;
         };
+        let from_side = pending.from_side.remove(&v.key());
         let node = match v {
             Vertex::Leaf(t) => {
                 // Read now: a variable frozen after recording gets nothing.
@@ -290,13 +309,16 @@ fn walk(
                     let hooked = t.hooks().is_some();
                     if hooked {
                         pending.flush()?;
+                    } else if from_side && t.grad_buffer_for(&g).is_none() {
+                        // Not the deferred add alone: the gradient is read now.
+                        pending.join()?;
                     }
                     let g = hooks::on_grad(t.hooks(), g)?;
                     match t.begin_grad_add(&g)? {
                         GradAdd::Done => {}
                         // A post-accumulate hook reads the gradient with its add made.
                         GradAdd::InPlace { buffer, g } if hooked => buffer.add_in_place(&g)?,
-                        GradAdd::InPlace { buffer, g } => pending.0.push((buffer, g)),
+                        GradAdd::InPlace { buffer, g } => pending.adds.push((buffer, g)),
                     }
                     hooks::after_accumulate(&t)?;
                 }
@@ -304,11 +326,15 @@ fn walk(
             }
             Vertex::Node(n) => n,
         };
+        if from_side {
+            pending.join()?;
+        }
         if node.hooks().is_some() {
             pending.flush()?;
         }
         let g = hooks::on_grad(node.hooks(), g)?;
         let needs: Vec<bool> = node.edges.iter().map(|e| e.is_some()).collect();
+        let mut beside = Vec::new();
         let input_grads = {
             let mut slot = node.op.lock().unwrap_or_else(|e| e.into_inner());
             let op = slot.as_ref().ok_or_else(|| {
@@ -322,14 +348,14 @@ fn walk(
                 // A user's backward may read gradients.
                 pending.flush()?;
             }
-            let r = op.backward(&g, &needs)?;
+            let r = op.backward(&g, &needs, &mut beside)?;
             if !retain_graph {
                 *slot = None;
             }
             r
         };
         drop(g);
-        for (edge, gi) in node.edges.iter().zip(input_grads) {
+        for (i, (edge, gi)) in node.edges.iter().zip(input_grads).enumerate() {
             let (Some(edge), Some(gi)) = (edge, gi) else {
                 continue;
             };
@@ -337,6 +363,14 @@ fn walk(
                 Edge::Node(n) => (n.key(), n.dtype),
                 Edge::Leaf(t) => (Key::Leaf(t.id()), t.dtype()),
             };
+            let mut side = beside.contains(&i);
+            if side && (gi.dtype() != dtype || grads.contains_key(&key)) {
+                // A conversion or a sum reads it now.
+                pending.join()?;
+                side = false;
+            } else if !side && pending.from_side.contains(&key) {
+                pending.join()?;
+            }
             let gi = if gi.dtype() != dtype {
                 gi.to_dtype(dtype)?
             } else {
@@ -346,6 +380,9 @@ fn walk(
                 Some(prev) => prev.add(&gi)?,
                 None => gi,
             };
+            if side {
+                pending.from_side.insert(key);
+            }
             grads.insert(key, total);
         }
     }

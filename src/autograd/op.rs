@@ -158,8 +158,14 @@ impl Op {
     }
 
     /// The gradient of each input (in the order the op recorded them) whose `needs` entry is
-    /// true, given `g`, the gradient of the output; `None` for the others.
-    pub(crate) fn backward(&self, g: &Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+    /// true, given `g`, the gradient of the output; `None` for the others. The inputs whose
+    /// gradient was computed beside the main stream (`beside.rs`) are added to `beside`.
+    pub(crate) fn backward(
+        &self,
+        g: &Tensor,
+        needs: &[bool],
+        beside: &mut Vec<usize>,
+    ) -> Result<Vec<Option<Tensor>>> {
         let need = |i: usize| needs.get(i).copied().unwrap_or(false);
         let one = |f: &dyn Fn() -> Result<Tensor>| -> Result<Vec<Option<Tensor>>> {
             Ok(vec![if need(0) { Some(f()?) } else { None }])
@@ -329,6 +335,35 @@ impl Op {
                 };
                 // The gradient in the format the forward ran in; both results come out in it.
                 let g = g.packed_as(p.format)?;
+                // The weight gradient first, beside where it can: the data gradient, which the
+                // rest of backward waits for, then runs while it does.
+                let dw = if need(1) {
+                    let x = x.as_ref().ok_or_else(|| missing("input"))?;
+                    let weight_grad = || {
+                        let s = g.storage().conv2d_backward_weight(
+                            &g.layout(),
+                            &x.storage(),
+                            &x.layout(),
+                            p,
+                        )?;
+                        Ok(Tensor::from_storage(
+                            s,
+                            Layout::with_format(w_shape.clone(), p.format),
+                        ))
+                    };
+                    // Beside only when the data gradient is computed too: what it overlaps.
+                    let (dw, went) = if need(0) {
+                        super::beside::weight_grad(&g, x, p, weight_grad)?
+                    } else {
+                        (weight_grad()?, false)
+                    };
+                    if went {
+                        beside.push(1);
+                    }
+                    Some(dw)
+                } else {
+                    None
+                };
                 let dx = if need(0) {
                     let w = w.as_ref().ok_or_else(|| missing("weight"))?;
                     let s = g.storage().conv2d_backward_input(
@@ -340,21 +375,6 @@ impl Op {
                     Some(Tensor::from_storage(
                         s,
                         Layout::with_format(x_shape.clone(), p.format),
-                    ))
-                } else {
-                    None
-                };
-                let dw = if need(1) {
-                    let x = x.as_ref().ok_or_else(|| missing("input"))?;
-                    let s = g.storage().conv2d_backward_weight(
-                        &g.layout(),
-                        &x.storage(),
-                        &x.layout(),
-                        p,
-                    )?;
-                    Some(Tensor::from_storage(
-                        s,
-                        Layout::with_format(w_shape.clone(), p.format),
                     ))
                 } else {
                     None

@@ -620,6 +620,12 @@ impl Tensor {
     /// [`Tensor::accumulate_grad`] up to the add into the gradient's own buffer, which it
     /// returns for the caller to do (the backward engine batches those adds).
     pub(crate) fn begin_grad_add(&self, g: &Tensor) -> Result<GradAdd> {
+        if let Some(buffer) = self.grad_buffer_for(g) {
+            return Ok(GradAdd::InPlace {
+                buffer,
+                g: g.detach(),
+            });
+        }
         let g = if g.dtype() != self.dtype() {
             g.to_dtype(self.dtype())?
         } else {
@@ -640,6 +646,22 @@ impl Tensor {
             (Some(old), false) => slot.grad = Some(old.add(&g)?.detach()),
         }
         Ok(GradAdd::Done)
+    }
+
+    /// The variable's own gradient buffer when adding `g` into it reads `g` as it is (same dtype,
+    /// same dense layout): the add alone, which the engine may defer.
+    pub(crate) fn grad_buffer_for(&self, g: &Tensor) -> Option<Tensor> {
+        if g.dtype() != self.dtype()
+            || g.layout().strides() != self.layout().strides()
+            || !g.layout().is_dense()
+        {
+            return None;
+        }
+        let slot = self.grad_slot();
+        match (&slot.grad, slot.owned) {
+            (Some(old), true) => Some(old.clone()),
+            _ => None,
+        }
     }
 
     /// Computes the gradients of this scalar with respect to every variable it depends on and

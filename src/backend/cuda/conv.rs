@@ -60,6 +60,7 @@ use super::conv_tune::{tune, EventTimer, Outcome, Scratch};
 use super::cudnn_graph::{EngineRules, GraphCandidate, GraphConv, GraphPlan};
 use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
 use super::device::{allow_tf32, cuda_err, deterministic, env_on, CudaDevice};
+use super::side_stream;
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::error::{Error, Result};
@@ -262,6 +263,9 @@ type PlanKey = (Conv2dParams, DType, Dir, bool, bool);
 pub(crate) struct Dnn {
     handle: dsys::cudnnHandle_t,
     workspace: Option<CudaSlice<u8>>,
+    /// The workspace of convolutions run beside (`side_stream.rs`), which may run while one on
+    /// the main stream uses the other.
+    side_workspace: Option<CudaSlice<u8>>,
     plans: HashMap<PlanKey, Plan>,
     /// The GPU, driver and cuDNN, as the plan cache's keys name them.
     device_id: String,
@@ -322,6 +326,7 @@ impl Dnn {
         let d = Dnn {
             handle,
             workspace: None,
+            side_workspace: None,
             plans: HashMap::new(),
             device_id,
             timing_runs: 0,
@@ -750,10 +755,19 @@ fn run(
     };
     let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
     let key = (*p, dtype, dir, allow_tf32(), deterministic());
+    let beside = side_stream::is_beside(dev.ordinal);
     if !dnn_state.plans.contains_key(&key) {
         first_use(format!("choosing the {dir:?} {dtype} plan for {p:?}"))?;
+        // Plans are timed on the main stream on these buffers: beside, both streams are
+        // waited for first (the output was allocated on the side stream) and after.
+        if beside {
+            side_stream::synchronize_both(dev)?;
+        }
         let started = std::time::Instant::now();
         let mut plan = dnn_state.make_plan(dev, p, dtype, dir, ptrs)?;
+        if beside {
+            side_stream::synchronize_both(dev)?;
+        }
         plan.record.choice_ms = started.elapsed().as_secs_f64() * 1e3;
         log::debug!(
             "{dir:?} {dtype} {p:?}: {} ({:?}, {:.1} ms to choose)",
@@ -764,24 +778,29 @@ fn run(
         dnn_state.plans.insert(key, plan);
     }
     let ws_needed = dnn_state.plans.get(&key).map_or(0, Plan::workspace);
-    let have = dnn_state.workspace.as_ref().map_or(0, |w| w.len());
+    let workspace = if beside {
+        &mut dnn_state.side_workspace
+    } else {
+        &mut dnn_state.workspace
+    };
+    let have = workspace.as_ref().map_or(0, |w| w.len());
     if ws_needed > have {
         first_use(format!("growing the workspace to {ws_needed} bytes"))?;
         // Let go of first (the old buffer is too small for anything from now on), unless a
         // captured graph still uses it: the graph then keeps it while it lives.
-        if let Some(old) = dnn_state.workspace.take() {
+        if let Some(old) = workspace.take() {
             drop(super::graph::retire(dev.ordinal, old));
         }
-        // SAFETY: cuDNN owns the workspace contents.
-        let ws = unsafe { dev.stream.alloc::<u8>(ws_needed) }.map_err(|e| {
+        // cuDNN owns the workspace contents.
+        let ws = side_stream::alloc(dev, ws_needed).map_err(|e| {
             cuda_err(
                 &format!("allocating {ws_needed} bytes of cuDNN workspace"),
                 e,
             )
         })?;
-        dnn_state.workspace = Some(ws);
+        *workspace = Some(ws);
     }
-    let (ws_ptr, ws_len) = match &dnn_state.workspace {
+    let (ws_ptr, ws_len) = match workspace {
         Some(w) => (w.device_ptr(&dev.stream).0 as *mut c_void, w.len()),
         None => (std::ptr::null_mut(), 0),
     };
@@ -789,13 +808,24 @@ fn run(
     dev.ctx
         .bind_to_thread()
         .map_err(|e| cuda_err("binding the context", e))?;
-    match dnn_state.plans.get(&key).map(|plan| &plan.runner) {
+    // The handle runs on the main stream; beside, on the side stream for this call only.
+    let set_stream = |s: cudarc::driver::sys::CUstream| {
+        // SAFETY: a live handle and a stream of its device.
+        unsafe { dnn::set_stream(h, s as _) }.map_err(|e| dnn_err("cudnnSetStream", e))
+    };
+    if beside {
+        set_stream(side_stream::current(dev))?;
+    }
+    let ran = match dnn_state.plans.get(&key).map(|plan| &plan.runner) {
         Some(Runner::Graph(g)) => g.execute(h, ptrs, ws_ptr),
         Some(Runner::Legacy { conv, algo }) => conv.execute(h, algo, ptrs, ws_ptr, ws_len),
         Some(Runner::Direct(d)) => d.execute(dev, ptrs, ws_ptr),
         None => Err(Error::Cuda("cuDNN plan cache".into())),
+    };
+    if beside {
+        set_stream(dev.stream.cu_stream())?;
     }
-    .map_err(|e| Error::Cuda(format!("{dir:?} convolution ({dtype}, {p:?}): {e}")))?;
+    ran.map_err(|e| Error::Cuda(format!("{dir:?} convolution ({dtype}, {p:?}): {e}")))?;
     Ok(out)
 }
 

@@ -1,5 +1,6 @@
-//! Per-device state: the context, one non-default stream, the stream-ordered memory pool, the
-//! compiled kernel modules and the library handles. One [`CudaDevice`] per ordinal, created on
+//! Per-device state: the context, the main (non-default) stream, the side stream
+//! (`side_stream.rs`), the stream-ordered memory pool, the compiled kernel modules and the
+//! library handles. One [`CudaDevice`] per ordinal, created on
 //! first use and kept for the life of the process.
 
 use std::collections::HashMap;
@@ -93,6 +94,8 @@ pub struct CudaDevice {
     /// Run after every host read (see [`CudaDevice::add_read_check`]); held weakly, so a check
     /// ends with its owner.
     read_checks: Mutex<Vec<Weak<ReadCheck>>>,
+    /// The second stream, for work off the critical path (`side_stream.rs`).
+    pub(crate) side: super::side_stream::SideStream,
 }
 
 /// A check made after the stream has been waited for, before a host read returns: something
@@ -147,8 +150,9 @@ impl CudaDevice {
             )));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("creating the context", e))?;
-        // SAFETY: every buffer of this backend lives on the device's one stream, so stream order
-        // is the only synchronisation needed; nothing is shared with other streams.
+        // SAFETY: every buffer of this backend belongs to the device's main stream, so stream
+        // order is the only synchronisation needed; the side stream's work is ordered against it
+        // by events of its own (`side_stream.rs`).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx
             .new_stream()
@@ -183,6 +187,7 @@ impl CudaDevice {
             blas: Mutex::new(None),
             dnn: Mutex::new(None),
             read_checks: Mutex::new(Vec::new()),
+            side: Default::default(),
         })
     }
 

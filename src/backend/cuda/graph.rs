@@ -232,7 +232,7 @@ pub(crate) fn release(ordinal: usize, ptr: u64, buf: CudaSlice<u8>, mark: Option
             m.live.fetch_sub(1, Ordering::Relaxed);
             m.live_bytes
                 .fetch_sub(buf.len() as isize, Ordering::Relaxed);
-            drop(buf);
+            super::side_stream::free(ordinal, buf);
         } else {
             // Leaked out of a finished capture (reported by `end`): the address is the
             // graph's, so it is neither freed nor reused.
@@ -262,7 +262,7 @@ pub(crate) fn release(ordinal: usize, ptr: u64, buf: CudaSlice<u8>, mark: Option
             }
         }
     }
-    drop(buf);
+    super::side_stream::free(ordinal, buf);
 }
 
 /// Keeps `entry` (a cache entry whose device memory captured work reads) alive as long as the

@@ -153,8 +153,15 @@ pub(crate) fn copy_from(dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
     let dev = dst.device();
     super::graph::check_stream(dev.ordinal(), "copy_in_place")?;
     // SAFETY: both buffers hold at least `bytes` bytes (same dtype and length).
-    unsafe { cur::memcpy_dtod_async(dst.ptr(), src.ptr(), bytes, dev.stream.cu_stream()) }
-        .map_err(|e| cuda_err("copying device → device in place", e))
+    unsafe {
+        cur::memcpy_dtod_async(
+            dst.ptr(),
+            src.ptr(),
+            bytes,
+            super::side_stream::current(dev),
+        )
+    }
+    .map_err(|e| cuda_err("copying device → device in place", e))
 }
 
 /// `dst = 0` (+0.0 in every float dtype, 0 as i64). A fill kernel rather than a memset: in a

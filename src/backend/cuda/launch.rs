@@ -98,7 +98,7 @@ pub(crate) fn launch_kernel(
                 (grid.blocks, 1, 1),
                 (grid.threads, 1, 1),
                 0,
-                dev.stream.cu_stream(),
+                super::side_stream::current(dev),
                 ptrs,
             )
         }
@@ -125,7 +125,7 @@ pub(crate) fn launch_cooperative(
                 (grid.blocks, 1, 1),
                 (grid.threads, 1, 1),
                 shared,
-                dev.stream.cu_stream(),
+                super::side_stream::current(dev),
                 ptrs,
             )
         }

@@ -170,6 +170,13 @@ pub(crate) fn matmul(
     } else {
         (&alpha32 as *const f32 as _, &beta32 as *const f32 as _)
     };
+    if super::side_stream::is_beside(dev.ordinal) {
+        // cuBLAS's handle is bound to the main stream (side_stream.rs: only cuDNN goes beside).
+        return Err(Error::Unsupported {
+            op: "matmul",
+            detail: "cuBLAS on the side stream".into(),
+        });
+    }
     let mut guard = dev.blas.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
         // A cuBLAS missing a symbol would panic inside cudarc: an error instead.

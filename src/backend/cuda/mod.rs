@@ -8,7 +8,8 @@
 //! `cudnn_graph.rs` and `cudnn_legacy.rs`, the timer in `conv_tune.rs`, the on-disk plan cache in
 //! `conv_cache.rs`), `multi_tensor.rs`; `common.rs` holds what they share. In-place updates of a
 //! buffer that keeps its address are `in_place.rs`; CUDA-graph capture (refusals, graph memory,
-//! pinned buffers, replay hooks) is `graph.rs`; pinned host buffers with asynchronous uploads for
+//! pinned buffers, replay hooks) is `graph.rs`; the second stream, for backward's weight
+//! gradients, is `side_stream.rs`; pinned host buffers with asynchronous uploads for
 //! the data loader are `pinned.rs`.
 //!
 //! [`BackendStorage`]: crate::backend::BackendStorage
@@ -38,6 +39,7 @@ mod probe;
 mod profile;
 mod reduce;
 mod registry;
+pub(crate) mod side_stream;
 mod softmax;
 mod storage;
 
@@ -65,6 +67,7 @@ pub use profile::{
     set_op_profiling, MemoryStats, OpProfileRow,
 };
 pub use registry::compile_all_for;
+pub use side_stream::{set_side_stream, side_stream_forks};
 pub use storage::CudaStorage;
 
 /// Whether f32 matmul/convolution may use TF32 (see [`set_allow_tf32`]).

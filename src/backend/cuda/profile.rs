@@ -28,6 +28,11 @@ fn records() -> &'static Mutex<Vec<Record>> {
     R.get_or_init(|| Mutex::new(Vec::new()))
 }
 
+/// Whether per-op timing is on.
+pub(crate) fn is_profiling() -> bool {
+    PROFILING.load(Ordering::Relaxed)
+}
+
 /// Turns per-op timing on or off (every thread, every device).
 pub fn set_op_profiling(on: bool) {
     PROFILING.store(on, Ordering::Relaxed);

@@ -12,6 +12,7 @@ use half::{bf16, f16};
 
 use super::device::{self, cuda_err, poison_allocations, CudaDevice};
 use super::graph::{self, CaptureMark};
+use super::side_stream;
 use crate::backend::cpu::CpuStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{
@@ -86,8 +87,8 @@ impl CudaStorage {
         dev.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("binding the context", e))?;
-        // SAFETY: the contents are written by the op that asked for the buffer before any read.
-        let buf = unsafe { dev.stream.alloc::<u8>(bytes) }.map_err(|e| {
+        // The contents are written by the op that asked for the buffer before any read.
+        let buf = side_stream::alloc(dev, bytes).map_err(|e| {
             if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                 oom(
                     bytes as u64,
@@ -109,7 +110,7 @@ impl CudaStorage {
         };
         if poison_allocations() {
             // SAFETY: the range is the buffer just allocated.
-            unsafe { cur::memset_d8_async(s.ptr(), 0xff, bytes, dev.stream.cu_stream()) }
+            unsafe { cur::memset_d8_async(s.ptr(), 0xff, bytes, side_stream::current(dev)) }
                 .map_err(|e| cuda_err("poisoning a buffer", e))?;
         }
         Ok(s)
@@ -162,8 +163,10 @@ impl CudaStorage {
         let bytes = n * self.dtype.size_in_bytes();
         if bytes > 0 {
             // SAFETY: the caller's source holds `n` elements; this buffer holds at least `n`.
-            unsafe { cur::memcpy_dtod_async(self.ptr(), src, bytes, self.dev.stream.cu_stream()) }
-                .map_err(|e| cuda_err("copying device → device", e))?;
+            unsafe {
+                cur::memcpy_dtod_async(self.ptr(), src, bytes, side_stream::current(&self.dev))
+            }
+            .map_err(|e| cuda_err("copying device → device", e))?;
         }
         Ok(())
     }
@@ -250,7 +253,12 @@ impl CudaStorage {
         if bytes > 0 {
             // SAFETY: both buffers hold at least `bytes` bytes.
             unsafe {
-                cur::memcpy_dtod_async(out.ptr(), self.ptr(), bytes, self.dev.stream.cu_stream())
+                cur::memcpy_dtod_async(
+                    out.ptr(),
+                    self.ptr(),
+                    bytes,
+                    side_stream::current(&self.dev),
+                )
             }
             .map_err(|e| cuda_err("copying device → device", e))?;
         }

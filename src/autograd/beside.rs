@@ -1,0 +1,54 @@
+//! Backward's weight gradients beside the critical path. A convolution's weight gradient is
+//! needed only when it is added into the weight's gradient; the rest of backward waits only for
+//! the data gradient. On a CUDA device with a side stream (`backend::cuda::side_stream`) a small
+//! convolution's weight gradient runs there, beside the data gradient and the layers below, and
+//! the engine joins the two streams before anything reads it: before a hook, a custom backward
+//! or a queued callback runs, before the deferred gradient adds, before a node's formula or a
+//! conversion reads it, and when the pass ends (`Deferred::join`).
+//!
+//! Only small ones go beside, and only beside a data gradient: two kernels that each fill the
+//! GPU gain nothing from sharing it, and a weight gradient with no data gradient to overlap (the
+//! first layer's) only pays for the fork and the join. Whole steps measured that (RESULTS.md,
+//! calls B10–F10): the CIFAR ResNet-18's and ResNet-50's weight gradients (0.5–10 GFLOP each)
+//! lost 1–3% beside, and the ResNet-18's stem alone 2%; the main job's net, whose weight
+//! gradients are under 0.5 GFLOP and leave most of an H100 idle, gained.
+
+use crate::backend::cuda::side_stream;
+use crate::backend::Conv2dParams;
+use crate::error::Result;
+use crate::tensor::{Storage, Tensor};
+
+/// The most weight-gradient work per SM that goes beside (FLOP).
+const MAX_FLOP_PER_SM: f64 = 4e6;
+
+/// Computes `f`, the weight gradient of convolution `p` from output gradient `dy` and input `x`,
+/// beside the main stream of their CUDA device when it has a side stream and the work is small
+/// for it; on the main stream (or the CPU) otherwise. True when it went beside.
+pub(crate) fn weight_grad(
+    dy: &Tensor,
+    x: &Tensor,
+    p: &Conv2dParams,
+    f: impl FnOnce() -> Result<Tensor>,
+) -> Result<(Tensor, bool)> {
+    let dev = match &*dy.storage() {
+        Storage::Cuda(s) if side_stream::enabled() && s.device().ctx.has_async_alloc() => {
+            s.device().clone()
+        }
+        _ => return Ok((f()?, false)),
+    };
+    let flop = 2.0 * dy.elem_count() as f64 * (p.c_in / p.groups.max(1) * p.kh * p.kw) as f64;
+    if flop > MAX_FLOP_PER_SM * dev.sm_count as f64 {
+        return Ok((f()?, false));
+    }
+    let bytes = [dy, x]
+        .iter()
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum();
+    let keep = vec![dy.clone(), x.clone()];
+    Ok((side_stream::beside(&dev, Box::new(keep), bytes, f)?, true))
+}
+
+/// Orders the main streams after everything this thread put beside.
+pub(crate) fn join() -> Result<()> {
+    side_stream::join_all()
+}
