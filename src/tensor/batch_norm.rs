@@ -555,13 +555,9 @@ mod tests {
             / scale
     }
 
-    /// Statistics that are not `ranks` whole rows are refused where a backend gets them (the
-    /// storage API is public, and the CUDA kernel would read past a short buffer).
-    #[test]
-    fn gathered_statistics_must_be_whole_rows() {
-        use crate::backend::cpu::CpuStorage;
-        use crate::backend::BackendStorage;
-        let p = BatchNormParams {
+    /// A training batch norm of 2 samples, 3 channels, 4 values each, contiguous.
+    fn two_by_three_by_four() -> BatchNormParams {
+        BatchNormParams {
             n: 2,
             c: 3,
             spatial: 4,
@@ -570,7 +566,16 @@ mod tests {
             momentum: 0.1,
             residual: false,
             relu: false,
-        };
+        }
+    }
+
+    /// Statistics that are not `ranks` whole rows are refused where a backend gets them (the
+    /// storage API is public, and the CUDA kernel would read past a short buffer).
+    #[test]
+    fn gathered_statistics_must_be_whole_rows() {
+        use crate::backend::cpu::CpuStorage;
+        use crate::backend::BackendStorage;
+        let p = two_by_three_by_four();
         assert_eq!(p.stats_len(), 7);
         let (mut rm, mut rv) = (CpuStorage::F32(vec![0.0; 3]), CpuStorage::F32(vec![1.0; 3]));
         let short = CpuStorage::F64(vec![1.0; 13]);
@@ -732,16 +737,7 @@ mod tests {
     fn sync_pieces_refuse_what_they_cannot_read() {
         let dev = Device::Cpu;
         let x = Tensor::randn([2, 3, 2, 2], 0.0, 1.0, 1, DType::F32, dev).unwrap();
-        let p = BatchNormParams {
-            n: 2,
-            c: 3,
-            spatial: 4,
-            format: MemoryFormat::Contiguous,
-            eps: 1e-5,
-            momentum: 0.1,
-            residual: false,
-            relu: false,
-        };
+        let p = two_by_three_by_four();
         let wrong = BatchNormParams { c: 4, ..p };
         let e = x.batch_norm_stats(&wrong).unwrap_err().to_string();
         assert!(
