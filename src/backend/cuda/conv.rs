@@ -758,13 +758,14 @@ fn run(
     let beside = side_stream::is_beside(dev.ordinal);
     if !dnn_state.plans.contains_key(&key) {
         first_use(format!("choosing the {dir:?} {dtype} plan for {p:?}"))?;
-        // Plans are timed on the main stream on these buffers: beside, both streams are
-        // waited for first (the output was allocated on the side stream) and after.
+        // Plans are timed on the main stream on these buffers, with scratch of the main
+        // stream: beside, both streams are waited for first (the output was allocated on the
+        // side stream) and after.
         if beside {
             side_stream::synchronize_both(dev)?;
         }
         let started = std::time::Instant::now();
-        let mut plan = dnn_state.make_plan(dev, p, dtype, dir, ptrs)?;
+        let mut plan = side_stream::on_main(|| dnn_state.make_plan(dev, p, dtype, dir, ptrs))?;
         if beside {
             side_stream::synchronize_both(dev)?;
         }

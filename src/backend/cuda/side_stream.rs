@@ -175,17 +175,7 @@ pub(crate) fn beside<T: Clone + Send + 'static>(
             v.push(dev.clone());
         }
     });
-    let r = {
-        struct Back(Option<(usize, cu::CUstream)>);
-        impl Drop for Back {
-            fn drop(&mut self) {
-                ON_SIDE.with(|s| s.set(self.0));
-            }
-        }
-        let _back =
-            Back(ON_SIDE.with(|s| s.replace(Some((dev.ordinal, parts.stream.cu_stream())))));
-        f()
-    };
+    let r = with_work_on(Some((dev.ordinal, parts.stream.cu_stream())), f);
     // Recorded whatever `f` returned: the join must cover whatever it enqueued.
     parts
         .tail
@@ -260,6 +250,24 @@ pub(crate) fn free(ordinal: usize, buf: CudaSlice<u8>) {
         }
         _ => drop(buf),
     }
+}
+
+/// Runs `f` with this thread's work on the main stream again, inside [`beside`] (a plan timed
+/// on the main stream: its scratch buffers are allocated, used and freed there).
+pub(crate) fn on_main<T>(f: impl FnOnce() -> T) -> T {
+    with_work_on(None, f)
+}
+
+/// Runs `f` with [`ON_SIDE`] set to `side`, restored after (a panic included).
+fn with_work_on<T>(side: Option<(usize, cu::CUstream)>, f: impl FnOnce() -> T) -> T {
+    struct Back(Option<(usize, cu::CUstream)>);
+    impl Drop for Back {
+        fn drop(&mut self) {
+            ON_SIDE.with(|s| s.set(self.0));
+        }
+    }
+    let _back = Back(ON_SIDE.with(|s| s.replace(side)));
+    f()
 }
 
 /// Waits on the host for both streams of `dev` (a plan chosen beside: first use only).
