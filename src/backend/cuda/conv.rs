@@ -790,7 +790,11 @@ fn run(
         // Let go of first (the old buffer is too small for anything from now on), unless a
         // captured graph still uses it: the graph then keeps it while it lives.
         if let Some(old) = workspace.take() {
-            drop(super::graph::retire(dev.ordinal, old));
+            // Freed on the stream that used it last: beside, that is the side stream, whose
+            // earlier work the main stream may not have waited for yet.
+            if let Some(old) = super::graph::retire(dev.ordinal, old) {
+                side_stream::free(dev.ordinal, old);
+            }
         }
         // cuDNN owns the workspace contents.
         let ws = side_stream::alloc(dev, ws_needed).map_err(|e| {
