@@ -6,7 +6,10 @@
 //! or a queued callback runs, before the deferred gradient adds, before a node's formula or a
 //! conversion reads it, and when the pass ends (`Deferred::join`).
 //!
-//! Only small ones go beside, and only beside a data gradient: two kernels that each fill the
+//! Only into a weight with no hooks: a hook reads the gradient as soon as it is added, so the
+//! join would follow at once (DDP's hooks made the main job on four H100s 2–4% slower, RESULTS.md
+//! call I10, as joining at every layer did on one). Only small ones go beside, and only beside a
+//! data gradient: two kernels that each fill the
 //! GPU gain nothing from sharing it, and a weight gradient with no data gradient to overlap (the
 //! first layer's) only pays for the fork and the join. Whole steps measured that (RESULTS.md,
 //! calls B10–F10): the CIFAR ResNet-18's and ResNet-50's weight gradients (0.5–10 GFLOP each)

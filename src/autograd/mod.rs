@@ -334,6 +334,17 @@ fn walk(
         }
         let g = hooks::on_grad(node.hooks(), g)?;
         let needs: Vec<bool> = node.edges.iter().map(|e| e.is_some()).collect();
+        // Beside only where nothing reads the gradient at once: not into a variable with hooks
+        // (DDP's run as soon as its gradient is added, and would join at every layer).
+        let may_beside: Vec<bool> = node
+            .edges
+            .iter()
+            .map(|e| match e {
+                Some(Edge::Leaf(t)) => t.hooks().is_none(),
+                Some(Edge::Node(_)) => true,
+                None => false,
+            })
+            .collect();
         let mut beside = Vec::new();
         let input_grads = {
             let mut slot = node.op.lock().unwrap_or_else(|e| e.into_inner());
@@ -348,7 +359,7 @@ fn walk(
                 // A user's backward may read gradients.
                 pending.flush()?;
             }
-            let r = op.backward(&g, &needs, &mut beside)?;
+            let r = op.backward(&g, &needs, &may_beside, &mut beside)?;
             if !retain_graph {
                 *slot = None;
             }

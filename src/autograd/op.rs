@@ -158,12 +158,14 @@ impl Op {
     }
 
     /// The gradient of each input (in the order the op recorded them) whose `needs` entry is
-    /// true, given `g`, the gradient of the output; `None` for the others. The inputs whose
-    /// gradient was computed beside the main stream (`beside.rs`) are added to `beside`.
+    /// true, given `g`, the gradient of the output; `None` for the others. An input whose
+    /// `may_beside` entry is true may get its gradient computed beside the main stream
+    /// (`beside.rs`); those that did are added to `beside`.
     pub(crate) fn backward(
         &self,
         g: &Tensor,
         needs: &[bool],
+        may_beside: &[bool],
         beside: &mut Vec<usize>,
     ) -> Result<Vec<Option<Tensor>>> {
         let need = |i: usize| needs.get(i).copied().unwrap_or(false);
@@ -352,7 +354,7 @@ impl Op {
                         ))
                     };
                     // Beside only when the data gradient is computed too: what it overlaps.
-                    let (dw, went) = if need(0) {
+                    let (dw, went) = if need(0) && may_beside.get(1) == Some(&true) {
                         super::beside::weight_grad(&g, x, p, weight_grad)?
                     } else {
                         (weight_grad()?, false)
