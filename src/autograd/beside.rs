@@ -33,11 +33,15 @@ pub(crate) fn weight_grad(
     p: &Conv2dParams,
     f: impl FnOnce() -> Result<Tensor>,
 ) -> Result<(Tensor, bool)> {
+    // The storage guard ends with this statement: `f` reads the storage too.
     let dev = match &*dy.storage() {
         Storage::Cuda(s) if side_stream::enabled() && s.device().ctx.has_async_alloc() => {
-            s.device().clone()
+            Some(s.device().clone())
         }
-        _ => return Ok((f()?, false)),
+        _ => None,
+    };
+    let Some(dev) = dev else {
+        return Ok((f()?, false));
     };
     let flop = 2.0 * dy.elem_count() as f64 * (p.c_in / p.groups.max(1) * p.kh * p.kw) as f64;
     if flop > MAX_FLOP_PER_SM * dev.sm_count as f64 {
