@@ -231,7 +231,7 @@ impl CudaDevice {
         let image = module_image(f, self.arch)?;
         let m = self
             .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+            .load_module(cudarc::nvrtc::Ptx::from_binary(image))
             .map_err(|e| cuda_err(&format!("loading module {}.cu", f.name()), e))?;
         mods.insert(f, m.clone());
         Ok(m)

@@ -1,19 +1,10 @@
 //! The NVRTC kernel registry: `kernels/*.cu` embedded in the binary, compiled for the device's
-//! architecture at first use, cached in memory (the images per process here, the loaded modules
-//! per device in [`super::device::CudaDevice`]) and on disk (`$MIXPREC_KERNEL_CACHE`, else
-//! `~/.cache/mixprec/kernels`), keyed by a hash of the source, the options and the architecture.
-//!
-//! A first use that finds its family neither in memory nor on disk (a fresh machine, new
-//! sources) compiles every family not made yet, side by side on the host's cores, and waits for
-//! them all: a training step uses nearly every family. One after another, as each was first
-//! used, they took 19.5 s on one core of the CI machine (the longest, `fused_optim`, 6.7 s), all
-//! of it inside the first step. The threads end before the call returns, so none is left inside
-//! NVRTC when the program exits.
+//! architecture at first use, cached in memory (per device, in [`super::device::CudaDevice`]) and
+//! on disk (`$MIXPREC_KERNEL_CACHE`, else `~/.cache/mixprec/kernels`), keyed by a hash of the
+//! source, the options and the architecture.
 
-use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
@@ -129,124 +120,31 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/mixprec/kernels"))
 }
 
-/// The image of family `f` for `arch`, made once per process however many threads ask for it at
-/// once (the others wait). A failure is not kept: the next caller tries again.
-type ImageSlot = Arc<Mutex<Option<Arc<Vec<u8>>>>>;
-
-fn image_slot(f: Family, arch: (i32, i32)) -> ImageSlot {
-    type Slots = Mutex<HashMap<(Family, (i32, i32)), ImageSlot>>;
-    static SLOTS: OnceLock<Slots> = OnceLock::new();
-    let mut slots = lock(SLOTS.get_or_init(Default::default));
-    slots.entry((f, arch)).or_default().clone()
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A compiled module image (cubin for the device's architecture): from memory when this process
-/// has made it, else from the disk cache, else compiled now, together with every other family
-/// not made yet (see the module doc).
-pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Arc<Vec<u8>>> {
-    {
-        let slot = image_slot(f, arch);
-        let mut image = lock(&slot);
-        if let Some(i) = &*image {
-            return Ok(i.clone());
-        }
-        if let Some(bytes) = read_cached(f, arch) {
-            let i = Arc::new(bytes);
-            *image = Some(i.clone());
-            return Ok(i);
-        }
-    }
-    let mut made = in_parallel(&BY_COMPILE_TIME, |g| make(g, arch));
-    match made.iter().position(|(g, _)| *g == f) {
-        Some(at) => made.swap_remove(at).1,
-        None => make(f, arch),
-    }
-}
-
-/// Family `f`'s image for `arch` in memory, made now unless it is there already.
-fn make(f: Family, arch: (i32, i32)) -> Result<Arc<Vec<u8>>> {
-    let slot = image_slot(f, arch);
-    let mut image = lock(&slot);
-    if let Some(i) = &*image {
-        return Ok(i.clone());
-    }
-    let i = Arc::new(read_cached(f, arch).map_or_else(|| compile_and_cache(f, arch), Ok)?);
-    *image = Some(i.clone());
-    Ok(i)
-}
-
-/// The families, longest to compile first (seconds on one core of the CI machine, CUDA 13.5's
-/// NVRTC, sm_90), so that the threads of [`in_parallel`] end about together.
-const BY_COMPILE_TIME: [Family; 11] = [
-    Family::FusedOptim,  // 6.7
-    Family::BatchNorm,   // 5.1
-    Family::Pool,        // 3.3
-    Family::MultiTensor, // 1.1
-    Family::Elementwise, // 1.0
-    Family::Softmax,     // 0.8
-    Family::Reduce,      // 0.7
-    Family::Cast,        // 0.3
-    Family::Conv,        // 0.3
-    Family::Layout,      // 0.1
-    Family::Index,       // 0.1
-];
-
-/// `work` for each of `families` on up to one thread per core, taken in the order given; returns
-/// when all are done, each family with its result.
-fn in_parallel<T: Send>(
-    families: &[Family],
-    work: impl Fn(Family) -> T + Sync,
-) -> Vec<(Family, T)> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let done = Mutex::new(Vec::with_capacity(families.len()));
-    let worker = || loop {
-        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Some(&f) = families.get(i) else { break };
-        let r = work(f);
-        lock(&done).push((f, r));
-    };
-    std::thread::scope(|s| {
-        let worker = &worker;
-        for _ in 1..cores.min(families.len()) {
-            // A thread that cannot start leaves its share to the others and to this one.
-            let _ = std::thread::Builder::new().spawn_scoped(s, worker);
-        }
-        worker();
-    });
-    done.into_inner().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The disk cache's file for family `f` on `arch`, named by the hash of what goes into it.
-fn cache_file(f: Family, arch: (i32, i32)) -> Option<PathBuf> {
+/// A compiled module image (cubin for the device's architecture), from the disk cache when there.
+pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
+    let src = full_source(f);
+    let opts = options(arch);
     let key = fnv1a(&[
-        full_source(f).as_bytes(),
-        options(arch).join(" ").as_bytes(),
+        src.as_bytes(),
+        opts.join(" ").as_bytes(),
         format!("sm_{}{}", arch.0, arch.1).as_bytes(),
     ]);
-    cache_dir().map(|d| {
+    let file = cache_dir().map(|d| {
         d.join(format!(
             "{}-sm{}{}-{key:016x}.cubin",
             f.name(),
             arch.0,
             arch.1
         ))
-    })
-}
-
-fn read_cached(f: Family, arch: (i32, i32)) -> Option<Vec<u8>> {
-    let bytes = std::fs::read(cache_file(f, arch)?).ok()?;
-    (!bytes.is_empty()).then_some(bytes)
-}
-
-/// Compiles family `f` for `arch` and writes the image to the disk cache (best effort).
-fn compile_and_cache(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
-    let image = compile(f, &full_source(f), &options(arch))?;
-    let file = cache_file(f, arch);
+    });
+    if let Some(path) = &file {
+        if let Ok(bytes) = std::fs::read(path) {
+            if !bytes.is_empty() {
+                return Ok(bytes);
+            }
+        }
+    }
+    let image = compile(f, &src, &opts)?;
     if let Some(path) = &file {
         // Best effort: a read-only home directory only costs a recompile next time.
         let write = || -> std::io::Result<()> {
@@ -278,13 +176,8 @@ pub fn compile_all_for(arch: (i32, i32)) -> Result<usize> {
             cudarc::get_lib_name_candidates("nvrtc").join(", ")
         )));
     }
-    let mut compiled = in_parallel(&BY_COMPILE_TIME, |f| {
-        super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))
-    });
-    // The first failure in the families' usual order, whichever thread met it first.
-    compiled.sort_by_key(|(f, _)| Family::ALL.iter().position(|g| g == f));
-    for (_, r) in compiled {
-        r?;
+    for f in Family::ALL {
+        super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))?;
     }
     Ok(Family::ALL.len())
 }
@@ -358,22 +251,5 @@ mod tests {
             );
         }
         assert_ne!(fnv1a(&[b"a", b"bc"]), fnv1a(&[b"ab", b"c"]));
-    }
-
-    #[test]
-    fn every_family_is_compiled_side_by_side_once() {
-        for f in Family::ALL {
-            let n = BY_COMPILE_TIME.iter().filter(|&&g| g == f).count();
-            assert_eq!(n, 1, "{} in BY_COMPILE_TIME {n} times", f.name());
-        }
-        // Each family once, whatever the number of threads, with its own result.
-        let seen = in_parallel(&BY_COMPILE_TIME, |f| f.name());
-        assert_eq!(seen.len(), Family::ALL.len());
-        for (f, name) in &seen {
-            assert_eq!(*name, f.name());
-        }
-        for f in Family::ALL {
-            assert_eq!(seen.iter().filter(|(g, _)| *g == f).count(), 1);
-        }
     }
 }
