@@ -1,10 +1,11 @@
 //! The NVRTC kernel registry: `kernels/*.cu` embedded in the binary, compiled for the device's
 //! architecture at first use, cached in memory (per device, in [`super::device::CudaDevice`]) and
 //! on disk (`$MIXPREC_KERNEL_CACHE`, else `~/.cache/mixprec/kernels`), keyed by a hash of the
-//! source, the options and the architecture.
+//! source, the options and the architecture. Files there are written atomically
+//! ([`crate::io::write_atomic`]) and used only when they hold a whole ELF image.
 
 use std::ffi::{CStr, CString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
@@ -122,6 +123,14 @@ fn cache_dir() -> Option<PathBuf> {
 
 /// A compiled module image (cubin for the device's architecture), from the disk cache when there.
 pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
+    module_image_in(cache_dir().as_deref(), f, arch)
+}
+
+/// [`module_image`] with the disk cache in `dir` (none: always compiled). A cached file that is
+/// not a whole ELF image (a copy cut short, another file under its name) is ignored with a
+/// warning and written again, as the plan cache does with its files, rather than handed to the
+/// driver to fail on in every later process.
+fn module_image_in(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
     let src = full_source(f);
     let opts = options(arch);
     let key = fnv1a(&[
@@ -129,7 +138,7 @@ pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
         opts.join(" ").as_bytes(),
         format!("sm_{}{}", arch.0, arch.1).as_bytes(),
     ]);
-    let file = cache_dir().map(|d| {
+    let file = dir.map(|d| {
         d.join(format!(
             "{}-sm{}{}-{key:016x}.cubin",
             f.name(),
@@ -139,27 +148,90 @@ pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
     });
     if let Some(path) = &file {
         if let Ok(bytes) = std::fs::read(path) {
-            if !bytes.is_empty() {
-                return Ok(bytes);
+            match whole_elf(&bytes) {
+                Ok(()) => return Ok(bytes),
+                Err(why) => log::warn!(
+                    "kernel cache: {} ignored ({why}); compiling {}.cu again",
+                    path.display(),
+                    f.name()
+                ),
             }
         }
     }
     let image = compile(f, &src, &opts)?;
     if let Some(path) = &file {
-        // Best effort: a read-only home directory only costs a recompile next time.
-        let write = || -> std::io::Result<()> {
+        let write = || -> Result<()> {
             if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir)?;
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
             }
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            std::fs::write(&tmp, &image)?;
-            std::fs::rename(&tmp, path)
+            crate::io::write_atomic(path, |w| {
+                w.write_all(&image)
+                    .map_err(|e| Error::io(format!("writing {}", path.display()), e))
+            })
         };
+        // Best effort: a read-only home directory only costs a compile next time.
         if let Err(e) = write() {
-            log::debug!("kernel cache: could not write {}: {e}", path.display());
+            log::debug!("kernel cache: {e}");
         }
     }
     Ok(image)
+}
+
+/// Whether `bytes` hold a whole 64-bit little-endian ELF image, as NVRTC's cubins are: the
+/// header, the program and section header tables, and every section's contents inside the file.
+/// A file cut short anywhere fails one of these.
+fn whole_elf(bytes: &[u8]) -> std::result::Result<(), &'static str> {
+    let u16_at = |o: usize| {
+        bytes
+            .get(o..o + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]) as u64)
+    };
+    let u32_at = |o: usize| {
+        bytes
+            .get(o..o + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64)
+    };
+    let u64_at = |o: usize| {
+        bytes
+            .get(o..o + 8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+    };
+    if bytes.len() < 64 || bytes[..4] != *b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+        return Err("not a 64-bit little-endian ELF file");
+    }
+    let len = bytes.len() as u64;
+    let table_fits = |off: Option<u64>, size: Option<u64>, count: Option<u64>| {
+        matches!((off, size, count), (Some(o), Some(s), Some(n))
+            if s.checked_mul(n).and_then(|t| t.checked_add(o)).is_some_and(|end| end <= len))
+    };
+    // e_phoff, e_phentsize, e_phnum; e_shoff, e_shentsize, e_shnum.
+    if !table_fits(u64_at(0x20), u16_at(0x36), u16_at(0x38)) {
+        return Err("its program header table runs past its end");
+    }
+    let (shoff, shentsize, shnum) = (u64_at(0x28), u16_at(0x3A), u16_at(0x3C));
+    if !table_fits(shoff, shentsize, shnum) {
+        return Err("its section header table runs past its end");
+    }
+    let (shoff, shentsize, shnum) = (
+        shoff.unwrap_or(0),
+        shentsize.unwrap_or(0),
+        shnum.unwrap_or(0),
+    );
+    if shnum > 0 && shentsize < 0x28 {
+        return Err("its section headers are too small");
+    }
+    for i in 0..shnum {
+        let h = (shoff + i * shentsize) as usize;
+        // SHT_NOBITS (8) sections take no room in the file.
+        if u32_at(h + 4) == Some(8) {
+            continue;
+        }
+        if !table_fits(u64_at(h + 0x18), u64_at(h + 0x20), Some(1)) {
+            return Err("a section runs past its end");
+        }
+    }
+    Ok(())
 }
 
 /// Compiles every kernel family for compute capability `arch` with NVRTC, bypassing the caches:
@@ -177,7 +249,13 @@ pub fn compile_all_for(arch: (i32, i32)) -> Result<usize> {
         )));
     }
     for f in Family::ALL {
-        super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))?;
+        let image =
+            super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))?;
+        // The kernel cache would refuse it, and compile it again in every process.
+        whole_elf(&image).map_err(|why| Error::Compile {
+            kernel: format!("{}.cu", f.name()),
+            log: format!("NVRTC's image fails the kernel cache's check: {why}"),
+        })?;
     }
     Ok(Family::ALL.len())
 }
@@ -251,5 +329,49 @@ mod tests {
             );
         }
         assert_ne!(fnv1a(&[b"a", b"bc"]), fnv1a(&[b"ab", b"c"]));
+    }
+
+    /// Needs libnvrtc (no GPU), as tests/kernels.rs: CI installs it and sets
+    /// MIXPREC_REQUIRE_NVRTC; elsewhere the test says it skipped.
+    #[test]
+    fn a_damaged_cached_kernel_is_compiled_again() {
+        // SAFETY: loading libnvrtc runs its initialisers, as cudarc's own loading would.
+        let present =
+            std::panic::catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false);
+        if !present {
+            assert!(
+                std::env::var_os("MIXPREC_REQUIRE_NVRTC").is_none(),
+                "MIXPREC_REQUIRE_NVRTC is set but NVRTC is not found"
+            );
+            println!("skipped: NVRTC not found");
+            return;
+        }
+        let dir =
+            std::env::temp_dir().join(format!("mixprec-kernel-cache-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (f, arch) = (Family::Index, (9, 0));
+        let fresh = module_image_in(Some(&dir), f, arch).unwrap();
+        assert_eq!(whole_elf(&fresh), Ok(()));
+        let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+        assert_eq!(files.len(), 1, "one file, no temporary left");
+        let file = files[0].path();
+        assert_eq!(std::fs::read(&file).unwrap(), fresh);
+        // A copy cut short anywhere is not a whole image.
+        for cut in 0..fresh.len() {
+            assert!(
+                whole_elf(&fresh[..cut]).is_err(),
+                "{} bytes of {}",
+                cut,
+                fresh.len()
+            );
+        }
+        for bad in [&fresh[..fresh.len() / 2], &b"not a cubin"[..], &[]] {
+            std::fs::write(&file, bad).unwrap();
+            let again = module_image_in(Some(&dir), f, arch).unwrap();
+            assert_eq!(whole_elf(&again), Ok(()));
+            assert_eq!(std::fs::read(&file).unwrap(), again, "written again");
+        }
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
