@@ -33,7 +33,7 @@
 //! the device; a change of the optimizer's configuration or of a module's train/eval mode makes
 //! the next run warm up and capture again; a tensor the graph uses that is replaced (a restored
 //! state, `set_data`) does too. Anything the step does that cannot be captured is an
-//! [`Error::Capture`](crate::Error::Capture) naming the op, at capture time.
+//! [`Error::Capture`] naming the op, at capture time.
 
 use crate::error::{Error, Result};
 use crate::graph::{self, Graph};

@@ -1,7 +1,7 @@
 //! `amp::initialize`: wraps models and optimizers per a policy, as apex's `amp.initialize`.
 //!
 //! - O0: nothing is cast; the scale is a static 1.
-//! - O1: the wrapped forward runs under [`autocast`](super::autocast); weights stay FP32.
+//! - O1: the wrapped forward runs under [`autocast`](mod@super::autocast); weights stay FP32.
 //! - O2: the optimizer takes FP32 master copies of its parameters, then the model is cast to
 //!   half (BatchNorm kept FP32 per the policy); the forward casts floating inputs to the half
 //!   type and its output to FP32; each step updates the masters and rewrites the half weights.

@@ -1,7 +1,7 @@
 //! Define-by-run reverse-mode autograd.
 //!
-//! An op whose inputs need gradients records a [`Node`] on its output (when gradients are
-//! enabled on this thread): the [`Op`] with what its backward formula reads, and an edge to each
+//! An op whose inputs need gradients records a `Node` on its output (when gradients are
+//! enabled on this thread): the `Op` with what its backward formula reads, and an edge to each
 //! input's node (or variable). `backward` walks the nodes once in reverse topological order,
 //! sums the gradients reaching each, releases each node's saved tensors once used (unless the
 //! graph is retained), and adds the totals to the variables' `grad` (so gradients accumulate

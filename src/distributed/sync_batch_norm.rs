@@ -4,7 +4,7 @@
 //!
 //! [`convert_sync_batchnorm`] marks a model's `BatchNorm2d` layers (torch's
 //! `SyncBatchNorm.convert_sync_batchnorm`); a marked layer's training forward then runs
-//! [`forward`] instead of the batch-norm kernel, with the same fused epilogue (ReLU, residual
+//! `forward` instead of the batch-norm kernel, with the same fused epilogue (ReLU, residual
 //! add), as PyTorch's `batch_norm_stats` / `gather_stats` / `elemt`:
 //! - forward: each rank's per-channel mean, sum of squared deviations and count (the fused
 //!   batch-norm kernels' statistics pass), one all-gather of those rows, combined on every rank

@@ -863,7 +863,7 @@ pub struct ConvPlanInfo {
     pub choice_ms: f64,
     /// Bytes of workspace it needs.
     pub workspace: usize,
-    /// What runs: "graph engine N [its notes] (...)" or "legacy <cuDNN algorithm> <math> (...)".
+    /// What runs: "graph engine N [its notes] (...)" or "legacy `<cuDNN algorithm> <math>` (...)".
     pub algorithm: String,
     /// Chosen under [`super::set_deterministic`]: only bitwise-reproducible candidates.
     pub deterministic: bool,
