@@ -2,7 +2,8 @@
 //! architecture at first use, cached in memory (per device, in [`super::device::CudaDevice`]) and
 //! on disk (`$MIXPREC_KERNEL_CACHE`, else `~/.cache/mixprec/kernels`), keyed by a hash of the
 //! source, the options and the architecture. Files there are written atomically
-//! ([`crate::io::write_atomic`]) and used only when they hold a whole ELF image.
+//! ([`crate::io::write_atomic`]) and sealed with a CRC-32 of the image ([`seal`]); a file whose
+//! seal does not match is compiled again, so the driver is never handed a damaged image.
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -126,14 +127,16 @@ pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
     module_image_in(cache_dir().as_deref(), f, arch)
 }
 
-/// [`module_image`] with the disk cache in `dir` (none: always compiled). A cached file that is
-/// not a whole ELF image (a copy cut short, another file under its name) is ignored with a
-/// warning and written again, as the plan cache does with its files, rather than handed to the
-/// driver to fail on in every later process.
+/// [`module_image`] with the disk cache in `dir` (none: always compiled). A cached file whose
+/// seal does not match (a copy cut short, a changed byte, another file under its name) is
+/// ignored with a warning and written again, as the plan cache does with its files, rather than
+/// handed to the driver: a damaged image fails its load in every later process, or loads and
+/// runs the wrong instructions.
 fn module_image_in(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
     let src = full_source(f);
     let opts = options(arch);
     let key = fnv1a(&[
+        CACHE_FORMAT,
         src.as_bytes(),
         opts.join(" ").as_bytes(),
         format!("sm_{}{}", arch.0, arch.1).as_bytes(),
@@ -148,8 +151,8 @@ fn module_image_in(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<Ve
     });
     if let Some(path) = &file {
         if let Ok(bytes) = std::fs::read(path) {
-            match whole_elf(&bytes) {
-                Ok(()) => return Ok(bytes),
+            match unseal(&bytes) {
+                Ok(image) => return Ok(image.to_vec()),
                 Err(why) => log::warn!(
                     "kernel cache: {} ignored ({why}); compiling {}.cu again",
                     path.display(),
@@ -166,7 +169,7 @@ fn module_image_in(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<Ve
                     .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
             }
             crate::io::write_atomic(path, |w| {
-                w.write_all(&image)
+                w.write_all(&seal(&image))
                     .map_err(|e| Error::io(format!("writing {}", path.display()), e))
             })
         };
@@ -178,60 +181,44 @@ fn module_image_in(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<Ve
     Ok(image)
 }
 
-/// Whether `bytes` hold a whole 64-bit little-endian ELF image, as NVRTC's cubins are: the
-/// header, the program and section header tables, and every section's contents inside the file.
-/// A file cut short anywhere fails one of these.
-fn whole_elf(bytes: &[u8]) -> std::result::Result<(), &'static str> {
-    let u16_at = |o: usize| {
-        bytes
-            .get(o..o + 2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]) as u64)
+/// The kernel cache's file format, part of every file's key: files of another format are
+/// simply not looked at. (1: the bare cubin; 2: the cubin and its [`seal`].)
+const CACHE_FORMAT: &[u8] = b"kernel cache format 2";
+
+/// The seal's tag; the image's length (u32 LE) and CRC-32 (u32 LE) follow it.
+const SEAL_TAG: &[u8; 8] = b"mpseal01";
+const SEAL_LEN: usize = 16;
+
+/// A cache file's bytes: the image, then [`SEAL_TAG`], its length and its CRC-32. (An ELF loader
+/// reads by offsets from the header, so the file is still a cubin for tools such as cuobjdump.)
+fn seal(image: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(image.len() + SEAL_LEN);
+    out.extend_from_slice(image);
+    out.extend_from_slice(SEAL_TAG);
+    out.extend_from_slice(&(image.len() as u32).to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(image).to_le_bytes());
+    out
+}
+
+/// The image inside a cache file, when its seal matches. A CRC-32 catches every change of up to
+/// 32 consecutive bits and every cut, so a file cut short or with a byte changed anywhere is
+/// refused here, not by the driver.
+fn unseal(bytes: &[u8]) -> std::result::Result<&[u8], &'static str> {
+    let Some(body) = bytes.len().checked_sub(SEAL_LEN) else {
+        return Err("shorter than its seal");
     };
-    let u32_at = |o: usize| {
-        bytes
-            .get(o..o + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64)
-    };
-    let u64_at = |o: usize| {
-        bytes
-            .get(o..o + 8)
-            .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
-    };
-    if bytes.len() < 64 || bytes[..4] != *b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
-        return Err("not a 64-bit little-endian ELF file");
+    let (image, seal) = bytes.split_at(body);
+    if seal[..8] != SEAL_TAG[..] {
+        return Err("no seal at its end (cut short, or not a cache file)");
     }
-    let len = bytes.len() as u64;
-    let table_fits = |off: Option<u64>, size: Option<u64>, count: Option<u64>| {
-        matches!((off, size, count), (Some(o), Some(s), Some(n))
-            if s.checked_mul(n).and_then(|t| t.checked_add(o)).is_some_and(|end| end <= len))
-    };
-    // e_phoff, e_phentsize, e_phnum; e_shoff, e_shentsize, e_shnum.
-    if !table_fits(u64_at(0x20), u16_at(0x36), u16_at(0x38)) {
-        return Err("its program header table runs past its end");
+    let word = |o: usize| u32::from_le_bytes([seal[o], seal[o + 1], seal[o + 2], seal[o + 3]]);
+    if word(8) as usize != image.len() {
+        return Err("its length is not the sealed length");
     }
-    let (shoff, shentsize, shnum) = (u64_at(0x28), u16_at(0x3A), u16_at(0x3C));
-    if !table_fits(shoff, shentsize, shnum) {
-        return Err("its section header table runs past its end");
+    if word(12) != crc32fast::hash(image) {
+        return Err("its CRC-32 does not match (a byte changed)");
     }
-    let (shoff, shentsize, shnum) = (
-        shoff.unwrap_or(0),
-        shentsize.unwrap_or(0),
-        shnum.unwrap_or(0),
-    );
-    if shnum > 0 && shentsize < 0x28 {
-        return Err("its section headers are too small");
-    }
-    for i in 0..shnum {
-        let h = (shoff + i * shentsize) as usize;
-        // SHT_NOBITS (8) sections take no room in the file.
-        if u32_at(h + 4) == Some(8) {
-            continue;
-        }
-        if !table_fits(u64_at(h + 0x18), u64_at(h + 0x20), Some(1)) {
-            return Err("a section runs past its end");
-        }
-    }
-    Ok(())
+    Ok(image)
 }
 
 /// Compiles every kernel family for compute capability `arch` with NVRTC, bypassing the caches:
@@ -249,13 +236,7 @@ pub fn compile_all_for(arch: (i32, i32)) -> Result<usize> {
         )));
     }
     for f in Family::ALL {
-        let image =
-            super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))?;
-        // The kernel cache would refuse it, and compile it again in every process.
-        whole_elf(&image).map_err(|why| Error::Compile {
-            kernel: format!("{}.cu", f.name()),
-            log: format!("NVRTC's image fails the kernel cache's check: {why}"),
-        })?;
+        super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))?;
     }
     Ok(Family::ALL.len())
 }
@@ -334,6 +315,28 @@ mod tests {
     /// Needs libnvrtc (no GPU), as tests/kernels.rs: CI installs it and sets
     /// MIXPREC_REQUIRE_NVRTC; elsewhere the test says it skipped.
     #[test]
+    fn a_seal_refuses_every_cut_and_every_changed_byte() {
+        let image: Vec<u8> = (0..3000u32).map(|i| (i * 7 + i / 11) as u8).collect();
+        let sealed = seal(&image);
+        assert_eq!(unseal(&sealed), Ok(&image[..]));
+        for cut in 0..sealed.len() {
+            assert!(unseal(&sealed[..cut]).is_err(), "cut at {cut}");
+        }
+        for at in 0..sealed.len() {
+            for flip in [0x01u8, 0x80, 0xff] {
+                let mut bad = sealed.clone();
+                bad[at] ^= flip;
+                assert!(unseal(&bad).is_err(), "byte {at} ^ {flip:#x}");
+            }
+        }
+        // A bare cubin of the old format (no seal) is not taken for a sealed one.
+        assert!(unseal(&image).is_err());
+        assert_eq!(unseal(&seal(&[])), Ok(&[][..]));
+    }
+
+    /// Needs libnvrtc (no GPU), as tests/kernels.rs: CI installs it and sets
+    /// MIXPREC_REQUIRE_NVRTC; elsewhere the test says it skipped.
+    #[test]
     fn a_damaged_cached_kernel_is_compiled_again() {
         // SAFETY: loading libnvrtc runs its initialisers, as cudarc's own loading would.
         let present =
@@ -351,25 +354,28 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let (f, arch) = (Family::Index, (9, 0));
         let fresh = module_image_in(Some(&dir), f, arch).unwrap();
-        assert_eq!(whole_elf(&fresh), Ok(()));
+        assert_eq!(
+            &fresh[..4],
+            b"\x7fELF",
+            "the image handed to the driver is the bare cubin"
+        );
         let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
         assert_eq!(files.len(), 1, "one file, no temporary left");
         let file = files[0].path();
-        assert_eq!(std::fs::read(&file).unwrap(), fresh);
-        // A copy cut short anywhere is not a whole image.
-        for cut in 0..fresh.len() {
-            assert!(
-                whole_elf(&fresh[..cut]).is_err(),
-                "{} bytes of {}",
-                cut,
-                fresh.len()
-            );
-        }
-        for bad in [&fresh[..fresh.len() / 2], &b"not a cubin"[..], &[]] {
+        let on_disk = std::fs::read(&file).unwrap();
+        assert_eq!(on_disk, seal(&fresh));
+        // Read back from the cache as it was written.
+        assert_eq!(module_image_in(Some(&dir), f, arch).unwrap(), fresh);
+        // A byte changed in the middle of the code: still a well-formed ELF file, which the
+        // driver might load and run. It is compiled again instead.
+        let mut flipped = on_disk.clone();
+        flipped[fresh.len() / 2] ^= 0x10;
+        let cut = &on_disk[..on_disk.len() / 2];
+        for bad in [&flipped[..], cut, &fresh[..], &b"not a cubin"[..], &[]] {
             std::fs::write(&file, bad).unwrap();
             let again = module_image_in(Some(&dir), f, arch).unwrap();
-            assert_eq!(whole_elf(&again), Ok(()));
-            assert_eq!(std::fs::read(&file).unwrap(), again, "written again");
+            assert_eq!(again, fresh, "the same image as compiled");
+            assert_eq!(std::fs::read(&file).unwrap(), seal(&again), "written again");
         }
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         std::fs::remove_dir_all(&dir).unwrap();
