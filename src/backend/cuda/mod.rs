@@ -35,6 +35,7 @@ mod matmul;
 pub(crate) mod multi_tensor;
 mod pinned;
 mod pool;
+mod prefetch;
 mod probe;
 mod profile;
 mod reduce;

@@ -66,6 +66,7 @@ pub fn probe() -> Result<()> {
                 }
             }
             if missing.is_empty() {
+                super::prefetch::start();
                 Ok(())
             } else {
                 Err(format!(
