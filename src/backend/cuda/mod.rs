@@ -35,7 +35,6 @@ mod matmul;
 pub(crate) mod multi_tensor;
 mod pinned;
 mod pool;
-mod prefetch;
 mod probe;
 mod profile;
 mod reduce;

@@ -66,7 +66,6 @@ pub fn probe() -> Result<()> {
                 }
             }
             if missing.is_empty() {
-                super::prefetch::start();
                 Ok(())
             } else {
                 Err(format!(
