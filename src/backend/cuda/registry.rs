@@ -200,9 +200,9 @@ fn seal(image: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The image inside a cache file, when its seal matches. A CRC-32 catches every change of up to
-/// 32 consecutive bits and every cut, so a file cut short or with a byte changed anywhere is
-/// refused here, not by the driver.
+/// The image inside a cache file, when its seal matches. The tag and the length catch a file cut
+/// short; the CRC-32 catches every change of up to 32 consecutive bits, so any one changed byte.
+/// Either is refused here, not by the driver.
 fn unseal(bytes: &[u8]) -> std::result::Result<&[u8], &'static str> {
     let Some(body) = bytes.len().checked_sub(SEAL_LEN) else {
         return Err("shorter than its seal");
@@ -312,8 +312,6 @@ mod tests {
         assert_ne!(fnv1a(&[b"a", b"bc"]), fnv1a(&[b"ab", b"c"]));
     }
 
-    /// Needs libnvrtc (no GPU), as tests/kernels.rs: CI installs it and sets
-    /// MIXPREC_REQUIRE_NVRTC; elsewhere the test says it skipped.
     #[test]
     fn a_seal_refuses_every_cut_and_every_changed_byte() {
         let image: Vec<u8> = (0..3000u32).map(|i| (i * 7 + i / 11) as u8).collect();
