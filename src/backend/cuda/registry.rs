@@ -4,9 +4,18 @@
 //! source, the options and the architecture. Files there are written atomically
 //! ([`crate::io::write_atomic`]) and sealed with a CRC-32 of the image ([`seal`]); a file whose
 //! seal does not match is compiled again, so the driver is never handed a damaged image.
+//!
+//! A first use that finds its family in neither place (a new machine, a new version) compiles
+//! every family missing from the disk cache, side by side on the host's cores, longest first,
+//! and waits for them all: a training step uses nearly every family, and one after another, each
+//! at its first use, they took 30-40 s of the first step on the lent GPU machines' hosts
+//! (`batch_norm` and `fused_optim` 8-12 s each). The threads end before the call returns, so none
+//! is left inside NVRTC when the program exits.
 
+use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
@@ -122,58 +131,159 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/mixprec/kernels"))
 }
 
-/// A compiled module image (cubin for the device's architecture), from the disk cache when there.
+/// A compiled module image (cubin for the device's architecture): from the disk cache when there,
+/// else compiled now, together with every other family missing from the cache (module doc).
 pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
-    module_image_in(cache_dir().as_deref(), f, arch)
+    module_image_in(cache_dir().as_deref(), f, arch, &BY_COMPILE_TIME)
 }
 
-/// [`module_image`] with the disk cache in `dir` (none: always compiled). A cached file whose
-/// seal does not match (a copy cut short, a changed byte, another file under its name) is
-/// ignored with a warning and written again, as the plan cache does with its files, rather than
-/// handed to the driver: a damaged image fails its load in every later process, or loads and
-/// runs the wrong instructions.
-fn module_image_in(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
-    let src = full_source(f);
-    let opts = options(arch);
-    let key = fnv1a(&[
-        CACHE_FORMAT,
-        src.as_bytes(),
-        opts.join(" ").as_bytes(),
-        format!("sm_{}{}", arch.0, arch.1).as_bytes(),
-    ]);
-    let file = dir.map(|d| {
-        d.join(format!(
-            "{}-sm{}{}-{key:016x}.cubin",
-            f.name(),
-            arch.0,
-            arch.1
-        ))
-    });
-    if let Some(path) = &file {
-        if let Ok(bytes) = std::fs::read(path) {
-            match unseal(&bytes) {
-                Ok(image) => return Ok(image.to_vec()),
-                Err(why) => log::warn!(
-                    "kernel cache: {} ignored ({why}); compiling {}.cu again",
-                    path.display(),
-                    f.name()
-                ),
-            }
+/// The families, longest to compile first (seconds, CUDA 13's NVRTC for sm_90, on one core of the
+/// CI machine / of the H200 machine's host), so that [`in_parallel`]'s threads end about together.
+const BY_COMPILE_TIME: [Family; 11] = [
+    Family::FusedOptim,  // 6.5 / ~9
+    Family::BatchNorm,   // 4.8 / 8-12
+    Family::Pool,        // 3.4 / 4.9
+    Family::MultiTensor, // 1.2
+    Family::Elementwise, // 0.9 / 1.6
+    Family::Softmax,     // 0.7 / 1.2
+    Family::Reduce,      // 0.6
+    Family::Cast,        // 0.3
+    Family::Conv,        // 0.3
+    Family::Layout,      // 0.1 / 0.2
+    Family::Index,       // 0.1
+];
+
+/// Where a made-ahead image is kept: the cache directory (none: no disk cache), the family, the
+/// architecture.
+type AheadKey = (Option<PathBuf>, Family, (i32, i32));
+
+/// Images compiled beside another family's miss and not asked for yet. Each is taken out at its
+/// family's first use (the device then keeps the loaded module), so that a cache directory that
+/// cannot be written does not make every later miss compile the whole set again.
+fn made_ahead() -> MutexGuard<'static, HashMap<AheadKey, Vec<u8>>> {
+    static AHEAD: LazyLock<Mutex<HashMap<AheadKey, Vec<u8>>>> = LazyLock::new(Default::default);
+    AHEAD.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// [`module_image`] with the disk cache in `dir` (none: always compiled) and `together`, the
+/// families compiled beside `f` when it misses. A cached file whose seal does not match (a copy
+/// cut short, a changed byte, another file under its name) is ignored with a warning and
+/// written again, as the plan cache does with its files, rather than handed to the driver: a
+/// damaged image fails its load in every later process, or loads and runs the wrong
+/// instructions.
+fn module_image_in(
+    dir: Option<&Path>,
+    f: Family,
+    arch: (i32, i32),
+    together: &[Family],
+) -> Result<Vec<u8>> {
+    let key = |g: Family| (dir.map(Path::to_path_buf), g, arch);
+    if let Some(image) = made_ahead().remove(&key(f)) {
+        return Ok(image);
+    }
+    if let Some(image) = read_cached(dir, f, arch) {
+        return Ok(image);
+    }
+    // One miss compiles at a time: a second (another device's, another thread's) then finds its
+    // family made ahead or on disk.
+    static MISS: Mutex<()> = Mutex::new(());
+    let _one = MISS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(image) = made_ahead().remove(&key(f)) {
+        return Ok(image);
+    }
+    let mut missing = vec![f];
+    for &g in together {
+        if g != f && !made_ahead().contains_key(&key(g)) && read_cached(dir, g, arch).is_none() {
+            missing.push(g);
         }
     }
-    let image = compile(f, &src, &opts)?;
-    if let Some(path) = &file {
+    missing.sort_by_key(|g| BY_COMPILE_TIME.iter().position(|h| h == g));
+    let mut mine = None;
+    for (g, made) in in_parallel(&missing, |g| compile_and_cache(dir, g, arch)) {
+        if g == f {
+            mine = Some(made);
+        } else if let Ok(image) = made {
+            // A failure is not kept: the family's own first use reports it.
+            made_ahead().insert(key(g), image);
+        }
+    }
+    mine.unwrap_or_else(|| compile_and_cache(dir, f, arch))
+}
+
+/// `work` for each of `families` on up to one thread per core, taken in the order given; returns
+/// when all are done, each family with its result.
+fn in_parallel<T: Send>(
+    families: &[Family],
+    work: impl Fn(Family) -> T + Sync,
+) -> Vec<(Family, T)> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done = Mutex::new(Vec::with_capacity(families.len()));
+    let worker = || loop {
+        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some(&f) = families.get(i) else { break };
+        let r = work(f);
+        done.lock().unwrap_or_else(|e| e.into_inner()).push((f, r));
+    };
+    std::thread::scope(|s| {
+        let worker = &worker;
+        for _ in 1..cores.min(families.len()) {
+            // A thread that cannot start leaves its share to the others and to this one.
+            let _ = std::thread::Builder::new().spawn_scoped(s, worker);
+        }
+        worker();
+    });
+    done.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The disk cache's file for family `f` on `arch`, named by the hash of what goes into it.
+fn cache_file(dir: &Path, f: Family, arch: (i32, i32)) -> PathBuf {
+    let key = fnv1a(&[
+        CACHE_FORMAT,
+        full_source(f).as_bytes(),
+        options(arch).join(" ").as_bytes(),
+        format!("sm_{}{}", arch.0, arch.1).as_bytes(),
+    ]);
+    dir.join(format!(
+        "{}-sm{}{}-{key:016x}.cubin",
+        f.name(),
+        arch.0,
+        arch.1
+    ))
+}
+
+/// Family `f`'s image from the disk cache, when its file is there and its seal matches.
+fn read_cached(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Option<Vec<u8>> {
+    let path = cache_file(dir?, f, arch);
+    let bytes = std::fs::read(&path).ok()?;
+    match unseal(&bytes) {
+        Ok(image) => Some(image.to_vec()),
+        Err(why) => {
+            log::warn!(
+                "kernel cache: {} ignored ({why}); compiling {}.cu again",
+                path.display(),
+                f.name()
+            );
+            None
+        }
+    }
+}
+
+/// Compiles family `f` for `arch` and writes the image, sealed, to the disk cache (best effort:
+/// a read-only home directory only costs a compile next time).
+fn compile_and_cache(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
+    let image = compile(f, &full_source(f), &options(arch))?;
+    if let Some(path) = dir.map(|d| cache_file(d, f, arch)) {
         let write = || -> Result<()> {
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir)
                     .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
             }
-            crate::io::write_atomic(path, |w| {
+            crate::io::write_atomic(&path, |w| {
                 w.write_all(&seal(&image))
                     .map_err(|e| Error::io(format!("writing {}", path.display()), e))
             })
         };
-        // Best effort: a read-only home directory only costs a compile next time.
         if let Err(e) = write() {
             log::debug!("kernel cache: {e}");
         }
@@ -221,7 +331,8 @@ fn unseal(bytes: &[u8]) -> std::result::Result<&[u8], &'static str> {
     Ok(image)
 }
 
-/// Compiles every kernel family for compute capability `arch` with NVRTC, bypassing the caches:
+/// Compiles every kernel family for compute capability `arch` with NVRTC, side by side,
+/// bypassing the caches:
 /// a check of the kernel sources that needs libnvrtc but no GPU or driver (tests/kernels.rs runs
 /// it wherever NVRTC loads, CI included). Returns the families compiled; an error carries the
 /// NVRTC log, or says that libnvrtc is missing.
@@ -235,8 +346,13 @@ pub fn compile_all_for(arch: (i32, i32)) -> Result<usize> {
             cudarc::get_lib_name_candidates("nvrtc").join(", ")
         )));
     }
-    for f in Family::ALL {
-        super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))?;
+    let mut compiled = in_parallel(&BY_COMPILE_TIME, |f| {
+        super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))
+    });
+    // The first failure in the families' usual order, whichever thread met it first.
+    compiled.sort_by_key(|(f, _)| Family::ALL.iter().position(|g| g == f));
+    for (_, r) in compiled {
+        r?;
     }
     Ok(Family::ALL.len())
 }
@@ -332,10 +448,9 @@ mod tests {
         assert_eq!(unseal(&seal(&[])), Ok(&[][..]));
     }
 
-    /// Needs libnvrtc (no GPU), as tests/kernels.rs: CI installs it and sets
-    /// MIXPREC_REQUIRE_NVRTC; elsewhere the test says it skipped.
-    #[test]
-    fn a_damaged_cached_kernel_is_compiled_again() {
+    /// An empty directory for a test that needs libnvrtc (no GPU), as tests/kernels.rs: CI
+    /// installs it and sets MIXPREC_REQUIRE_NVRTC; elsewhere the test says it skipped (`None`).
+    fn nvrtc_and_an_empty_dir(test: &str) -> Option<PathBuf> {
         // SAFETY: loading libnvrtc runs its initialisers, as cudarc's own loading would.
         let present =
             std::panic::catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false);
@@ -345,13 +460,23 @@ mod tests {
                 "MIXPREC_REQUIRE_NVRTC is set but NVRTC is not found"
             );
             println!("skipped: NVRTC not found");
-            return;
+            return None;
         }
-        let dir =
-            std::env::temp_dir().join(format!("mixprec-kernel-cache-test-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!(
+            "mixprec-kernel-cache-{test}-{}",
+            std::process::id()
+        ));
         let _ = std::fs::remove_dir_all(&dir);
+        Some(dir)
+    }
+
+    #[test]
+    fn a_damaged_cached_kernel_is_compiled_again() {
+        let Some(dir) = nvrtc_and_an_empty_dir("damaged") else {
+            return;
+        };
         let (f, arch) = (Family::Index, (9, 0));
-        let fresh = module_image_in(Some(&dir), f, arch).unwrap();
+        let fresh = module_image_in(Some(&dir), f, arch, &[]).unwrap();
         assert_eq!(
             &fresh[..4],
             b"\x7fELF",
@@ -363,7 +488,7 @@ mod tests {
         let on_disk = std::fs::read(&file).unwrap();
         assert_eq!(on_disk, seal(&fresh));
         // Read back from the cache as it was written.
-        assert_eq!(module_image_in(Some(&dir), f, arch).unwrap(), fresh);
+        assert_eq!(module_image_in(Some(&dir), f, arch, &[]).unwrap(), fresh);
         // A byte changed in the middle of the code: still a well-formed ELF file, which the
         // driver might load and run. It is compiled again instead.
         let mut flipped = on_disk.clone();
@@ -371,11 +496,66 @@ mod tests {
         let cut = &on_disk[..on_disk.len() / 2];
         for bad in [&flipped[..], cut, &fresh[..], &b"not a cubin"[..], &[]] {
             std::fs::write(&file, bad).unwrap();
-            let again = module_image_in(Some(&dir), f, arch).unwrap();
+            let again = module_image_in(Some(&dir), f, arch, &[]).unwrap();
             assert_eq!(again, fresh, "the same image as compiled");
             assert_eq!(std::fs::read(&file).unwrap(), seal(&again), "written again");
         }
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A miss compiles the families missing from the cache together; one made ahead is handed
+    /// out at its own first use without a compile, once; one already cached is not compiled.
+    #[test]
+    fn a_miss_compiles_the_missing_families_together() {
+        let Some(dir) = nvrtc_and_an_empty_dir("together") else {
+            return;
+        };
+        let arch = (9, 0);
+        let set = [Family::Layout, Family::Index, Family::Cast];
+        // Cast is cached (a stand-in image under a good seal: the cache trusts its seal).
+        std::fs::create_dir_all(&dir).unwrap();
+        let cast_file = cache_file(&dir, Family::Cast, arch);
+        std::fs::write(&cast_file, seal(b"cast, cached")).unwrap();
+        let index = module_image_in(Some(&dir), Family::Index, arch, &set).unwrap();
+        assert_eq!(
+            index,
+            compile(Family::Index, &full_source(Family::Index), &options(arch)).unwrap()
+        );
+        let layout_file = cache_file(&dir, Family::Layout, arch);
+        let layout = compile(Family::Layout, &full_source(Family::Layout), &options(arch)).unwrap();
+        assert_eq!(
+            std::fs::read(&layout_file).unwrap(),
+            seal(&layout),
+            "compiled beside Index"
+        );
+        assert_eq!(
+            std::fs::read(&cast_file).unwrap(),
+            seal(b"cast, cached"),
+            "not compiled"
+        );
+        // Layout's first use takes the image made ahead: no compile, so no file written again.
+        std::fs::remove_file(&layout_file).unwrap();
+        assert_eq!(
+            module_image_in(Some(&dir), Family::Layout, arch, &set).unwrap(),
+            layout
+        );
+        assert!(!layout_file.exists());
+        // Handed out once: the next miss compiles it (alone: the others are cached) and writes it.
+        assert_eq!(
+            module_image_in(Some(&dir), Family::Layout, arch, &set).unwrap(),
+            layout
+        );
+        assert_eq!(std::fs::read(&layout_file).unwrap(), seal(&layout));
+        assert_eq!(
+            module_image_in(Some(&dir), Family::Cast, arch, &set).unwrap(),
+            b"cast, cached"
+        );
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            3,
+            "no temporary left"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
