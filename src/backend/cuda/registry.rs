@@ -8,9 +8,11 @@
 //! A first use that finds its family in neither place (a new machine, a new version) compiles
 //! every family missing from the disk cache, side by side on the host's cores, longest first,
 //! and waits for them all: a training step uses nearly every family, and one after another, each
-//! at its first use, they took 30-40 s of the first step on the lent GPU machines' hosts
-//! (`batch_norm` and `fused_optim` 8-12 s each). The threads end before the call returns, so none
-//! is left inside NVRTC when the program exits.
+//! at its first use, they took ~40 s of the first step on the lent GPU machines' hosts
+//! (`fused_optim` 12-16 s, `batch_norm` 8-10 s). The threads end before the call returns, so
+//! none is left inside NVRTC when the program exits. (NVRTC 13 also keeps its compiles in the
+//! driver's compute cache, `~/.nv/ComputeCache`: a later process compiles from there in a
+//! fraction of a second, even with this cache empty.)
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -107,6 +109,9 @@ fn options(arch: (i32, i32)) -> Vec<String> {
         format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
         "--std=c++17".into(),
         "--fmad=true".into(),
+        // NVRTC optimises a program's functions on several threads (as many as the host has):
+        // the families with many kernels (fused_optim, batch_norm) are most of a cold compile.
+        "--split-compile=0".into(),
     ]
 }
 
@@ -137,20 +142,21 @@ pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
     module_image_in(cache_dir().as_deref(), f, arch, &BY_COMPILE_TIME)
 }
 
-/// The families, longest to compile first (seconds, CUDA 13's NVRTC for sm_90, on one core of the
-/// CI machine / of the H200 machine's host), so that [`in_parallel`]'s threads end about together.
+/// The families, longest to compile first, so that [`in_parallel`]'s threads end about together.
+/// Seconds of a cold compile (CUDA 13.0's NVRTC, sm_90) on the H200 machine's 16-core host, all
+/// eleven at once, without / with `--split-compile=0` (RESULTS.md, call E13).
 const BY_COMPILE_TIME: [Family; 11] = [
-    Family::FusedOptim,  // 6.5 / ~9
-    Family::BatchNorm,   // 4.8 / 8-12
-    Family::Pool,        // 3.4 / 4.9
-    Family::MultiTensor, // 1.2
-    Family::Elementwise, // 0.9 / 1.6
-    Family::Softmax,     // 0.7 / 1.2
-    Family::Reduce,      // 0.6
-    Family::Cast,        // 0.3
-    Family::Conv,        // 0.3
-    Family::Layout,      // 0.1 / 0.2
-    Family::Index,       // 0.1
+    Family::FusedOptim,  // 12.2 / 5.5
+    Family::BatchNorm,   // 8.3 / 4.1
+    Family::Pool,        // 6.1 / 2.6
+    Family::MultiTensor, // 3.2 / 1.6
+    Family::Elementwise, // 1.8 / 1.1
+    Family::Softmax,     // 1.5 / 1.1
+    Family::Reduce,      // 1.3 / 0.8
+    Family::Conv,        // 1.2 / 1.0
+    Family::Cast,        // 0.8 / 0.6
+    Family::Layout,      // 0.5 / 0.5
+    Family::Index,       // 0.5 / 0.4
 ];
 
 /// Where a made-ahead image is kept: the cache directory (none: no disk cache), the family, the
