@@ -105,15 +105,20 @@ pub fn full_source(f: Family) -> String {
 }
 
 fn options(arch: (i32, i32)) -> Vec<String> {
-    vec![
+    let mut opts = vec![
         format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
         "--std=c++17".into(),
         "--fmad=true".into(),
-        // NVRTC optimises a program's functions on several threads (as many as the host has):
-        // the families with many kernels (fused_optim, batch_norm) are most of a cold compile.
-        "--split-compile=0".into(),
-    ]
+    ];
+    opts.extend(SPEED_OPTIONS.iter().map(|o| o.to_string()));
+    opts
 }
+
+/// Options that only make a compile faster. An NVRTC that refuses one (an older one than the
+/// CUDA 13 this is written for: cudarc also loads libnvrtc.so.12 and .11) compiles without it.
+/// `--split-compile=0`: NVRTC optimises a program's functions on as many threads as the host
+/// has; the families with many kernels (fused_optim, batch_norm) are most of a cold compile.
+const SPEED_OPTIONS: &[&str] = &["--split-compile=0"];
 
 /// FNV-1a, 64 bits: stable across Rust versions (the key of files on disk).
 pub(super) fn fnv1a(parts: &[&[u8]]) -> u64 {
@@ -372,6 +377,11 @@ fn nvrtc_err(kernel: &str, what: &str, e: impl std::fmt::Debug) -> Error {
 
 /// Compiles `src` with NVRTC to a cubin; a failure carries NVRTC's log.
 fn compile(f: Family, src: &str, opts: &[String]) -> Result<Vec<u8>> {
+    compile_with(f, src, opts, SPEED_OPTIONS)
+}
+
+/// [`compile`], with `speed` the options that may be dropped when NVRTC refuses one.
+fn compile_with(f: Family, src: &str, opts: &[String], speed: &[&str]) -> Result<Vec<u8>> {
     let kernel = format!("{}.cu", f.name());
     let csrc = CString::new(src).map_err(|e| nvrtc_err(&kernel, "source", e))?;
     let cname = CString::new(kernel.clone()).map_err(|e| nvrtc_err(&kernel, "name", e))?;
@@ -387,6 +397,14 @@ fn compile(f: Family, src: &str, opts: &[String]) -> Result<Vec<u8>> {
     let guard = Guard(prog);
     // SAFETY: `prog` is a live program; options are plain strings.
     let compiled = unsafe { nvrtc::compile_program(guard.0, opts) };
+    if let Err(e) = &compiled {
+        let optional = |o: &String| speed.contains(&o.as_str());
+        if e.0 == nvrtc_sys::nvrtcResult::NVRTC_ERROR_INVALID_OPTION && opts.iter().any(optional) {
+            log::debug!("NVRTC refused one of {speed:?}; compiling {kernel} without them");
+            let required: Vec<String> = opts.iter().filter(|o| !optional(o)).cloned().collect();
+            return compile_with(f, src, &required, &[]);
+        }
+    }
     if let Err(e) = compiled {
         // SAFETY: as above.
         let log = unsafe { nvrtc::get_program_log(guard.0) }
@@ -508,6 +526,33 @@ mod tests {
         }
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A speed option that NVRTC refuses (as one older than CUDA 13 might refuse
+    /// `--split-compile`) is dropped, and the compile is the one without it; a refused option
+    /// that is not a speed option stays an error naming the kernel.
+    #[test]
+    fn a_refused_speed_option_is_dropped() {
+        if nvrtc_and_an_empty_dir("refused").is_none() {
+            return;
+        }
+        let (f, src) = (Family::Layout, full_source(Family::Layout));
+        let plain = vec!["--gpu-architecture=sm_90".to_string(), "--std=c++17".into()];
+        let unknown = "--no-such-option-in-any-nvrtc";
+        let mut with_unknown = plain.clone();
+        with_unknown.push(unknown.into());
+        let expected = compile_with(f, &src, &plain, &[]).unwrap();
+        assert_eq!(
+            compile_with(f, &src, &with_unknown, &[unknown]).unwrap(),
+            expected
+        );
+        match compile_with(f, &src, &with_unknown, &[]) {
+            Err(Error::Compile { kernel, log }) => {
+                assert_eq!(kernel, "layout.cu");
+                assert!(log.contains("INVALID_OPTION"), "{log}");
+            }
+            other => panic!("an unknown required option compiled: {other:?}"),
+        }
     }
 
     /// A miss compiles the families missing from the cache together; one made ahead is handed
