@@ -991,7 +991,7 @@ fn time_both(
     };
     let mut timer = EventTimer::new(dev);
     let workspaces = [0, bn.forward_workspace + bn.backward_workspace];
-    let tuning = tune(&workspaces, |i, k, pre| {
+    let tuning = tune(&workspaces, &[], |i, k, pre| {
         timer.measure(|| run(i == 1), k, pre)
     })?;
     let timing = BnTiming {

@@ -10,7 +10,10 @@
 //! filters, such as a one-channel stem). All are timed
 //! the same way on the same buffers (`conv_tune.rs`: warm-up, median of three, slow ones
 //! abandoned early, near-equals re-timed) and the fastest runs; among candidates within 3% of it,
-//! the one with the least workspace.
+//! the one with the least workspace. A candidate is not run at all where a tenth of the best
+//! rate it reached on an earlier convolution of the same direction, dtype and layout
+//! ([`RATE_MARGIN`]) would still make it slow: cuDNN's generic engine 0, run on each of
+//! ResNet-50's convolutions at 100-1200 ms a run, was most of a new machine's first step.
 //!
 //! Why: inside a real ResNet-50 step (H200, batch 256) the former choice lost up to 4.4x to the
 //! legacy API's untimed heuristic choice. The graph API's candidates were capped at 256 MiB of
@@ -64,7 +67,7 @@ use super::side_stream;
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout};
+use crate::tensor::{DType, Layout, MemoryFormat};
 
 /// The most workspace one plan may need by default, and the least the limit goes down to when
 /// free memory is short.
@@ -271,6 +274,9 @@ pub(crate) struct Dnn {
     device_id: String,
     /// Candidate runs timed so far (warm-ups included).
     timing_runs: u64,
+    /// The best rate (flops per ms) each candidate reached on a convolution timed so far, for
+    /// the floors of later ones (`conv_tune.rs`).
+    rates: HashMap<RateKey, f64>,
     /// Batch norm's cuDNN descriptors and choices (`batch_norm.rs`).
     pub(super) batch_norm: super::batch_norm::BnChoices,
 }
@@ -306,6 +312,30 @@ enum Cand {
     Direct,
 }
 
+/// What a candidate is across convolutions: the graph engine with its knob choices, the legacy
+/// algorithm with its math type, or our kernel.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum CandId {
+    Graph(i64, Option<Vec<(u32, i64)>>),
+    Legacy(i64, i64),
+    Direct,
+}
+
+/// Whose rate: direction, dtype, memory format, TF32, candidate.
+type RateKey = (Dir, DType, MemoryFormat, bool, CandId);
+
+/// A candidate's floor on a convolution is its time at this many times the best rate it reached
+/// on another of the same direction, dtype and layout. Over ResNet-50's convolutions the rate of
+/// cuDNN's engine 0 varied 5x (44-2300 GFLOP/s forward, 42-204 backward-filter), and it stayed
+/// 300-9000x slower than the best candidate (RESULTS.md, call A14).
+const RATE_MARGIN: f64 = 10.0;
+
+/// Multiply-adds times two: the same for the three directions.
+fn flops(p: &Conv2dParams) -> f64 {
+    let per_out = (p.c_in / p.groups.max(1)) * p.kh * p.kw;
+    2.0 * (p.n * p.c_out * p.out_h() * p.out_w()) as f64 * per_out as f64
+}
+
 impl Dnn {
     fn new(dev: &CudaDevice) -> Result<Dnn> {
         dev.ctx
@@ -330,6 +360,7 @@ impl Dnn {
             plans: HashMap::new(),
             device_id,
             timing_runs: 0,
+            rates: HashMap::new(),
             batch_norm: Default::default(),
         };
         // SAFETY: live handle and stream.
@@ -549,9 +580,27 @@ impl Dnn {
             fits
         });
         let workspaces: Vec<usize> = order.iter().map(ws_of).collect();
+        let id_of = |c: &Cand| match *c {
+            Cand::Graph(k) => CandId::Graph(gc[k].engine, gc[k].knobs.clone()),
+            Cand::Legacy(k) => CandId::Legacy(la[k].algo.code(), la[k].math_code()),
+            Cand::Direct => CandId::Direct,
+        };
+        let rate_keys: Vec<RateKey> = order
+            .iter()
+            .map(|c| (dir, dtype, p.format, tf32, id_of(c)))
+            .collect();
+        let work = flops(p);
+        let floors: Vec<Option<f32>> = rate_keys
+            .iter()
+            .map(|k| {
+                self.rates
+                    .get(k)
+                    .map(|rate| (work / (RATE_MARGIN * rate)) as f32)
+            })
+            .collect();
         let ws_ptr = scratch.as_ref().map_or(std::ptr::null_mut(), |s| s.ptr());
         let mut timer = EventTimer::new(dev);
-        let tuning = tune(&workspaces, |i, runs, pre_run| match order[i] {
+        let tuning = tune(&workspaces, &floors, |i, runs, pre_run| match order[i] {
             Cand::Graph(k) => match graph.as_ref() {
                 Some((conv, _)) => {
                     timer.measure(|| conv.execute(h, &gc[k], ptrs, ws_ptr), runs, pre_run)
@@ -574,6 +623,12 @@ impl Dnn {
         self.timing_runs += timer.runs;
         drop(scratch);
         let tuning = tuning?;
+        for (key, o) in rate_keys.into_iter().zip(&tuning.outcomes) {
+            if let Some(ms) = o.seen_ms().filter(|&ms| ms > 0.0 && work > 0.0) {
+                let rate = self.rates.entry(key).or_insert(0.0);
+                *rate = rate.max(work / ms as f64);
+            }
+        }
         log::debug!(
             "{dir:?} {dtype} {p:?}: {} -> {}",
             order
@@ -855,7 +910,8 @@ pub struct ConvPlanInfo {
     /// fit the workspace limit; 0 when that API was not asked).
     pub graph_candidates: usize,
     pub legacy_candidates: usize,
-    /// How many of them were timed (abandoned as too slow counts; failing to run does not).
+    /// How many of them were timed (abandoned as too slow counts; failing to run, or not run
+    /// for a floor already slow, does not).
     pub graph_timed: usize,
     pub legacy_timed: usize,
     /// Wall time spent choosing it in this process (ms): building and timing candidates, or

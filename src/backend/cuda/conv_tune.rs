@@ -7,12 +7,16 @@
 //! work), which a real step hides behind the previous kernel, is not counted; neither is a first
 //! launch's kernel loading.
 //! 1. Every candidate runs once, timed coarsely (from an idle GPU: launch and first-launch costs
-//!    included).
+//!    included), unless its *floor* is already slow: a lower estimate of its time that the caller
+//!    may give from the rate the candidate reached on other convolutions. cuDNN's generic engine
+//!    0 takes 0.1-1.2 s on each of ResNet-50's convolutions where the best takes 0.04-0.6 ms;
+//!    run on every one, it was 30 of the 39 s a cold plan choice took (RESULTS.md, call A14).
 //! 2. In order of that time, each is measured precisely: `TIMED_RUNS` timed runs after an untimed
 //!    one, the median its time. One whose coarse time was more than `SLOW` times (plus
 //!    `SLACK_MS`) the best coarse time so far runs once more, coarsely, and is abandoned if that
-//!    is slow too: an engine at 140 ms where the best takes 0.3 ms costs two runs. (The slack
-//!    keeps launch costs from abandoning a candidate of a tiny convolution.)
+//!    is slow too; one slower than that by more than `FIRST_LAUNCH_MS`, which no first launch
+//!    costs, is abandoned at once. (The slack keeps launch costs from abandoning a candidate of a
+//!    tiny convolution.)
 //! 3. The finalists (within `FINALIST` of the best median) are measured `FINAL_ROUNDS` more
 //!    times, interleaved, so that a drift of the clocks during the timing cannot decide between
 //!    near-equals.
@@ -37,6 +41,9 @@ pub(super) const TIMED_RUNS: usize = 3;
 /// candidate as too slow.
 const SLOW: f32 = 2.0;
 const SLACK_MS: f32 = 0.2;
+/// More than this beyond the slow mark, a coarse time is the candidate's own, not a first
+/// launch's (loading a kernel took ~8 ms at most in the calls of RESULTS.md): abandoned at once.
+const FIRST_LAUNCH_MS: f32 = 50.0;
 /// Candidates whose median is within this factor of the best are re-timed.
 const FINALIST: f32 = 1.10;
 /// Extra runs per finalist, interleaved across finalists.
@@ -53,12 +60,14 @@ pub(super) enum Outcome {
     Abandoned { best_ms: f32, runs: usize },
     /// A run failed (it is never chosen).
     Failed { runs: usize },
+    /// Not run: its floor (ms) was already slow against the best coarse time before it.
+    Skipped { floor_ms: f32 },
 }
 
 impl Outcome {
     /// Whether at least one run of it was timed.
     pub(super) fn was_timed(&self) -> bool {
-        !matches!(self, Outcome::Failed { .. })
+        matches!(self, Outcome::Timed { .. } | Outcome::Abandoned { .. })
     }
 
     /// As logs and reports print it.
@@ -69,6 +78,17 @@ impl Outcome {
                 format!("abandoned at {best_ms:.3} ms ({runs} runs)")
             }
             Outcome::Failed { runs } => format!("failed (run {runs})"),
+            Outcome::Skipped { floor_ms } => format!("not run (at least {floor_ms:.3} ms)"),
+        }
+    }
+
+    /// Its fastest time seen (ms), for a rate: the median of a timed candidate, the best run
+    /// of an abandoned one.
+    pub(super) fn seen_ms(&self) -> Option<f32> {
+        match self {
+            Outcome::Timed { median_ms, .. } => Some(*median_ms),
+            Outcome::Abandoned { best_ms, .. } => Some(*best_ms),
+            _ => None,
         }
     }
 
@@ -95,10 +115,12 @@ fn median(times: &[f32]) -> f32 {
 }
 
 /// Times candidates `0..workspaces.len()` and chooses one, as the module doc describes.
+/// `floors[i]`, where given, is a lower estimate of candidate `i`'s time in ms (step 1).
 /// `measure(i, k, pre_run)` runs candidate `i` once untimed when `pre_run`, then `k` times timed,
 /// and returns the `k` times in ms, or None when a run failed.
 pub(super) fn tune(
     workspaces: &[usize],
+    floors: &[Option<f32>],
     mut measure: impl FnMut(usize, usize, bool) -> Result<Option<Vec<f32>>>,
 ) -> Result<Tuning> {
     let n = workspaces.len();
@@ -113,9 +135,19 @@ pub(super) fn tune(
     // A candidate is out once failed or abandoned.
     let mut out: Vec<Option<Outcome>> = vec![None; n];
     let mut coarse = vec![f32::INFINITY; n];
+    let mut best_so_far = f32::INFINITY;
     for (i, o) in out.iter_mut().enumerate() {
+        if let Some(floor_ms) = floors.get(i).copied().flatten() {
+            if slow(floor_ms, best_so_far) {
+                *o = Some(Outcome::Skipped { floor_ms });
+                continue;
+            }
+        }
         match measure(i, 1, false)? {
-            Some(t) => coarse[i] = t[0],
+            Some(t) => {
+                coarse[i] = t[0];
+                best_so_far = best_so_far.min(t[0]);
+            }
             None => *o = Some(Outcome::Failed { runs: 0 }),
         }
     }
@@ -124,6 +156,13 @@ pub(super) fn tune(
     let (mut best, mut best_coarse) = (f32::INFINITY, f32::INFINITY);
     for &i in &order {
         let mut c = coarse[i];
+        if slow(c - FIRST_LAUNCH_MS, best_coarse) {
+            out[i] = Some(Outcome::Abandoned {
+                best_ms: c,
+                runs: 0,
+            });
+            continue;
+        }
         if slow(c, best_coarse) {
             // Slow, or slowed once (a first launch, the clocks): one more run decides.
             let Some(again) = measure(i, 1, false)? else {
@@ -179,6 +218,7 @@ pub(super) fn tune(
                 best_ms,
                 runs: runs[i],
             },
+            Some(skipped @ Outcome::Skipped { .. }) => skipped,
             Some(_) => Outcome::Failed { runs: runs[i] },
         })
         .collect();
@@ -363,9 +403,18 @@ mod tests {
     /// i (the last repeats); a NaN run fails. Returns the tuning and how many runs each candidate
     /// made, untimed ones included.
     fn run(times: &[Vec<f32>], workspaces: &[usize]) -> (Tuning, Vec<usize>) {
+        run_with_floors(times, workspaces, &[])
+    }
+
+    /// [`run`] with floors for the candidates.
+    fn run_with_floors(
+        times: &[Vec<f32>],
+        workspaces: &[usize],
+        floors: &[Option<f32>],
+    ) -> (Tuning, Vec<usize>) {
         let mut next = vec![0usize; times.len()];
         let mut calls = vec![0usize; times.len()];
-        let t = tune(workspaces, |i, k, pre| {
+        let t = tune(workspaces, floors, |i, k, pre| {
             calls[i] += k + pre as usize;
             let mut out = Vec::new();
             for _ in 0..k {
@@ -384,6 +433,7 @@ mod tests {
                 Outcome::Timed { runs, .. }
                 | Outcome::Abandoned { runs, .. }
                 | Outcome::Failed { runs } => *runs,
+                Outcome::Skipped { .. } => 0,
             };
             assert_eq!(runs, calls[i], "candidate {i}: {o:?}");
         }
@@ -405,14 +455,46 @@ mod tests {
 
     #[test]
     fn a_slow_candidate_costs_two_runs() {
-        // Like the 140 ms engine 0 of the strided 1x1 backward-data in bf16.
-        let (t, calls) = run(&[vec![0.3], vec![140.0], vec![0.31]], &[0, 0, 0]);
+        // 30 ms: a first launch could not cost that much more than 0.8 ms, but it is checked.
+        let (t, calls) = run(&[vec![0.3], vec![30.0], vec![0.31]], &[0, 0, 0]);
         assert_eq!(t.chosen, Some(0));
         assert_eq!(calls[1], 2, "{:?}", t.outcomes);
-        assert!(matches!(t.outcomes[1], Outcome::Abandoned { best_ms, .. } if best_ms == 140.0));
+        assert!(matches!(t.outcomes[1], Outcome::Abandoned { best_ms, .. } if best_ms == 30.0));
         // The two close ones were finalists: each final round is an untimed and a timed run.
         assert_eq!(calls[0], FULL + 2 * FINAL_ROUNDS);
         assert_eq!(calls[2], FULL + 2 * FINAL_ROUNDS);
+    }
+
+    #[test]
+    fn a_candidate_slower_than_any_first_launch_costs_one_run() {
+        // Like the 140 ms engine 0 of the strided 1x1 backward-data in bf16: more than
+        // FIRST_LAUNCH_MS beyond the slow mark, the one run decides.
+        let (t, calls) = run(&[vec![0.3], vec![140.0], vec![0.31]], &[0, 0, 0]);
+        assert_eq!(t.chosen, Some(0));
+        assert_eq!(calls[1], 1, "{:?}", t.outcomes);
+        assert!(matches!(
+            t.outcomes[1],
+            Outcome::Abandoned { best_ms, runs: 1 } if best_ms == 140.0
+        ));
+    }
+
+    #[test]
+    fn a_candidate_whose_floor_is_slow_is_not_run() {
+        // Candidate 2's floor (5 ms) is slow against the best coarse time before it (0.3 ms):
+        // it is not run, even though it would have been the fastest (a floor is an estimate).
+        // Candidate 0's floor comes before any time to compare it with; candidate 3's is not
+        // slow: both run.
+        let floors = [Some(9.0), None, Some(5.0), Some(0.5)];
+        let times = [vec![0.3], vec![0.35], vec![0.2], vec![0.32]];
+        let (t, calls) = run_with_floors(&times, &[0; 4], &floors);
+        assert!(matches!(t.outcomes[2], Outcome::Skipped { floor_ms } if floor_ms == 5.0));
+        assert!(!t.outcomes[2].was_timed());
+        assert_eq!(calls[2], 0);
+        assert!([0, 1, 3].iter().all(|&i| t.outcomes[i].was_timed()));
+        assert_eq!(t.chosen, Some(0));
+        // Without floors it would have won.
+        let (t, _) = run(&times, &[0; 4]);
+        assert_eq!(t.chosen, Some(2));
     }
 
     #[test]
