@@ -326,8 +326,8 @@ type RateKey = (Dir, DType, MemoryFormat, bool, CandId);
 
 /// A candidate's floor on a convolution is its time at this many times the best rate it reached
 /// on another of the same direction, dtype and layout. Over ResNet-50's convolutions the rate of
-/// cuDNN's engine 0 varied 5x (44-2300 GFLOP/s forward, 42-204 backward-filter), and it stayed
-/// 300-9000x slower than the best candidate (RESULTS.md, call A14).
+/// cuDNN's engine 0 varied 5x (457-2338 GFLOP/s forward, 42-204 backward-filter), and it stayed
+/// 44-9100x slower than the best candidate (RESULTS.md, call A14).
 const RATE_MARGIN: f64 = 10.0;
 
 /// Multiply-adds times two: the same for the three directions.
