@@ -167,7 +167,8 @@ fn kill_9_at_random_moments_then_resume_auto_is_exact() {
         kills >= 3,
         "seed {seed}: only {kills} kills: the run is too short to test"
     );
-    // No temporary file of an interrupted save is left once the run has saved again.
+    // No temporary file of an interrupted save is left once the run has been resumed, even
+    // when the resume had nothing left to save (a kill inside the last epoch's saves).
     let leftovers: Vec<_> = std::fs::read_dir(dir.join("checkpoints"))
         .unwrap()
         .filter_map(|e| e.ok())

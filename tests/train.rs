@@ -463,6 +463,41 @@ fn resuming_a_run_that_died_before_its_final_weights_writes_them() {
     assert!(!again.written.contains(&"model.safetensors".into()));
 }
 
+/// A run killed inside its last epoch's saves leaves half-written temporary files that no
+/// later write of the resumed run replaces (it has nothing left to train): opening the run
+/// directory removes those of processes that are gone, and leaves a live process's alone.
+#[test]
+fn resuming_removes_the_temporary_files_of_a_killed_save() {
+    let dir = tempdir("killed-save");
+    let cfg = quick(dir.join("run"), 2);
+    run(&cfg, &quiet()).unwrap();
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let (gone, me) = (gone.id(), std::process::id());
+    let ckpt = cfg.out.join("checkpoints");
+    let killed = [
+        ckpt.join(format!(".epoch-002.safetensors.tmp-{gone}-5")),
+        cfg.out.join(format!(".model.safetensors.tmp-{gone}-7")),
+    ];
+    let live = ckpt.join(format!(".epoch-002.safetensors.tmp-{me}-999"));
+    for f in killed.iter().chain([&live]) {
+        std::fs::write(f, b"half a checkpoint").unwrap();
+    }
+    let resumed = run(
+        &cfg,
+        &RunOptions {
+            resume: Some(Resume::Auto),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    assert_eq!(resumed.history.len(), 2, "nothing left to train");
+    for f in &killed {
+        assert!(!f.exists(), "{} is still there", f.display());
+    }
+    assert!(live.exists(), "a live process's file was removed");
+}
+
 /// config.toml records what the run used (never `auto`), and a run that trains nothing
 /// (`stop_after` 0) reports only the files it wrote.
 #[test]

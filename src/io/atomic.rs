@@ -2,7 +2,8 @@
 //! the destination, fsync the directory. A reader sees the old file or the new one, never a
 //! half-written one; the old file stays until the new one is durable. On any error the
 //! temporary file is removed and an existing destination is untouched; temporary files that a
-//! crashed process left behind (`.NAME.tmp-PID-N`) are removed by the next write to `NAME`.
+//! crashed process left behind (`.NAME.tmp-PID-N`) are removed by the next write to `NAME`, or
+//! by [`remove_interrupted_writes`] (a run directory calls it when it takes its lock).
 //!
 //! [`fault`] injects a failure at any step of a write (tests of crash safety).
 
@@ -31,7 +32,7 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&mut dyn Write) -> Result<()
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    remove_stale_temps(dir, &name);
+    remove_stale_temps(dir, Some(&name));
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let tmp = dir.join(format!(
         ".{name}.tmp-{}-{}",
@@ -116,11 +117,18 @@ impl Drop for InFlight {
     }
 }
 
+/// Removes the temporary files in `dir` of writes whose process is gone (killed in the middle
+/// of a write), whatever file they were for. Best effort, as the next write's own clean-up: a
+/// file that cannot be removed stays, and so does one whose process id a live process now has.
+pub fn remove_interrupted_writes(dir: &Path) {
+    remove_stale_temps(dir, None);
+}
+
 /// Removes temporary files (`.NAME.tmp-PID-N`) in `dir` that no write will finish: those of
-/// processes that are gone, whatever their name, and this process's own for `name` that no
-/// thread is writing (left by failed or simulated-crashed writes). Best effort: a file that
-/// cannot be removed stays.
-fn remove_stale_temps(dir: &Path, name: &str) {
+/// processes that are gone, whatever their name, and this process's own for `name` (when given)
+/// that no thread is writing (left by failed or simulated-crashed writes). Best effort: a file
+/// that cannot be removed stays.
+fn remove_stale_temps(dir: &Path, name: Option<&str>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -138,7 +146,7 @@ fn remove_stale_temps(dir: &Path, name: &str) {
                 .contains(&p)
         };
         let stale =
-            (pid == me && target == name && !writing()) || (pid != me && !process_alive(pid));
+            (pid == me && Some(target) == name && !writing()) || (pid != me && !process_alive(pid));
         if stale && std::fs::remove_file(&p).is_ok() {
             log::debug!("removed {}, left by an interrupted write", p.display());
         }

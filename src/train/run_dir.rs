@@ -66,6 +66,10 @@ impl RunDir {
         std::fs::create_dir_all(root.join(CHECKPOINT_DIR))
             .map_err(|e| Error::io(format!("creating {}", root.display()), e))?;
         let lock = take_lock(root)?;
+        // Saves a killed run left half-written: the run that takes over may have nothing left
+        // to save (its checkpoint is the last epoch), so no write of its own would remove them.
+        crate::io::atomic::remove_interrupted_writes(root);
+        crate::io::atomic::remove_interrupted_writes(&root.join(CHECKPOINT_DIR));
         let dir = RunDir {
             root: root.to_path_buf(),
             lock,
@@ -143,7 +147,8 @@ impl RunDir {
     }
 
     /// Everything in the directory but the lock, an empty `checkpoints/` and temporary files
-    /// of interrupted writes (`.NAME.tmp-PID-N`, garbage that the next write removes).
+    /// of interrupted writes (`.NAME.tmp-PID-N`, garbage that opening the directory or the next
+    /// write removes).
     fn contents(&self) -> Result<Vec<PathBuf>> {
         let mut out = Vec::new();
         for p in list(&self.root)? {
