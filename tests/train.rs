@@ -284,6 +284,18 @@ fn quick(out: PathBuf, epochs: usize) -> RunConfig {
     c
 }
 
+/// `run` with `--resume auto`, quiet; it must succeed.
+fn resume_auto(cfg: &RunConfig) -> RunSummary {
+    run(
+        cfg,
+        &RunOptions {
+            resume: Some(Resume::Auto),
+            ..quiet()
+        },
+    )
+    .unwrap()
+}
+
 fn run_dir_error(r: mixprec::Result<mixprec::train::RunSummary>) -> String {
     match r {
         Err(e @ Error::RunDirectory { .. }) => e.to_string(),
@@ -438,27 +450,13 @@ fn resuming_a_run_that_died_before_its_final_weights_writes_them() {
     let w = done.weights.unwrap();
     let want = std::fs::read(&w).unwrap();
     std::fs::remove_file(&w).unwrap();
-    let resumed = run(
-        &cfg,
-        &RunOptions {
-            resume: Some(Resume::Auto),
-            ..quiet()
-        },
-    )
-    .unwrap();
+    let resumed = resume_auto(&cfg);
     assert_eq!(resumed.history.len(), 2, "nothing left to train");
     assert_eq!(resumed.weights.as_deref(), Some(w.as_path()));
     assert_eq!(std::fs::read(&w).unwrap(), want, "the weights differ");
     assert!(resumed.written.contains(&"model.safetensors".into()));
     // Once they are there, a resume that trains nothing leaves them alone.
-    let again = run(
-        &cfg,
-        &RunOptions {
-            resume: Some(Resume::Auto),
-            ..quiet()
-        },
-    )
-    .unwrap();
+    let again = resume_auto(&cfg);
     assert!(again.weights.is_none(), "{:?}", again.written);
     assert!(!again.written.contains(&"model.safetensors".into()));
 }
@@ -483,14 +481,7 @@ fn resuming_removes_the_temporary_files_of_a_killed_save() {
     for f in killed.iter().chain([&live]) {
         std::fs::write(f, b"half a checkpoint").unwrap();
     }
-    let resumed = run(
-        &cfg,
-        &RunOptions {
-            resume: Some(Resume::Auto),
-            ..quiet()
-        },
-    )
-    .unwrap();
+    let resumed = resume_auto(&cfg);
     assert_eq!(resumed.history.len(), 2, "nothing left to train");
     for f in &killed {
         assert!(!f.exists(), "{} is still there", f.display());
@@ -765,13 +756,6 @@ fn a_channels_last_run_trains_saves_and_resumes_like_a_contiguous_one() {
         },
     )
     .unwrap();
-    let resumed = run(
-        &split_cfg,
-        &RunOptions {
-            resume: Some(Resume::Auto),
-            ..quiet()
-        },
-    )
-    .unwrap();
+    let resumed = resume_auto(&split_cfg);
     assert_same_losses("channels_last resumed", &cl, &resumed);
 }
