@@ -13,7 +13,7 @@
 //! the one with the least workspace. A candidate is not run at all where a tenth of the best
 //! rate it reached on an earlier convolution of the same direction, dtype and layout
 //! ([`RATE_MARGIN`]) would still make it slow: cuDNN's generic engine 0, run on each of
-//! ResNet-50's convolutions at 100-1200 ms a run, was most of a new machine's first step.
+//! ResNet-50's convolutions at 25-1240 ms a run, was most of a new machine's first step.
 //!
 //! Why: inside a real ResNet-50 step (H200, batch 256) the former choice lost up to 4.4x to the
 //! legacy API's untimed heuristic choice. The graph API's candidates were capped at 256 MiB of
