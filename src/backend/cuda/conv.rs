@@ -11,8 +11,8 @@
 //! the same way on the same buffers (`conv_tune.rs`: warm-up, median of three, slow ones
 //! abandoned early, near-equals re-timed) and the fastest runs; among candidates within 3% of it,
 //! the one with the least workspace. A candidate is not run at all where a tenth of the best
-//! rate it reached on an earlier convolution of the same direction, dtype and layout
-//! ([`RATE_MARGIN`]) would still make it slow: cuDNN's generic engine 0, run on each of
+//! rate it reached in a long run (1 ms or more) on an earlier convolution of the same direction,
+//! dtype and layout (`conv_tune::Rates`) would still make it slow: cuDNN's generic engine 0, run on each of
 //! ResNet-50's convolutions at 25-1240 ms a run, was most of a new machine's first step.
 //!
 //! Why: inside a real ResNet-50 step (H200, batch 256) the former choice lost up to 4.4x to the
@@ -59,7 +59,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::conv_cache::{self, CacheUse, Choice, Entry};
 use super::conv_direct::DirectWgrad;
-use super::conv_tune::{tune, EventTimer, Outcome, Scratch};
+use super::conv_tune::{tune, EventTimer, Outcome, Rates, Scratch};
 use super::cudnn_graph::{EngineRules, GraphCandidate, GraphConv, GraphPlan};
 use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
 use super::device::{allow_tf32, cuda_err, deterministic, env_on, CudaDevice};
@@ -275,8 +275,8 @@ pub(crate) struct Dnn {
     /// Candidate runs timed so far (warm-ups included).
     timing_runs: u64,
     /// The best rate (flops per ms) each candidate reached on a convolution timed so far, for
-    /// the floors of later ones (`conv_tune.rs`).
-    rates: HashMap<RateKey, f64>,
+    /// the floors of later ones.
+    rates: Rates<RateKey>,
     /// Batch norm's cuDNN descriptors and choices (`batch_norm.rs`).
     pub(super) batch_norm: super::batch_norm::BnChoices,
 }
@@ -324,12 +324,6 @@ enum CandId {
 /// Whose rate: direction, dtype, memory format, TF32, candidate.
 type RateKey = (Dir, DType, MemoryFormat, bool, CandId);
 
-/// A candidate's floor on a convolution is its time at this many times the best rate it reached
-/// on another of the same direction, dtype and layout. Over ResNet-50's convolutions the rate of
-/// cuDNN's engine 0 varied 5x (457-2338 GFLOP/s forward, 42-204 backward-filter), and it stayed
-/// 44-9100x slower than the best candidate (RESULTS.md, call A14).
-const RATE_MARGIN: f64 = 10.0;
-
 /// Multiply-adds times two: the same for the three directions.
 fn flops(p: &Conv2dParams) -> f64 {
     let per_out = (p.c_in / p.groups.max(1)) * p.kh * p.kw;
@@ -360,7 +354,7 @@ impl Dnn {
             plans: HashMap::new(),
             device_id,
             timing_runs: 0,
-            rates: HashMap::new(),
+            rates: Rates::new(),
             batch_norm: Default::default(),
         };
         // SAFETY: live handle and stream.
@@ -592,11 +586,7 @@ impl Dnn {
         let work = flops(p);
         let floors: Vec<Option<f32>> = rate_keys
             .iter()
-            .map(|k| {
-                self.rates
-                    .get(k)
-                    .map(|rate| (work / (RATE_MARGIN * rate)) as f32)
-            })
+            .map(|k| self.rates.floor_ms(k, work))
             .collect();
         let ws_ptr = scratch.as_ref().map_or(std::ptr::null_mut(), |s| s.ptr());
         let mut timer = EventTimer::new(dev);
@@ -624,10 +614,7 @@ impl Dnn {
         drop(scratch);
         let tuning = tuning?;
         for (key, o) in rate_keys.into_iter().zip(&tuning.outcomes) {
-            if let Some(ms) = o.seen_ms().filter(|&ms| ms > 0.0 && work > 0.0) {
-                let rate = self.rates.entry(key).or_insert(0.0);
-                *rate = rate.max(work / ms as f64);
-            }
+            self.rates.observe(key, work, o);
         }
         log::debug!(
             "{dir:?} {dtype} {p:?}: {} -> {}",

@@ -8,9 +8,10 @@
 //! launch's kernel loading.
 //! 1. Every candidate runs once, timed coarsely (from an idle GPU: launch and first-launch costs
 //!    included), unless its *floor* is already slow: a lower estimate of its time that the caller
-//!    may give from the rate the candidate reached on other convolutions. cuDNN's generic engine
-//!    0 takes 25-1240 ms on each of ResNet-50's convolutions where the best takes 0.04-0.6 ms;
-//!    run on every one, it was 30 of the 39 s a cold plan choice took (RESULTS.md, call A14).
+//!    may give from the rate the candidate reached on other convolutions ([`Rates`]: a tenth of
+//!    its best rate in runs of at least `RATE_MIN_MS`). cuDNN's generic engine 0 takes
+//!    25-1240 ms on each of ResNet-50's convolutions where the best takes 0.04-0.6 ms; run on
+//!    every one, it was 30 of the 39 s a cold plan choice took (RESULTS.md, call A14).
 //! 2. In order of that time, each is measured precisely: `TIMED_RUNS` timed runs after an untimed
 //!    one, the median its time. One whose coarse time was more than `SLOW` times (plus
 //!    `SLACK_MS`) the best coarse time so far runs once more, coarsely, and is abandoned if that
@@ -26,6 +27,7 @@
 //! The timing scratch is allocated outside the stream-ordered pool and freed afterwards, so the
 //! largest candidate's workspace does not stay reserved in the pool.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 
 use cudarc::driver::sys as cu;
@@ -50,6 +52,50 @@ const FINALIST: f32 = 1.10;
 const FINAL_ROUNDS: usize = 2;
 /// Candidates within this fraction of the fastest median are equals: the least workspace wins.
 pub(super) const WORKSPACE_TIE: f32 = 0.03;
+
+/// A candidate's floor on a convolution is its time at this many times the best rate it reached
+/// on another of the same direction, dtype and layout. Over ResNet-50's convolutions the rate of
+/// cuDNN's engine 0 varied 5x (457-2338 GFLOP/s forward, 42-204 backward-filter), and it stayed
+/// 44-9100x slower than the best candidate (RESULTS.md, call A14).
+pub(super) const RATE_MARGIN: f64 = 10.0;
+/// Only a run at least this long gives a rate: a shorter one may be mostly launch costs, or too
+/// small a problem to fill the GPU, and a fast engine first seen there would get a floor far
+/// above its real time on a large convolution. Every candidate a floor should keep from running
+/// takes tens of ms (A14: engine 0 13-1241 ms, the CUDA-core legacy algorithms 2-17 ms).
+const RATE_MIN_MS: f32 = 1.0;
+
+/// The best rate (work per ms) each candidate reached, and the floors it gives (step 1 of the
+/// module doc). `K` says which candidate, and on what kind of problem.
+#[derive(Debug)]
+pub(super) struct Rates<K> {
+    best: HashMap<K, f64>,
+}
+
+impl<K: std::hash::Hash + Eq> Rates<K> {
+    pub(super) fn new() -> Rates<K> {
+        Rates {
+            best: HashMap::new(),
+        }
+    }
+
+    /// A lower estimate of `key`'s time (ms) on `work`: None when it has no rate yet.
+    pub(super) fn floor_ms(&self, key: &K, work: f64) -> Option<f32> {
+        self.best
+            .get(key)
+            .map(|rate| (work / (RATE_MARGIN * rate)) as f32)
+    }
+
+    /// Records what `outcome` says of `key`'s rate on `work`.
+    pub(super) fn observe(&mut self, key: K, work: f64, outcome: &Outcome) {
+        let Some(ms) = outcome.seen_ms().filter(|&ms| ms >= RATE_MIN_MS) else {
+            return;
+        };
+        if work > 0.0 {
+            let rate = self.best.entry(key).or_insert(0.0);
+            *rate = rate.max(work / ms as f64);
+        }
+    }
+}
 
 /// What the timing found for one candidate.
 #[derive(Clone, Debug, PartialEq)]
@@ -496,6 +542,49 @@ mod tests {
         // Without floors it would have won.
         let (t, _) = run(&times, &[0; 4]);
         assert_eq!(t.chosen, Some(2));
+    }
+
+    #[test]
+    fn floors_come_from_long_runs_only() {
+        let mut rates = Rates::new();
+        assert_eq!(rates.floor_ms(&"engine 0", 1e9), None);
+        // 0.05 ms on a small problem: maybe mostly launch costs, so no rate.
+        rates.observe(
+            "engine 62",
+            1e6,
+            &Outcome::Timed {
+                median_ms: 0.05,
+                runs: 5,
+            },
+        );
+        assert_eq!(rates.floor_ms(&"engine 62", 1e9), None);
+        // 100 ms for 1e9: at ten times that rate, 1e10 takes at least 100 ms.
+        let slow = Outcome::Abandoned {
+            best_ms: 100.0,
+            runs: 1,
+        };
+        rates.observe("engine 0", 1e9, &slow);
+        assert_eq!(rates.floor_ms(&"engine 0", 1e10), Some(100.0));
+        // The best rate counts; a failure or a skip says nothing.
+        rates.observe(
+            "engine 0",
+            1e9,
+            &Outcome::Timed {
+                median_ms: 50.0,
+                runs: 5,
+            },
+        );
+        rates.observe("engine 0", 1e9, &Outcome::Failed { runs: 1 });
+        rates.observe("engine 0", 1e9, &Outcome::Skipped { floor_ms: 1.0 });
+        rates.observe(
+            "engine 0",
+            1e9,
+            &Outcome::Timed {
+                median_ms: 80.0,
+                runs: 5,
+            },
+        );
+        assert_eq!(rates.floor_ms(&"engine 0", 1e10), Some(50.0));
     }
 
     #[test]
