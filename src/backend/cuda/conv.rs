@@ -12,8 +12,9 @@
 //! abandoned early, near-equals re-timed) and the fastest runs; among candidates within 3% of it,
 //! the one with the least workspace. A candidate is not run at all where a tenth of the best
 //! rate it reached in a long run (1 ms or more) on an earlier convolution of the same direction,
-//! dtype and layout (`conv_tune::Rates`) would still make it slow: cuDNN's generic engine 0, run on each of
-//! ResNet-50's convolutions at 25-1240 ms a run, was most of a new machine's first step.
+//! dtype and layout (`conv_tune::Rates`) would still make it slow: cuDNN's generic engine 0,
+//! run on each of ResNet-50's convolutions at 25-1240 ms a run, was most of a new machine's
+//! first step.
 //!
 //! Why: inside a real ResNet-50 step (H200, batch 256) the former choice lost up to 4.4x to the
 //! legacy API's untimed heuristic choice. The graph API's candidates were capped at 256 MiB of

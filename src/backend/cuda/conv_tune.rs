@@ -57,7 +57,7 @@ pub(super) const WORKSPACE_TIE: f32 = 0.03;
 /// on another of the same direction, dtype and layout. Over ResNet-50's convolutions the rate of
 /// cuDNN's engine 0 varied 5x (457-2338 GFLOP/s forward, 42-204 backward-filter), and it stayed
 /// 44-9100x slower than the best candidate (RESULTS.md, call A14).
-pub(super) const RATE_MARGIN: f64 = 10.0;
+const RATE_MARGIN: f64 = 10.0;
 /// Only a run at least this long gives a rate: a shorter one may be mostly launch costs, or too
 /// small a problem to fill the GPU, and a fast engine first seen there would get a floor far
 /// above its real time on a large convolution. Every candidate a floor should keep from running
