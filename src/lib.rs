@@ -5,10 +5,10 @@
 pub mod amp;
 pub mod autograd;
 pub mod backend;
+pub mod base;
 mod config_toml;
 pub mod data;
 pub mod distributed;
-pub mod error;
 pub mod graph;
 pub mod io;
 pub mod multi_tensor;
@@ -16,6 +16,9 @@ pub mod nn;
 pub mod optim;
 pub mod tensor;
 pub mod train;
+
+/// The crate's error type (it lives in the base floor, [`base::error`]).
+pub use base::error;
 
 pub use autograd::{no_grad, with_no_grad};
 pub use error::{Error, Mismatch, Result};

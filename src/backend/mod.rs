@@ -12,8 +12,8 @@
 pub mod cpu;
 pub mod cuda;
 
-use crate::error::Result;
-use crate::tensor::{DType, Layout, MemoryFormat, Shape};
+use crate::base::error::Result;
+use crate::base::{DType, Layout, MemoryFormat, Shape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UnaryOp {
@@ -186,7 +186,7 @@ impl BatchNormParams {
         if len == ranks * self.stats_len() {
             return Ok(());
         }
-        Err(crate::error::Error::invalid_arg(
+        Err(crate::base::error::Error::invalid_arg(
             "batch_norm_gather_stats",
             "statistics",
             format!("{len} value(s)"),
@@ -943,7 +943,7 @@ impl MtKernel {
     /// and array present, nothing the kernel does not take, each entry's buffers of its length,
     /// float lists and F32 arrays of their extent. `op` names the caller in errors.
     pub fn check_call(&self, op: &'static str, entries: &[MtEntry], sc: &MtScalars) -> Result<()> {
-        use crate::error::Error;
+        use crate::base::error::Error;
         let lists = self.lists();
         for (i, e) in entries.iter().enumerate() {
             for role in 0..MT_ROLES {

@@ -1,30 +1,7 @@
-//! Where a tensor's storage lives.
+//! Opening a CUDA device: [`Device`]'s constructors that ask the CUDA backend (the enum itself
+//! is a base type, `base/device.rs`).
 
-/// A compute device. `Cpu` is always present; `Cuda(ordinal)` is an NVIDIA GPU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Device {
-    Cpu,
-    Cuda(usize),
-}
-
-impl Device {
-    pub fn is_cpu(&self) -> bool {
-        matches!(self, Device::Cpu)
-    }
-
-    pub fn is_cuda(&self) -> bool {
-        matches!(self, Device::Cuda(_))
-    }
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(i) => write!(f, "cuda:{i}"),
-        }
-    }
-}
+use crate::base::Device;
 
 impl Device {
     /// The CUDA device `ordinal`, after checking that the driver, a GPU and the CUDA libraries

@@ -14,16 +14,13 @@ mod batch_norm;
 mod cast;
 mod conv;
 mod device;
-mod dtype;
 mod elementwise;
 mod in_place;
 mod index;
-mod layout;
 mod matmul;
 mod pool;
 pub mod random;
 mod reduce;
-mod shape;
 mod softmax;
 pub(crate) mod storage;
 mod view;
@@ -33,10 +30,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard}
 
 pub use batch_norm::BatchNormConfig;
 pub use conv::Conv2dConfig;
-pub use device::Device;
-pub use dtype::{DType, WithDType};
-pub use layout::{Layout, MemoryFormat};
-pub use shape::Shape;
+pub use crate::base::{DType, Device, Layout, MemoryFormat, Shape, WithDType};
 pub use storage::Storage;
 
 use crate::autograd::{self, Node, Op};

@@ -2,8 +2,8 @@
 //! ("memory allocation failed"); these return [`Error::OutOfMemory`] naming the op and the bytes
 //! instead, and leave the caller's state as it was.
 
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Device};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Device};
 
 /// Outputs at least this large are asked of the allocator before a kernel builds them (below
 /// it, a failure is as unlikely as any other small allocation's, and the probe would cost).

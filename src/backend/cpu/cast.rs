@@ -4,7 +4,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::CpuStorage;
-use crate::tensor::DType;
+use crate::base::DType;
 
 /// Converts through f64 only where needed: f32 → f16/bf16 rounds once (round to nearest even),
 /// as the GPU's `cvt.rn` does.
@@ -86,13 +86,13 @@ impl CpuStorage {
     }
 
     /// The first `len` values of `it` in `dtype`, for a count a user's shape decides:
-    /// [`crate::Error::OutOfMemory`] naming `op` when the host cannot hold them.
+    /// [`crate::base::Error::OutOfMemory`] naming `op` when the host cannot hold them.
     pub(crate) fn try_from_f64_iter(
         op: &'static str,
         dtype: DType,
         len: usize,
         it: impl Iterator<Item = f64>,
-    ) -> crate::Result<CpuStorage> {
+    ) -> crate::base::Result<CpuStorage> {
         use super::alloc::try_collect;
         Ok(match dtype {
             DType::F16 => CpuStorage::F16(try_collect(op, len, it.map(f16::from_f64))?),

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use super::{Elem, PAR_THRESHOLD};
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::tensor::Layout;
+use crate::base::Layout;
 
 /// Elements per block of the blocked maps: widened blocks stay in L1.
 const BLOCK: usize = 2048;

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::{CpuStorage, PAR_THRESHOLD};
 use crate::backend::BackendStorage;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 fn zip_apply<T: Send + Sync + Copy>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T + Sync) {
     if dst.len() >= PAR_THRESHOLD {

@@ -2,7 +2,7 @@
 
 use super::Elem;
 use crate::backend::DimSplit;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 fn check(op: &'static str, i: i64, len: usize) -> Result<usize> {
     if i < 0 || i as usize >= len {

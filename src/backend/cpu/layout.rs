@@ -1,6 +1,6 @@
 //! The one strided copy every view materialises through, and concatenation.
 
-use crate::tensor::Layout;
+use crate::base::Layout;
 
 /// The elements of `src` (read through its strides) written at their positions in `dst`, a
 /// dense layout at offset 0.

@@ -25,8 +25,8 @@ use super::{
     AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BatchNormSaved, BinaryOp,
     Conv2dParams, MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout, MemoryFormat, Shape, WithDType};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Layout, MemoryFormat, Shape, WithDType};
 
 /// Element types the float kernels are generic over.
 pub trait Elem: WithDType + Default {

@@ -10,8 +10,8 @@ use crate::backend::{
     AdamHyper, BufRef, LambHyper, MtArray, MtEntry, MtKernel, MtList, MtScalars, MultiTensorOps,
     NovoGradHyper, SgdHyper,
 };
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::error::{Error, Result};
+use crate::base::DType;
 
 /// Elements per chunk, as the CUDA launcher's.
 use crate::backend::MT_CHUNK as CHUNK;

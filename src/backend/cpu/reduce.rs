@@ -4,7 +4,7 @@ use rayon::prelude::*;
 
 use super::{Elem, PAR_THRESHOLD};
 use crate::backend::{DimSplit, ReduceOp};
-use crate::tensor::WithDType;
+use crate::base::WithDType;
 
 /// Accumulates in f64 whatever the dtype and rounds once: a long f32 sum accumulated in f32
 /// drifts by ~√n ulps (1e-4 relative at a million elements), more than the GPU's tree

@@ -27,8 +27,8 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{BatchNormGrads, BatchNormParams, BatchNormSaved};
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout, MemoryFormat};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Layout, MemoryFormat};
 
 /// `BnFwd` of batch_norm.cu: the geometry of one training-mode batch-norm forward.
 #[repr(C)]

@@ -5,8 +5,8 @@ use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
-use crate::error::Result;
-use crate::tensor::{DType, Layout};
+use crate::base::error::Result;
+use crate::base::{DType, Layout};
 
 /// `x` (a dense layout) in `dtype`, with the same strides at offset 0.
 pub(crate) fn to_dtype(x: &CudaStorage, l: &Layout, dtype: DType) -> Result<CudaStorage> {

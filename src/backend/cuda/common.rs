@@ -1,8 +1,8 @@
 //! What the op families of the CUDA backend share: kernel-name suffixes, the `Strided` launch
 //! argument (mirrors `kernels/common.cuh`) and the accumulation dtype.
 
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::error::{Error, Result};
+use crate::base::DType;
 
 /// The kernel-name suffix of a dtype.
 pub(crate) fn sfx(d: DType) -> &'static str {

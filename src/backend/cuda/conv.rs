@@ -67,8 +67,8 @@ use super::device::{allow_tf32, cuda_err, deterministic, env_on, CudaDevice};
 use super::side_stream;
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout, MemoryFormat};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Layout, MemoryFormat};
 
 /// The most workspace one plan may need by default, and the least the limit goes down to when
 /// free memory is short.

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use super::conv::Dir;
 use super::registry::fnv1a;
 use crate::backend::Conv2dParams;
-use crate::tensor::DType;
+use crate::base::DType;
 
 /// The version of this file format and of the choice rules behind the entries: a change to
 /// either makes older entries stale.
@@ -175,12 +175,12 @@ pub(super) fn load(dir: &Path, key: &str) -> Option<Entry> {
 /// Writes `entry` (atomically; a failure is logged: it only costs a new choice next time).
 pub(super) fn store(dir: &Path, entry: &Entry) {
     let file = path(dir, &entry.key);
-    let write = || -> crate::error::Result<()> {
+    let write = || -> crate::base::error::Result<()> {
         std::fs::create_dir_all(dir)
-            .map_err(|e| crate::error::Error::io(format!("creating {}", dir.display()), e))?;
+            .map_err(|e| crate::base::error::Error::io(format!("creating {}", dir.display()), e))?;
         crate::io::write_atomic(&file, |w| {
             serde_json::to_writer_pretty(&mut *w, entry).map_err(|e| {
-                crate::error::Error::io(
+                crate::base::error::Error::io(
                     format!("writing {}", file.display()),
                     std::io::Error::other(e),
                 )
@@ -195,7 +195,7 @@ pub(super) fn store(dir: &Path, entry: &Entry) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::MemoryFormat;
+    use crate::base::MemoryFormat;
 
     fn params(format: MemoryFormat) -> Conv2dParams {
         Conv2dParams {

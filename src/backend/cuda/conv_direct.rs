@@ -14,8 +14,8 @@ use super::device::CudaDevice;
 use super::launch::{launch, Grid};
 use super::registry::Family;
 use crate::backend::Conv2dParams;
-use crate::error::Result;
-use crate::tensor::{DType, MemoryFormat};
+use crate::base::error::Result;
+use crate::base::{DType, MemoryFormat};
 
 /// Output channels one thread accumulates (`WG_KT` in conv.cu).
 const KT: usize = 16;

@@ -35,7 +35,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
 
 use super::device::{cuda_err, CudaDevice};
-use crate::error::Result;
+use crate::base::error::Result;
 
 /// Timed runs per candidate after its warm-up; the median decides.
 pub(super) const TIMED_RUNS: usize = 3;

@@ -21,8 +21,8 @@ use dsys::cudnnBatchNormOps_t as Ops;
 use super::conv::data_type;
 use super::cudnn_legacy::{dnn_err, TensorDesc};
 use crate::backend::BatchNormParams;
-use crate::error::{Error, Result};
-use crate::tensor::{DType, MemoryFormat};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, MemoryFormat};
 
 /// cuDNN refuses a smaller epsilon (`CUDNN_BN_MIN_EPSILON`).
 const MIN_EPSILON: f64 = 1e-5;

@@ -19,8 +19,8 @@ use dsys::cudnnBackendHeurMode_t as Heur;
 
 use super::conv::{data_type, Dir};
 use crate::backend::Conv2dParams;
-use crate::error::{Error, Result};
-use crate::tensor::{DType, MemoryFormat};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, MemoryFormat};
 
 /// Unique ids of the three tensors in the graph (and in every variant pack).
 const UID_X: i64 = 1;

@@ -18,8 +18,8 @@ use dsys::cudnnMathType_t as M;
 use super::conv::{data_type, Dir};
 use super::cudnn_graph::EngineRules;
 use crate::backend::Conv2dParams;
-use crate::error::{Error, Result};
-use crate::tensor::{DType, MemoryFormat};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, MemoryFormat};
 
 pub(super) fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("cuDNN {what}: {e:?}"))

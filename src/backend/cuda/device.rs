@@ -12,7 +12,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 
 use super::probe::{no_panic, probe};
 use super::registry::{module_image, Family};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("{what}: {e:?}"))

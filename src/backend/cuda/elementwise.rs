@@ -8,8 +8,8 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::error::Result;
-use crate::tensor::Layout;
+use crate::base::error::Result;
+use crate::base::Layout;
 
 pub(crate) fn unary(x: &CudaStorage, l: &Layout, op: UnaryOp) -> Result<CudaStorage> {
     let s = float_sfx(op.name(), x.dtype())?;

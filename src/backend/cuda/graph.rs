@@ -40,7 +40,7 @@ use cudarc::driver::sys as cu;
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::device::{cuda_err, CudaDevice};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Device ordinals with capture state (more are refused by [`begin`]).
 const MAX_DEVICES: usize = 64;

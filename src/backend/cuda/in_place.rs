@@ -11,8 +11,8 @@ use super::multi_tensor::MT_THREADS;
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, MT_CHUNK};
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::error::{Error, Result};
+use crate::base::DType;
 
 fn same_kind(op: &'static str, dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
     if dst.dtype() != src.dtype() {

@@ -13,8 +13,8 @@ use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout, Shape};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Layout, Shape};
 
 thread_local! {
     /// Per device: the sticky out-of-range flag of this thread's gather / scatter_add launches

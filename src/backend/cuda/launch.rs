@@ -3,7 +3,7 @@
 
 use super::device::{cuda_err, CudaDevice};
 use super::registry::Family;
-use crate::error::Result;
+use crate::base::error::Result;
 
 /// Threads per block of the elementwise-style kernels.
 pub(crate) const BLOCK: u32 = 256;

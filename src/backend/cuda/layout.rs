@@ -6,8 +6,8 @@ use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
-use crate::error::Result;
-use crate::tensor::Layout;
+use crate::base::error::Result;
+use crate::base::Layout;
 
 /// The elements of `x` read through `src` written at their positions in `dst` (dense, offset 0).
 pub(crate) fn copy_strided(x: &CudaStorage, src: &Layout, dst: &Layout) -> Result<CudaStorage> {

@@ -16,8 +16,8 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::device::{allow_tf32, cuda_err, CudaDevice};
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, MatmulDims};
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Layout};
 
 /// cuBLAS's recommended workspace for Hopper (32 MiB; 4 MiB before).
 fn workspace_bytes(arch: (i32, i32)) -> usize {

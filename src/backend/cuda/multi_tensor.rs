@@ -16,8 +16,8 @@ use crate::backend::cpu::CpuStorage;
 use crate::backend::{
     BufRef, MtArray, MtEntry, MtKernel, MtList, MtScalars, MultiTensorOps, MT_ROLES,
 };
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::error::{Error, Result};
+use crate::base::DType;
 
 /// Elements per chunk (one block each); the kernels get it as `MT_CHUNK` (`registry.rs`).
 use crate::backend::MT_CHUNK as CHUNK;

@@ -17,8 +17,8 @@ use cudarc::driver::{CudaEvent, CudaStream};
 
 use super::device::{self, cuda_err, CudaDevice};
 use super::storage::CudaStorage;
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::error::{Error, Result};
+use crate::base::DType;
 
 /// The copy stream of each device, created on first use.
 fn copy_stream(dev: &CudaDevice) -> Result<Arc<CudaStream>> {

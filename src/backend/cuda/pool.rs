@@ -7,8 +7,8 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{AdaptivePoolParams, Pool2dParams};
-use crate::error::Result;
-use crate::tensor::{DType, Layout, MemoryFormat};
+use crate::base::error::Result;
+use crate::base::{DType, Layout, MemoryFormat};
 
 /// Mirrors `PoolP` in pool.cu.
 #[repr(C)]

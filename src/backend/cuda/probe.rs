@@ -3,7 +3,7 @@
 
 use std::sync::OnceLock;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// One library the backend loads at run time.
 struct Lib {

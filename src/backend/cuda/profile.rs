@@ -16,7 +16,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
 
 use super::device::{cuda_err, CudaDevice};
-use crate::error::Result;
+use crate::base::error::Result;
 
 static PROFILING: AtomicBool = AtomicBool::new(false);
 

@@ -6,8 +6,8 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::ReduceOp;
-use crate::error::Result;
-use crate::tensor::{DType, Layout};
+use crate::base::error::Result;
+use crate::base::{DType, Layout};
 
 pub(crate) fn reduce(x: &CudaStorage, l: &Layout, op: ReduceOp, dim: usize) -> Result<CudaStorage> {
     let s = float_sfx("reduce", x.dtype())?;

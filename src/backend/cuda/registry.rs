@@ -21,7 +21,7 @@ use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
 /// Multi-tensor apply helpers, prepended (after common.cuh) to the families that use them.

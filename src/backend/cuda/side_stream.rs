@@ -31,7 +31,7 @@ use cudarc::driver::sys as cu;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 
 use super::device::{cuda_err, env_on, CudaDevice};
-use crate::error::Result;
+use crate::base::error::Result;
 
 /// A device's side stream and what is outstanding on it; created on first use.
 #[derive(Default)]

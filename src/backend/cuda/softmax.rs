@@ -5,8 +5,8 @@ use super::launch::{launch, Grid, BLOCK};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
-use crate::error::Result;
-use crate::tensor::Layout;
+use crate::base::error::Result;
+use crate::base::Layout;
 
 /// A block per row when `inner == 1`, else a thread per lane.
 fn grid(x: &CudaStorage, outer: usize, inner: usize) -> Grid {

@@ -19,8 +19,8 @@ use crate::backend::{
     AdaptivePoolParams, BatchNormGrads, BatchNormParams, BatchNormSaved, BinaryOp, Conv2dParams,
     MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
 };
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout, Shape};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Layout, Shape};
 
 pub struct CudaStorage {
     /// Freed through `graph::release` (a capture or a live CUDA graph may need the memory).
@@ -70,7 +70,7 @@ impl CudaStorage {
         let oom = |bytes: u64, detail: &str| Error::OutOfMemory {
             op: "cuda alloc",
             bytes,
-            device: crate::tensor::Device::Cuda(dev.ordinal),
+            device: crate::base::Device::Cuda(dev.ordinal),
             detail: detail.to_string(),
         };
         let bytes = len

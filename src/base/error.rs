@@ -1,7 +1,7 @@
 //! The crate's one error type. Every variant names the operation and the values that were wrong,
 //! so that a user reading the message knows what to change without a debugger.
 
-use crate::tensor::{DType, Device, Shape};
+use super::{DType, Device, Shape};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

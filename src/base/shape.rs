@@ -2,7 +2,7 @@
 //! (row-major), so a shape is all a backend needs; ops that would be views elsewhere (permute,
 //! narrow) copy.
 
-use crate::error::{Error, Result};
+use super::error::{Error, Result};
 
 #[derive(Clone, PartialEq, Eq, Hash, Default)]
 pub struct Shape(Vec<usize>);

@@ -7,7 +7,7 @@
 //! Shapes stay logical (`[n, c, h, w]` for an image batch) whatever the memory order; a
 //! [`MemoryFormat`] is a property of the strides, as in PyTorch.
 
-use super::Shape;
+use super::shape::Shape;
 
 /// How a 4-D tensor's elements are ordered in memory, as PyTorch's `memory_format`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
