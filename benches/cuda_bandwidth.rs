@@ -14,9 +14,8 @@ mod common;
 use common::{copy_bandwidth, time};
 use mixprec::backend::cpu::CpuStorage;
 use mixprec::backend::cuda::{device, CudaStorage};
-use mixprec::backend::{
-    BackendStorage, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, UnaryOp,
-};
+// The backend contract: the storage trait, each op family's trait and parameter types.
+use mixprec::backend::prelude::*;
 use mixprec::tensor::{Layout, MemoryFormat};
 use mixprec::{DType, Shape};
 

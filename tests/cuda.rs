@@ -10,10 +10,8 @@ use mixprec::backend::cpu::CpuStorage;
 use mixprec::backend::cuda::{
     set_poison_allocations, with_batch_norm_impl, BatchNormImpl, CudaStorage,
 };
-use mixprec::backend::{
-    AdaptivePoolParams, BackendStorage, BatchNormParams, BatchNormSaved, BinaryOp, Conv2dParams,
-    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
-};
+// The backend contract: the storage trait, each op family's trait and parameter types.
+use mixprec::backend::prelude::*;
 use mixprec::tensor::{random, Layout, MemoryFormat};
 use mixprec::{DType, Device, Shape, Tensor};
 
@@ -33,7 +31,7 @@ fn cast<S: BackendStorage>(s: &S, d: DType) -> S {
 }
 
 /// `s·mul + add` (whole).
-fn scale<S: BackendStorage>(s: &S, mul: f64, add: f64) -> S {
+fn scale<S: ElementwiseOps>(s: &S, mul: f64, add: f64) -> S {
     s.affine(&whole(s), mul, add).unwrap()
 }
 

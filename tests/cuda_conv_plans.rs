@@ -19,7 +19,8 @@ use mixprec::backend::cuda::{
     clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, deterministic,
     set_deterministic, set_poison_allocations, ConvPlanInfo, CudaStorage, PlanSource,
 };
-use mixprec::backend::{BackendStorage, Conv2dParams};
+// The backend contract: the storage trait, each op family's trait and parameter types.
+use mixprec::backend::prelude::*;
 use mixprec::tensor::{random, Layout, MemoryFormat};
 use mixprec::{DType, Device, Shape};
 

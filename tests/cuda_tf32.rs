@@ -3,7 +3,8 @@
 
 use mixprec::backend::cpu::CpuStorage;
 use mixprec::backend::cuda::{set_allow_tf32, CudaStorage};
-use mixprec::backend::{BackendStorage, MatmulDims};
+// The backend contract: the storage trait, each op family's trait and parameter types.
+use mixprec::backend::prelude::*;
 use mixprec::tensor::random;
 use mixprec::Device;
 

@@ -574,7 +574,7 @@ mod tests {
     #[test]
     fn gathered_statistics_must_be_whole_rows() {
         use crate::backend::cpu::CpuStorage;
-        use crate::backend::BackendStorage;
+        use crate::backend::BatchNormOps;
         let p = two_by_three_by_four();
         assert_eq!(p.stats_len(), 7);
         let (mut rm, mut rv) = (CpuStorage::F32(vec![0.0; 3]), CpuStorage::F32(vec![1.0; 3]));

@@ -28,9 +28,9 @@ mod view;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+pub use crate::base::{DType, Device, Layout, MemoryFormat, Shape, WithDType};
 pub use batch_norm::BatchNormConfig;
 pub use conv::Conv2dConfig;
-pub use crate::base::{DType, Device, Layout, MemoryFormat, Shape, WithDType};
 pub use storage::Storage;
 
 use crate::autograd::{self, Node, Op};

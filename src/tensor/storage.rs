@@ -1,13 +1,16 @@
 //! `Storage`: a buffer on one device, and the dispatch of every backend op to that device.
 //! Operands of one op must be on one device; the tensor layer checks this first and names the
-//! operands, so the mismatch arms here are a second line of defence.
+//! operands, so the mismatch errors here are a second line of defence.
+//!
+//! The ops are declared once, in the `backend_ops!` table at the end: one line per op (its
+//! name, what the profiler shows, its signature); the macro writes the method that lowers each
+//! argument to the backend's own types (`Lower`: storages on the right device, other values as
+//! they are), times it on CUDA (`backend::cuda::set_op_profiling`), refuses it on the CPU inside
+//! a CUDA-graph capture, and lifts the result back (`Lift`).
 
 use crate::backend::cpu::CpuStorage;
 use crate::backend::cuda::{CudaStorage, OpTimer};
-use crate::backend::{
-    AdaptivePoolParams, BackendStorage, BatchNormGrads, BatchNormParams, BatchNormSaved, BinaryOp,
-    Conv2dParams, MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
-};
+use crate::backend::prelude::*;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Layout, Shape};
 
@@ -17,53 +20,8 @@ pub enum Storage {
     Cuda(CudaStorage),
 }
 
-/// Dispatches a unary backend call: `dispatch!(self, |s| s.method(args))`. An op on CPU
-/// storage is refused inside a CUDA-graph capture (a replay would not repeat it).
-macro_rules! dispatch {
-    ($op:expr, $self:expr, |$s:ident| $call:expr) => {
-        match $self {
-            Storage::Cpu($s) => {
-                crate::graph::refuse_host_op($op)?;
-                Storage::Cpu($call?)
-            }
-            Storage::Cuda($s) => {
-                let _t = timer($s, $op);
-                Storage::Cuda($call?)
-            }
-        }
-    };
-}
-
-/// Dispatches a call on two storages that must share a device.
-macro_rules! dispatch2 {
-    ($op:expr, $a:expr, $b:expr, |$x:ident, $y:ident| $call:expr) => {
-        match ($a, $b) {
-            (Storage::Cpu($x), Storage::Cpu($y)) => {
-                crate::graph::refuse_host_op($op)?;
-                Storage::Cpu($call?)
-            }
-            (Storage::Cuda($x), Storage::Cuda($y)) => {
-                let _t = timer($x, $op);
-                Storage::Cuda($call?)
-            }
-            #[allow(unreachable_patterns)]
-            (a, b) => {
-                return Err(Error::DeviceMismatch {
-                    op: $op,
-                    lhs: a.device(),
-                    rhs: b.device(),
-                })
-            }
-        }
-    };
-}
-
-/// Times a CUDA op when op profiling is on (`backend::cuda::set_op_profiling`).
-fn timer(s: &CudaStorage, op: &'static str) -> OpTimer {
-    OpTimer::start(s.device(), op, || format!("{} x{}", s.dtype(), s.len()))
-}
-
-/// As [`timer`], with the op's own description (a convolution's geometry, say).
+/// Times a CUDA op when op profiling is on (`backend::cuda::set_op_profiling`), with the op's
+/// own description.
 fn timer_with(s: &Storage, op: &'static str, detail: impl FnOnce() -> String) -> Option<OpTimer> {
     match s {
         Storage::Cuda(c) => Some(OpTimer::start(c.device(), op, || {
@@ -73,19 +31,230 @@ fn timer_with(s: &Storage, op: &'static str, detail: impl FnOnce() -> String) ->
     }
 }
 
+/// An argument of a backend op as each backend takes it: a storage becomes the backend's own
+/// buffer (or `Err` with the device it is on, when that is another), a value that holds
+/// storages is lowered part by part, and everything else ([`Plain`]) passes as it is.
+trait Lower: Sized {
+    type Cpu;
+    type Cuda;
+    fn cpu(self) -> std::result::Result<Self::Cpu, Device>;
+    fn cuda(self) -> std::result::Result<Self::Cuda, Device>;
+}
+
+/// Arguments that hold no storage: passed to either backend unchanged. An op family whose
+/// parameters are a new type adds it to the list below.
+trait Plain {}
+
+macro_rules! plain {
+    ($($t:ty),* $(,)?) => {
+        $(impl Plain for $t {})*
+    };
+}
+
+plain!(usize, f64, bool, DType, Layout, Shape, UnaryOp, BinaryOp, ReduceOp);
+plain!(
+    MatmulDims,
+    Conv2dParams,
+    BatchNormParams,
+    Pool2dParams,
+    AdaptivePoolParams
+);
+
+impl<T: Plain + ?Sized> Plain for &T {}
+
+impl<T: Plain> Lower for T {
+    type Cpu = T;
+    type Cuda = T;
+    fn cpu(self) -> std::result::Result<T, Device> {
+        Ok(self)
+    }
+    fn cuda(self) -> std::result::Result<T, Device> {
+        Ok(self)
+    }
+}
+
+impl<'a> Lower for &'a Storage {
+    type Cpu = &'a CpuStorage;
+    type Cuda = &'a CudaStorage;
+    fn cpu(self) -> std::result::Result<Self::Cpu, Device> {
+        match self {
+            Storage::Cpu(s) => Ok(s),
+            other => Err(other.device()),
+        }
+    }
+    fn cuda(self) -> std::result::Result<Self::Cuda, Device> {
+        match self {
+            Storage::Cuda(s) => Ok(s),
+            other => Err(other.device()),
+        }
+    }
+}
+
+impl<'a> Lower for &'a mut Storage {
+    type Cpu = &'a mut CpuStorage;
+    type Cuda = &'a mut CudaStorage;
+    fn cpu(self) -> std::result::Result<Self::Cpu, Device> {
+        match self {
+            Storage::Cpu(s) => Ok(s),
+            other => Err(other.device()),
+        }
+    }
+    fn cuda(self) -> std::result::Result<Self::Cuda, Device> {
+        match self {
+            Storage::Cuda(s) => Ok(s),
+            other => Err(other.device()),
+        }
+    }
+}
+
+impl<T: Lower> Lower for Option<T> {
+    type Cpu = Option<T::Cpu>;
+    type Cuda = Option<T::Cuda>;
+    fn cpu(self) -> std::result::Result<Self::Cpu, Device> {
+        self.map(T::cpu).transpose()
+    }
+    fn cuda(self) -> std::result::Result<Self::Cuda, Device> {
+        self.map(T::cuda).transpose()
+    }
+}
+
+impl<A: Lower, B: Lower> Lower for (A, B) {
+    type Cpu = (A::Cpu, B::Cpu);
+    type Cuda = (A::Cuda, B::Cuda);
+    fn cpu(self) -> std::result::Result<Self::Cpu, Device> {
+        Ok((self.0.cpu()?, self.1.cpu()?))
+    }
+    fn cuda(self) -> std::result::Result<Self::Cuda, Device> {
+        Ok((self.0.cuda()?, self.1.cuda()?))
+    }
+}
+
+impl<T: Lower> Lower for BatchNormSaved<T> {
+    type Cpu = BatchNormSaved<T::Cpu>;
+    type Cuda = BatchNormSaved<T::Cuda>;
+    fn cpu(self) -> std::result::Result<Self::Cpu, Device> {
+        Ok(BatchNormSaved {
+            mean: self.mean.cpu()?,
+            invstd: self.invstd.cpu()?,
+            reserve: self.reserve.cpu()?,
+        })
+    }
+    fn cuda(self) -> std::result::Result<Self::Cuda, Device> {
+        Ok(BatchNormSaved {
+            mean: self.mean.cuda()?,
+            invstd: self.invstd.cuda()?,
+            reserve: self.reserve.cuda()?,
+        })
+    }
+}
+
+/// A backend op's result as the tensor layer holds it: each backend buffer wrapped in
+/// [`Storage`], part by part.
+trait Lift {
+    type Out;
+    fn lift(self) -> Self::Out;
+}
+
+impl Lift for CpuStorage {
+    type Out = Storage;
+    fn lift(self) -> Storage {
+        Storage::Cpu(self)
+    }
+}
+
+impl Lift for CudaStorage {
+    type Out = Storage;
+    fn lift(self) -> Storage {
+        Storage::Cuda(self)
+    }
+}
+
+impl<A: Lift> Lift for Option<A> {
+    type Out = Option<A::Out>;
+    fn lift(self) -> Self::Out {
+        self.map(A::lift)
+    }
+}
+
+impl<A: Lift, B: Lift> Lift for (A, B) {
+    type Out = (A::Out, B::Out);
+    fn lift(self) -> Self::Out {
+        (self.0.lift(), self.1.lift())
+    }
+}
+
+impl<A: Lift, B: Lift, C: Lift> Lift for (A, B, C) {
+    type Out = (A::Out, B::Out, C::Out);
+    fn lift(self) -> Self::Out {
+        (self.0.lift(), self.1.lift(), self.2.lift())
+    }
+}
+
+impl<A: Lift> Lift for BatchNormSaved<A> {
+    type Out = BatchNormSaved<A::Out>;
+    fn lift(self) -> Self::Out {
+        self.map(A::lift)
+    }
+}
+
+impl<A: Lift> Lift for BatchNormGrads<A> {
+    type Out = BatchNormGrads<A::Out>;
+    fn lift(self) -> Self::Out {
+        self.map(A::lift)
+    }
+}
+
+/// The device mismatch of `op`: an operand on `rhs` for a call on `lhs`.
+fn mismatch(op: &'static str, lhs: Device, rhs: Device) -> Error {
+    Error::DeviceMismatch { op, lhs, rhs }
+}
+
+/// The profiler's detail of an op: its own (a convolution's geometry, say) or the length.
+macro_rules! op_detail {
+    ($s:expr) => {
+        format!("x{}", $s.len())
+    };
+    ($s:expr, $detail:expr) => {
+        $detail
+    };
+}
+
+/// Writes one dispatching method per line:
+/// `[name (, detail)] fn method(&self, args...) -> Result type;` where `name` is the op's name
+/// in errors and in the profiler, `detail` what the profiler shows beside the dtype (the
+/// length when left out), and `method` the backend trait method of the same name.
+macro_rules! backend_ops {
+    ($(
+        $(#[$meta:meta])*
+        [$name:expr $(, $detail:expr)?] fn $f:ident(&self $(, $a:ident: $t:ty)* $(,)?) -> $r:ty;
+    )*) => {
+        impl Storage {$(
+            $(#[$meta])*
+            pub fn $f(&self $(, $a: $t)*) -> Result<$r> {
+                let op: &'static str = $name;
+                let _timer = match self {
+                    Storage::Cuda(c) => Some(OpTimer::start(c.device(), op, || {
+                        format!("{} {}", c.dtype(), op_detail!(self $(, $detail)?))
+                    })),
+                    Storage::Cpu(_) => None,
+                };
+                match self {
+                    Storage::Cpu(s) => {
+                        crate::graph::refuse_host_op(op)?;
+                        $(let $a = $a.cpu().map_err(|d| mismatch(op, Device::Cpu, d))?;)*
+                        Ok(s.$f($($a),*)?.lift())
+                    }
+                    Storage::Cuda(s) => {
+                        $(let $a = $a.cuda().map_err(|d| mismatch(op, self.device(), d))?;)*
+                        Ok(s.$f($($a),*)?.lift())
+                    }
+                }
+            }
+        )*}
+    };
+}
+
 impl Storage {
-    fn as_cpu(&self) -> Option<&CpuStorage> {
-        match self {
-            Storage::Cpu(s) => Some(s),
-            Storage::Cuda(_) => None,
-        }
-    }
-    fn as_cuda(&self) -> Option<&CudaStorage> {
-        match self {
-            Storage::Cuda(s) => Some(s),
-            Storage::Cpu(_) => None,
-        }
-    }
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
@@ -157,54 +326,7 @@ impl Storage {
             Storage::Cuda(s) => s.channels_last_native(),
         }
     }
-    pub fn copy_strided(&self, src: &Layout, dst: &Layout) -> Result<Self> {
-        Ok(dispatch!("copy_strided", self, |s| s.copy_strided(src, dst)))
-    }
-    pub fn to_dtype(&self, l: &Layout, dtype: DType) -> Result<Self> {
-        Ok(dispatch!("to_dtype", self, |s| s.to_dtype(l, dtype)))
-    }
-    pub fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
-        Ok(dispatch!("unary", self, |s| s.unary(l, op)))
-    }
-    pub fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
-        Ok(dispatch!("affine", self, |s| s.affine(l, mul, add)))
-    }
-    pub fn powf(&self, l: &Layout, e: f64) -> Result<Self> {
-        Ok(dispatch!("powf", self, |s| s.powf(l, e)))
-    }
-    pub fn binary(
-        &self,
-        l: &Layout,
-        rhs: &Self,
-        rl: &Layout,
-        op: BinaryOp,
-        out: &Layout,
-    ) -> Result<Self> {
-        Ok(dispatch2!(op.name(), self, rhs, |a, b| a.binary(l, b, rl, op, out)))
-    }
-    pub fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self> {
-        Ok(dispatch2!("relu_backward", self, x, |g, x| g.relu_backward(l, x, xl)))
-    }
-    pub fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self> {
-        Ok(dispatch!("reduce", self, |s| s.reduce(l, op, dim)))
-    }
-    pub fn argmax(&self, l: &Layout, dim: usize) -> Result<Self> {
-        Ok(dispatch!("argmax", self, |s| s.argmax(l, dim)))
-    }
-    pub fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Result<Self> {
-        Ok(dispatch2!("gather", self, idx, |s, i| s.gather(l, i, il, dim)))
-    }
-    pub fn scatter_add(
-        &self,
-        l: &Layout,
-        idx: &Self,
-        il: &Layout,
-        dim: usize,
-        out: &Shape,
-    ) -> Result<Self> {
-        Ok(dispatch2!("scatter_add", self, idx, |s, i| s
-            .scatter_add(l, i, il, dim, out)))
-    }
+
     pub fn cat(parts: &[(&Self, &Layout)], dim: usize) -> Result<Self> {
         let (first, _) = parts
             .first()
@@ -239,38 +361,42 @@ impl Storage {
             }
         }
     }
-    pub fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
-        let _t = timer_with(self, "matmul", || format!("{dims:?}"));
-        Ok(dispatch2!("matmul", self, rhs, |a, b| a.matmul(l, b, rl, dims)))
-    }
-    pub fn conv2d(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
-        let _t = timer_with(self, "conv2d", || conv_detail(p));
-        Ok(dispatch2!("conv2d", self, w, |x, w| x.conv2d(l, w, wl, p)))
-    }
-    pub fn conv2d_backward_input(
-        &self,
-        l: &Layout,
-        w: &Self,
-        wl: &Layout,
-        p: &Conv2dParams,
-    ) -> Result<Self> {
-        let _t = timer_with(self, "conv2d_backward_input", || conv_detail(p));
-        Ok(dispatch2!("conv2d_backward_input", self, w, |g, w| g
-            .conv2d_backward_input(l, w, wl, p)))
-    }
-    pub fn conv2d_backward_weight(
-        &self,
-        l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        p: &Conv2dParams,
-    ) -> Result<Self> {
-        let _t = timer_with(self, "conv2d_backward_weight", || conv_detail(p));
-        Ok(dispatch2!("conv2d_backward_weight", self, x, |g, x| g
-            .conv2d_backward_weight(l, x, xl, p)))
-    }
+}
+
+backend_ops! {
+    ["copy_strided"] fn copy_strided(&self, src: &Layout, dst: &Layout) -> Self;
+    ["to_dtype"] fn to_dtype(&self, l: &Layout, dtype: DType) -> Self;
+
+    // elementwise
+    ["unary"] fn unary(&self, l: &Layout, op: UnaryOp) -> Self;
+    ["affine"] fn affine(&self, l: &Layout, mul: f64, add: f64) -> Self;
+    ["powf"] fn powf(&self, l: &Layout, e: f64) -> Self;
+    [op.name()] fn binary(&self, l: &Layout, rhs: &Self, rl: &Layout, op: BinaryOp, out: &Layout)
+        -> Self;
+    ["relu_backward"] fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Self;
+
+    // reduce, index
+    ["reduce"] fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Self;
+    ["argmax"] fn argmax(&self, l: &Layout, dim: usize) -> Self;
+    ["gather"] fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Self;
+    ["scatter_add"]
+    fn scatter_add(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize, out: &Shape) -> Self;
+
+    // matmul, conv
+    ["matmul", format!("{dims:?}")]
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Self;
+    ["conv2d", conv_detail(p)]
+    fn conv2d(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Self;
+    ["conv2d_backward_input", conv_detail(p)]
+    fn conv2d_backward_input(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Self;
+    ["conv2d_backward_weight", conv_detail(p)]
+    fn conv2d_backward_weight(&self, l: &Layout, x: &Self, xl: &Layout, p: &Conv2dParams)
+        -> Self;
+
+    // batch norm
     #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_train(
+    ["batch_norm", bn_detail(p)]
+    fn batch_norm_train(
         &self,
         l: &Layout,
         residual: Option<(&Self, &Layout)>,
@@ -279,51 +405,10 @@ impl Storage {
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, BatchNormSaved<Self>)> {
-        let _t = timer_with(self, "batch_norm", || bn_detail(p));
-        let mismatch = |other: &Storage| Error::DeviceMismatch {
-            op: "batch_norm",
-            lhs: self.device(),
-            rhs: other.device(),
-        };
-        match (self, weight, bias, running_mean, running_var) {
-            (
-                Storage::Cpu(x),
-                Storage::Cpu(w),
-                Storage::Cpu(b),
-                Storage::Cpu(m),
-                Storage::Cpu(v),
-            ) => {
-                crate::graph::refuse_host_op("batch_norm")?;
-                let r = match residual {
-                    None => None,
-                    Some((Storage::Cpu(r), rl)) => Some((r, rl)),
-                    #[allow(unreachable_patterns)]
-                    Some((other, _)) => return Err(mismatch(other)),
-                };
-                let (y, saved) = x.batch_norm_train(l, r, w, b, m, v, p)?;
-                Ok((Storage::Cpu(y), saved.map(Storage::Cpu)))
-            }
-            (
-                Storage::Cuda(x),
-                Storage::Cuda(w),
-                Storage::Cuda(b),
-                Storage::Cuda(m),
-                Storage::Cuda(v),
-            ) => {
-                let r = match residual {
-                    None => None,
-                    Some((Storage::Cuda(r), rl)) => Some((r, rl)),
-                    Some((other, _)) => return Err(mismatch(other)),
-                };
-                let (y, saved) = x.batch_norm_train(l, r, w, b, m, v, p)?;
-                Ok((Storage::Cuda(y), saved.map(Storage::Cuda)))
-            }
-            (_, w, _, _, _) => Err(mismatch(w)),
-        }
-    }
+    ) -> (Self, BatchNormSaved<Self>);
     #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_backward(
+    ["batch_norm_backward", bn_detail(p)]
+    fn batch_norm_backward(
         &self,
         l: &Layout,
         x: &Self,
@@ -333,96 +418,20 @@ impl Storage {
         bias: &Self,
         saved: BatchNormSaved<&Self>,
         p: &BatchNormParams,
-    ) -> Result<BatchNormGrads<Self>> {
-        let _t = timer_with(self, "batch_norm_backward", || bn_detail(p));
-        let mismatch = |other: &Storage| Error::DeviceMismatch {
-            op: "batch_norm_backward",
-            lhs: self.device(),
-            rhs: other.device(),
-        };
-        for s in [x, weight, bias, saved.mean, saved.invstd]
-            .into_iter()
-            .chain(saved.reserve)
-        {
-            if s.device() != self.device() {
-                return Err(mismatch(s));
-            }
-        }
-        match (self, x, weight, bias) {
-            (Storage::Cpu(g), Storage::Cpu(x), Storage::Cpu(w), Storage::Cpu(b)) => {
-                crate::graph::refuse_host_op("batch_norm_backward")?;
-                let y = match y {
-                    None => None,
-                    Some((Storage::Cpu(y), yl)) => Some((y, yl)),
-                    #[allow(unreachable_patterns)]
-                    Some((other, _)) => return Err(mismatch(other)),
-                };
-                let saved = saved.try_map(|s| s.as_cpu().ok_or_else(|| mismatch(s)))?;
-                let r = g.batch_norm_backward(l, x, xl, y, w, b, saved, p)?;
-                Ok(r.map(Storage::Cpu))
-            }
-            (Storage::Cuda(g), Storage::Cuda(x), Storage::Cuda(w), Storage::Cuda(b)) => {
-                let y = match y {
-                    None => None,
-                    Some((Storage::Cuda(y), yl)) => Some((y, yl)),
-                    Some((other, _)) => return Err(mismatch(other)),
-                };
-                let saved = saved.try_map(|s| s.as_cuda().ok_or_else(|| mismatch(s)))?;
-                let r = g.batch_norm_backward(l, x, xl, y, w, b, saved, p)?;
-                Ok(r.map(Storage::Cuda))
-            }
-            (_, x, _, _) => Err(mismatch(x)),
-        }
-    }
-    /// The device mismatch of `op` between this storage and `other`.
-    fn mismatch(&self, op: &'static str, other: &Storage) -> Error {
-        Error::DeviceMismatch {
-            op,
-            lhs: self.device(),
-            rhs: other.device(),
-        }
-    }
-    fn cpu_operand<'a>(&self, op: &'static str, s: &'a Storage) -> Result<&'a CpuStorage> {
-        s.as_cpu().ok_or_else(|| self.mismatch(op, s))
-    }
-    fn cuda_operand<'a>(&self, op: &'static str, s: &'a Storage) -> Result<&'a CudaStorage> {
-        s.as_cuda().ok_or_else(|| self.mismatch(op, s))
-    }
-
-    pub fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
-        let _t = timer_with(self, "batch_norm_stats", || bn_detail(p));
-        match self {
-            Storage::Cpu(x) => {
-                crate::graph::refuse_host_op("batch_norm_stats")?;
-                Ok(Storage::Cpu(x.batch_norm_stats(l, p)?))
-            }
-            Storage::Cuda(x) => Ok(Storage::Cuda(x.batch_norm_stats(l, p)?)),
-        }
-    }
-    pub fn batch_norm_gather_stats(
+    ) -> BatchNormGrads<Self>;
+    ["batch_norm_stats", bn_detail(p)]
+    fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Self;
+    ["batch_norm_gather_stats", bn_detail(p)]
+    fn batch_norm_gather_stats(
         &self,
         ranks: usize,
         running_mean: &mut Self,
         running_var: &mut Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
-        let op = "batch_norm_gather_stats";
-        let _t = timer_with(self, op, || bn_detail(p));
-        match (self, running_mean, running_var) {
-            (Storage::Cpu(s), Storage::Cpu(m), Storage::Cpu(v)) => {
-                crate::graph::refuse_host_op(op)?;
-                let (a, b, c) = s.batch_norm_gather_stats(ranks, m, v, p)?;
-                Ok((Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)))
-            }
-            (Storage::Cuda(s), Storage::Cuda(m), Storage::Cuda(v)) => {
-                let (a, b, c) = s.batch_norm_gather_stats(ranks, m, v, p)?;
-                Ok((Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)))
-            }
-            (_, m, v) => Err(self.mismatch(op, if m.device() != self.device() { m } else { v })),
-        }
-    }
+    ) -> (Self, Self, Self);
     #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_elemt(
+    ["batch_norm_elemt", bn_detail(p)]
+    fn batch_norm_elemt(
         &self,
         l: &Layout,
         residual: Option<(&Self, &Layout)>,
@@ -431,27 +440,10 @@ impl Storage {
         mean: &Self,
         invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<Self> {
-        let op = "batch_norm_elemt";
-        let _t = timer_with(self, op, || bn_detail(p));
-        match self {
-            Storage::Cpu(x) => {
-                crate::graph::refuse_host_op(op)?;
-                let c = |s| self.cpu_operand(op, s);
-                let r = residual.map(|(r, rl)| c(r).map(|r| (r, rl))).transpose()?;
-                let y = x.batch_norm_elemt(l, r, c(weight)?, c(bias)?, c(mean)?, c(invstd)?, p)?;
-                Ok(Storage::Cpu(y))
-            }
-            Storage::Cuda(x) => {
-                let c = |s| self.cuda_operand(op, s);
-                let r = residual.map(|(r, rl)| c(r).map(|r| (r, rl))).transpose()?;
-                let y = x.batch_norm_elemt(l, r, c(weight)?, c(bias)?, c(mean)?, c(invstd)?, p)?;
-                Ok(Storage::Cuda(y))
-            }
-        }
-    }
+    ) -> Self;
     #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_backward_reduce(
+    ["batch_norm_backward_reduce", bn_detail(p)]
+    fn batch_norm_backward_reduce(
         &self,
         l: &Layout,
         x: &Self,
@@ -460,27 +452,10 @@ impl Storage {
         mean: &Self,
         invstd: &Self,
         p: &BatchNormParams,
-    ) -> Result<Self> {
-        let op = "batch_norm_backward_reduce";
-        let _t = timer_with(self, op, || bn_detail(p));
-        match self {
-            Storage::Cpu(g) => {
-                crate::graph::refuse_host_op(op)?;
-                let c = |s| self.cpu_operand(op, s);
-                let y = y.map(|(y, yl)| c(y).map(|y| (y, yl))).transpose()?;
-                let out = g.batch_norm_backward_reduce(l, c(x)?, xl, y, c(mean)?, c(invstd)?, p)?;
-                Ok(Storage::Cpu(out))
-            }
-            Storage::Cuda(g) => {
-                let c = |s| self.cuda_operand(op, s);
-                let y = y.map(|(y, yl)| c(y).map(|y| (y, yl))).transpose()?;
-                let out = g.batch_norm_backward_reduce(l, c(x)?, xl, y, c(mean)?, c(invstd)?, p)?;
-                Ok(Storage::Cuda(out))
-            }
-        }
-    }
+    ) -> Self;
     #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_backward_elemt(
+    ["batch_norm_backward_elemt", bn_detail(p)]
+    fn batch_norm_backward_elemt(
         &self,
         l: &Layout,
         x: &Self,
@@ -492,98 +467,25 @@ impl Storage {
         sums: &Self,
         count: &Self,
         p: &BatchNormParams,
-    ) -> Result<(Self, Option<Self>)> {
-        let op = "batch_norm_backward_elemt";
-        let _t = timer_with(self, op, || bn_detail(p));
-        match self {
-            Storage::Cpu(g) => {
-                crate::graph::refuse_host_op(op)?;
-                let c = |s| self.cpu_operand(op, s);
-                let y = y.map(|(y, yl)| c(y).map(|y| (y, yl))).transpose()?;
-                let (dx, dr) = g.batch_norm_backward_elemt(
-                    l,
-                    c(x)?,
-                    xl,
-                    y,
-                    c(weight)?,
-                    c(mean)?,
-                    c(invstd)?,
-                    c(sums)?,
-                    c(count)?,
-                    p,
-                )?;
-                Ok((Storage::Cpu(dx), dr.map(Storage::Cpu)))
-            }
-            Storage::Cuda(g) => {
-                let c = |s| self.cuda_operand(op, s);
-                let y = y.map(|(y, yl)| c(y).map(|y| (y, yl))).transpose()?;
-                let (dx, dr) = g.batch_norm_backward_elemt(
-                    l,
-                    c(x)?,
-                    xl,
-                    y,
-                    c(weight)?,
-                    c(mean)?,
-                    c(invstd)?,
-                    c(sums)?,
-                    c(count)?,
-                    p,
-                )?;
-                Ok((Storage::Cuda(dx), dr.map(Storage::Cuda)))
-            }
-        }
-    }
-    pub fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
-        let _t = timer_with(self, "max_pool2d", || format!("{p:?}"));
-        match self {
-            Storage::Cpu(x) => {
-                crate::graph::refuse_host_op("max_pool2d")?;
-                let (o, i) = x.max_pool2d(l, p)?;
-                Ok((Storage::Cpu(o), Storage::Cpu(i)))
-            }
-            Storage::Cuda(x) => {
-                let (o, i) = x.max_pool2d(l, p)?;
-                Ok((Storage::Cuda(o), Storage::Cuda(i)))
-            }
-        }
-    }
-    pub fn max_pool2d_backward(
-        &self,
-        l: &Layout,
-        argmax: &Self,
-        al: &Layout,
-        p: &Pool2dParams,
-    ) -> Result<Self> {
-        Ok(dispatch2!("max_pool2d_backward", self, argmax, |g, i| g
-            .max_pool2d_backward(l, i, al, p)))
-    }
-    pub fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
-        Ok(dispatch!("avg_pool2d", self, |s| s.avg_pool2d(l, p)))
-    }
-    pub fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
-        Ok(dispatch!("avg_pool2d_backward", self, |s| s.avg_pool2d_backward(l, p)))
-    }
-    pub fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(dispatch!("adaptive_avg_pool2d", self, |s| s.adaptive_avg_pool2d(l, p)))
-    }
-    pub fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
-        Ok(dispatch!("adaptive_avg_pool2d_backward", self, |s| s
-            .adaptive_avg_pool2d_backward(l, p)))
-    }
-    pub fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self> {
-        Ok(dispatch!("softmax", self, |s| s.softmax(l, dim, log)))
-    }
-    pub fn softmax_backward(
-        &self,
-        l: &Layout,
-        y: &Self,
-        yl: &Layout,
-        dim: usize,
-        log: bool,
-    ) -> Result<Self> {
-        Ok(dispatch2!("softmax_backward", self, y, |g, y| g
-            .softmax_backward(l, y, yl, dim, log)))
-    }
+    ) -> (Self, Option<Self>);
+
+    // pool
+    ["max_pool2d", format!("{p:?}")]
+    fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> (Self, Self);
+    ["max_pool2d_backward"]
+    fn max_pool2d_backward(&self, l: &Layout, argmax: &Self, al: &Layout, p: &Pool2dParams)
+        -> Self;
+    ["avg_pool2d"] fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Self;
+    ["avg_pool2d_backward"] fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Self;
+    ["adaptive_avg_pool2d"]
+    fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Self;
+    ["adaptive_avg_pool2d_backward"]
+    fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Self;
+
+    // softmax
+    ["softmax"] fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Self;
+    ["softmax_backward"]
+    fn softmax_backward(&self, l: &Layout, y: &Self, yl: &Layout, dim: usize, log: bool) -> Self;
 }
 
 fn bn_detail(p: &BatchNormParams) -> String {

@@ -5,8 +5,12 @@
 use num_traits::{Float, One, ToPrimitive, Zero};
 use rayon::prelude::*;
 
+use super::{cast, contiguous_only, map_float2, narrow_vec, not_float, CpuStorage};
 use super::{Elem, PAR_THRESHOLD};
 use crate::backend::BatchNormParams;
+use crate::backend::{BackendStorage, BatchNormGrads, BatchNormOps, BatchNormSaved};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Layout};
 
 /// `f(c)` for every channel, in parallel on big inputs.
 fn per_channel<A: Send>(p: &BatchNormParams, f: impl Fn(usize) -> A + Sync + Send) -> Vec<A> {
@@ -286,4 +290,408 @@ pub fn relu_mask<T: Elem>(g: &[T], y: &[T]) -> Vec<T> {
             }
         })
         .collect()
+}
+
+/// The `$variant` vector inside `$s`, or an error: batch-norm parameters and statistics are in the
+/// accumulation type of the input (f32 for f32/f16/bf16, f64 for f64).
+macro_rules! acc_slice {
+    ($s:expr, $variant:ident, $op:expr) => {
+        match $s {
+            CpuStorage::$variant(v) => v.as_slice(),
+            other => {
+                return Err(Error::UnsupportedDType {
+                    op: $op,
+                    got: other.dtype(),
+                    expected: "f32 batch-norm parameters and statistics (f64 for f64 inputs)",
+                })
+            }
+        }
+    };
+}
+macro_rules! acc_slice_mut {
+    ($s:expr, $variant:ident, $op:expr) => {
+        match $s {
+            CpuStorage::$variant(v) => v.as_mut_slice(),
+            other => {
+                return Err(Error::UnsupportedDType {
+                    op: $op,
+                    got: other.dtype(),
+                    expected: "f32 batch-norm statistics (f64 for f64 inputs)",
+                })
+            }
+        }
+    };
+}
+
+/// The output gradient through a batch norm's fused ReLU, `g' = g·(y > 0)` (None without one);
+/// g' is also the residual's gradient.
+fn bn_relu_masked(
+    op: &'static str,
+    g: &CpuStorage,
+    y: Option<(&CpuStorage, &Layout)>,
+    p: &BatchNormParams,
+) -> Result<Option<CpuStorage>> {
+    Ok(match (p.relu, y) {
+        (true, Some((ys, yl))) => Some(map_float2!(g, &*ys.span(yl), op, |g, y| {
+            relu_mask(g, y)
+        })),
+        (true, None) => {
+            return Err(Error::invalid_arg(
+                op,
+                "y",
+                "none",
+                "the forward output, for the fused ReLU",
+            ))
+        }
+        _ => None,
+    })
+}
+
+impl BatchNormOps for CpuStorage {
+    fn batch_norm_train(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, BatchNormSaved<Self>)> {
+        // Parameters and statistics are f32 for f32/f16/bf16 inputs and f64 for f64 inputs
+        // (the gradient checks run in f64).
+        // Half inputs run the f32 kernel on a bulk-widened copy (same arithmetic, see
+        // `cast::via_f32`) and are rounded back once.
+        // The fused epilogue (residual add, ReLU) runs on the wide value before the one rounding.
+        macro_rules! arm {
+            ($x:expr, $r:expr, $in:ident, $acc:ident, $narrow:expr) => {{
+                let (w, b) = (
+                    acc_slice!(weight, $acc, "batch_norm"),
+                    acc_slice!(bias, $acc, "batch_norm"),
+                );
+                let rm = acc_slice_mut!(running_mean, $acc, "batch_norm");
+                let rv = acc_slice_mut!(running_var, $acc, "batch_norm");
+                let (y, mean, invstd) = forward_train($x, $r, p.relu, w, b, rm, rv, p);
+                (
+                    CpuStorage::$in($narrow(y)),
+                    BatchNormSaved {
+                        mean: CpuStorage::$acc(mean),
+                        invstd: CpuStorage::$acc(invstd),
+                        reserve: None,
+                    },
+                )
+            }};
+        }
+        contiguous_only("batch_norm", p.format)?;
+        let res = residual.map(|(r, rl)| r.span(rl));
+        let res = res.as_deref();
+        // The residual as the arm computes: widened for half inputs.
+        let wide = match res {
+            Some(CpuStorage::F16(r)) => Some(cast::widen(r)),
+            Some(CpuStorage::BF16(r)) => Some(cast::widen(r)),
+            _ => None,
+        };
+        let mismatch = |got: DType| Error::DTypeMismatch {
+            op: "batch_norm",
+            lhs: self.dtype(),
+            rhs: got,
+        };
+        Ok(match &*self.span(l) {
+            CpuStorage::F16(x) => arm!(&cast::widen(x), wide.as_deref(), F16, F32, narrow_vec),
+            CpuStorage::BF16(x) => arm!(&cast::widen(x), wide.as_deref(), BF16, F32, narrow_vec),
+            CpuStorage::F32(x) => {
+                let r = match res {
+                    None => None,
+                    Some(CpuStorage::F32(r)) => Some(r.as_slice()),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                arm!(x, r, F32, F32, std::convert::identity)
+            }
+            CpuStorage::F64(x) => {
+                let r = match res {
+                    None => None,
+                    Some(CpuStorage::F64(r)) => Some(r.as_slice()),
+                    Some(other) => return Err(mismatch(other.dtype())),
+                };
+                arm!(x, r, F64, F64, std::convert::identity)
+            }
+            CpuStorage::I64(_) => {
+                return Err(Error::UnsupportedDType {
+                    op: "batch_norm",
+                    got: DType::I64,
+                    expected: "a float dtype",
+                })
+            }
+        })
+    }
+    fn batch_norm_backward(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        _bias: &Self,
+        saved: BatchNormSaved<&Self>,
+        p: &BatchNormParams,
+    ) -> Result<BatchNormGrads<Self>> {
+        let op = "batch_norm_backward";
+        macro_rules! arm {
+            ($g:expr, $x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
+                let w = acc_slice!(weight, $acc, op);
+                let (m, s) = (
+                    acc_slice!(saved.mean, $acc, op),
+                    acc_slice!(saved.invstd, $acc, op),
+                );
+                let (dx, dw, db) = backward($g, $x, w, m, s, p);
+                (
+                    CpuStorage::$in($narrow(dx)),
+                    CpuStorage::$acc(dw),
+                    CpuStorage::$acc(db),
+                )
+            }};
+        }
+        contiguous_only(op, p.format)?;
+        let (g, x) = (self.span(l), x.span(xl));
+        let masked = bn_relu_masked(op, &g, y, p)?;
+        let g = match &masked {
+            Some(m) => std::borrow::Cow::Borrowed(m),
+            None => g,
+        };
+        let residual = if p.residual {
+            Some(g.clone().into_owned())
+        } else {
+            None
+        };
+        let (input, weight, bias) = match (&*g, &*x) {
+            (CpuStorage::F16(g), CpuStorage::F16(x)) => {
+                let (g, x) = (cast::widen(g), cast::widen(x));
+                arm!(&g, &x, F16, F32, narrow_vec)
+            }
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
+                let (g, x) = (cast::widen(g), cast::widen(x));
+                arm!(&g, &x, BF16, F32, narrow_vec)
+            }
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => {
+                arm!(g, x, F32, F32, std::convert::identity)
+            }
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => {
+                arm!(g, x, F64, F64, std::convert::identity)
+            }
+            (g, x) => {
+                return Err(Error::DTypeMismatch {
+                    op,
+                    lhs: g.dtype(),
+                    rhs: x.dtype(),
+                })
+            }
+        };
+        Ok(BatchNormGrads {
+            input,
+            weight,
+            bias,
+            residual,
+        })
+    }
+    fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
+        let op = "batch_norm_stats";
+        contiguous_only(op, p.format)?;
+        Ok(CpuStorage::F64(match &*self.span(l) {
+            CpuStorage::F16(x) => stats(&cast::widen(x), p),
+            CpuStorage::BF16(x) => stats(&cast::widen(x), p),
+            CpuStorage::F32(x) => stats(x, p),
+            CpuStorage::F64(x) => stats(x, p),
+            other => return Err(not_float(op, other.dtype())),
+        }))
+    }
+    fn batch_norm_gather_stats(
+        &self,
+        ranks: usize,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)> {
+        let op = "batch_norm_gather_stats";
+        let CpuStorage::F64(rows) = self else {
+            return Err(Error::UnsupportedDType {
+                op,
+                got: self.dtype(),
+                expected: "f64 statistics (batch_norm_stats's)",
+            });
+        };
+        p.check_gathered_stats(ranks, rows.len())?;
+        macro_rules! arm {
+            ($acc:ident) => {{
+                let rm = acc_slice_mut!(running_mean, $acc, op);
+                let rv = acc_slice_mut!(running_var, $acc, op);
+                let (mean, invstd, count) = gather_stats(rows, ranks, rm, rv, p);
+                (
+                    CpuStorage::$acc(mean),
+                    CpuStorage::$acc(invstd),
+                    CpuStorage::F64(vec![count]),
+                )
+            }};
+        }
+        Ok(match running_mean.dtype() {
+            DType::F64 => arm!(F64),
+            _ => arm!(F32),
+        })
+    }
+    fn batch_norm_elemt(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        let op = "batch_norm_elemt";
+        macro_rules! arm {
+            ($x:expr, $r:expr, $acc:ident) => {{
+                let (w, b) = (acc_slice!(weight, $acc, op), acc_slice!(bias, $acc, op));
+                let (m, s) = (acc_slice!(mean, $acc, op), acc_slice!(invstd, $acc, op));
+                normalize($x, $r, p.relu, w, b, m, s, p)
+            }};
+        }
+        contiguous_only(op, p.format)?;
+        let res = residual.map(|(r, rl)| r.span(rl));
+        let res = res.as_deref();
+        if let Some(r) = res.filter(|r| r.dtype() != self.dtype()) {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self.dtype(),
+                rhs: r.dtype(),
+            });
+        }
+        // The residual as the arm computes: widened for half inputs.
+        let wide = match res {
+            Some(CpuStorage::F16(r)) => Some(cast::widen(r)),
+            Some(CpuStorage::BF16(r)) => Some(cast::widen(r)),
+            _ => None,
+        };
+        Ok(match &*self.span(l) {
+            CpuStorage::F16(x) => {
+                CpuStorage::F16(narrow_vec(arm!(&cast::widen(x), wide.as_deref(), F32)))
+            }
+            CpuStorage::BF16(x) => {
+                CpuStorage::BF16(narrow_vec(arm!(&cast::widen(x), wide.as_deref(), F32)))
+            }
+            CpuStorage::F32(x) => {
+                let r = match res {
+                    Some(CpuStorage::F32(r)) => Some(r.as_slice()),
+                    _ => None,
+                };
+                CpuStorage::F32(arm!(x, r, F32))
+            }
+            CpuStorage::F64(x) => {
+                let r = match res {
+                    Some(CpuStorage::F64(r)) => Some(r.as_slice()),
+                    _ => None,
+                };
+                CpuStorage::F64(arm!(x, r, F64))
+            }
+            other => return Err(not_float(op, other.dtype())),
+        })
+    }
+    fn batch_norm_backward_reduce(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        let op = "batch_norm_backward_reduce";
+        macro_rules! arm {
+            ($g:expr, $x:expr, $acc:ident) => {{
+                let (m, s) = (acc_slice!(mean, $acc, op), acc_slice!(invstd, $acc, op));
+                let (mut dw, db) = grad_sums($g, $x, m, s, p);
+                dw.extend(db);
+                CpuStorage::$acc(dw)
+            }};
+        }
+        contiguous_only(op, p.format)?;
+        let (g, x) = (self.span(l), x.span(xl));
+        let masked = bn_relu_masked(op, &g, y, p)?;
+        let g = masked.as_ref().unwrap_or(&g);
+        Ok(match (g, &*x) {
+            (CpuStorage::F16(g), CpuStorage::F16(x)) => {
+                arm!(&cast::widen(g), &cast::widen(x), F32)
+            }
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
+                arm!(&cast::widen(g), &cast::widen(x), F32)
+            }
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => arm!(g, x, F32),
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => arm!(g, x, F64),
+            (g, x) => {
+                return Err(Error::DTypeMismatch {
+                    op,
+                    lhs: g.dtype(),
+                    rhs: x.dtype(),
+                })
+            }
+        })
+    }
+    fn batch_norm_backward_elemt(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        mean: &Self,
+        invstd: &Self,
+        sums: &Self,
+        count: &Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Option<Self>)> {
+        let op = "batch_norm_backward_elemt";
+        let n = match count {
+            CpuStorage::F64(v) if v.len() == 1 => v[0],
+            other => {
+                return Err(Error::invalid_arg(
+                    op,
+                    "count",
+                    format!("{} of {} element(s)", other.dtype(), other.len()),
+                    "f64 [1] (batch_norm_gather_stats's count)",
+                ))
+            }
+        };
+        macro_rules! arm {
+            ($g:expr, $x:expr, $acc:ident, $A:ty) => {{
+                let w = acc_slice!(weight, $acc, op);
+                let (m, s) = (acc_slice!(mean, $acc, op), acc_slice!(invstd, $acc, op));
+                let sums = acc_slice!(sums, $acc, op);
+                let (dgamma, dbeta) = sums.split_at(p.c);
+                grad_input($g, $x, w, m, s, dgamma, dbeta, n as $A, p)
+            }};
+        }
+        contiguous_only(op, p.format)?;
+        let (g, x) = (self.span(l), x.span(xl));
+        let masked = bn_relu_masked(op, &g, y, p)?;
+        let g = masked.as_ref().unwrap_or(&g);
+        let dx = match (g, &*x) {
+            (CpuStorage::F16(g), CpuStorage::F16(x)) => {
+                CpuStorage::F16(narrow_vec(arm!(&cast::widen(g), &cast::widen(x), F32, f32)))
+            }
+            (CpuStorage::BF16(g), CpuStorage::BF16(x)) => {
+                CpuStorage::BF16(narrow_vec(arm!(&cast::widen(g), &cast::widen(x), F32, f32)))
+            }
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => CpuStorage::F32(arm!(g, x, F32, f32)),
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => CpuStorage::F64(arm!(g, x, F64, f64)),
+            (g, x) => {
+                return Err(Error::DTypeMismatch {
+                    op,
+                    lhs: g.dtype(),
+                    rhs: x.dtype(),
+                })
+            }
+        };
+        let residual = p.residual.then(|| g.clone());
+        Ok((dx, residual))
+    }
 }

@@ -14,7 +14,11 @@ use num_traits::Zero;
 use rayon::prelude::*;
 
 use super::Elem;
+use super::{alloc, cast, contiguous_only, CpuStorage};
 use crate::backend::Conv2dParams;
+use crate::backend::{BackendStorage, ConvOps};
+use crate::base::error::{Error, Result};
+use crate::base::Layout;
 
 /// Sizes derived from the parameters.
 struct Geom {
@@ -430,4 +434,67 @@ pub fn conv2d_backward_weight<T: Elem>(g: &[T], x: &[T], p: &Conv2dParams) -> Ve
         s.0
     };
     dw.into_iter().map(T::from_acc).collect()
+}
+
+/// [`map_float2!`] for convolutions: half operands run the f32 kernels on bulk-widened copies
+/// (`cast::via_f32`), which is the same arithmetic without a conversion call per tap.
+macro_rules! map_conv {
+    ($a:expr, $b:expr, $op:expr, |$x:ident, $y:ident| $body:expr) => {
+        match ($a, $b) {
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => {
+                CpuStorage::F16(cast::via_f32(a, b, |$x, $y| $body))
+            }
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(cast::via_f32(a, b, |$x, $y| $body))
+            }
+            (CpuStorage::F32($x), CpuStorage::F32($y)) => CpuStorage::F32($body),
+            (CpuStorage::F64($x), CpuStorage::F64($y)) => CpuStorage::F64($body),
+            (a, b) => {
+                return Err(Error::DTypeMismatch {
+                    op: $op,
+                    lhs: a.dtype(),
+                    rhs: b.dtype(),
+                })
+            }
+        }
+    };
+}
+
+impl ConvOps for CpuStorage {
+    fn conv2d(&self, l: &Layout, weight: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
+        contiguous_only("conv2d", p.format)?;
+        let elems = [p.n, p.c_out, p.out_h(), p.out_w()]
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .unwrap_or(usize::MAX);
+        alloc::probe_output("conv2d", elems, self.dtype())?;
+        let (x, w) = (self.span(l), weight.span(wl));
+        Ok(map_conv!(&*x, &*w, "conv2d", |x, w| conv2d(x, w, p)))
+    }
+    fn conv2d_backward_input(
+        &self,
+        l: &Layout,
+        weight: &Self,
+        wl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        contiguous_only("conv2d_backward_input", p.format)?;
+        let (g, w) = (self.span(l), weight.span(wl));
+        Ok(map_conv!(&*g, &*w, "conv2d_backward_input", |g, w| {
+            conv2d_backward_input(g, w, p)
+        }))
+    }
+    fn conv2d_backward_weight(
+        &self,
+        l: &Layout,
+        input: &Self,
+        il: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        contiguous_only("conv2d_backward_weight", p.format)?;
+        let (g, x) = (self.span(l), input.span(il));
+        Ok(map_conv!(&*g, &*x, "conv2d_backward_weight", |g, x| {
+            conv2d_backward_weight(g, x, p)
+        }))
+    }
 }

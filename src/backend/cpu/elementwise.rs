@@ -3,8 +3,12 @@
 use num_traits::Float;
 use rayon::prelude::*;
 
+use super::{alloc, map_float, map_float2, CpuStorage};
 use super::{Elem, PAR_THRESHOLD};
+use crate::backend::BackendStorage;
+use crate::backend::ElementwiseOps;
 use crate::backend::{BinaryOp, UnaryOp};
+use crate::base::error::Result;
 use crate::base::Layout;
 
 /// Elements per block of the blocked maps: widened blocks stay in L1.
@@ -165,5 +169,49 @@ pub fn relu_backward<T: Elem>(g: &[T], x: &[T]) -> Vec<T> {
         g.par_iter().zip(x.par_iter()).map(f).collect()
     } else {
         g.iter().zip(x.iter()).map(f).collect()
+    }
+}
+
+impl ElementwiseOps for CpuStorage {
+    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        Ok(map_float!(&*self.span(l), op.name(), |v| { unary(v, op) }))
+    }
+    fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
+        Ok(map_float!(&*self.span(l), "affine", |v| {
+            affine(v, mul, add)
+        }))
+    }
+    fn powf(&self, l: &Layout, e: f64) -> Result<Self> {
+        Ok(map_float!(&*self.span(l), "powf", |v| powf(v, e)))
+    }
+    fn binary(
+        &self,
+        l: &Layout,
+        rhs: &Self,
+        rl: &Layout,
+        op: BinaryOp,
+        out: &Layout,
+    ) -> Result<Self> {
+        alloc::probe_output(op.name(), out.elem_count(), self.dtype())?;
+        // Same dense strides on all three: one walk over the spans.
+        if l.is_dense() && l.strides() == rl.strides() && l.strides() == out.strides() {
+            let (a, b) = (self.span(l), rhs.span(rl));
+            return Ok(map_float2!(&*a, &*b, op.name(), |x, y| { zip(x, y, op) }));
+        }
+        let flat = Layout::contiguous(out.shape().clone());
+        let res = map_float2!(self, rhs, op.name(), |a, b| {
+            binary_strided(a, l, b, rl, op)
+        });
+        if out.is_contiguous() {
+            Ok(res)
+        } else {
+            res.copy_strided(&flat, out)
+        }
+    }
+    fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self> {
+        let (g, x) = (self.span(l), x.span(xl));
+        Ok(map_float2!(&*g, &*x, "relu_backward", |g, x| {
+            relu_backward(g, x)
+        }))
     }
 }

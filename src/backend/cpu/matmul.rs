@@ -4,7 +4,11 @@
 use gemm::Parallelism;
 
 use super::Elem;
+use super::{alloc, map_float2, CpuStorage};
 use crate::backend::MatmulDims;
+use crate::backend::{BackendStorage, MatmulOps};
+use crate::base::error::Result;
+use crate::base::Layout;
 
 pub fn matmul<T: Elem>(a: &[T], b: &[T], d: &MatmulDims) -> Vec<T> {
     let wa: Vec<T::Acc> = a.iter().map(|v| v.to_acc()).collect();
@@ -59,4 +63,13 @@ pub fn matmul<T: Elem>(a: &[T], b: &[T], d: &MatmulDims) -> Vec<T> {
         }
     }
     out.into_iter().map(T::from_acc).collect()
+}
+
+impl MatmulOps for CpuStorage {
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
+        let elems = dims.batch.saturating_mul(dims.m).saturating_mul(dims.n);
+        alloc::probe_output("matmul", elems, self.dtype())?;
+        let (a, b) = (self.span(l), rhs.span(rl));
+        Ok(map_float2!(&*a, &*b, "matmul", |a, b| matmul(a, b, dims)))
+    }
 }

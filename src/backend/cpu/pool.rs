@@ -4,8 +4,12 @@
 use num_traits::{Float, Zero};
 use rayon::prelude::*;
 
+use super::{contiguous_only, map_float, CpuStorage};
 use super::{Elem, PAR_THRESHOLD};
+use crate::backend::PoolOps;
 use crate::backend::{AdaptivePoolParams, Pool2dParams};
+use crate::base::error::Result;
+use crate::base::Layout;
 
 /// Runs `f(plane, out_plane)` over the planes of `out` (`plane_len` elements each).
 fn per_plane<T: Send>(
@@ -207,4 +211,57 @@ pub fn adaptive_avg_pool2d_backward<T: Elem>(g: &[T], p: &AdaptivePoolParams) ->
         }
     });
     out
+}
+
+impl PoolOps for CpuStorage {
+    fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
+        contiguous_only("max_pool2d", p.format)?;
+        let argmax;
+        let out = map_float!(&*self.span(l), "max_pool2d", |x| {
+            let (out, idx) = max_pool2d(x, p);
+            argmax = idx;
+            out
+        });
+        Ok((out, CpuStorage::I64(argmax)))
+    }
+    fn max_pool2d_backward(
+        &self,
+        l: &Layout,
+        argmax: &Self,
+        al: &Layout,
+        p: &Pool2dParams,
+    ) -> Result<Self> {
+        contiguous_only("max_pool2d_backward", p.format)?;
+        let idx = argmax.span(al);
+        let idx = idx.as_i64("max_pool2d_backward")?;
+        Ok(map_float!(&*self.span(l), "max_pool2d_backward", |g| {
+            max_pool2d_backward(g, idx, p)
+        }))
+    }
+    fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        contiguous_only("avg_pool2d", p.format)?;
+        Ok(map_float!(&*self.span(l), "avg_pool2d", |x| {
+            avg_pool2d(x, p)
+        }))
+    }
+    fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        contiguous_only("avg_pool2d_backward", p.format)?;
+        Ok(map_float!(&*self.span(l), "avg_pool2d_backward", |g| {
+            avg_pool2d_backward(g, p)
+        }))
+    }
+    fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        contiguous_only("adaptive_avg_pool2d", p.format)?;
+        Ok(map_float!(&*self.span(l), "adaptive_avg_pool2d", |x| {
+            adaptive_avg_pool2d(x, p)
+        }))
+    }
+    fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        contiguous_only("adaptive_avg_pool2d_backward", p.format)?;
+        Ok(map_float!(
+            &*self.span(l),
+            "adaptive_avg_pool2d_backward",
+            |g| adaptive_avg_pool2d_backward(g, p)
+        ))
+    }
 }

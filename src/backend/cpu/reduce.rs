@@ -2,8 +2,12 @@
 
 use rayon::prelude::*;
 
+use super::{map_float, CpuStorage};
 use super::{Elem, PAR_THRESHOLD};
+use crate::backend::ReduceOps;
 use crate::backend::{DimSplit, ReduceOp};
+use crate::base::error::Result;
+use crate::base::Layout;
 use crate::base::WithDType;
 
 /// Accumulates in f64 whatever the dtype and rounds once: a long f32 sum accumulated in f32
@@ -88,4 +92,23 @@ pub fn argmax<T: WithDType>(x: &[T], (outer, len, inner): DimSplit) -> Vec<i64> 
         }
     }
     out
+}
+
+impl ReduceOps for CpuStorage {
+    fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        Ok(map_float!(&*self.span(l), "reduce", |v| reduce(
+            v, op, split
+        )))
+    }
+    fn argmax(&self, l: &Layout, dim: usize) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        Ok(CpuStorage::I64(match &*self.span(l) {
+            CpuStorage::F16(v) => argmax(v, split),
+            CpuStorage::BF16(v) => argmax(v, split),
+            CpuStorage::F32(v) => argmax(v, split),
+            CpuStorage::F64(v) => argmax(v, split),
+            CpuStorage::I64(v) => argmax(v, split),
+        }))
+    }
 }

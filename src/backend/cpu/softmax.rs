@@ -3,8 +3,12 @@
 use num_traits::Float;
 use rayon::prelude::*;
 
+use super::{map_float, map_float2, CpuStorage};
 use super::{Elem, PAR_THRESHOLD};
 use crate::backend::DimSplit;
+use crate::backend::SoftmaxOps;
+use crate::base::error::Result;
+use crate::base::Layout;
 
 /// Runs `f(o, i)` for every (outer, inner) lane; each lane owns the elements `o·len·inner + j·inner + i`.
 fn lanes<T: Elem>(
@@ -80,4 +84,27 @@ pub fn softmax_backward<T: Elem>(g: &[T], y: &[T], split: DimSplit, log: bool) -
             );
         }
     })
+}
+
+impl SoftmaxOps for CpuStorage {
+    fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        Ok(map_float!(&*self.span(l), "softmax", |x| softmax(
+            x, split, log
+        )))
+    }
+    fn softmax_backward(
+        &self,
+        l: &Layout,
+        y: &Self,
+        yl: &Layout,
+        dim: usize,
+        log: bool,
+    ) -> Result<Self> {
+        let split = l.shape().split_at_dim(dim);
+        let (g, y) = (self.span(l), y.span(yl));
+        Ok(map_float2!(&*g, &*y, "softmax_backward", |g, y| {
+            softmax_backward(g, y, split, log)
+        }))
+    }
 }

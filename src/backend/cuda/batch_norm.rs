@@ -26,6 +26,7 @@ use super::probe::no_panic;
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
+use crate::backend::BatchNormOps;
 use crate::backend::{BatchNormGrads, BatchNormParams, BatchNormSaved};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout, MemoryFormat};
@@ -1111,4 +1112,92 @@ pub(crate) fn backward(
         }
     };
     backward_cudnn(h, &bn, (g, lg), (x, lx), y, weight, bias, saved, p)
+}
+
+impl BatchNormOps for CudaStorage {
+    fn batch_norm_train(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, BatchNormSaved<Self>)> {
+        forward_train(
+            self,
+            l,
+            residual,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            p,
+        )
+    }
+    fn batch_norm_backward(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        saved: BatchNormSaved<&Self>,
+        p: &BatchNormParams,
+    ) -> Result<BatchNormGrads<Self>> {
+        backward(self, l, x, xl, y, weight, bias, saved, p)
+    }
+    fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
+        sync_stats(self, l, p)
+    }
+    fn batch_norm_gather_stats(
+        &self,
+        ranks: usize,
+        running_mean: &mut Self,
+        running_var: &mut Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Self, Self)> {
+        sync_gather(self, ranks, running_mean, running_var, p)
+    }
+    fn batch_norm_elemt(
+        &self,
+        l: &Layout,
+        residual: Option<(&Self, &Layout)>,
+        weight: &Self,
+        bias: &Self,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        sync_elemt(self, l, residual, weight, bias, mean, invstd, p)
+    }
+    fn batch_norm_backward_reduce(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        mean: &Self,
+        invstd: &Self,
+        p: &BatchNormParams,
+    ) -> Result<Self> {
+        sync_backward_reduce(self, l, x, xl, y, mean, invstd, p)
+    }
+    fn batch_norm_backward_elemt(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        y: Option<(&Self, &Layout)>,
+        weight: &Self,
+        mean: &Self,
+        invstd: &Self,
+        sums: &Self,
+        count: &Self,
+        p: &BatchNormParams,
+    ) -> Result<(Self, Option<Self>)> {
+        sync_backward_elemt(self, l, x, xl, y, weight, mean, invstd, sums, count, p)
+    }
 }

@@ -66,6 +66,7 @@ use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
 use super::device::{allow_tf32, cuda_err, deterministic, env_on, CudaDevice};
 use super::side_stream;
 use super::storage::CudaStorage;
+use crate::backend::ConvOps;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout, MemoryFormat};
@@ -1115,4 +1116,28 @@ pub(crate) fn conv2d_backward_weight(
     packed("conv2d_backward_weight", g, lg)?;
     packed("conv2d_backward_weight", x, lx)?;
     conv(Dir::BackwardFilter, g, x, p)
+}
+
+impl ConvOps for CudaStorage {
+    fn conv2d(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
+        conv2d(self, l, w, wl, p)
+    }
+    fn conv2d_backward_input(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        conv2d_backward_input(self, l, w, wl, p)
+    }
+    fn conv2d_backward_weight(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        p: &Conv2dParams,
+    ) -> Result<Self> {
+        conv2d_backward_weight(self, l, x, xl, p)
+    }
 }

@@ -7,6 +7,7 @@ use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
+use crate::backend::ElementwiseOps;
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::base::error::Result;
 use crate::base::Layout;
@@ -90,4 +91,29 @@ pub(crate) fn relu_backward(
     launch!(g.dev, Family::Elementwise, format!("relu_backward_{s}"), Grid::for_items(&g.dev, n / 4 + 1);
         n as u64, pg, px, out.ptr());
     Ok(out)
+}
+
+impl ElementwiseOps for CudaStorage {
+    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
+        unary(self, l, op)
+    }
+    fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
+        affine(self, l, mul, add)
+    }
+    fn powf(&self, l: &Layout, e: f64) -> Result<Self> {
+        powf(self, l, e)
+    }
+    fn binary(
+        &self,
+        l: &Layout,
+        rhs: &Self,
+        rl: &Layout,
+        op: BinaryOp,
+        out: &Layout,
+    ) -> Result<Self> {
+        binary(self, l, rhs, rl, op, out)
+    }
+    fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self> {
+        relu_backward(self, l, x, xl)
+    }
 }

@@ -13,6 +13,7 @@ use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
+use crate::backend::IndexOps;
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout, Shape};
 
@@ -153,5 +154,27 @@ pub(crate) fn scatter_add(
     } else {
         let whole = Layout::contiguous(Shape::new(vec![acc.len()]));
         super::cast::to_dtype(&acc, &whole, g.dtype())
+    }
+}
+
+impl IndexOps for CudaStorage {
+    fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Result<Self> {
+        gather(self, l, idx, il, dim)
+    }
+    fn scatter_add(
+        &self,
+        l: &Layout,
+        idx: &Self,
+        il: &Layout,
+        dim: usize,
+        out: &Shape,
+    ) -> Result<Self> {
+        scatter_add(self, l, idx, il, dim, out)
+    }
+    fn cat(parts: &[(&Self, &Layout)], dim: usize) -> Result<Self> {
+        if parts.is_empty() {
+            return Err(Error::invalid_shape("cat", &Shape::scalar(), "no tensors"));
+        }
+        super::layout::cat(parts, dim)
     }
 }

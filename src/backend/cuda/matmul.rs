@@ -15,6 +15,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::device::{allow_tf32, cuda_err, CudaDevice};
 use super::storage::CudaStorage;
+use crate::backend::MatmulOps;
 use crate::backend::{BackendStorage, MatmulDims};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout};
@@ -223,4 +224,10 @@ pub(crate) fn matmul(
     }
     .map_err(|e| cuda_err(&format!("cublasGemmStridedBatchedEx {dtype} {d:?}"), e))?;
     Ok(out)
+}
+
+impl MatmulOps for CudaStorage {
+    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
+        matmul(self, l, rhs, rl, dims)
+    }
 }

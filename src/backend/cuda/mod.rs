@@ -1,8 +1,9 @@
 //! The CUDA backend: context and stream per device with a stream-ordered memory pool
 //! (`device.rs`), library probing (`probe.rs`), the NVRTC kernel registry with its on-disk cache
 //! (`registry.rs`), kernel launches (`launch.rs`), the buffer type and its [`BackendStorage`]
-//! dispatch (`storage.rs`), diagnostics (`profile.rs`: per-op device time, pool memory), and one
-//! file per op family, named as its kernels in `kernels/*.cu` at the crate root: `cast.rs`,
+//! (`storage.rs`), diagnostics (`profile.rs`: per-op device time, pool memory), and one
+//! file per op family, named as its kernels in `kernels/*.cu` at the crate root and holding
+//! the family trait's impl for [`CudaStorage`]: `cast.rs`,
 //! `elementwise.rs`, `layout.rs`, `reduce.rs`, `index.rs`, `softmax.rs`, `batch_norm.rs`,
 //! `pool.rs` (batch norm's cuDNN candidate: `cudnn_batch_norm.rs`), cuBLAS `matmul.rs`, cuDNN `conv.rs` (the plan choice; the two cuDNN APIs in
 //! `cudnn_graph.rs` and `cudnn_legacy.rs`, the timer in `conv_tune.rs`, the on-disk plan cache in

@@ -6,6 +6,7 @@ use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
+use crate::backend::PoolOps;
 use crate::backend::{AdaptivePoolParams, Pool2dParams};
 use crate::base::error::Result;
 use crate::base::{DType, Layout, MemoryFormat};
@@ -162,6 +163,33 @@ pub(crate) fn adaptive_avg_pool2d_backward(
             adaptive_p(p), src, dx.ptr());
     }
     Ok(dx)
+}
+
+impl PoolOps for CudaStorage {
+    fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
+        max_pool2d(self, l, p)
+    }
+    fn max_pool2d_backward(
+        &self,
+        l: &Layout,
+        argmax: &Self,
+        al: &Layout,
+        p: &Pool2dParams,
+    ) -> Result<Self> {
+        max_pool2d_backward(self, l, argmax, al, p)
+    }
+    fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        avg_pool2d(self, l, p)
+    }
+    fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
+        avg_pool2d_backward(self, l, p)
+    }
+    fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        adaptive_avg_pool2d(self, l, p)
+    }
+    fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
+        adaptive_avg_pool2d_backward(self, l, p)
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::ReduceOp;
+use crate::backend::ReduceOps;
 use crate::base::error::Result;
 use crate::base::{DType, Layout};
 
@@ -53,4 +54,13 @@ pub(crate) fn argmax(x: &CudaStorage, l: &Layout, dim: usize) -> Result<CudaStor
     launch!(x.dev, Family::Reduce, name, Grid::for_items(&x.dev, outer * inner);
         outer as u64, len as u64, inner as u64, src, out.ptr());
     Ok(out)
+}
+
+impl ReduceOps for CudaStorage {
+    fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self> {
+        reduce(self, l, op, dim)
+    }
+    fn argmax(&self, l: &Layout, dim: usize) -> Result<Self> {
+        argmax(self, l, dim)
+    }
 }

@@ -27,68 +27,60 @@ const COMMON: &str = include_str!("../../../kernels/common.cuh");
 /// Multi-tensor apply helpers, prepended (after common.cuh) to the families that use them.
 const MT_COMMON: &str = include_str!("../../../kernels/mt_common.cuh");
 
-/// One kernel family (one `.cu` file).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Family {
-    Cast,
-    Elementwise,
-    Reduce,
-    Index,
-    Layout,
-    Softmax,
-    BatchNorm,
-    Pool,
-    MultiTensor,
-    FusedOptim,
-    Conv,
+/// Declares the kernel families, one line each: the variant, the file (`kernels/<name>.cu`) and
+/// its relative cold-compile cost, which orders a parallel compile (longest first, so that
+/// [`in_parallel`]'s threads end about together; measured with NVRTC, benches/RESULTS.md).
+macro_rules! kernel_families {
+    ($($v:ident => $name:literal, $cost:literal;)*) => {
+        /// One kernel family (one `.cu` file).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Family {
+            $($v,)*
+        }
+
+        impl Family {
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Family::$v => $name,)*
+                }
+            }
+
+            fn source(self) -> &'static str {
+                match self {
+                    $(Family::$v => include_str!(concat!("../../../kernels/", $name, ".cu")),)*
+                }
+            }
+
+            fn compile_cost(self) -> u32 {
+                match self {
+                    $(Family::$v => $cost,)*
+                }
+            }
+
+            pub const ALL: [Family; [$($name),*].len()] = [$(Family::$v,)*];
+        }
+    };
 }
 
-impl Family {
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::Cast => "cast",
-            Family::Elementwise => "elementwise",
-            Family::Reduce => "reduce",
-            Family::Index => "index",
-            Family::Layout => "layout",
-            Family::Softmax => "softmax",
-            Family::BatchNorm => "batch_norm",
-            Family::Pool => "pool",
-            Family::MultiTensor => "multi_tensor",
-            Family::FusedOptim => "fused_optim",
-            Family::Conv => "conv",
-        }
-    }
+kernel_families! {
+    Cast => "cast", 8;
+    Elementwise => "elementwise", 18;
+    Reduce => "reduce", 13;
+    Index => "index", 4;
+    Layout => "layout", 5;
+    Softmax => "softmax", 15;
+    BatchNorm => "batch_norm", 83;
+    Pool => "pool", 61;
+    MultiTensor => "multi_tensor", 32;
+    FusedOptim => "fused_optim", 122;
+    Conv => "conv", 12;
+}
 
-    fn source(self) -> &'static str {
-        match self {
-            Family::Cast => include_str!("../../../kernels/cast.cu"),
-            Family::Elementwise => include_str!("../../../kernels/elementwise.cu"),
-            Family::Reduce => include_str!("../../../kernels/reduce.cu"),
-            Family::Index => include_str!("../../../kernels/index.cu"),
-            Family::Layout => include_str!("../../../kernels/layout.cu"),
-            Family::Softmax => include_str!("../../../kernels/softmax.cu"),
-            Family::BatchNorm => include_str!("../../../kernels/batch_norm.cu"),
-            Family::Pool => include_str!("../../../kernels/pool.cu"),
-            Family::MultiTensor => include_str!("../../../kernels/multi_tensor.cu"),
-            Family::FusedOptim => include_str!("../../../kernels/fused_optim.cu"),
-            Family::Conv => include_str!("../../../kernels/conv.cu"),
-        }
-    }
-
-    pub const ALL: [Family; 11] = [
-        Family::Cast,
-        Family::Elementwise,
-        Family::Reduce,
-        Family::Index,
-        Family::Layout,
-        Family::Softmax,
-        Family::BatchNorm,
-        Family::Pool,
-        Family::MultiTensor,
-        Family::FusedOptim,
-        Family::Conv,
-    ];
+/// The families, longest to compile first.
+fn by_compile_time() -> Vec<Family> {
+    let mut v = Family::ALL.to_vec();
+    v.sort_by_key(|f| std::cmp::Reverse(f.compile_cost()));
+    v
 }
 
 /// The full translation unit: common.cuh, then the family's source.
@@ -144,25 +136,8 @@ fn cache_dir() -> Option<PathBuf> {
 /// A compiled module image (cubin for the device's architecture): from the disk cache when there,
 /// else compiled now, together with every other family missing from the cache (module doc).
 pub fn module_image(f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
-    module_image_in(cache_dir().as_deref(), f, arch, &BY_COMPILE_TIME)
+    module_image_in(cache_dir().as_deref(), f, arch, &by_compile_time())
 }
-
-/// The families, longest to compile first, so that [`in_parallel`]'s threads end about together.
-/// Seconds of a cold compile (CUDA 13.0's NVRTC, sm_90) on the H200 machine's 16-core host, all
-/// eleven at once, without / with `--split-compile=0` (RESULTS.md, call E13).
-const BY_COMPILE_TIME: [Family; 11] = [
-    Family::FusedOptim,  // 12.2 / 5.5
-    Family::BatchNorm,   // 8.3 / 4.1
-    Family::Pool,        // 6.1 / 2.6
-    Family::MultiTensor, // 3.2 / 1.6
-    Family::Elementwise, // 1.8 / 1.1
-    Family::Softmax,     // 1.5 / 1.1
-    Family::Reduce,      // 1.3 / 0.8
-    Family::Conv,        // 1.2 / 1.0
-    Family::Cast,        // 0.8 / 0.6
-    Family::Layout,      // 0.5 / 0.5
-    Family::Index,       // 0.5 / 0.4
-];
 
 /// Where a made-ahead image is kept: the cache directory (none: no disk cache), the family, the
 /// architecture.
@@ -208,7 +183,8 @@ fn module_image_in(
             missing.push(g);
         }
     }
-    missing.sort_by_key(|g| BY_COMPILE_TIME.iter().position(|h| h == g));
+    let order = by_compile_time();
+    missing.sort_by_key(|g| order.iter().position(|h| h == g));
     let mut mine = None;
     for (g, made) in in_parallel(&missing, |g| compile_and_cache(dir, g, arch)) {
         if g == f {
@@ -357,7 +333,7 @@ pub fn compile_all_for(arch: (i32, i32)) -> Result<usize> {
             cudarc::get_lib_name_candidates("nvrtc").join(", ")
         )));
     }
-    let mut compiled = in_parallel(&BY_COMPILE_TIME, |f| {
+    let mut compiled = in_parallel(&by_compile_time(), |f| {
         super::probe::no_panic("NVRTC", || compile(f, &full_source(f), &options(arch)))
     });
     // The first failure in the families' usual order, whichever thread met it first.

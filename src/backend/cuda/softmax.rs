@@ -5,6 +5,7 @@ use super::launch::{launch, Grid, BLOCK};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
+use crate::backend::SoftmaxOps;
 use crate::base::error::Result;
 use crate::base::Layout;
 
@@ -48,4 +49,20 @@ pub(crate) fn softmax_backward(
     launch!(g.dev, Family::Softmax, format!("softmax_backward_{s}"), grid(g, outer, inner);
         outer as u64, len as u64, inner as u64, pg, py, out.ptr(), log as i32);
     Ok(out)
+}
+
+impl SoftmaxOps for CudaStorage {
+    fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self> {
+        softmax(self, l, dim, log)
+    }
+    fn softmax_backward(
+        &self,
+        l: &Layout,
+        y: &Self,
+        yl: &Layout,
+        dim: usize,
+        log: bool,
+    ) -> Result<Self> {
+        softmax_backward(self, l, y, yl, dim, log)
+    }
 }

@@ -1,7 +1,7 @@
 //! `CudaStorage`: a buffer of one dtype on one device, allocated from the device's stream-ordered
-//! pool on its stream, plus host ↔ device copies, and [`BackendStorage`] for it: one line per op,
-//! into the op family's file (`cast.rs`, `elementwise.rs`, `layout.rs`, `reduce.rs`,
-//! `index.rs`, `softmax.rs`, `matmul.rs`, `conv.rs`, `batch_norm.rs`, `pool.rs`).
+//! pool on its stream, plus host ↔ device copies, and [`BackendStorage`] for it. Each op family's
+//! trait is implemented in the family's own file (`elementwise.rs`, `reduce.rs`, `index.rs`,
+//! `softmax.rs`, `matmul.rs`, `conv.rs`, `batch_norm.rs`, `pool.rs`).
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -15,12 +15,8 @@ use super::graph::{self, CaptureMark};
 use super::side_stream;
 use crate::backend::cpu::CpuStorage;
 use crate::backend::BackendStorage;
-use crate::backend::{
-    AdaptivePoolParams, BatchNormGrads, BatchNormParams, BatchNormSaved, BinaryOp, Conv2dParams,
-    MatmulDims, Pool2dParams, ReduceOp, UnaryOp,
-};
 use crate::base::error::{Error, Result};
-use crate::base::{DType, Layout, Shape};
+use crate::base::{DType, Layout};
 
 pub struct CudaStorage {
     /// Freed through `graph::release` (a capture or a live CUDA graph may need the memory).
@@ -283,200 +279,5 @@ impl BackendStorage for CudaStorage {
     }
     fn to_dtype(&self, l: &Layout, dtype: DType) -> Result<Self> {
         super::cast::to_dtype(self, l, dtype)
-    }
-    fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
-        super::elementwise::unary(self, l, op)
-    }
-    fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
-        super::elementwise::affine(self, l, mul, add)
-    }
-    fn powf(&self, l: &Layout, e: f64) -> Result<Self> {
-        super::elementwise::powf(self, l, e)
-    }
-    fn binary(
-        &self,
-        l: &Layout,
-        rhs: &Self,
-        rl: &Layout,
-        op: BinaryOp,
-        out: &Layout,
-    ) -> Result<Self> {
-        super::elementwise::binary(self, l, rhs, rl, op, out)
-    }
-    fn relu_backward(&self, l: &Layout, x: &Self, xl: &Layout) -> Result<Self> {
-        super::elementwise::relu_backward(self, l, x, xl)
-    }
-    fn reduce(&self, l: &Layout, op: ReduceOp, dim: usize) -> Result<Self> {
-        super::reduce::reduce(self, l, op, dim)
-    }
-    fn argmax(&self, l: &Layout, dim: usize) -> Result<Self> {
-        super::reduce::argmax(self, l, dim)
-    }
-    fn gather(&self, l: &Layout, idx: &Self, il: &Layout, dim: usize) -> Result<Self> {
-        super::index::gather(self, l, idx, il, dim)
-    }
-    fn scatter_add(
-        &self,
-        l: &Layout,
-        idx: &Self,
-        il: &Layout,
-        dim: usize,
-        out: &Shape,
-    ) -> Result<Self> {
-        super::index::scatter_add(self, l, idx, il, dim, out)
-    }
-    fn cat(parts: &[(&Self, &Layout)], dim: usize) -> Result<Self> {
-        if parts.is_empty() {
-            return Err(Error::invalid_shape("cat", &Shape::scalar(), "no tensors"));
-        }
-        super::layout::cat(parts, dim)
-    }
-    fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
-        super::matmul::matmul(self, l, rhs, rl, dims)
-    }
-    fn conv2d(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Result<Self> {
-        super::conv::conv2d(self, l, w, wl, p)
-    }
-    fn conv2d_backward_input(
-        &self,
-        l: &Layout,
-        w: &Self,
-        wl: &Layout,
-        p: &Conv2dParams,
-    ) -> Result<Self> {
-        super::conv::conv2d_backward_input(self, l, w, wl, p)
-    }
-    fn conv2d_backward_weight(
-        &self,
-        l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        p: &Conv2dParams,
-    ) -> Result<Self> {
-        super::conv::conv2d_backward_weight(self, l, x, xl, p)
-    }
-    fn batch_norm_train(
-        &self,
-        l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        running_mean: &mut Self,
-        running_var: &mut Self,
-        p: &BatchNormParams,
-    ) -> Result<(Self, BatchNormSaved<Self>)> {
-        super::batch_norm::forward_train(
-            self,
-            l,
-            residual,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            p,
-        )
-    }
-    fn batch_norm_backward(
-        &self,
-        l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        saved: BatchNormSaved<&Self>,
-        p: &BatchNormParams,
-    ) -> Result<BatchNormGrads<Self>> {
-        super::batch_norm::backward(self, l, x, xl, y, weight, bias, saved, p)
-    }
-    fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
-        super::batch_norm::sync_stats(self, l, p)
-    }
-    fn batch_norm_gather_stats(
-        &self,
-        ranks: usize,
-        running_mean: &mut Self,
-        running_var: &mut Self,
-        p: &BatchNormParams,
-    ) -> Result<(Self, Self, Self)> {
-        super::batch_norm::sync_gather(self, ranks, running_mean, running_var, p)
-    }
-    fn batch_norm_elemt(
-        &self,
-        l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        mean: &Self,
-        invstd: &Self,
-        p: &BatchNormParams,
-    ) -> Result<Self> {
-        super::batch_norm::sync_elemt(self, l, residual, weight, bias, mean, invstd, p)
-    }
-    fn batch_norm_backward_reduce(
-        &self,
-        l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        mean: &Self,
-        invstd: &Self,
-        p: &BatchNormParams,
-    ) -> Result<Self> {
-        super::batch_norm::sync_backward_reduce(self, l, x, xl, y, mean, invstd, p)
-    }
-    fn batch_norm_backward_elemt(
-        &self,
-        l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        mean: &Self,
-        invstd: &Self,
-        sums: &Self,
-        count: &Self,
-        p: &BatchNormParams,
-    ) -> Result<(Self, Option<Self>)> {
-        super::batch_norm::sync_backward_elemt(
-            self, l, x, xl, y, weight, mean, invstd, sums, count, p,
-        )
-    }
-    fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)> {
-        super::pool::max_pool2d(self, l, p)
-    }
-    fn max_pool2d_backward(
-        &self,
-        l: &Layout,
-        argmax: &Self,
-        al: &Layout,
-        p: &Pool2dParams,
-    ) -> Result<Self> {
-        super::pool::max_pool2d_backward(self, l, argmax, al, p)
-    }
-    fn avg_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
-        super::pool::avg_pool2d(self, l, p)
-    }
-    fn avg_pool2d_backward(&self, l: &Layout, p: &Pool2dParams) -> Result<Self> {
-        super::pool::avg_pool2d_backward(self, l, p)
-    }
-    fn adaptive_avg_pool2d(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
-        super::pool::adaptive_avg_pool2d(self, l, p)
-    }
-    fn adaptive_avg_pool2d_backward(&self, l: &Layout, p: &AdaptivePoolParams) -> Result<Self> {
-        super::pool::adaptive_avg_pool2d_backward(self, l, p)
-    }
-    fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Result<Self> {
-        super::softmax::softmax(self, l, dim, log)
-    }
-    fn softmax_backward(
-        &self,
-        l: &Layout,
-        y: &Self,
-        yl: &Layout,
-        dim: usize,
-        log: bool,
-    ) -> Result<Self> {
-        super::softmax::softmax_backward(self, l, y, yl, dim, log)
     }
 }
