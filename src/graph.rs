@@ -51,7 +51,7 @@ pub fn capture(device: Device, f: impl FnOnce() -> Result<()>) -> Result<Graph> 
     };
     let dev = cuda::device(i)?;
     // Casts cached before the capture would be baked into the graph with their old values.
-    crate::amp::autocast::clear_cache();
+    crate::tensor::autocast::invalidate_casts();
     cuda::graph::begin(&dev)?;
     // Ends the capture if `f` panics, so that the device's stream is usable again.
     struct Abort<'a>(&'a std::sync::Arc<cuda::CudaDevice>, bool);

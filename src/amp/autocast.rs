@@ -1,17 +1,20 @@
 //! O1 autocast: a thread-local scope in which each op casts its inputs by its class, and the one
-//! table that classifies every op of the crate.
+//! table that classifies every op of the crate ([`class_of`]).
 //!
 //! | class         | inputs become                                   | ops                          |
 //! |---------------|-------------------------------------------------|------------------------------|
 //! | `Half`        | the scope's half type                           | matmul, linear, conv2d       |
-//! | `Fp32`        | F32 (F64 stays F64)                             | softmax, exp, log, pow, sums, means, norms, losses |
+//! | `Fp32`        | F32 (F64 stays F64)                             | softmax, exp, log, powf, sums, means, losses |
 //! | `Promote`     | the widest input type (f16 with bf16: F32)      | binary elementwise, cat      |
-//! | `Passthrough` | unchanged                                       | relu, pooling, batch_norm, shape ops |
+//! | `Passthrough` | unchanged                                       | relu, neg, abs, sqrt, sqr    |
 //!
-//! Each op calls one function at its entry (`inputs1`, `inputs2`, `inputs3`, `inputs_n`); when no
-//! scope is active that is one thread-local read and the op goes on with its own inputs. When
-//! the call returns casts, the op re-runs itself on them (the hook then sees inputs already of
-//! the right types and returns `None`).
+//! Ops that never call the hook (pooling, batch norm, views, casts) keep their input types too.
+//!
+//! Each op calls the tensor floor's hook at its entry with its [`OpKind`]
+//! (`tensor::autocast`); when no scope is active that is one thread-local read and the op goes on
+//! with its own inputs. Inside a scope the hook asks this module, which [`autocast`] installs,
+//! for the casts; the op re-runs itself on them (the hook then sees inputs already of the right
+//! types and returns `None`).
 //!
 //! Casts of FP32 *variables* (parameters) to half are cached for the iteration, keyed by the
 //! variable, the target type and whether gradients are enabled — a cast made under `no_grad` (an
@@ -20,11 +23,13 @@
 //!
 //! Users classify their own ops with [`register_op`] and cast their inputs with [`cast_inputs`].
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::RwLock;
 
 use crate::error::{Error, Result};
+use crate::tensor::autocast::{self as hook, AutocastHook};
+pub use crate::tensor::autocast::{active, suspend, AutocastGuard, OpKind};
 use crate::tensor::{DType, Tensor, TensorId};
 
 /// How autocast treats an op's floating inputs.
@@ -40,59 +45,31 @@ pub enum OpClass {
     Passthrough,
 }
 
-/// The classification of every op of the crate, by the name each op passes to its hook. This is
-/// the one place to look (and to change) which precision an op runs in under O1.
-pub const OP_TABLE: &[(&str, OpClass)] = &[
-    // ---- half: products that run on tensor cores --------------------------------------------
-    ("matmul", OpClass::Half),
-    ("linear", OpClass::Half),
-    ("conv2d", OpClass::Half),
-    // ---- fp32: range or precision matters -------------------------------------------------
-    ("softmax", OpClass::Fp32),
-    ("log_softmax", OpClass::Fp32),
-    ("exp", OpClass::Fp32),
-    ("log", OpClass::Fp32),
-    ("powf", OpClass::Fp32),
-    ("pow", OpClass::Fp32),
-    ("sum", OpClass::Fp32),
-    ("mean", OpClass::Fp32),
-    ("norm", OpClass::Fp32),
-    ("cross_entropy", OpClass::Fp32),
-    ("mse_loss", OpClass::Fp32),
-    // ---- promote: several inputs, the widest type wins -----------------------------------
-    ("add", OpClass::Promote),
-    ("sub", OpClass::Promote),
-    ("mul", OpClass::Promote),
-    ("div", OpClass::Promote),
-    ("maximum", OpClass::Promote),
-    ("minimum", OpClass::Promote),
-    ("cat", OpClass::Promote),
-    // ---- passthrough: exact in any type, or already computing statistics in FP32 ---------
-    ("relu", OpClass::Passthrough),
-    ("neg", OpClass::Passthrough),
-    ("abs", OpClass::Passthrough),
-    ("sqrt", OpClass::Passthrough),
-    ("sqr", OpClass::Passthrough),
-    ("affine", OpClass::Passthrough),
-    ("max", OpClass::Passthrough),
-    ("min", OpClass::Passthrough),
-    ("argmax", OpClass::Passthrough),
-    ("max_pool2d", OpClass::Passthrough),
-    ("avg_pool2d", OpClass::Passthrough),
-    ("adaptive_avg_pool2d", OpClass::Passthrough),
-    ("batch_norm", OpClass::Passthrough),
-    ("gather", OpClass::Passthrough),
-    ("reshape", OpClass::Passthrough),
-    ("permute", OpClass::Passthrough),
-    ("narrow", OpClass::Passthrough),
-    ("broadcast_as", OpClass::Passthrough),
-    ("to_dtype", OpClass::Passthrough),
-    ("to_device", OpClass::Passthrough),
-];
+/// The class of each op of the crate under O1: the one place to look (and to change) which
+/// precision an op runs in. Exhaustive: an [`OpKind`] without a class does not compile.
+pub const fn class_of(op: OpKind) -> OpClass {
+    use OpKind as K;
+    match op {
+        // ---- half: products that run on tensor cores -----------------------------------------
+        K::Matmul | K::Linear | K::Conv2d => OpClass::Half,
+        // ---- fp32: range or precision matters ------------------------------------------------
+        K::Softmax
+        | K::LogSoftmax
+        | K::Exp
+        | K::Log
+        | K::Powf
+        | K::Sum
+        | K::Mean
+        | K::CrossEntropy
+        | K::MseLoss => OpClass::Fp32,
+        // ---- promote: several inputs, the widest type wins -----------------------------------
+        K::Add | K::Sub | K::Mul | K::Div | K::Maximum | K::Minimum | K::Cat => OpClass::Promote,
+        // ---- passthrough: exact in any type ---------------------------------------------------
+        K::Relu | K::Neg | K::Abs | K::Sqrt | K::Sqr => OpClass::Passthrough,
+    }
+}
 
 thread_local! {
-    /// The half type of the innermost active scope, None outside any.
-    static ACTIVE: Cell<Option<DType>> = const { Cell::new(None) };
     /// (variable, target dtype, grad enabled) → its cast.
     static CACHE: RefCell<HashMap<(TensorId, DType, bool), Tensor>> = RefCell::new(HashMap::new());
 }
@@ -100,17 +77,20 @@ thread_local! {
 /// Classes users registered for their own ops.
 static USER_OPS: RwLock<Option<HashMap<String, OpClass>>> = RwLock::new(None);
 
-/// Restores the previous autocast state when dropped.
-#[must_use = "autocast ends when the guard is dropped"]
-pub struct AutocastGuard {
-    prev: Option<DType>,
-}
+/// amp's side of the tensor ops' autocast hook: the table, and the cast cache.
+struct AmpHook;
 
-impl Drop for AutocastGuard {
-    fn drop(&mut self) {
-        ACTIVE.with(|a| a.set(self.prev));
+impl AutocastHook for AmpHook {
+    fn cast_inputs(&self, op: OpKind, half: DType, xs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
+        cast_all(class_of(op), half, xs)
+    }
+
+    fn invalidate_casts(&self) {
+        clear_cache();
     }
 }
+
+static HOOK: AmpHook = AmpHook;
 
 /// Enters an autocast scope on this thread in which `Half` ops compute in `half`
 /// (F16 or BF16; any other dtype is an error), until the guard drops. Scopes nest.
@@ -122,22 +102,8 @@ pub fn autocast(half: DType) -> Result<AutocastGuard> {
             expected: "f16 or bf16",
         });
     }
-    Ok(AutocastGuard {
-        prev: ACTIVE.with(|a| a.replace(Some(half))),
-    })
-}
-
-/// Suspends autocast on this thread until the guard drops (backward passes and optimizer steps
-/// run their ops in the types they are given).
-pub fn suspend() -> AutocastGuard {
-    AutocastGuard {
-        prev: ACTIVE.with(|a| a.replace(None)),
-    }
-}
-
-/// The half type of the active scope on this thread, if any.
-pub fn active() -> Option<DType> {
-    ACTIVE.with(|a| a.get())
+    hook::install(&HOOK);
+    Ok(hook::enter(half))
 }
 
 /// Drops every cached cast of this thread (done when a loss is scaled and when backward runs).
@@ -154,28 +120,26 @@ pub fn cache_len() -> usize {
     CACHE.with(|c| c.borrow().len())
 }
 
-/// The class of `op`: a user registration, else the table. Unknown ops pass through.
+/// The class of the op named `op`: a user registration, else the crate's own ([`class_of`]).
+/// Unknown names pass through.
 pub fn op_class(op: &str) -> OpClass {
     if let Ok(g) = USER_OPS.read() {
         if let Some(c) = g.as_ref().and_then(|m| m.get(op)) {
             return *c;
         }
     }
-    OP_TABLE
-        .iter()
-        .find(|(n, _)| *n == op)
-        .map_or(OpClass::Passthrough, |(_, c)| *c)
+    OpKind::from_name(op).map_or(OpClass::Passthrough, class_of)
 }
 
 /// Registers the class of a user op `name` (re-registering replaces the class). The crate's own
-/// ops keep theirs: naming one of [`OP_TABLE`] is an error.
+/// ops keep theirs: naming one of [`OpKind::ALL`] is an error.
 pub fn register_op(name: &str, class: OpClass) -> Result<()> {
-    if name.is_empty() || OP_TABLE.iter().any(|(n, _)| *n == name) {
+    if name.is_empty() || OpKind::from_name(name).is_some() {
         return Err(Error::invalid_arg(
             "amp::autocast::register_op",
             "name",
             format!("`{name}`"),
-            "a non-empty name that is not one of the crate's ops (OP_TABLE)",
+            "a non-empty name that is not one of the crate's ops (OpKind::ALL)",
         ));
     }
     let mut g = USER_OPS.write().unwrap_or_else(|e| e.into_inner());
@@ -184,11 +148,11 @@ pub fn register_op(name: &str, class: OpClass) -> Result<()> {
     Ok(())
 }
 
-/// The dtype each floating input of `op` should have under a scope of `half`, or None when
-/// none changes.
-fn targets(op: &str, half: DType, dtypes: &[DType]) -> Option<Vec<DType>> {
+/// The dtype each floating input of an op of `class` should have under a scope of `half`, or
+/// None when none changes.
+fn targets(class: OpClass, half: DType, dtypes: &[DType]) -> Option<Vec<DType>> {
     let floats = || dtypes.iter().filter(|d| d.is_float());
-    let out: Vec<DType> = match op_class(op) {
+    let out: Vec<DType> = match class {
         OpClass::Passthrough => return None,
         OpClass::Half => dtypes
             .iter()
@@ -228,12 +192,9 @@ fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     Ok(t)
 }
 
-fn cast_all(op: &str, xs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
-    let Some(half) = active() else {
-        return Ok(None);
-    };
+fn cast_all(class: OpClass, half: DType, xs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
     let dtypes: Vec<DType> = xs.iter().map(|t| t.dtype()).collect();
-    let Some(to) = targets(op, half, &dtypes) else {
+    let Some(to) = targets(class, half, &dtypes) else {
         return Ok(None);
     };
     xs.iter()
@@ -243,67 +204,14 @@ fn cast_all(op: &str, xs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
         .map(Some)
 }
 
-/// The hook of a one-input op: `Some(cast input)` when autocast changes it.
-pub(crate) fn inputs1(op: &'static str, x: &Tensor) -> Result<Option<Tensor>> {
-    if ACTIVE.with(|a| a.get()).is_none() {
-        return Ok(None);
-    }
-    Ok(cast_all(op, &[x])?.map(|mut v| v.swap_remove(0)))
-}
-
-/// The hook of a two-input op.
-pub(crate) fn inputs2(
-    op: &'static str,
-    a: &Tensor,
-    b: &Tensor,
-) -> Result<Option<(Tensor, Tensor)>> {
-    if ACTIVE.with(|a| a.get()).is_none() {
-        return Ok(None);
-    }
-    Ok(cast_all(op, &[a, b])?.map(|v| {
-        let mut it = v.into_iter();
-        let (Some(x), Some(y)) = (it.next(), it.next()) else {
-            return (a.clone(), b.clone());
-        };
-        (x, y)
-    }))
-}
-
-/// The hook of an op with two inputs and an optional third (a bias).
-pub(crate) fn inputs3(
-    op: &'static str,
-    a: &Tensor,
-    b: &Tensor,
-    c: Option<&Tensor>,
-) -> Result<Option<(Tensor, Tensor, Option<Tensor>)>> {
-    if ACTIVE.with(|a| a.get()).is_none() {
-        return Ok(None);
-    }
-    let mut xs = vec![a, b];
-    xs.extend(c);
-    Ok(cast_all(op, &xs)?.map(|v| {
-        let mut it = v.into_iter();
-        let x = it.next().unwrap_or_else(|| a.clone());
-        let y = it.next().unwrap_or_else(|| b.clone());
-        (x, y, it.next())
-    }))
-}
-
-/// The hook of an op over a list of inputs (cat).
-pub(crate) fn inputs_n(op: &'static str, xs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
-    if ACTIVE.with(|a| a.get()).is_none() {
-        return Ok(None);
-    }
-    cast_all(op, xs)
-}
-
 /// The inputs of a user op `op` cast by its class under the active scope (unchanged outside a
 /// scope): call it at the top of your own op after [`register_op`].
 pub fn cast_inputs(op: &str, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
-    Ok(match cast_all(op, xs)? {
-        Some(v) => v,
-        None => xs.iter().map(|t| (*t).clone()).collect(),
-    })
+    let cast = match active() {
+        Some(half) => cast_all(op_class(op), half, xs)?,
+        None => None,
+    };
+    Ok(cast.unwrap_or_else(|| xs.iter().map(|t| (*t).clone()).collect()))
 }
 
 #[cfg(test)]
@@ -311,26 +219,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn table_names_are_unique() {
-        let mut names: Vec<&str> = OP_TABLE.iter().map(|(n, _)| *n).collect();
-        names.sort_unstable();
-        let n = names.len();
-        names.dedup();
-        assert_eq!(n, names.len());
+    fn every_op_kind_has_a_class_and_a_name_that_round_trips() {
+        for &k in OpKind::ALL {
+            assert_eq!(OpKind::from_name(k.name()), Some(k), "{k:?}");
+            assert_eq!(op_class(k.name()), class_of(k), "{k:?}");
+            assert!(register_op(k.name(), OpClass::Half).is_err(), "{k:?}");
+        }
+        assert_eq!(op_class("no_such_op"), OpClass::Passthrough);
     }
 
     #[test]
     fn targets_by_class() {
         use DType::*;
-        assert_eq!(targets("matmul", F16, &[F32, F32]), Some(vec![F16, F16]));
-        assert_eq!(targets("matmul", F16, &[F16, F16]), None);
-        assert_eq!(targets("softmax", BF16, &[BF16]), Some(vec![F32]));
-        assert_eq!(targets("softmax", BF16, &[F64]), None);
-        assert_eq!(targets("add", F16, &[F16, F32]), Some(vec![F32, F32]));
-        assert_eq!(targets("cat", F16, &[F16, BF16]), Some(vec![F32, F32]));
-        assert_eq!(targets("relu", F16, &[F32]), None);
+        let t = |op: OpKind, half, dtypes: &[DType]| targets(class_of(op), half, dtypes);
+        assert_eq!(t(OpKind::Matmul, F16, &[F32, F32]), Some(vec![F16, F16]));
+        assert_eq!(t(OpKind::Matmul, F16, &[F16, F16]), None);
+        assert_eq!(t(OpKind::Softmax, BF16, &[BF16]), Some(vec![F32]));
+        assert_eq!(t(OpKind::Softmax, BF16, &[F64]), None);
+        assert_eq!(t(OpKind::Add, F16, &[F16, F32]), Some(vec![F32, F32]));
+        assert_eq!(t(OpKind::Cat, F16, &[F16, BF16]), Some(vec![F32, F32]));
+        assert_eq!(t(OpKind::Relu, F16, &[F32]), None);
         assert_eq!(
-            targets("cross_entropy", F16, &[F16, I64]),
+            t(OpKind::CrossEntropy, F16, &[F16, I64]),
             Some(vec![F32, I64])
         );
     }

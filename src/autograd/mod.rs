@@ -264,8 +264,8 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
     }
     // Backward computes in the types it is given, and parameters change after it: autocast's
     // cast cache is dropped (apex clears it when the loss is scaled) and autocast suspended.
-    crate::amp::autocast::clear_cache();
-    let _autocast = crate::amp::autocast::suspend();
+    crate::tensor::autocast::invalidate_casts();
+    let _autocast = crate::tensor::autocast::suspend();
     let _guard = no_grad();
     let mut scope = hooks::BackwardScope::enter();
     let seed = root.ones_like()?;

@@ -2,8 +2,8 @@
 //! to F32 first; F64 stays F64, for gradient checks), as apex's O1 lists require, and returns a
 //! tensor of that type.
 
-use crate::amp::autocast;
 use crate::error::{Error, Result};
+use crate::tensor::autocast::{self, OpKind};
 use crate::tensor::{DType, Tensor};
 
 /// How per-element losses are combined (PyTorch's `reduction`).
@@ -56,7 +56,7 @@ pub fn cross_entropy_with(
     cfg: CrossEntropyConfig,
 ) -> Result<Tensor> {
     let op = "cross_entropy";
-    if let Some(x) = autocast::inputs1(op, logits)? {
+    if let Some(x) = autocast::inputs1(OpKind::CrossEntropy, logits)? {
         return cross_entropy_with(&x, targets, cfg);
     }
     logits.float_only(op)?;
@@ -129,7 +129,7 @@ pub fn cross_entropy_with(
 /// Mean squared error between two tensors of equal shape.
 pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
     let op = "mse_loss";
-    if let Some((x, t)) = autocast::inputs2(op, input, target)? {
+    if let Some((x, t)) = autocast::inputs2(OpKind::MseLoss, input, target)? {
         return mse_loss(&x, &t, reduction);
     }
     input.float_only(op)?;

@@ -1,8 +1,8 @@
 //! 2-D convolution over logical `[n, c, h, w]` tensors, contiguous (NCHW) or channels_last
 //! (NHWC, with KRSC weights): the result keeps the input's format.
 
+use super::autocast::{self, OpKind};
 use super::{Layout, MemoryFormat, Shape, Tensor};
-use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::Conv2dParams;
 use crate::error::{Error, Result};
@@ -36,7 +36,7 @@ impl Tensor {
         bias: Option<&Tensor>,
         cfg: Conv2dConfig,
     ) -> Result<Tensor> {
-        if let Some((x, w, b)) = autocast::inputs3("conv2d", self, weight, bias)? {
+        if let Some((x, w, b)) = autocast::inputs3(OpKind::Conv2d, self, weight, bias)? {
             return x.conv2d(&w, b.as_ref(), cfg);
         }
         let op = "conv2d";

@@ -2,15 +2,15 @@
 //! inputs (contiguous, channels_last, any dense permutation) keep their strides; binary
 //! operands are read through their (possibly broadcast) strides.
 
+use super::autocast::{self, OpKind};
 use super::{Layout, Tensor};
-use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::error::Result;
 
 impl Tensor {
     fn unary_op(&self, op: UnaryOp) -> Result<Tensor> {
-        if let Some(x) = autocast::inputs1(op.name(), self)? {
+        if let Some(x) = autocast::inputs1(op.into(), self)? {
             return x.unary_op(op);
         }
         self.float_only(op.name())?;
@@ -72,7 +72,7 @@ impl Tensor {
 
     /// `self^e` elementwise.
     pub fn powf(&self, e: f64) -> Result<Tensor> {
-        if let Some(x) = autocast::inputs1("powf", self)? {
+        if let Some(x) = autocast::inputs1(OpKind::Powf, self)? {
             return x.powf(e);
         }
         self.float_only("powf")?;
@@ -87,7 +87,7 @@ impl Tensor {
     }
 
     fn binary_op(&self, rhs: &Tensor, op: BinaryOp) -> Result<Tensor> {
-        if let Some((a, b)) = autocast::inputs2(op.name(), self, rhs)? {
+        if let Some((a, b)) = autocast::inputs2(op.into(), self, rhs)? {
             return a.binary_op(&b, op);
         }
         self.same_device(op.name(), rhs)?;

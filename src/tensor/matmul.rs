@@ -1,7 +1,7 @@
 //! Matrix products: 2-D, batched, and `linear` (x·Wᵀ + b).
 
+use super::autocast::{self, OpKind};
 use super::{Shape, Tensor};
-use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::MatmulDims;
 use crate::error::{Error, Result};
@@ -10,7 +10,7 @@ impl Tensor {
     /// Matrix product. `[m,k]·[k,n]`, batched `[..,m,k]·[..,k,n]` with equal batch dims, or
     /// `[..,m,k]·[k,n]` (the batch folded into the rows).
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
-        if let Some((a, b)) = autocast::inputs2("matmul", self, rhs)? {
+        if let Some((a, b)) = autocast::inputs2(OpKind::Matmul, self, rhs)? {
             return a.matmul(&b);
         }
         if self.rank() < 2 || rhs.rank() < 2 {
@@ -35,7 +35,7 @@ impl Tensor {
 
     /// `x·Wᵀ (+ b)` for `x` of shape `[.., in]`, `W` `[out, in]`, `b` `[out]` (PyTorch's Linear).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        if let Some((x, w, b)) = autocast::inputs3("linear", self, weight, bias)? {
+        if let Some((x, w, b)) = autocast::inputs3(OpKind::Linear, self, weight, bias)? {
             return x.linear(&w, b.as_ref());
         }
         if weight.rank() != 2 || self.rank() < 1 || self.dims()[self.rank() - 1] != weight.dims()[1]

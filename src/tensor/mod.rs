@@ -10,6 +10,7 @@
 //!   how a parameter keeps its identity while an optimizer or `amp::initialize` holds it;
 //! - every op checks its operands and returns an `Error` naming them; none panics on user input.
 
+pub mod autocast;
 mod batch_norm;
 mod cast;
 mod conv;

@@ -1,7 +1,7 @@
 //! Reductions: sum, mean, max, min, argmax over one or more dims.
 
+use super::autocast::{self, OpKind};
 use super::{Shape, Tensor};
-use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::backend::ReduceOp;
 use crate::error::{Error, Result};
@@ -19,7 +19,7 @@ impl Tensor {
 
     /// Sum over `dim` (negative counts from the end). Half inputs accumulate in f32.
     pub fn sum_dim(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
-        if let Some(x) = autocast::inputs1("sum", self)? {
+        if let Some(x) = autocast::inputs1(OpKind::Sum, self)? {
             return x.sum_dim(dim, keepdim);
         }
         self.float_only("sum")?;
@@ -68,7 +68,7 @@ impl Tensor {
 
     /// Sum of every element, as a 0-d tensor.
     pub fn sum_all(&self) -> Result<Tensor> {
-        if let Some(x) = autocast::inputs1("sum", self)? {
+        if let Some(x) = autocast::inputs1(OpKind::Sum, self)? {
             return x.sum_all();
         }
         self.float_only("sum")?;
@@ -79,7 +79,7 @@ impl Tensor {
     }
 
     pub fn mean_dim(&self, dim: isize, keepdim: bool) -> Result<Tensor> {
-        if let Some(x) = autocast::inputs1("mean", self)? {
+        if let Some(x) = autocast::inputs1(OpKind::Mean, self)? {
             return x.mean_dim(dim, keepdim);
         }
         self.float_only("mean")?;
@@ -89,7 +89,7 @@ impl Tensor {
     }
 
     pub fn mean_all(&self) -> Result<Tensor> {
-        if let Some(x) = autocast::inputs1("mean", self)? {
+        if let Some(x) = autocast::inputs1(OpKind::Mean, self)? {
             return x.mean_all();
         }
         self.float_only("mean")?;

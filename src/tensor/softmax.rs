@@ -1,14 +1,19 @@
 //! softmax and log_softmax (computed in f32, f64 for f64, whatever the storage type).
 
+use super::autocast::{self, OpKind};
 use super::Tensor;
-use crate::amp::autocast;
 use crate::autograd::Op;
 use crate::error::Result;
 
 impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
-        let name = if log { "log_softmax" } else { "softmax" };
-        if let Some(x) = autocast::inputs1(name, self)? {
+        let kind = if log {
+            OpKind::LogSoftmax
+        } else {
+            OpKind::Softmax
+        };
+        let name = kind.name();
+        if let Some(x) = autocast::inputs1(kind, self)? {
             return x.softmax_impl(dim, log);
         }
         self.float_only(name)?;

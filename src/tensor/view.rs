@@ -161,7 +161,7 @@ impl Tensor {
 
     /// Concatenates along `dim`; all tensors share dtype, device and every other dim.
     pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
-        if let Some(cast) = crate::amp::autocast::inputs_n("cat", tensors)? {
+        if let Some(cast) = super::autocast::inputs_n(super::autocast::OpKind::Cat, tensors)? {
             return Tensor::cat(&cast.iter().collect::<Vec<_>>(), dim);
         }
         let first = tensors.first().ok_or_else(|| {
