@@ -485,6 +485,36 @@ pub fn zero(outputs: &[Tensor]) -> Result<()> {
     )
 }
 
+/// [`Tensor::zero_grad_in_place`] for many variables at once: the gradients that already have
+/// their own buffers are zeroed by one multi-tensor launch per device and dtype (PyTorch's
+/// `_foreach_zero_`) rather than one memset each, which in a captured step would be a graph node
+/// per parameter. A variable without its buffer yet gets it zeroed as there, and joins the
+/// launch all the same: every call over the same variables passes the same list, the first
+/// included, as a captured step's cached chunk tables need. Tensors that collect no gradient
+/// are skipped.
+pub fn zero_grads_in_place(vars: &[Tensor]) -> Result<()> {
+    let mut batched: Vec<(Device, Vec<Tensor>)> = Vec::new();
+    for v in vars {
+        if !v.is_variable() || !v.requires_grad() {
+            continue;
+        }
+        let (g, _) = v.grad_buffer()?;
+        if matches!(g.dtype(), DType::F32 | DType::F16 | DType::BF16) && g.layout().is_dense() {
+            match batched.iter_mut().find(|(d, _)| *d == g.device()) {
+                Some((_, list)) => list.push(g),
+                None => batched.push((g.device(), vec![g])),
+            }
+        } else {
+            // No multi-tensor kernel for its dtype (f64): zeroed on its own.
+            g.zero_in_place()?;
+        }
+    }
+    for (_, grads) in batched {
+        zero(&grads)?;
+    }
+    Ok(())
+}
+
 /// Sets `found_inf` to 1 when any input holds an Inf or NaN; reads nothing else, writes nothing else.
 pub fn non_finite_check(inputs: &[Tensor], found_inf: &Tensor) -> Result<()> {
     let sc = Scalars::default().with(MtArray::FoundInf, found_inf);

@@ -242,7 +242,7 @@ fn zero_grads_in_place_clears_every_buffer_with_one_call() {
     frozen.set_requires_grad(false);
     let all: Vec<Tensor> = vars.iter().cloned().chain([frozen.clone()]).collect();
     let learn = &vars[..4];
-    Tensor::zero_grads_in_place(&all).unwrap();
+    multi_tensor::zero_grads_in_place(&all).unwrap();
     let bufs: Vec<Tensor> = learn.iter().map(|v| v.grad().expect("made")).collect();
     assert!(frozen.grad().is_none() && vars[4].grad().is_none());
     for round in 0..2 {
@@ -261,7 +261,7 @@ fn zero_grads_in_place_clears_every_buffer_with_one_call() {
             );
         }
         multi_tensor::recorder::start();
-        Tensor::zero_grads_in_place(&all).unwrap();
+        multi_tensor::zero_grads_in_place(&all).unwrap();
         let calls = multi_tensor::recorder::stop();
         let zero: Vec<_> = calls
             .iter()
@@ -298,7 +298,7 @@ fn backward_adds_persistent_gradients_together_and_user_code_sees_them_added() {
     let d = var(vec![4.0, 8.0], DType::F64);
     let hooked = var(vec![1.0, 1.0], DType::F32);
     let vars = [&a, &b, &c, &d, &hooked];
-    Tensor::zero_grads_in_place(&vars.map(|v| v.clone())).unwrap();
+    multi_tensor::zero_grads_in_place(&vars.map(|v| v.clone())).unwrap();
     let bufs: Vec<Tensor> = vars.iter().map(|v| v.grad().unwrap()).collect();
     let total = |t: &Tensor| t.to_vec_f64().unwrap();
     let seen_in_hook = Arc::new(Mutex::new(Vec::new()));

@@ -400,7 +400,7 @@ impl<O: Optimizer> AmpOptimizer<O> {
     pub fn zero_grad(&mut self) -> Result<()> {
         if self.persistent {
             let _g = crate::no_grad();
-            Tensor::zero_grads_in_place(&self.inner.params())?;
+            crate::multi_tensor::zero_grads_in_place(&self.inner.params())?;
         } else {
             self.inner.zero_grad();
         }

@@ -557,7 +557,8 @@ impl Tensor {
     }
 
     /// The gradient's own buffer, made (zeroed) when there is none; `true` when just made.
-    fn grad_buffer(&self) -> Result<(Tensor, bool)> {
+    /// (`multi_tensor::zero_grads_in_place` zeroes many of them with one launch per dtype.)
+    pub(crate) fn grad_buffer(&self) -> Result<(Tensor, bool)> {
         let mut slot = self.grad_slot();
         if let (Some(g), true) = (&slot.grad, slot.owned) {
             return Ok((g.clone(), false));
@@ -570,35 +571,6 @@ impl Tensor {
             owned: true,
         };
         Ok((zeros, true))
-    }
-
-    /// [`Tensor::zero_grad_in_place`] for many variables at once: the gradients that already
-    /// have their own buffers are zeroed by one multi-tensor launch per device and dtype
-    /// (PyTorch's `_foreach_zero_`) rather than one memset each, which in a captured step would
-    /// be a graph node per parameter. A variable without its buffer yet gets it zeroed as
-    /// there, and joins the launch all the same: every call over the same variables passes
-    /// the same list, the first included, as a captured step's cached chunk tables need.
-    pub fn zero_grads_in_place(vars: &[Tensor]) -> Result<()> {
-        let mut batched: Vec<(Device, Vec<Tensor>)> = Vec::new();
-        for v in vars {
-            if !v.is_variable() || !v.requires_grad() {
-                continue;
-            }
-            let (g, _) = v.grad_buffer()?;
-            if matches!(g.dtype(), DType::F32 | DType::F16 | DType::BF16) && g.layout().is_dense() {
-                match batched.iter_mut().find(|(d, _)| *d == g.device()) {
-                    Some((_, list)) => list.push(g),
-                    None => batched.push((g.device(), vec![g])),
-                }
-            } else {
-                // No multi-tensor kernel for its dtype (f64): zeroed on its own.
-                g.zero_in_place()?;
-            }
-        }
-        for (_, grads) in batched {
-            crate::multi_tensor::zero(&grads)?;
-        }
-        Ok(())
     }
 
     /// Adds `g` to the gradient (casting to this tensor's dtype): gradients accumulate across
