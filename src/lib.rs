@@ -16,6 +16,7 @@ pub mod nn;
 pub mod optim;
 pub mod tensor;
 pub mod train;
+pub mod util;
 
 /// The crate's error type (it lives in the base floor, [`base::error`]).
 pub use base::error;

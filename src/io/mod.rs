@@ -1,6 +1,6 @@
 //! Files: safetensors tensors (`safetensors`), model weights exchanged with PyTorch/torchvision
 //! under their parameter names (`weights`), training checkpoints that continue a run bit for bit
-//! and verify their checksums (`checkpoint`), and the atomic write they all use (`atomic`).
+//! and verify their checksums (`checkpoint`), and the atomic write they all use (`atomic`, from `crate::util`).
 //!
 //! ```no_run
 //! # use mixprec::{io, nn::ResNet, Device};
@@ -12,7 +12,6 @@
 //! # Ok(()) }
 //! ```
 
-pub mod atomic;
 pub mod checkpoint;
 pub mod safetensors;
 pub mod weights;
@@ -21,6 +20,8 @@ pub mod weights;
 /// your own.
 pub use serde_json;
 
-pub use atomic::write_atomic;
+/// Atomic file replacement, at its old path (it lives in the utility floor).
+pub use crate::util::atomic;
+pub use crate::util::atomic::write_atomic;
 pub use checkpoint::{latest, Checkpoint, Latest, TrainProgress};
 pub use weights::{load_weights, save_weights};

@@ -22,7 +22,7 @@ use crate::backend::cpu::CpuStorage;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Shape, Storage, Tensor, WithDType};
 
-use super::atomic::write_atomic;
+use crate::util::write_atomic;
 
 /// The dtypes mixprec reads and writes, as safetensors names them.
 pub const SUPPORTED_DTYPES: &str = "F16, BF16, F32, F64, I64";

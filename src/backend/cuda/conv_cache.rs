@@ -178,7 +178,7 @@ pub(super) fn store(dir: &Path, entry: &Entry) {
     let write = || -> crate::base::error::Result<()> {
         std::fs::create_dir_all(dir)
             .map_err(|e| crate::base::error::Error::io(format!("creating {}", dir.display()), e))?;
-        crate::io::write_atomic(&file, |w| {
+        crate::util::write_atomic(&file, |w| {
             serde_json::to_writer_pretty(&mut *w, entry).map_err(|e| {
                 crate::base::error::Error::io(
                     format!("writing {}", file.display()),

@@ -266,7 +266,7 @@ fn compile_and_cache(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<
                 std::fs::create_dir_all(dir)
                     .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
             }
-            crate::io::write_atomic(&path, |w| {
+            crate::util::write_atomic(&path, |w| {
                 w.write_all(&seal(&image))
                     .map_err(|e| Error::io(format!("writing {}", path.display()), e))
             })

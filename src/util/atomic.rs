@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Writes `path` atomically with the bytes that `write` produces (buffered). `write`'s error,
 /// or any I/O error, is returned after the temporary file is removed.
