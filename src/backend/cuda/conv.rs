@@ -60,7 +60,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::conv_cache::{self, CacheUse, Choice, Entry};
 use super::conv_direct::DirectWgrad;
-use super::conv_tune::{tune, EventTimer, Outcome, Rates, Scratch};
+use super::conv_tune::{tune, EventTimer, Outcome, Rates, Scratch, Tuning};
 use super::cudnn_graph::{EngineRules, GraphCandidate, GraphConv, GraphPlan};
 use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
 use super::device::{allow_tf32, cuda_err, deterministic, env_on, CudaDevice};
@@ -332,6 +332,190 @@ fn flops(p: &Conv2dParams) -> f64 {
     2.0 * (p.n * p.c_out * p.out_h() * p.out_w()) as f64 * per_out as f64
 }
 
+/// The convolution a plan is chosen for: the device, the geometry, dtype and direction, and
+/// the first call's buffers in cuDNN's argument order (the output is overwritten).
+struct ConvRun<'a> {
+    dev: &'a CudaDevice,
+    p: &'a Conv2dParams,
+    dtype: DType,
+    dir: Dir,
+    ptrs: [*mut c_void; 3],
+}
+
+/// Every candidate of one convolution: the graph API's configurations and the legacy API's
+/// algorithms (each with the object that runs them), and our own kernel where it applies.
+struct Candidates {
+    graph: Option<(GraphConv, Vec<GraphCandidate>)>,
+    legacy: Option<(LegacyConv, Vec<LegacyAlgo>)>,
+    direct: Option<DirectWgrad>,
+    /// Forced onto our kernel where it applies (`MIXPREC_CONV_DIRECT=only`).
+    only_direct: bool,
+    /// Whether the graph / legacy API was asked (before `only_direct` left them out).
+    used_graph: bool,
+    used_legacy: bool,
+}
+
+impl Candidates {
+    /// The candidates of the APIs asked for (the legacy API's only when it competes: both APIs,
+    /// or the graph API has none); an API that has none for this convolution is logged.
+    fn gather(
+        h: dsys::cudnnHandle_t,
+        c: &ConvRun<'_>,
+        s: &Settings,
+        use_graph: bool,
+        use_legacy: bool,
+    ) -> Candidates {
+        let (p, dtype, dir) = (c.p, c.dtype, c.dir);
+        let direct = match s.direct {
+            Direct::Off => None,
+            Direct::On | Direct::Only => DirectWgrad::new(c.dev, p, dtype, dir),
+        };
+        // Forced onto our kernel where it applies: cuDNN's candidates stay out.
+        let only_direct = s.direct == Direct::Only && direct.is_some();
+        let graph = (use_graph && !only_direct)
+            .then(|| {
+                let g = super::probe::no_panic("cuDNN graph API", || {
+                    let conv = GraphConv::new(h, p, dtype, dir)?;
+                    let (cands, skipped) = conv.candidates(h, s.rules, s.limit, !s.timed)?;
+                    Ok((conv, cands, skipped))
+                });
+                match g {
+                    Ok((conv, cands, skipped)) => {
+                        if !skipped.is_empty() {
+                            log::debug!(
+                                "{dir:?} {dtype} {p:?}, graph configurations not candidates: {}",
+                                skipped.join("; ")
+                            );
+                        }
+                        Some((conv, cands))
+                    }
+                    Err(e) => {
+                        log::debug!("{dir:?} {dtype} {p:?}: no graph-API candidates: {e}");
+                        None
+                    }
+                }
+            })
+            .flatten();
+        let graph_empty = graph.as_ref().is_none_or(|(_, g)| g.is_empty());
+        let legacy = (use_legacy && !only_direct && (s.api != Api::Graph || graph_empty))
+            .then(|| {
+                let l = LegacyConv::new(p, dtype, dir, s.rules.tf32).and_then(|conv| {
+                    let (algos, skipped) = conv.candidates(h, s.rules, s.limit)?;
+                    Ok((conv, algos, skipped))
+                });
+                match l {
+                    Ok((conv, algos, skipped)) => {
+                        if !skipped.is_empty() {
+                            log::debug!(
+                                "{dir:?} {dtype} {p:?}, legacy algorithms not candidates: {}",
+                                skipped.join("; ")
+                            );
+                        }
+                        Some((conv, algos))
+                    }
+                    Err(e) => {
+                        log::debug!("{dir:?} {dtype} {p:?}: no legacy-API candidates: {e}");
+                        None
+                    }
+                }
+            })
+            .flatten();
+        Candidates {
+            graph,
+            legacy,
+            direct,
+            only_direct,
+            used_graph: use_graph && !only_direct,
+            used_legacy: use_legacy && !only_direct,
+        }
+    }
+
+    /// The untimed choice: our kernel when forced onto it, else the heuristics' first (the
+    /// graph API's, else the legacy API's).
+    fn heuristic_plan(self, record: Record) -> Option<Plan> {
+        if let (true, Some(d)) = (self.only_direct, self.direct) {
+            return Some(Plan {
+                runner: Runner::Direct(d),
+                record,
+            });
+        }
+        match (self.graph, self.legacy) {
+            (Some((conv, mut cands)), _) if !cands.is_empty() => Some(Plan {
+                runner: Runner::Graph(GraphPlan {
+                    candidate: cands.swap_remove(0),
+                    conv,
+                }),
+                record,
+            }),
+            (_, Some((conv, algos))) if !algos.is_empty() => Some(Plan {
+                runner: Runner::Legacy {
+                    conv,
+                    algo: algos[0],
+                },
+                record,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The workspace candidate `c` needs.
+    fn workspace(&self, c: &Cand) -> usize {
+        match *c {
+            Cand::Graph(k) => self.graph.as_ref().map_or(0, |(_, g)| g[k].workspace),
+            Cand::Legacy(k) => self.legacy.as_ref().map_or(0, |(_, a)| a[k].workspace),
+            Cand::Direct => self.direct.as_ref().map_or(0, DirectWgrad::workspace),
+        }
+    }
+
+    /// Candidate `c` in words, for the log.
+    fn describe(&self, c: &Cand) -> String {
+        match *c {
+            Cand::Graph(k) => self
+                .graph
+                .as_ref()
+                .map_or_else(String::new, |(_, g)| format!("{:?}", g[k])),
+            Cand::Legacy(k) => self
+                .legacy
+                .as_ref()
+                .map_or_else(String::new, |(_, a)| a[k].describe()),
+            Cand::Direct => self
+                .direct
+                .as_ref()
+                .map_or_else(String::new, DirectWgrad::describe),
+        }
+    }
+
+    /// What candidate `c` is across convolutions (its rate's key).
+    fn id(&self, c: &Cand) -> CandId {
+        match (*c, &self.graph, &self.legacy) {
+            (Cand::Graph(k), Some((_, g)), _) => CandId::Graph(g[k].engine, g[k].knobs.clone()),
+            (Cand::Legacy(k), _, Some((_, a))) => {
+                CandId::Legacy(a[k].algo.code(), a[k].math_code())
+            }
+            _ => CandId::Direct,
+        }
+    }
+
+    /// What runs candidate `c`.
+    fn into_runner(mut self, c: Cand) -> Result<Runner> {
+        match (c, self.graph, self.legacy) {
+            (Cand::Graph(k), Some((conv, mut cands)), _) => Ok(Runner::Graph(GraphPlan {
+                candidate: cands.swap_remove(k),
+                conv,
+            })),
+            (Cand::Legacy(k), _, Some((conv, algos))) => Ok(Runner::Legacy {
+                conv,
+                algo: algos[k],
+            }),
+            (Cand::Direct, _, _) => match self.direct.take() {
+                Some(d) => Ok(Runner::Direct(d)),
+                None => Err(Error::Cuda("cuDNN plan choice: candidate list".into())),
+            },
+            _ => Err(Error::Cuda("cuDNN plan choice: candidate list".into())),
+        }
+    }
+}
+
 impl Dnn {
     fn new(dev: &CudaDevice) -> Result<Dnn> {
         dev.ctx
@@ -392,7 +576,14 @@ impl Dnn {
                 }
             }
         }
-        let plan = match self.choose(dev, p, dtype, dir, ptrs, &s, s.api != Api::Legacy, true)? {
+        let run = ConvRun {
+            dev,
+            p,
+            dtype,
+            dir,
+            ptrs,
+        };
+        let plan = match self.choose(&run, &s, s.api != Api::Legacy, true)? {
             Some(plan) => plan,
             None => {
                 return Err(Error::Cuda(format!(
@@ -430,116 +621,69 @@ impl Dnn {
 
     /// Gathers the candidates of the APIs asked for and chooses among them: timed, or the
     /// heuristics' first. `None` when no candidate ran.
-    #[allow(clippy::too_many_arguments)]
     fn choose(
         &mut self,
-        dev: &CudaDevice,
-        p: &Conv2dParams,
-        dtype: DType,
-        dir: Dir,
-        ptrs: [*mut c_void; 3],
+        c: &ConvRun<'_>,
         s: &Settings,
         use_graph: bool,
         use_legacy: bool,
     ) -> Result<Option<Plan>> {
-        let h = self.handle;
-        let tf32 = s.rules.tf32;
-        let mut direct = match s.direct {
-            Direct::Off => None,
-            Direct::On | Direct::Only => DirectWgrad::new(dev, p, dtype, dir),
-        };
-        // Forced onto our kernel where it applies: cuDNN's candidates stay out.
-        let only_direct = s.direct == Direct::Only && direct.is_some();
-        let (use_graph, use_legacy) = (use_graph && !only_direct, use_legacy && !only_direct);
-        let graph = if use_graph {
-            let g = super::probe::no_panic("cuDNN graph API", || {
-                let conv = GraphConv::new(h, p, dtype, dir)?;
-                let (cands, skipped) = conv.candidates(h, s.rules, s.limit, !s.timed)?;
-                Ok((conv, cands, skipped))
-            });
-            match g {
-                Ok((conv, cands, skipped)) => {
-                    if !skipped.is_empty() {
-                        log::debug!(
-                            "{dir:?} {dtype} {p:?}, graph configurations not candidates: {}",
-                            skipped.join("; ")
-                        );
-                    }
-                    Some((conv, cands))
-                }
-                Err(e) => {
-                    log::debug!("{dir:?} {dtype} {p:?}: no graph-API candidates: {e}");
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let graph_empty = graph.as_ref().is_none_or(|(_, c)| c.is_empty());
-        let legacy = if use_legacy && (s.api != Api::Graph || graph_empty) {
-            let l = LegacyConv::new(p, dtype, dir, tf32).and_then(|conv| {
-                let (algos, skipped) = conv.candidates(h, s.rules, s.limit)?;
-                Ok((conv, algos, skipped))
-            });
-            match l {
-                Ok((conv, algos, skipped)) => {
-                    if !skipped.is_empty() {
-                        log::debug!(
-                            "{dir:?} {dtype} {p:?}, legacy algorithms not candidates: {}",
-                            skipped.join("; ")
-                        );
-                    }
-                    Some((conv, algos))
-                }
-                Err(e) => {
-                    log::debug!("{dir:?} {dtype} {p:?}: no legacy-API candidates: {e}");
-                    None
-                }
-            }
-        } else {
-            None
-        };
-        let n_graph = graph.as_ref().map_or(0, |(_, c)| c.len());
-        let n_legacy = legacy.as_ref().map_or(0, |(_, a)| a.len());
-        let mut record = Record {
+        let cands = Candidates::gather(self.handle, c, s, use_graph, use_legacy);
+        let record = Record {
             source: PlanSource::Heuristic,
             time_ms: None,
             choice_ms: 0.0,
-            graph_candidates: n_graph,
-            legacy_candidates: n_legacy,
+            graph_candidates: cands.graph.as_ref().map_or(0, |(_, g)| g.len()),
+            legacy_candidates: cands.legacy.as_ref().map_or(0, |(_, a)| a.len()),
             graph_timed: 0,
             legacy_timed: 0,
         };
         if !s.timed {
-            if let (true, Some(d)) = (only_direct, direct) {
-                return Ok(Some(Plan {
-                    runner: Runner::Direct(d),
-                    record,
-                }));
-            }
-            // The heuristics' first: the graph API's, else the legacy API's.
-            return Ok(match (graph, legacy) {
-                (Some((conv, mut cands)), _) if !cands.is_empty() => Some(Plan {
-                    runner: Runner::Graph(GraphPlan {
-                        candidate: cands.swap_remove(0),
-                        conv,
-                    }),
-                    record,
-                }),
-                (_, Some((conv, algos))) if !algos.is_empty() => Some(Plan {
-                    runner: Runner::Legacy {
-                        conv,
-                        algo: algos[0],
-                    },
-                    record,
-                }),
-                _ => None,
-            });
+            return Ok(cands.heuristic_plan(record));
         }
-        // The unified list: the graph API's mode-A configurations (its best guesses), the legacy
-        // algorithms, the graph API's other configurations.
-        let gc: &[GraphCandidate] = graph.as_ref().map_or(&[], |(_, c)| c);
-        let la: &[LegacyAlgo] = legacy.as_ref().map_or(&[], |(_, a)| a);
+        let (order, tuning) = self.time_candidates(c, s, &cands)?;
+        let Some(chosen) = tuning.chosen else {
+            // Every candidate failed to run. Forced onto the graph API, the legacy API may
+            // still cover this convolution.
+            if s.api == Api::Graph
+                && cands.used_graph
+                && cands.used_legacy
+                && cands.legacy.is_none()
+            {
+                return self.choose(c, s, false, true);
+            }
+            return Ok(None);
+        };
+        let mut record = record;
+        for (cand, o) in order.iter().zip(&tuning.outcomes) {
+            if o.was_timed() {
+                match cand {
+                    Cand::Graph(_) => record.graph_timed += 1,
+                    Cand::Legacy(_) => record.legacy_timed += 1,
+                    Cand::Direct => {}
+                }
+            }
+        }
+        record.source = PlanSource::Timed;
+        record.time_ms = tuning.outcomes[chosen].median_ms();
+        let runner = cands.into_runner(order[chosen])?;
+        Ok(Some(Plan { runner, record }))
+    }
+
+    /// Times `cands` in the unified order (the graph API's mode-A configurations, its best
+    /// guesses; the legacy algorithms; the graph API's other configurations; our kernel) on the
+    /// convolution's own buffers, within the scratch that could be allocated, and records each
+    /// candidate's rate for the floors of later convolutions.
+    fn time_candidates(
+        &mut self,
+        c: &ConvRun<'_>,
+        s: &Settings,
+        cands: &Candidates,
+    ) -> Result<(Vec<Cand>, Tuning)> {
+        let (dev, p, dtype, dir) = (c.dev, c.p, c.dtype, c.dir);
+        let (h, tf32) = (self.handle, s.rules.tf32);
+        let gc: &[GraphCandidate] = cands.graph.as_ref().map_or(&[], |(_, g)| g);
+        let la: &[LegacyAlgo] = cands.legacy.as_ref().map_or(&[], |(_, a)| a);
         let is_a =
             |c: &GraphCandidate| c.mode == Some(dsys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A);
         let mut order: Vec<Cand> = (0..gc.len())
@@ -547,43 +691,26 @@ impl Dnn {
             .map(Cand::Graph)
             .chain((0..la.len()).map(Cand::Legacy))
             .chain((0..gc.len()).filter(|&k| !is_a(&gc[k])).map(Cand::Graph))
-            .chain(direct.as_ref().map(|_| Cand::Direct))
+            .chain(cands.direct.as_ref().map(|_| Cand::Direct))
             .collect();
-        let ws_of = |c: &Cand| match *c {
-            Cand::Graph(k) => gc[k].workspace,
-            Cand::Legacy(k) => la[k].workspace,
-            Cand::Direct => direct.as_ref().map_or(0, DirectWgrad::workspace),
-        };
-        let describe = |c: &Cand| match *c {
-            Cand::Graph(k) => format!("{:?}", gc[k]),
-            Cand::Legacy(k) => la[k].describe(),
-            Cand::Direct => direct
-                .as_ref()
-                .map_or_else(String::new, DirectWgrad::describe),
-        };
-        let sizes: Vec<usize> = order.iter().map(ws_of).collect();
+        let sizes: Vec<usize> = order.iter().map(|k| cands.workspace(k)).collect();
         let scratch = Scratch::alloc(dev, &sizes)?;
         let room = scratch.as_ref().map_or(0, |s| s.len);
-        order.retain(|c| {
-            let fits = ws_of(c) <= room;
+        order.retain(|k| {
+            let fits = cands.workspace(k) <= room;
             if !fits {
                 log::debug!(
                     "{dir:?} {dtype} {p:?}: {} not timed: only {room} bytes of scratch could be \
                      allocated",
-                    describe(c)
+                    cands.describe(k)
                 );
             }
             fits
         });
-        let workspaces: Vec<usize> = order.iter().map(ws_of).collect();
-        let id_of = |c: &Cand| match *c {
-            Cand::Graph(k) => CandId::Graph(gc[k].engine, gc[k].knobs.clone()),
-            Cand::Legacy(k) => CandId::Legacy(la[k].algo.code(), la[k].math_code()),
-            Cand::Direct => CandId::Direct,
-        };
+        let workspaces: Vec<usize> = order.iter().map(|k| cands.workspace(k)).collect();
         let rate_keys: Vec<RateKey> = order
             .iter()
-            .map(|c| (dir, dtype, p.format, tf32, id_of(c)))
+            .map(|k| (dir, dtype, p.format, tf32, cands.id(k)))
             .collect();
         let work = flops(p);
         let floors: Vec<Option<f32>> = rate_keys
@@ -591,15 +718,16 @@ impl Dnn {
             .map(|k| self.rates.floor_ms(k, work))
             .collect();
         let ws_ptr = scratch.as_ref().map_or(std::ptr::null_mut(), |s| s.ptr());
+        let ptrs = c.ptrs;
         let mut timer = EventTimer::new(dev);
         let tuning = tune(&workspaces, &floors, |i, runs, pre_run| match order[i] {
-            Cand::Graph(k) => match graph.as_ref() {
+            Cand::Graph(k) => match cands.graph.as_ref() {
                 Some((conv, _)) => {
                     timer.measure(|| conv.execute(h, &gc[k], ptrs, ws_ptr), runs, pre_run)
                 }
                 None => Ok(None),
             },
-            Cand::Legacy(k) => match legacy.as_ref() {
+            Cand::Legacy(k) => match cands.legacy.as_ref() {
                 Some((conv, _)) => timer.measure(
                     || conv.execute(h, &la[k], ptrs, ws_ptr, room),
                     runs,
@@ -607,7 +735,7 @@ impl Dnn {
                 ),
                 None => Ok(None),
             },
-            Cand::Direct => match direct.as_ref() {
+            Cand::Direct => match cands.direct.as_ref() {
                 Some(d) => timer.measure(|| d.execute(dev, ptrs, ws_ptr), runs, pre_run),
                 None => Ok(None),
             },
@@ -623,48 +751,14 @@ impl Dnn {
             order
                 .iter()
                 .zip(&tuning.outcomes)
-                .map(|(c, o)| format!("{} {}", describe(c), Outcome::describe(o)))
+                .map(|(k, o)| format!("{} {}", cands.describe(k), Outcome::describe(o)))
                 .collect::<Vec<_>>()
                 .join(", "),
             tuning
                 .chosen
-                .map_or_else(|| "none".into(), |i| describe(&order[i]))
+                .map_or_else(|| "none".into(), |i| cands.describe(&order[i]))
         );
-        for (c, o) in order.iter().zip(&tuning.outcomes) {
-            if o.was_timed() {
-                match c {
-                    Cand::Graph(_) => record.graph_timed += 1,
-                    Cand::Legacy(_) => record.legacy_timed += 1,
-                    Cand::Direct => {}
-                }
-            }
-        }
-        let Some(chosen) = tuning.chosen else {
-            // Every candidate failed to run. Forced onto the graph API, the legacy API may
-            // still cover this convolution.
-            if s.api == Api::Graph && use_graph && use_legacy && legacy.is_none() {
-                return self.choose(dev, p, dtype, dir, ptrs, s, false, true);
-            }
-            return Ok(None);
-        };
-        record.source = PlanSource::Timed;
-        record.time_ms = tuning.outcomes[chosen].median_ms();
-        let runner = match (order[chosen], graph, legacy) {
-            (Cand::Graph(k), Some((conv, mut cands)), _) => Runner::Graph(GraphPlan {
-                candidate: cands.swap_remove(k),
-                conv,
-            }),
-            (Cand::Legacy(k), _, Some((conv, algos))) => Runner::Legacy {
-                conv,
-                algo: algos[k],
-            },
-            (Cand::Direct, _, _) => match direct.take() {
-                Some(d) => Runner::Direct(d),
-                None => return Err(Error::Cuda("cuDNN plan choice: candidate list".into())),
-            },
-            _ => return Err(Error::Cuda("cuDNN plan choice: candidate list".into())),
-        };
-        Ok(Some(Plan { runner, record }))
+        Ok((order, tuning))
     }
 
     /// Rebuilds a cached choice (no timing): an error when it no longer builds as recorded.

@@ -1,0 +1,25 @@
+//! Backward of the matrix product C = op(A)·op(B): the four cases of d(op(A)·op(B)).
+
+use super::{Op, Wanted};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {
+    let Op::Matmul { lhs, rhs, dims } = op else {
+        return Err(op.misrouted("matmul"));
+    };
+    let (ta, tb) = (dims.trans_a, dims.trans_b);
+    let ga = || match (ta, tb) {
+        (false, false) => Tensor::matmul_raw(g, rhs, false, true, lhs.shape()),
+        (false, true) => Tensor::matmul_raw(g, rhs, false, false, lhs.shape()),
+        (true, false) => Tensor::matmul_raw(rhs, g, false, true, lhs.shape()),
+        (true, true) => Tensor::matmul_raw(rhs, g, true, true, lhs.shape()),
+    };
+    let gb = || match (ta, tb) {
+        (false, false) => Tensor::matmul_raw(lhs, g, true, false, rhs.shape()),
+        (false, true) => Tensor::matmul_raw(g, lhs, true, false, rhs.shape()),
+        (true, false) => Tensor::matmul_raw(lhs, g, false, false, rhs.shape()),
+        (true, true) => Tensor::matmul_raw(g, lhs, true, true, rhs.shape()),
+    };
+    Ok(vec![w.maybe(0, ga)?, w.maybe(1, gb)?])
+}
