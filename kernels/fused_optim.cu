@@ -4,18 +4,18 @@
 // half model weights) written in the same pass. Every kernel returns at once when *found != 0:
 // a skipped step is an exact no-op. Step counters steps[slot] are read, never written, here
 // (step_increment runs after the update). Hyperparameters are a block of floats in device memory
-// (flags 0/1; the structs mirror SgdHyper & co. in src/backend/mod.rs), never launch arguments, so
-// a captured CUDA graph follows set_lr / set_config. Optional lists are known by their pointer:
-// SGD's momentum buffer (p[2]), Adam's amsgrad maximum (p[4]), the half copy (p[5]).
-
-struct SgdP { float lr; float momentum; float dampening; float wd; float nesterov; float wd_after; };
+// (flags 0/1), never launch arguments, so a captured CUDA graph follows set_lr / set_config. Their
+// structs (SgdHyper, AdamHyper, LambHyper, NovoGradHyper) are not written here: the registry
+// prepends the definitions it generates from the Rust blocks of src/backend/fused_optim.rs.
+// Optional lists are known by their pointer: SGD's momentum buffer (p[2]), Adam's amsgrad
+// maximum (p[4]), the half copy (p[5]).
 
 template <typename G, typename P, typename C>
 __device__ void sgd(const TEnt* tens, const CEnt* chunks, const float* found, const float* mult,
-                    const float* steps, const SgdP* qp) {
+                    const float* steps, const SgdHyper* qp) {
     if (found && *found != 0.0f) return;
     const float s = mult ? *mult : 1.0f;
-    const SgdP q = *qp;
+    const SgdHyper q = *qp;
     MT_LOOP(tens, chunks) {
         const bool mom = te.p[2] != 0;
         const bool first = steps[te.slot] == 0.0f;
@@ -26,12 +26,12 @@ __device__ void sgd(const TEnt* tens, const CEnt* chunks, const float* found, co
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             float gv = g[k] * s;
-            if (q.wd != 0.0f && q.wd_after == 0.0f) gv += q.wd * w[k];
+            if (q.weight_decay != 0.0f && q.wd_after_momentum == 0.0f) gv += q.weight_decay * w[k];
             if (mom) {
                 m[k] = first ? gv : q.momentum * m[k] + (1.0f - q.dampening) * gv;
                 gv = q.nesterov != 0.0f ? gv + q.momentum * m[k] : m[k];
             }
-            if (q.wd != 0.0f && q.wd_after != 0.0f) gv += q.wd * w[k];
+            if (q.weight_decay != 0.0f && q.wd_after_momentum != 0.0f) gv += q.weight_decay * w[k];
             w[k] = w[k] - q.lr * gv;
         }
         if (mom) st4<float>(te.p[2], i, end, vec, m);
@@ -40,14 +40,12 @@ __device__ void sgd(const TEnt* tens, const CEnt* chunks, const float* found, co
     }
 }
 
-struct AdamP { float lr; float beta1; float beta2; float eps; float wd; float adamw; float bias_correction; };
-
 template <typename G, typename P, typename C>
 __device__ void adam(const TEnt* tens, const CEnt* chunks, const float* found, const float* mult,
-                     const float* steps, const AdamP* qp) {
+                     const float* steps, const AdamHyper* qp) {
     if (found && *found != 0.0f) return;
     const float s = mult ? *mult : 1.0f;
-    const AdamP q = *qp;
+    const AdamHyper q = *qp;
     const TEnt& t0 = tens[chunks[blockIdx.x].t];
     const float step = steps[t0.slot] + 1.0f;
     const float bc1 = bias_corr(q.bias_correction, q.beta1, step);
@@ -65,7 +63,7 @@ __device__ void adam(const TEnt* tens, const CEnt* chunks, const float* found, c
         for (int k = 0; k < 4; k++) {
             float gv = g[k] * s;
             float wv = w[k];
-            if (q.adamw == 0.0f && q.wd != 0.0f) gv += q.wd * wv;
+            if (q.adamw == 0.0f && q.weight_decay != 0.0f) gv += q.weight_decay * wv;
             m[k] = q.beta1 * m[k] + (1.0f - q.beta1) * gv;
             v[k] = q.beta2 * v[k] + (1.0f - q.beta2) * gv * gv;
             float vd = v[k];
@@ -73,7 +71,7 @@ __device__ void adam(const TEnt* tens, const CEnt* chunks, const float* found, c
                 vm[k] = fmaxf(vm[k], v[k]);
                 vd = vm[k];
             }
-            if (q.adamw != 0.0f && q.wd != 0.0f) wv -= q.lr * q.wd * wv;
+            if (q.adamw != 0.0f && q.weight_decay != 0.0f) wv -= q.lr * q.weight_decay * wv;
             float denom = sqrtf(vd) / bc2_sqrt + q.eps;
             w[k] = wv - step_size * (m[k] / denom);
         }
@@ -85,15 +83,13 @@ __device__ void adam(const TEnt* tens, const CEnt* chunks, const float* found, c
     }
 }
 
-struct LambP { float lr; float beta1; float beta2; float beta3; float eps; float wd; float max_grad_norm; float bias_correction; float use_ratio; };
-
 // Phase 1: moments and the raw update u = (m/bc1)/(sqrt(v/bc2)+eps) + wd·p into p[4] (FP32).
 template <typename G, typename P>
 __device__ void lamb_update(const TEnt* tens, const CEnt* chunks, const float* found, const float* mult,
-                            const float* steps, const float* gnorm, const LambP* qp) {
+                            const float* steps, const float* gnorm, const LambHyper* qp) {
     if (found && *found != 0.0f) return;
     const float s = mult ? *mult : 1.0f;
-    const LambP q = *qp;
+    const LambHyper q = *qp;
     const float gn = *gnorm;
     const float clip = (q.max_grad_norm > 0.0f && gn > q.max_grad_norm) ? gn / q.max_grad_norm : 1.0f;
     const TEnt& t0 = tens[chunks[blockIdx.x].t];
@@ -111,7 +107,7 @@ __device__ void lamb_update(const TEnt* tens, const CEnt* chunks, const float* f
             float gv = g[k] * s / clip;
             m[k] = q.beta1 * m[k] + q.beta3 * gv;
             v[k] = q.beta2 * v[k] + (1.0f - q.beta2) * gv * gv;
-            u[k] = (m[k] / bc1) / (sqrtf(v[k] / bc2) + q.eps) + q.wd * w[k];
+            u[k] = (m[k] / bc1) / (sqrtf(v[k] / bc2) + q.eps) + q.weight_decay * w[k];
         }
         st4<float>(te.p[2], i, end, vec, m);
         st4<float>(te.p[3], i, end, vec, v);
@@ -123,9 +119,9 @@ __device__ void lamb_update(const TEnt* tens, const CEnt* chunks, const float* f
 // are phase 1's (one cached table): u is p[4].
 template <typename P, typename C>
 __device__ void lamb_apply(const TEnt* tens, const CEnt* chunks, const float* found, const float* pnorm,
-                           const float* unorm, const LambP* qp) {
+                           const float* unorm, const LambHyper* qp) {
     if (found && *found != 0.0f) return;
-    const LambP q = *qp;
+    const LambHyper q = *qp;
     MT_LOOP(tens, chunks) {
         const float pn = pnorm[te.slot], un = unorm[te.slot];
         const float ratio = (q.use_ratio != 0.0f && pn != 0.0f && un != 0.0f) ? pn / un : 1.0f;
@@ -139,14 +135,12 @@ __device__ void lamb_apply(const TEnt* tens, const CEnt* chunks, const float* fo
     }
 }
 
-struct NovoP { float lr; float beta1; float beta2; float beta3; float eps; float wd; float bias_correction; float reg_inside_moment; };
-
 template <typename G, typename P, typename C>
 __device__ void novograd(const TEnt* tens, const CEnt* chunks, const float* found, const float* mult,
-                         const float* steps, const float* vs, const NovoP* qp) {
+                         const float* steps, const float* vs, const NovoGradHyper* qp) {
     if (found && *found != 0.0f) return;
     const float s = mult ? *mult : 1.0f;
-    const NovoP q = *qp;
+    const NovoGradHyper q = *qp;
     MT_LOOP(tens, chunks) {
         const float step = steps[te.slot] + 1.0f;
         const float bc1 = bias_corr(q.bias_correction, q.beta1, step);
@@ -160,11 +154,11 @@ __device__ void novograd(const TEnt* tens, const CEnt* chunks, const float* foun
         for (int k = 0; k < 4; k++) {
             float gv = g[k] * s;
             if (q.reg_inside_moment != 0.0f) {
-                m[k] = q.beta1 * m[k] + q.beta3 * (gv / denom + q.wd * w[k]);
+                m[k] = q.beta1 * m[k] + q.beta3 * (gv / denom + q.weight_decay * w[k]);
                 w[k] = w[k] - q.lr * (m[k] / bc1);
             } else {
                 m[k] = q.beta1 * m[k] + q.beta3 * gv;
-                w[k] = w[k] - q.lr * ((m[k] / bc1) / denom + q.wd * w[k]);
+                w[k] = w[k] - q.lr * ((m[k] / bc1) / denom + q.weight_decay * w[k]);
             }
         }
         st4<float>(te.p[2], i, end, vec, m);
@@ -175,7 +169,7 @@ __device__ void novograd(const TEnt* tens, const CEnt* chunks, const float* foun
 
 // v[slot] ← first ? n² : β2·v + (1−β2)·n², n = norms[slot]; one thread per table entry.
 extern "C" __global__ void novograd_moment(const TEnt* tens, u64 nt, const float* found, const float* steps,
-                                           float* vs, const float* norms, const NovoP* qp) {
+                                           float* vs, const float* norms, const NovoGradHyper* qp) {
     if (found && *found != 0.0f) return;
     const float beta2 = qp->beta2;
     for (u64 t = threadIdx.x; t < nt; t += blockDim.x) {
@@ -196,24 +190,24 @@ extern "C" __global__ void step_increment(const TEnt* tens, u64 nt, const float*
 #define ALL3(M) GP(M, f32, float) GP(M, f16, f16) GP(M, bf16, bf16)
 
 #define SGD(GN, G, PN, P, CN, C) \
-    extern "C" __global__ void sgd_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const SgdP* q) { sgd<G, P, C>(t, c, f, m, s, q); }
+    extern "C" __global__ void sgd_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const SgdHyper* q) { sgd<G, P, C>(t, c, f, m, s, q); }
 ALL3(SGD)
 #define ADAM(GN, G, PN, P, CN, C) \
-    extern "C" __global__ void adam_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const AdamP* q) { adam<G, P, C>(t, c, f, m, s, q); }
+    extern "C" __global__ void adam_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const AdamHyper* q) { adam<G, P, C>(t, c, f, m, s, q); }
 ALL3(ADAM)
 #define NOVO(GN, G, PN, P, CN, C) \
-    extern "C" __global__ void novograd_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const float* v, const NovoP* q) { novograd<G, P, C>(t, c, f, m, s, v, q); }
+    extern "C" __global__ void novograd_##GN##_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const float* v, const NovoGradHyper* q) { novograd<G, P, C>(t, c, f, m, s, v, q); }
 ALL3(NOVO)
 
 #define LAMB_U(GN, G, PN, P) \
-    extern "C" __global__ void lamb_update_##GN##_##PN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const float* gn, const LambP* q) { lamb_update<G, P>(t, c, f, m, s, gn, q); }
+    extern "C" __global__ void lamb_update_##GN##_##PN(const TEnt* t, const CEnt* c, const float* f, const float* m, const float* s, const float* gn, const LambHyper* q) { lamb_update<G, P>(t, c, f, m, s, gn, q); }
 #define LAMB_U_P(GN, G) LAMB_U(GN, G, f32, float) LAMB_U(GN, G, f16, f16) LAMB_U(GN, G, bf16, bf16)
 LAMB_U_P(f32, float)
 LAMB_U_P(f16, f16)
 LAMB_U_P(bf16, bf16)
 
 #define LAMB_A(PN, P, CN, C) \
-    extern "C" __global__ void lamb_apply_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* pn, const float* un, const LambP* q) { lamb_apply<P, C>(t, c, f, pn, un, q); }
+    extern "C" __global__ void lamb_apply_##PN##_##CN(const TEnt* t, const CEnt* c, const float* f, const float* pn, const float* un, const LambHyper* q) { lamb_apply<P, C>(t, c, f, pn, un, q); }
 #define LAMB_A_P(PN, P) LAMB_A(PN, P, f32, float) LAMB_A(PN, P, f16, f16) LAMB_A(PN, P, bf16, bf16)
 LAMB_A_P(f32, float)
 LAMB_A_P(f16, f16)

@@ -16,9 +16,11 @@
 
 pub mod cpu;
 pub mod cuda;
+mod fused_optim;
 pub mod multi_tensor;
 pub mod ops;
 
+pub use fused_optim::{AdamHyper, LambHyper, NovoGradHyper, SgdHyper};
 pub use multi_tensor::*;
 pub use ops::*;
 
@@ -29,6 +31,7 @@ use crate::base::{DType, Layout};
 /// and the multi-tensor protocol. (Trait methods are callable only with their trait in scope.)
 pub mod prelude {
     pub use super::multi_tensor::*;
+    pub use super::{AdamHyper, LambHyper, NovoGradHyper, SgdHyper};
     pub use super::ops::*;
     pub use super::BackendStorage;
 }

@@ -3,6 +3,7 @@
 //! and declared per kernel ([`MtKernel::lists`], [`MtKernel::arrays`]); [`MtKernel::check_call`]
 //! checks a call against them before a backend runs it ([`MultiTensorOps`]).
 
+use super::{AdamHyper, LambHyper, NovoGradHyper, SgdHyper};
 use crate::base::error::Result;
 use crate::base::DType;
 
@@ -195,94 +196,6 @@ pub enum Extent {
     /// Exactly this many (a hyperparameter block).
     Words(usize),
 }
-
-/// Declares a kernel's hyperparameter block: F32 words in device memory, in field order, that
-/// the kernel reads as a struct of floats (flags are 0.0 / 1.0). The same order is the struct of
-/// the same name in `kernels/fused_optim.cu`.
-macro_rules! hyper_block {
-    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $f:ident),* $(,)? }) => {
-        $(#[$m])*
-        #[derive(Clone, Copy, Debug, Default, PartialEq)]
-        pub struct $name {
-            $($(#[$fm])* pub $f: f32,)*
-        }
-        impl $name {
-            /// Words in the block.
-            pub const WORDS: usize = [$(stringify!($f)),*].len();
-            /// The block as the kernel reads it.
-            pub fn words(&self) -> Vec<f32> {
-                vec![$(self.$f),*]
-            }
-            /// A block read back from its words (`w` holds [`Self::WORDS`] of them).
-            pub fn from_words(w: &[f32]) -> Self {
-                let mut it = w.iter().copied();
-                $name { $($f: it.next().unwrap_or(0.0),)* }
-            }
-        }
-    };
-}
-
-hyper_block!(
-    /// `torch.optim.SGD` (and apex FusedSGD) hyperparameters as the kernel reads them.
-    SgdHyper {
-        lr,
-        momentum,
-        dampening,
-        weight_decay,
-        /// 1: Nesterov momentum.
-        nesterov,
-        /// 1: weight decay added after the momentum (apex's `wd_after_momentum`).
-        wd_after_momentum,
-    }
-);
-
-hyper_block!(
-    /// Adam/AdamW hyperparameters as the kernel reads them (amsgrad is the presence of the
-    /// `max_exp_avg_sq` list).
-    AdamHyper {
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        /// 1: decoupled weight decay (AdamW); 0: L2 (g += wd·p).
-        adamw,
-        bias_correction,
-    }
-);
-
-hyper_block!(
-    /// LAMB hyperparameters, read by both phases.
-    LambHyper {
-        lr,
-        beta1,
-        beta2,
-        /// 1−β1 with grad averaging, else 1.
-        beta3,
-        eps,
-        weight_decay,
-        /// Clip the global gradient norm to this (≤ 0: off).
-        max_grad_norm,
-        bias_correction,
-        /// 1: apply the trust ratio (use_nvlamb, or weight decay ≠ 0).
-        use_ratio,
-    }
-);
-
-hyper_block!(
-    /// NovoGrad hyperparameters, read by the moment and the update kernels.
-    NovoGradHyper {
-        lr,
-        beta1,
-        beta2,
-        beta3,
-        eps,
-        weight_decay,
-        bias_correction,
-        /// 1: weight decay inside the first moment (apex's moment_mode 0).
-        reg_inside_moment,
-    }
-);
 
 /// Loss-scale update (apex/PyTorch `_amp_update_scale_`): the scaler's fixed policy, a launch
 /// argument.

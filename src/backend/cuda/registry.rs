@@ -83,9 +83,10 @@ fn by_compile_time() -> Vec<Family> {
     v
 }
 
-/// The full translation unit: common.cuh, then the family's source.
+/// The full translation unit: common.cuh, then the family's source (fused_optim's preceded by
+/// its hyperparameter structs, generated from their Rust definitions).
 pub fn full_source(f: Family) -> String {
-    let mt = if matches!(f, Family::MultiTensor | Family::FusedOptim) {
+    let mut mt = if matches!(f, Family::MultiTensor | Family::FusedOptim) {
         format!(
             "#define MT_CHUNK {}ULL\n#line 1 \"mt_common.cuh\"\n{MT_COMMON}\n",
             crate::backend::MT_CHUNK
@@ -93,6 +94,9 @@ pub fn full_source(f: Family) -> String {
     } else {
         String::new()
     };
+    if f == Family::FusedOptim {
+        mt += crate::backend::fused_optim::cuda_structs().as_str();
+    }
     format!("{COMMON}\n{mt}#line 1 \"{}.cu\"\n{}", f.name(), f.source())
 }
 
