@@ -664,22 +664,45 @@ pub(crate) fn norms_into(
     apply("multi_tensor::norm", &MtKernel::Norm { inf }, &rows, &sc)
 }
 
+/// The loss scaler's state on the device, as [`amp_update_scale`] reads and writes it: four
+/// distinct F32 tensors of one element (the counters hold integers).
+#[derive(Clone, Copy, Debug)]
+pub struct ScalerDeviceState<'a> {
+    pub scale: &'a Tensor,
+    pub found_inf: &'a Tensor,
+    /// Clean steps since the scale last changed.
+    pub unskipped: &'a Tensor,
+    pub skipped_total: &'a Tensor,
+}
+
+/// The dynamic loss-scale rule: the factors on `window` clean steps and on an overflow, and the
+/// range the scale stays in.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScaleRule {
+    pub growth: f64,
+    pub backoff: f64,
+    pub window: u64,
+    pub min: f64,
+    pub max: f64,
+}
+
 /// apex/PyTorch `_amp_update_scale_`, on the device: on `found_inf` ≠ 0: scale ← max(scale·backoff,
 /// min), unskipped ← 0, skipped_total += 1; else unskipped += 1 and when it reaches `window`:
-/// scale ← min(scale·growth, max), unskipped ← 0. Then found_inf ← 0. Every operand is an F32
-/// tensor of one element (the counters hold integers).
-#[allow(clippy::too_many_arguments)]
-pub fn amp_update_scale(
-    scale: &Tensor,
-    found_inf: &Tensor,
-    unskipped: &Tensor,
-    skipped_total: &Tensor,
-    growth: f64,
-    backoff: f64,
-    window: u64,
-    min: f64,
-    max: f64,
-) -> Result<()> {
+/// scale ← min(scale·growth, max), unskipped ← 0. Then found_inf ← 0.
+pub fn amp_update_scale(state: ScalerDeviceState<'_>, rule: ScaleRule) -> Result<()> {
+    let ScalerDeviceState {
+        scale,
+        found_inf,
+        unskipped,
+        skipped_total,
+    } = state;
+    let ScaleRule {
+        growth,
+        backoff,
+        window,
+        min,
+        max,
+    } = rule;
     let op = "multi_tensor::amp_update_scale";
     for (name, t) in [
         ("scale", scale),

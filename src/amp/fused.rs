@@ -5,7 +5,7 @@
 //! scale, the clip coefficient and the counters stay on the device.
 
 use crate::error::Result;
-use crate::multi_tensor;
+use crate::multi_tensor::{self, ScaleRule, ScalerDeviceState};
 use crate::optim::{GradScaling, Optimizer};
 use crate::tensor::Tensor;
 
@@ -55,33 +55,19 @@ pub(crate) fn clip_into(
 
 /// apex / PyTorch's `_amp_update_scale_` on the device state; resets found_inf. A static scaler
 /// (`dynamic` false) keeps its scale (growth and backoff 1) and still counts.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn update_scale(
-    scale: &Tensor,
-    found_inf: &Tensor,
-    unskipped: &Tensor,
-    skipped_total: &Tensor,
+    state: ScalerDeviceState<'_>,
     dynamic: bool,
-    growth: f64,
-    backoff: f64,
-    window: u64,
-    min: f64,
-    max: f64,
+    rule: ScaleRule,
 ) -> Result<()> {
-    let (growth, backoff) = if dynamic {
-        (growth, backoff)
+    let rule = if dynamic {
+        rule
     } else {
-        (1.0, 1.0)
+        ScaleRule {
+            growth: 1.0,
+            backoff: 1.0,
+            ..rule
+        }
     };
-    multi_tensor::amp_update_scale(
-        scale,
-        found_inf,
-        unskipped,
-        skipped_total,
-        growth,
-        backoff,
-        window,
-        min,
-        max,
-    )
+    multi_tensor::amp_update_scale(state, rule)
 }

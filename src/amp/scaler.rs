@@ -16,6 +16,7 @@ use crate::tensor::{DType, Device, Tensor};
 
 use super::policy::{LossScale, Policy, Properties};
 use super::{autocast, fused};
+use crate::multi_tensor::{ScaleRule, ScalerDeviceState};
 
 /// The scaler state read to the host.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -41,11 +42,7 @@ pub struct ScalerState {
 
 #[derive(Debug)]
 pub struct LossScaler {
-    growth: f64,
-    backoff: f64,
-    window: u64,
-    min: f64,
-    max: f64,
+    rule: ScaleRule,
     found_inf: Tensor,
     /// The device state's other three tensors and the host-side counters, shared with the
     /// replay hooks of captured steps.
@@ -137,15 +134,17 @@ impl LossScaler {
         };
         let zero = || Tensor::scalar(0.0, DType::F32, device);
         Ok(LossScaler {
-            growth: policy.growth_factor,
-            backoff: policy.backoff_factor,
-            window: policy.scale_window,
-            // No floor is the smallest positive f32; a static scale lies within [min, max].
-            min: policy
-                .min_loss_scale
-                .unwrap_or(f32::MIN_POSITIVE as f64)
-                .min(init),
-            max: policy.max_loss_scale.max(init),
+            rule: ScaleRule {
+                growth: policy.growth_factor,
+                backoff: policy.backoff_factor,
+                window: policy.scale_window,
+                // No floor is the smallest positive f32; a static scale lies within [min, max].
+                min: policy
+                    .min_loss_scale
+                    .unwrap_or(f32::MIN_POSITIVE as f64)
+                    .min(init),
+                max: policy.max_loss_scale.max(init),
+            },
             found_inf: zero()?,
             host: Arc::new(HostSide {
                 loss_id,
@@ -216,18 +215,13 @@ impl LossScaler {
     /// replay when this runs inside a CUDA-graph capture.
     pub fn update(&mut self) -> Result<()> {
         let h = &self.host;
-        fused::update_scale(
-            &h.scale,
-            &self.found_inf,
-            &h.unskipped,
-            &h.skipped_total,
-            h.dynamic,
-            self.growth,
-            self.backoff,
-            self.window,
-            self.min,
-            self.max,
-        )?;
+        let state = ScalerDeviceState {
+            scale: &h.scale,
+            found_inf: &self.found_inf,
+            unskipped: &h.unskipped,
+            skipped_total: &h.skipped_total,
+        };
+        fused::update_scale(state, h.dynamic, self.rule)?;
         let host = self.host.clone();
         if crate::graph::on_replay(move || host.after_update()) {
             return Ok(());

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use super::fused_support::{round_to, tensor};
-use mixprec::multi_tensor::{self, AxpbyCheck};
+use mixprec::multi_tensor::{self, AxpbyCheck, ScaleRule, ScalerDeviceState};
 use mixprec::{DType, Device, Tensor};
 
 pub const CHUNK: usize = mixprec::backend::MT_CHUNK;
@@ -220,15 +220,19 @@ pub fn update_scale_cases(dev: Device) {
     let run = |f: f64| {
         found.set_data(&s(f)).unwrap();
         multi_tensor::amp_update_scale(
-            &scale,
-            &found,
-            &unsk,
-            &skipped,
-            2.0,
-            0.5,
-            3,
-            1.0,
-            2f64.powi(24),
+            ScalerDeviceState {
+                scale: &scale,
+                found_inf: &found,
+                unskipped: &unsk,
+                skipped_total: &skipped,
+            },
+            ScaleRule {
+                growth: 2.0,
+                backoff: 0.5,
+                window: 3,
+                min: 1.0,
+                max: 2f64.powi(24),
+            },
         )
         .unwrap();
         assert_eq!(found.item().unwrap(), 0.0, "found_inf is cleared");
@@ -281,23 +285,35 @@ pub fn error_cases(dev: Device) {
     assert!(e.contains("scale") && e.contains("[2]"), "{e}");
     let i = vec![Tensor::zeros([3], DType::I64, dev).unwrap()];
     assert!(multi_tensor::non_finite_check(&i, &f).is_err());
-    let e = multi_tensor::amp_update_scale(&s, &f, &s, &f, 2.0, 0.5, 10, 1.0, 10.0)
+    let rule = ScaleRule {
+        growth: 2.0,
+        backoff: 0.5,
+        window: 10,
+        min: 1.0,
+        max: 10.0,
+    };
+    let shared = ScalerDeviceState {
+        scale: &s,
+        found_inf: &f,
+        unskipped: &s,
+        skipped_total: &f,
+    };
+    let e = multi_tensor::amp_update_scale(shared, rule)
         .unwrap_err()
         .to_string();
     assert!(e.contains("share"), "{e}");
     let t = |v| Tensor::scalar(v, DType::F32, dev).unwrap();
-    assert!(multi_tensor::amp_update_scale(
-        &t(1.0),
-        &t(0.0),
-        &t(0.0),
-        &t(0.0),
-        2.0,
-        0.5,
-        0,
-        1.0,
-        10.0
-    )
-    .is_err());
+    let (a, b, c, d) = (t(1.0), t(0.0), t(0.0), t(0.0));
+    let state = ScalerDeviceState {
+        scale: &a,
+        found_inf: &b,
+        unskipped: &c,
+        skipped_total: &d,
+    };
+    let e = multi_tensor::amp_update_scale(state, ScaleRule { window: 0, ..rule })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("window"), "{e}");
 }
 
 /// Dense views of one buffer (parts of a flat bucket, at unaligned offsets) as outputs and as
