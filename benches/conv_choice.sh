@@ -5,7 +5,7 @@
 # a plan cache of its own that starts empty; then the default once more on its now-warm cache,
 # as a second process would start.
 #
-# Stage here:  ../shared/tools/gpu-stage --no-tests --bench train_throughput
+# Stage here:  scripts/gpu-stage --no-tests --bench train_throughput
 # Run there:   bash benches/conv_choice.sh [NETS] [MODES] [SETTINGS]
 #   NETS      default "resnet50 resnet18-cifar"
 #   MODES     default "o0 o2-f16 o2-bf16"

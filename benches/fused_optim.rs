@@ -4,7 +4,7 @@
 //! of back-to-back steps, one synchronisation per round), effective bandwidth (the bytes each
 //! step must move: every operand read once, every output written once) and its fraction of the
 //! device-to-device copy bandwidth measured in the same run. PyTorch's numbers come from
-//! `python3 .gpu/torch_anchor.py` (fused AdamW / SGD, `_amp_foreach_non_finite_check_and_unscale_`).
+//! `python3 benches/anchors/torch_anchor.py` (fused AdamW / SGD, `_amp_foreach_non_finite_check_and_unscale_`).
 
 mod common;
 

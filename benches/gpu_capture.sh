@@ -11,7 +11,7 @@
 #      hand-captured step;
 #   4. the main job itself (train_resnet, no options, full Fashion-MNIST, 10 epochs): captured
 #      (the default) vs --no-cuda-graph.
-# Stage here:  ../shared/tools/gpu-stage --data --example train_resnet --bench capture_speed
+# Stage here:  scripts/gpu-stage --data --example train_resnet --bench capture_speed
 # Run there:   bash benches/gpu_capture.sh [tests] [bench] [torch] [main]   (default: all four;
 #              each part fits one 10-minute device call on its own; logs go under $OUT)
 set -u

@@ -3,7 +3,7 @@
 # pipeline (decode, RandomResizedCrop(224), flip, normalise, batch 256, pinned upload) against
 # torchvision's ImageFolder + DataLoader (16 workers, pin_memory) on the same generated folder
 # of ImageNet-sized JPEGs, then the ResNet-50 O2 step fed by it against synthetic data.
-# Stage here:  ../shared/tools/gpu-stage --no-tests --bench data_pipeline
+# Stage here:  scripts/gpu-stage --no-tests --bench data_pipeline
 # Run there:   bash benches/gpu_data_pipeline.sh      (the table is the last thing printed)
 set -eu
 cd "$(dirname "$0")/.."

@@ -14,7 +14,7 @@
 #      each bench run also times the DDP step captured into a CUDA graph (its INFO line).
 #   5. with two or more GPUs, PyTorch's side of the small net on every GPU: unwrapped, DDP and
 #      the DDP step hand-captured (NET=main-job CAPTURE=1 benches/torch_ddp_resnet50.py).
-# Stage here:  ../shared/tools/gpu-stage --bench ddp_resnet50
+# Stage here:  scripts/gpu-stage --bench ddp_resnet50
 # Run there:   bash benches/gpu_ddp.sh     (logs go under $OUT)
 set -u
 cd "$(dirname "$0")/.."

@@ -5,7 +5,7 @@
 #   2. train_resnet with no options (the README's command) on the same data;
 #   3. torchvision's resnet18 weights exported by PyTorch there, loaded by mixprec, same logits
 #      (CPU and GPU).
-# Stage here:  ../shared/tools/gpu-stage --data --no-tests --example train_resnet --example torchvision_logits
+# Stage here:  scripts/gpu-stage --data --no-tests --example train_resnet --example torchvision_logits
 # Run there:   bash benches/gpu_main_job.sh     (logs and outputs go under $OUT)
 set -u
 cd "$(dirname "$0")/.."

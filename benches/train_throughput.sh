@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole-network benchmark on the GPU machine, mixprec and PyTorch in the same call, one
 # process per configuration (so that each peak memory is its own), then the table.
-# Stage here:  ../shared/tools/gpu-stage --no-tests --bench train_throughput
+# Stage here:  scripts/gpu-stage --no-tests --bench train_throughput
 # Run there:   bash benches/train_throughput.sh [NETS] [MODES] [LAYOUTS]   (defaults: all)
 #   e.g.       bash benches/train_throughput.sh "resnet50" "o2-f16 o2-bf16" "nchw cl"
 # Extra arguments for both sides go in $TRAIN_ARGS (e.g. "--steps 30 --lr 0.001", or "--batch 128"

@@ -1,7 +1,7 @@
 //! GPU tests: every CUDA op, forward and backward, in F32/F16/BF16, against the CPU backend on
 //! fresh random inputs, with outputs poisoned (NaN-filled) before each op so that unwritten
 //! elements fail. Ignored on CI (no GPU); run them on a GPU machine with
-//! `../shared/tools/gpu-stage` then `bash .gpu/run.sh cuda`.
+//! `scripts/gpu-stage` then `bash .gpu/run.sh cuda`.
 //!
 //! The error measure is ‖gpu − cpu‖ / ‖cpu‖ over all elements; any NaN/Inf where the reference
 //! is finite fails.

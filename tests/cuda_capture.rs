@@ -1,5 +1,5 @@
 //! GPU tests of CUDA-graph capture (ignored without a GPU; on a GPU machine:
-//! `../shared/tools/gpu-stage` then `bash .gpu/run.sh cuda_capture`). Each test prints what it
+//! `scripts/gpu-stage` then `bash .gpu/run.sh cuda_capture`). Each test prints what it
 //! compared, so a log tells which case failed and how.
 //!
 //! - N captured steps are the N eager steps bit for bit — parameters, FP32 masters, optimizer

@@ -1,7 +1,7 @@
 //! GPU tests of the data path: pinned host buffers and their asynchronous uploads
 //! (`backend::cuda::PinnedBuffer`), and a `DataLoader` delivering on the GPU, compared with the
 //! same loader on the CPU. Ignored on CI (no GPU); run them on a GPU machine with
-//! `../shared/tools/gpu-stage` then `bash .gpu/run.sh cuda_data`.
+//! `scripts/gpu-stage` then `bash .gpu/run.sh cuda_data`.
 
 use mixprec::backend::cpu::CpuStorage;
 use mixprec::backend::cuda::{set_poison_allocations, PinnedBuffer};

@@ -201,6 +201,18 @@ pub const POLICY_KEYS: &[(&str, &str)] = &[
     ("report_interval", "an integer >= 0 (steps; 0: never)"),
 ];
 
+/// The policy files of `configs/` compiled into the library, by name (the file name without
+/// `.toml`); [`Policy::builtin`] parses one.
+pub const BUILTIN_POLICIES: &[(&str, &str)] = &[
+    ("O0", include_str!("../../configs/O0.toml")),
+    ("O1", include_str!("../../configs/O1.toml")),
+    ("O1_bf16", include_str!("../../configs/O1_bf16.toml")),
+    ("O2", include_str!("../../configs/O2.toml")),
+    ("O2_bf16", include_str!("../../configs/O2_bf16.toml")),
+    ("O3", include_str!("../../configs/O3.toml")),
+    ("O3_bf16", include_str!("../../configs/O3_bf16.toml")),
+];
+
 /// What a policy key allows (see [`POLICY_KEYS`]).
 fn allowed(key: &str) -> Option<&'static str> {
     POLICY_KEYS.iter().find(|(k, _)| *k == key).map(|(_, a)| *a)
@@ -469,6 +481,37 @@ impl Policy {
         })
     }
 
+    // ---- built-in policies ------------------------------------------------------------------
+
+    /// One of the policy files shipped in the crate's `configs/` (`"O0"` … `"O3"`, `"O1_bf16"`,
+    /// `"O2_bf16"`, `"O3_bf16"`; see [`BUILTIN_POLICIES`]), compiled into the library so that a
+    /// program outside this repository gets the same policy as `--policy configs/O2.toml`. Its
+    /// `source` is the file's path in the repository (`configs/O2.toml`).
+    ///
+    /// ```
+    /// use mixprec::amp::{OptLevel, Policy};
+    ///
+    /// let policy = Policy::builtin("O2_bf16")?;
+    /// assert_eq!(policy.opt_level, OptLevel::O2);
+    /// assert!(Policy::builtin("O4").is_err());
+    /// # Ok::<(), mixprec::Error>(())
+    /// ```
+    pub fn builtin(name: &str) -> Result<Policy> {
+        let (_, text) = BUILTIN_POLICIES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = BUILTIN_POLICIES.iter().map(|(n, _)| *n).collect();
+                Error::config(
+                    "<built-in policies>",
+                    "name",
+                    format!("{name:?}"),
+                    format!("one of {}", names.join(", ")),
+                )
+            })?;
+        Self::parse_toml(text, &format!("configs/{name}.toml"))
+    }
+
     // ---- TOML -------------------------------------------------------------------------------
 
     /// Reads a policy file (see the module docs for the format).
@@ -600,4 +643,40 @@ struct PolicyFile {
 enum LossScaleToml {
     Number(f64),
     Name(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every policy file in `configs/` (those whose name starts with `O`) is built in, and the
+    /// built-in policy is the one the file gives.
+    #[test]
+    fn every_shipped_policy_is_built_in_and_equals_its_file() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with('O') && n.ends_with(".toml"))
+            .map(|n| n.trim_end_matches(".toml").to_string())
+            .collect();
+        files.sort();
+        let mut names: Vec<String> = BUILTIN_POLICIES.iter().map(|(n, _)| n.to_string()).collect();
+        names.sort();
+        assert_eq!(files, names, "configs/O*.toml and BUILTIN_POLICIES differ");
+        for name in &names {
+            let builtin = Policy::builtin(name).unwrap();
+            let mut file = Policy::from_toml_file(dir.join(format!("{name}.toml"))).unwrap();
+            assert_eq!(builtin.source, format!("configs/{name}.toml"));
+            file.source = builtin.source.clone();
+            assert_eq!(builtin, file, "{name}");
+            assert_eq!(builtin.opt_level.as_str(), &name[..2]);
+        }
+    }
+
+    #[test]
+    fn an_unknown_builtin_name_is_an_error_listing_the_names() {
+        let e = Policy::builtin("O4").unwrap_err().to_string();
+        assert!(e.contains("\"O4\"") && e.contains("O2_bf16"), "{e}");
+    }
 }
