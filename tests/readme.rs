@@ -198,8 +198,10 @@ fn repo_paths(text: &str) -> BTreeSet<String> {
     for piece in text.split(['`', '(', ')', ' ', '\n', '"']) {
         let p = piece.trim_end_matches(['.', ',', ':', ';']);
         let p = p.split('#').next().unwrap();
+        // A `:` marks a place in a file inside an error message (`configs/my.toml:2:12`), a
+        // user's file rather than the repository's.
         if TOP.iter().any(|t| p.starts_with(t))
-            && !p.contains(['*', '<', '…', '{'])
+            && !p.contains(['*', '<', '…', '{', ':'])
             && !p.contains("NAME")
             && !p.contains("DIR")
         {
