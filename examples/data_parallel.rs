@@ -1,7 +1,7 @@
 //! The README's data-parallel loop as a program: DDP over every process a launcher started (or
 //! rank 0 of 1 without one), AMP O2, a CIFAR-style ResNet-18 on each rank's shard of
 //! Fashion-MNIST, 20 steps; then rank 0 saves a checkpoint and the weights under
-//! `runs/data_parallel/` and loads the checkpoint back.
+//! `runs/ddp/` and loads the checkpoint back.
 //!
 //! `cargo run --release --example data_parallel` (one process), or under a launcher:
 //! `torchrun --standalone --nproc-per-node 2 --no-python target/release/examples/data_parallel`.
@@ -10,7 +10,7 @@
 use mixprec::amp;
 use mixprec::data::{DataLoader, DistributedSampler, FashionMnist, Split};
 use mixprec::distributed::{Backend, DdpConfig, DistributedDataParallel, LaunchEnv, ProcessGroup};
-use mixprec::io::{serde_json::json, Checkpoint, TrainProgress};
+use mixprec::io::{save_weights, serde_json::json, Checkpoint, TrainProgress};
 use mixprec::nn::{self, Module, ResNet};
 use mixprec::optim::{FusedSgd, SgdConfig};
 use mixprec::Device;
@@ -45,20 +45,24 @@ fn main() -> mixprec::Result<()> {
     }
 
     if env.rank == 0 {
-        let dir = "runs/data_parallel";
-        std::fs::create_dir_all(dir).map_err(|e| mixprec::Error::io(format!("creating {dir}"), e))?;
+        let dir = "runs/ddp";
+        std::fs::create_dir_all(dir)
+            .map_err(|e| mixprec::Error::io(format!("creating {dir}"), e))?;
         let progress = TrainProgress {
             epoch: epochs,
             step: (epochs * steps) as u64,
             seed,
         };
         let ck = Checkpoint::capture(model.module(), &opt, progress, json!({ "lr": 0.05 }))?;
-        ck.save("runs/data_parallel/last.safetensors".as_ref())?;
-        mixprec::io::save_weights(model.module(), "runs/data_parallel/model.safetensors".as_ref())?;
+        ck.save("runs/ddp/last.safetensors".as_ref())?;
+        save_weights(model.module(), "runs/ddp/model.safetensors".as_ref())?;
         // later, with a model and optimizer wrapped at the same AMP level:
-        let ck = Checkpoint::load("runs/data_parallel/last.safetensors".as_ref())?;
+        let ck = Checkpoint::load("runs/ddp/last.safetensors".as_ref())?;
         ck.restore(model.module(), &mut opt)?; // training continues bit for bit (O0–O3)
-        println!("rank 0 of {}: saved and restored runs/data_parallel/last.safetensors", env.world_size);
+        println!(
+            "rank 0 of {}: saved and restored runs/ddp/last.safetensors",
+            env.world_size
+        );
     }
     Ok(())
 }

@@ -138,7 +138,10 @@ fn train_resnet_flags() -> BTreeSet<String> {
             out.insert(format!("--{}", name.replace('_', "-")));
         }
     }
-    assert!(out.contains("--batch-size"), "train_resnet's flags not found");
+    assert!(
+        out.contains("--batch-size"),
+        "train_resnet's flags not found"
+    );
     out
 }
 
@@ -160,10 +163,25 @@ fn gpu_stage_flags() -> BTreeSet<String> {
 
 /// Flags of other programs the README shows, by program.
 const OTHER_PROGRAMS: &[(&str, &[&str])] = &[
-    ("cargo", &["--release", "--example", "--all-targets", "--test", "--doc"]),
-    ("torchrun", &["--standalone", "--nproc-per-node", "--no-python", "--nnodes", "--node-rank"]),
+    (
+        "cargo",
+        &["--release", "--example", "--all-targets", "--test", "--doc"],
+    ),
+    (
+        "torchrun",
+        &[
+            "--standalone",
+            "--nproc-per-node",
+            "--no-python",
+            "--nnodes",
+            "--node-rank",
+        ],
+    ),
     ("srun", &["--nodes", "--ntasks-per-node", "--gpus-per-task"]),
-    ("examples/torchvision_logits.rs", &["--weights", "--io", "--arch", "--device"]),
+    (
+        "examples/torchvision_logits.rs",
+        &["--weights", "--io", "--arch", "--device"],
+    ),
 ];
 
 #[test]
@@ -175,7 +193,10 @@ fn every_flag_in_the_readme_is_a_real_one() {
     }
     let logits = read("examples/torchvision_logits.rs");
     for f in ["--weights", "--io", "--arch"] {
-        assert!(logits.contains(&format!("\"{f}\"")), "torchvision_logits lost {f}");
+        assert!(
+            logits.contains(&format!("\"{f}\"")),
+            "torchvision_logits lost {f}"
+        );
     }
     let unknown: Vec<String> = flags(&read("README.md"))
         .into_iter()
@@ -191,7 +212,14 @@ fn every_flag_in_the_readme_is_a_real_one() {
 /// Repository paths a document names in backticks or links (`configs/O2.toml`, `docs/gpu.md`).
 fn repo_paths(text: &str) -> BTreeSet<String> {
     const TOP: &[&str] = &[
-        "configs/", "benches/", "scripts/", "examples/", "docs/", "tests/", "data/", "kernels/",
+        "configs/",
+        "benches/",
+        "scripts/",
+        "examples/",
+        "docs/",
+        "tests/",
+        "data/",
+        "kernels/",
         "src/",
     ];
     let mut out = BTreeSet::new();
@@ -252,7 +280,10 @@ fn nothing_points_outside_the_repository() {
     }
     for (name, text) in files {
         for bad in ["../shared", "shared/tools", "shared/anchors"] {
-            assert!(!text.contains(bad), "{name} points outside the repository: `{bad}`");
+            assert!(
+                !text.contains(bad),
+                "{name} points outside the repository: `{bad}`"
+            );
         }
     }
 }
@@ -265,5 +296,8 @@ fn the_flag_scanner_and_block_reader_work() {
         .into();
     assert_eq!(f, want);
     let md = "a\n```rust\nlet x = 1;\n```\n```sh\nls\n```\n";
-    assert_eq!(code_blocks(md, "rust"), vec![(3, vec!["let x = 1;".to_string()])]);
+    assert_eq!(
+        code_blocks(md, "rust"),
+        vec![(3, vec!["let x = 1;".to_string()])]
+    );
 }

@@ -661,7 +661,10 @@ mod tests {
             .map(|n| n.trim_end_matches(".toml").to_string())
             .collect();
         files.sort();
-        let mut names: Vec<String> = BUILTIN_POLICIES.iter().map(|(n, _)| n.to_string()).collect();
+        let mut names: Vec<String> = BUILTIN_POLICIES
+            .iter()
+            .map(|(n, _)| n.to_string())
+            .collect();
         names.sort();
         assert_eq!(files, names, "configs/O*.toml and BUILTIN_POLICIES differ");
         for name in &names {
