@@ -12,7 +12,7 @@ impl Storage {
     fn add_assign(&mut self, src: &Storage) -> Result<()> {
         match (self, src) {
             (Storage::Cpu(a), Storage::Cpu(b)) => {
-                crate::graph::refuse_host_op("add_in_place")?;
+                crate::backend::cuda::refuse_host_op("add_in_place")?;
                 a.add_assign(b)
             }
             (Storage::Cuda(a), Storage::Cuda(b)) => cuda::add_assign(a, b),
@@ -42,7 +42,7 @@ impl Storage {
             }
         }
         if !cpu.is_empty() {
-            crate::graph::refuse_host_op("add_in_place")?;
+            crate::backend::cuda::refuse_host_op("add_in_place")?;
             for (a, b) in cpu {
                 a.add_assign(b)?;
             }
@@ -56,7 +56,7 @@ impl Storage {
     fn copy_from(&mut self, src: &Storage) -> Result<()> {
         match (self, src) {
             (Storage::Cpu(a), Storage::Cpu(b)) => {
-                crate::graph::refuse_host_op("copy_in_place")?;
+                crate::backend::cuda::refuse_host_op("copy_in_place")?;
                 a.copy_from(b)
             }
             (Storage::Cuda(a), Storage::Cuda(b)) => cuda::copy_from(a, b),
@@ -71,7 +71,7 @@ impl Storage {
     fn fill_zero(&mut self) -> Result<()> {
         match self {
             Storage::Cpu(a) => {
-                crate::graph::refuse_host_op("zero_in_place")?;
+                crate::backend::cuda::refuse_host_op("zero_in_place")?;
                 a.fill_zero();
                 Ok(())
             }

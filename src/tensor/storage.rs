@@ -9,7 +9,7 @@
 //! a CUDA-graph capture, and lifts the result back (`Lift`).
 
 use crate::backend::cpu::CpuStorage;
-use crate::backend::cuda::{CudaStorage, OpTimer};
+use crate::backend::cuda::{self, CudaStorage, OpTimer};
 use crate::backend::prelude::*;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Layout, Shape};
@@ -240,7 +240,7 @@ macro_rules! backend_ops {
                 };
                 match self {
                     Storage::Cpu(s) => {
-                        crate::graph::refuse_host_op(op)?;
+                        cuda::refuse_host_op(op)?;
                         $(let $a = $a.cpu().map_err(|d| mismatch(op, Device::Cpu, d))?;)*
                         Ok(s.$f($($a),*)?.lift())
                     }
@@ -338,7 +338,7 @@ impl Storage {
         };
         match first {
             Storage::Cpu(_) => {
-                crate::graph::refuse_host_op("cat")?;
+                cuda::refuse_host_op("cat")?;
                 let mut cpu = Vec::with_capacity(parts.len());
                 for (p, l) in parts {
                     match p {

@@ -55,6 +55,9 @@ pub use device::{
     allocation_count, deterministic, device_count, get as device, host_sync_count, set_allow_tf32,
     set_deterministic, set_poison_allocations, CudaDevice, ReadCheck,
 };
+/// The capture rule for work on the host: an op on CPU tensors is refused while this thread
+/// captures a CUDA graph (it would run once now and a replay would not repeat it).
+pub(crate) use graph::refuse_host_op;
 pub use graph::{Graph, GraphNodes};
 pub use multi_tensor::{
     cached_lists, table_cache_clears, tables_built_on_this_thread, CudaMultiTensor,
