@@ -174,7 +174,7 @@ pub fn relu_backward<T: Elem>(g: &[T], x: &[T]) -> Vec<T> {
 
 impl ElementwiseOps for CpuStorage {
     fn unary(&self, l: &Layout, op: UnaryOp) -> Result<Self> {
-        Ok(map_float!(&*self.span(l), op.name(), |v| { unary(v, op) }))
+        Ok(map_float!(&*self.span(l), op.name(), |v| unary(v, op)))
     }
     fn affine(&self, l: &Layout, mul: f64, add: f64) -> Result<Self> {
         Ok(map_float!(&*self.span(l), "affine", |v| {
@@ -196,7 +196,7 @@ impl ElementwiseOps for CpuStorage {
         // Same dense strides on all three: one walk over the spans.
         if l.is_dense() && l.strides() == rl.strides() && l.strides() == out.strides() {
             let (a, b) = (self.span(l), rhs.span(rl));
-            return Ok(map_float2!(&*a, &*b, op.name(), |x, y| { zip(x, y, op) }));
+            return Ok(map_float2!(&*a, &*b, op.name(), |x, y| zip(x, y, op)));
         }
         let flat = Layout::contiguous(out.shape().clone());
         let res = map_float2!(self, rhs, op.name(), |a, b| {

@@ -280,7 +280,7 @@ pub(crate) struct Dnn {
     /// the floors of later ones.
     rates: Rates<RateKey>,
     /// Batch norm's cuDNN descriptors and choices (`batch_norm.rs`).
-    pub(super) batch_norm: super::batch_norm::BnChoices,
+    pub(super) batch_norm: super::batch_norm_choice::BnChoices,
 }
 
 // SAFETY: the handle and descriptors are only used under the device's `dnn` mutex.

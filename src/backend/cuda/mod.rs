@@ -16,6 +16,9 @@
 //! [`BackendStorage`]: crate::backend::BackendStorage
 
 mod batch_norm;
+mod batch_norm_choice;
+mod batch_norm_launch;
+mod batch_norm_sync;
 mod cast;
 mod common;
 mod conv;
@@ -44,7 +47,7 @@ pub(crate) mod side_stream;
 mod softmax;
 mod storage;
 
-pub use batch_norm::{
+pub use batch_norm_choice::{
     batch_norm_choices, batch_norm_impl, set_batch_norm_impl, with_batch_norm_impl,
     BatchNormChoice, BatchNormImpl,
 };
