@@ -56,229 +56,35 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 
 use cudarc::cudnn::{result as dnn, sys as dsys};
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::CudaSlice;
 
 use super::conv_cache::{self, CacheUse, Choice, Entry};
 use super::conv_direct::DirectWgrad;
+use super::conv_plan::*;
 use super::conv_tune::{tune, EventTimer, Outcome, Rates, Scratch, Tuning};
-use super::cudnn_graph::{EngineRules, GraphCandidate, GraphConv, GraphPlan};
+use super::cudnn_graph::{GraphCandidate, GraphConv, GraphPlan};
 use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
-use super::device::{allow_tf32, cuda_err, deterministic, env_on, CudaDevice};
-use super::side_stream;
+use super::device::{cuda_err, CudaDevice};
 use super::storage::CudaStorage;
 use crate::backend::ConvOps;
 use crate::backend::{BackendStorage, Conv2dParams};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout, MemoryFormat};
 
-/// The most workspace one plan may need by default, and the least the limit goes down to when
-/// free memory is short.
-const WORKSPACE_CAP: usize = 2 << 30;
-const WORKSPACE_FLOOR: usize = 64 << 20;
-
-/// Which cuDNN API's candidates compete (`MIXPREC_CUDNN_API`): both (the default), or only one
-/// (`graph`: the legacy API still covers what no graph engine supports; `legacy`: never the
-/// graph API).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Api {
-    Fastest,
-    Graph,
-    Legacy,
-}
-
-/// Whether our own kernels (`conv_direct.rs`) compete (`MIXPREC_CONV_DIRECT`): yes (the
-/// default), no (`0`), or alone where one applies (`only`: for tests and comparisons).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Direct {
-    On,
-    Off,
-    Only,
-}
-
-/// The settings a plan is chosen under, read from the environment at each choice.
-struct Settings {
-    api: Api,
-    direct: Direct,
-    /// Candidates are timed (`MIXPREC_CUDNN_FIND` is not 0).
-    timed: bool,
-    rules: EngineRules,
-    /// The most workspace a candidate may need.
-    limit: usize,
-    cache: CacheUse,
-}
-
-impl Settings {
-    fn now(dev: &CudaDevice, dtype: DType) -> Settings {
-        let api = match std::env::var("MIXPREC_CUDNN_API").as_deref() {
-            Ok("graph") => Api::Graph,
-            Ok("legacy") => Api::Legacy,
-            _ => Api::Fastest,
-        };
-        let timed = std::env::var("MIXPREC_CUDNN_FIND").map_or(true, |v| v != "0");
-        let direct = match std::env::var("MIXPREC_CONV_DIRECT").as_deref() {
-            Ok("0") | Ok("off") => Direct::Off,
-            Ok("only") => Direct::Only,
-            _ => Direct::On,
-        };
-        Settings {
-            api,
-            direct,
-            timed,
-            rules: EngineRules {
-                dtype,
-                tf32: allow_tf32(),
-                deterministic: deterministic(),
-                runtime_compiled: env_on("MIXPREC_CUDNN_RUNTIME_COMPILED"),
-            },
-            limit: workspace_limit(dev),
-            cache: if timed {
-                CacheUse::from_env()
-            } else {
-                CacheUse::Off
-            },
-        }
-    }
-
-    /// The rules part of a plan-cache key: what else decides a choice.
-    fn label(&self) -> String {
-        format!(
-            "api {:?} direct {:?} runtime-compiled {} deterministic {}",
-            self.api, self.direct, self.rules.runtime_compiled, self.rules.deterministic
-        )
-    }
-}
-
-/// `MIXPREC_CUDNN_WORKSPACE_MB` if set, else a quarter of the free device memory within
-/// [`WORKSPACE_FLOOR`, `WORKSPACE_CAP`].
-fn workspace_limit(dev: &CudaDevice) -> usize {
-    if let Ok(v) = std::env::var("MIXPREC_CUDNN_WORKSPACE_MB") {
-        match v.trim().parse::<usize>() {
-            Ok(mb) => return mb.saturating_mul(1 << 20),
-            Err(e) => log::warn!(
-                "MIXPREC_CUDNN_WORKSPACE_MB={v:?} is not a number of MiB ({e}); using the default"
-            ),
-        }
-    }
-    let free = dev
-        .ctx
-        .bind_to_thread()
-        .ok()
-        .and_then(|_| cudarc::driver::result::mem_get_info().ok())
-        .map_or(WORKSPACE_CAP, |(free, _)| free / 4);
-    free.clamp(WORKSPACE_FLOOR, WORKSPACE_CAP)
-}
-
-/// Which convolution runs, with its buffers in cuDNN's argument order: forward (x, w) -> y,
-/// backward-data (dy, w) -> dx, backward-filter (dy, x) -> dw.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(super) enum Dir {
-    Forward,
-    BackwardData,
-    BackwardFilter,
-}
-
-impl Dir {
-    fn name(self) -> &'static str {
-        match self {
-            Dir::Forward => "forward",
-            Dir::BackwardData => "backward-data",
-            Dir::BackwardFilter => "backward-filter",
-        }
-    }
-}
-
-/// How a plan was chosen.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PlanSource {
-    /// Its candidates were timed in this process.
-    Timed,
-    /// Rebuilt from the plan cache on disk (timed by an earlier process), no timing runs.
-    Cache,
-    /// cuDNN's heuristic first choice, untimed (`MIXPREC_CUDNN_FIND=0`).
-    Heuristic,
-}
-
-/// What is known of how a plan was chosen.
-#[derive(Clone, Copy, Debug)]
-struct Record {
-    source: PlanSource,
-    time_ms: Option<f32>,
-    /// Wall time spent choosing it (building candidates, timing them, or rebuilding it from the
-    /// plan cache), ms.
-    choice_ms: f64,
-    graph_candidates: usize,
-    legacy_candidates: usize,
-    graph_timed: usize,
-    legacy_timed: usize,
-}
-
-/// What runs for one (geometry, dtype, direction).
-enum Runner {
-    Graph(GraphPlan),
-    Legacy { conv: LegacyConv, algo: LegacyAlgo },
-    Direct(DirectWgrad),
-}
-
-/// A chosen plan.
-struct Plan {
-    runner: Runner,
-    record: Record,
-}
-
-impl Plan {
-    fn workspace(&self) -> usize {
-        match &self.runner {
-            Runner::Graph(g) => g.candidate.workspace,
-            Runner::Legacy { algo, .. } => algo.workspace,
-            Runner::Direct(d) => d.workspace(),
-        }
-    }
-
-    /// What runs: the graph engine with its notes, or the legacy algorithm.
-    fn describe(&self) -> String {
-        match &self.runner {
-            Runner::Graph(g) => format!("{:?}", g.candidate),
-            Runner::Legacy { algo, .. } => algo.describe(),
-            Runner::Direct(d) => d.describe(),
-        }
-    }
-
-    /// What the plan cache records of it (None: it cannot be rebuilt from a record).
-    fn choice(&self) -> Option<Choice> {
-        match &self.runner {
-            Runner::Graph(g) => Some(Choice::Graph {
-                engine: g.candidate.engine,
-                knobs: g.candidate.knobs.clone()?,
-            }),
-            Runner::Legacy { algo, .. } => Some(Choice::Legacy {
-                algo: algo.algo.code(),
-                math: algo.math_code(),
-            }),
-            Runner::Direct(d) => Some(Choice::Direct {
-                kernel: d.describe(),
-            }),
-        }
-    }
-}
-
-/// The key of a plan in memory: geometry (with its memory format), dtype, direction, TF32,
-/// determinism.
-type PlanKey = (Conv2dParams, DType, Dir, bool, bool);
-
 pub(crate) struct Dnn {
-    handle: dsys::cudnnHandle_t,
-    workspace: Option<CudaSlice<u8>>,
+    pub(super) handle: dsys::cudnnHandle_t,
+    pub(super) workspace: Option<CudaSlice<u8>>,
     /// The workspace of convolutions run beside (`side_stream.rs`), which may run while one on
     /// the main stream uses the other.
-    side_workspace: Option<CudaSlice<u8>>,
-    plans: HashMap<PlanKey, Plan>,
+    pub(super) side_workspace: Option<CudaSlice<u8>>,
+    pub(super) plans: HashMap<PlanKey, Plan>,
     /// The GPU, driver and cuDNN, as the plan cache's keys name them.
-    device_id: String,
+    pub(super) device_id: String,
     /// Candidate runs timed so far (warm-ups included).
-    timing_runs: u64,
+    pub(super) timing_runs: u64,
     /// The best rate (flops per ms) each candidate reached on a convolution timed so far, for
     /// the floors of later ones.
-    rates: Rates<RateKey>,
+    pub(super) rates: Rates<RateKey>,
     /// Batch norm's cuDNN descriptors and choices (`batch_norm.rs`).
     pub(super) batch_norm: super::batch_norm_choice::BnChoices,
 }
@@ -301,7 +107,7 @@ impl Drop for Dnn {
     }
 }
 
-fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
+pub(super) fn dnn_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("cuDNN {what}: {e:?}"))
 }
 
@@ -317,14 +123,14 @@ enum Cand {
 /// What a candidate is across convolutions: the graph engine with its knob choices, the legacy
 /// algorithm with its math type, or our kernel.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-enum CandId {
+pub(super) enum CandId {
     Graph(i64, Option<Vec<(u32, i64)>>),
     Legacy(i64, i64),
     Direct,
 }
 
 /// Whose rate: direction, dtype, memory format, TF32, candidate.
-type RateKey = (Dir, DType, MemoryFormat, bool, CandId);
+pub(super) type RateKey = (Dir, DType, MemoryFormat, bool, CandId);
 
 /// Multiply-adds times two: the same for the three directions.
 fn flops(p: &Conv2dParams) -> f64 {
@@ -552,7 +358,7 @@ impl Dnn {
     /// The plan for one direction (see the module doc), chosen on the first call's buffers
     /// (`ptrs`, argument order; the output is overwritten): from the plan cache when it holds
     /// one, else timed (or heuristic) and then written to the cache.
-    fn make_plan(
+    pub(super) fn make_plan(
         &mut self,
         dev: &CudaDevice,
         p: &Conv2dParams,
@@ -860,211 +666,6 @@ pub(super) fn dnn_state(guard: &mut Option<Dnn>) -> Result<&mut Dnn> {
     guard
         .as_mut()
         .ok_or_else(|| Error::Cuda("cuDNN handle".into()))
-}
-
-/// Runs one convolution direction: `a`, `b` are the two inputs in cuDNN's argument order and the
-/// output has `out_len` elements.
-fn run(
-    dev: &std::sync::Arc<CudaDevice>,
-    dir: Dir,
-    p: &Conv2dParams,
-    dtype: DType,
-    a: &CudaStorage,
-    b: &CudaStorage,
-    out_len: usize,
-) -> Result<CudaStorage> {
-    let out = CudaStorage::alloc(dev, dtype, out_len)?;
-    if out_len == 0 || a.is_empty() || b.is_empty() {
-        if out_len > 0 {
-            super::cast::fill(&out, 0.0)?;
-        }
-        return Ok(out);
-    }
-    let mut guard = lock_dnn(dev, "conv2d")?;
-    let dnn_state = dnn_state(&mut guard)?;
-    // What a capture cannot record (the timed plan search, workspace growth) must have
-    // happened in a warm-up step.
-    let first_use = |what: String| {
-        super::graph::refuse(
-            dev.ordinal,
-            "conv2d",
-            &format!("{what} during capture: run a warm-up step of the same shapes first"),
-        )
-    };
-    let ptrs = [a.ptr(), b.ptr(), out.ptr()].map(|p| p as *mut c_void);
-    let key = (*p, dtype, dir, allow_tf32(), deterministic());
-    let beside = side_stream::is_beside(dev.ordinal);
-    if !dnn_state.plans.contains_key(&key) {
-        first_use(format!("choosing the {dir:?} {dtype} plan for {p:?}"))?;
-        // Plans are timed on the main stream on these buffers, with scratch of the main
-        // stream: beside, both streams are waited for first (the output was allocated on the
-        // side stream) and after.
-        if beside {
-            side_stream::synchronize_both(dev)?;
-        }
-        let started = std::time::Instant::now();
-        let mut plan = side_stream::on_main(|| dnn_state.make_plan(dev, p, dtype, dir, ptrs))?;
-        if beside {
-            side_stream::synchronize_both(dev)?;
-        }
-        plan.record.choice_ms = started.elapsed().as_secs_f64() * 1e3;
-        log::debug!(
-            "{dir:?} {dtype} {p:?}: {} ({:?}, {:.1} ms to choose)",
-            plan.describe(),
-            plan.record.source,
-            plan.record.choice_ms
-        );
-        dnn_state.plans.insert(key, plan);
-    }
-    let ws_needed = dnn_state.plans.get(&key).map_or(0, Plan::workspace);
-    let workspace = if beside {
-        &mut dnn_state.side_workspace
-    } else {
-        &mut dnn_state.workspace
-    };
-    let have = workspace.as_ref().map_or(0, |w| w.len());
-    if ws_needed > have {
-        first_use(format!("growing the workspace to {ws_needed} bytes"))?;
-        // Let go of first (the old buffer is too small for anything from now on), unless a
-        // captured graph still uses it: the graph then keeps it while it lives.
-        if let Some(old) = workspace.take() {
-            // Freed on the stream that used it last: beside, that is the side stream, whose
-            // earlier work the main stream may not have waited for yet.
-            if let Some(old) = super::graph::retire(dev.ordinal, old) {
-                side_stream::free(dev.ordinal, old);
-            }
-        }
-        // cuDNN owns the workspace contents.
-        let ws = side_stream::alloc(dev, ws_needed).map_err(|e| {
-            cuda_err(
-                &format!("allocating {ws_needed} bytes of cuDNN workspace"),
-                e,
-            )
-        })?;
-        *workspace = Some(ws);
-    }
-    let (ws_ptr, ws_len) = match workspace {
-        Some(w) => (w.device_ptr(&dev.stream).0 as *mut c_void, w.len()),
-        None => (std::ptr::null_mut(), 0),
-    };
-    let h = dnn_state.handle;
-    dev.ctx
-        .bind_to_thread()
-        .map_err(|e| cuda_err("binding the context", e))?;
-    // The handle runs on the main stream; beside, on the side stream for this call only.
-    let set_stream = |s: cudarc::driver::sys::CUstream| {
-        // SAFETY: a live handle and a stream of its device.
-        unsafe { dnn::set_stream(h, s as _) }.map_err(|e| dnn_err("cudnnSetStream", e))
-    };
-    if beside {
-        set_stream(side_stream::current(dev))?;
-    }
-    let ran = match dnn_state.plans.get(&key).map(|plan| &plan.runner) {
-        Some(Runner::Graph(g)) => g.execute(h, ptrs, ws_ptr),
-        Some(Runner::Legacy { conv, algo }) => conv.execute(h, algo, ptrs, ws_ptr, ws_len),
-        Some(Runner::Direct(d)) => d.execute(dev, ptrs, ws_ptr),
-        None => Err(Error::Cuda("cuDNN plan cache".into())),
-    };
-    if beside {
-        set_stream(dev.stream.cu_stream())?;
-    }
-    ran.map_err(|e| Error::Cuda(format!("{dir:?} convolution ({dtype}, {p:?}): {e}")))?;
-    Ok(out)
-}
-
-/// One chosen convolution plan, as [`conv_plans`] reports it.
-#[derive(Clone, Debug)]
-pub struct ConvPlanInfo {
-    /// The geometry, its memory format included.
-    pub params: Conv2dParams,
-    pub dtype: DType,
-    /// "forward", "backward-data" or "backward-filter".
-    pub direction: &'static str,
-    /// Whether it runs through cuDNN's graph API (else the legacy API, or our own kernel).
-    pub graph_api: bool,
-    /// Whether it runs our own kernel (`conv_direct.rs`) rather than cuDNN.
-    pub direct: bool,
-    /// How it was chosen: timed here, from the plan cache, or cuDNN's untimed first choice.
-    pub source: PlanSource,
-    /// Its median time on the first call's buffers (ms), when it was timed (here or by the
-    /// process that wrote the plan cache).
-    pub time_ms: Option<f32>,
-    /// Candidates of each API (configurations and algorithms that keep the dtype's promise and
-    /// fit the workspace limit; 0 when that API was not asked).
-    pub graph_candidates: usize,
-    pub legacy_candidates: usize,
-    /// How many of them were timed (abandoned as too slow counts; failing to run, or not run
-    /// for a floor already slow, does not).
-    pub graph_timed: usize,
-    pub legacy_timed: usize,
-    /// Wall time spent choosing it in this process (ms): building and timing candidates, or
-    /// rebuilding it from the plan cache.
-    pub choice_ms: f64,
-    /// Bytes of workspace it needs.
-    pub workspace: usize,
-    /// What runs: "graph engine N [its notes] (...)" or "legacy `<cuDNN algorithm> <math>` (...)".
-    pub algorithm: String,
-    /// Chosen under [`super::set_deterministic`]: only bitwise-reproducible candidates.
-    pub deterministic: bool,
-}
-
-/// The convolution plans device `ordinal` has chosen so far (one per geometry, memory format,
-/// dtype, direction, TF32 and determinism setting): which API each runs through, how it was chosen, its
-/// time. For tests and for a look at a network's convolutions.
-pub fn conv_plans(ordinal: usize) -> Result<Vec<ConvPlanInfo>> {
-    let dev = super::device::get(ordinal)?;
-    let guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(dnn) = guard.as_ref() else {
-        return Ok(Vec::new());
-    };
-    Ok(dnn
-        .plans
-        .iter()
-        .map(
-            |((params, dtype, dir, _, deterministic), plan)| ConvPlanInfo {
-                params: *params,
-                dtype: *dtype,
-                direction: dir.name(),
-                graph_api: matches!(plan.runner, Runner::Graph(_)),
-                direct: matches!(plan.runner, Runner::Direct(_)),
-                source: plan.record.source,
-                time_ms: plan.record.time_ms,
-                graph_candidates: plan.record.graph_candidates,
-                legacy_candidates: plan.record.legacy_candidates,
-                graph_timed: plan.record.graph_timed,
-                legacy_timed: plan.record.legacy_timed,
-                choice_ms: plan.record.choice_ms,
-                workspace: plan.workspace(),
-                algorithm: plan.describe(),
-                deterministic: *deterministic,
-            },
-        )
-        .collect())
-}
-
-/// Forgets the convolution plans device `ordinal` has chosen: each is chosen again at its next
-/// use (from the plan cache when it holds it). For tests, and after changing the environment
-/// that steers the choice.
-pub fn clear_conv_plans(ordinal: usize) -> Result<()> {
-    let dev = super::device::get(ordinal)?;
-    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(dnn) = guard.as_mut() {
-        dnn.plans.clear();
-    }
-    Ok(())
-}
-
-/// How many candidate runs device `ordinal` has timed to choose its convolution plans (0 for a
-/// process whose plans all came from the plan cache).
-pub fn conv_timing_runs(ordinal: usize) -> Result<u64> {
-    let dev = super::device::get(ordinal)?;
-    let guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
-    Ok(guard.as_ref().map_or(0, |d| d.timing_runs))
-}
-
-/// Where the plan cache is for a choice made now (None: off), from the environment.
-pub fn conv_plan_cache_dir() -> Option<std::path::PathBuf> {
-    CacheUse::from_env().dir().map(|d| d.to_path_buf())
 }
 
 pub(super) fn data_type(d: DType) -> Result<(dsys::cudnnDataType_t, dsys::cudnnDataType_t)> {

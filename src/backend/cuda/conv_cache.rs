@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::conv::Dir;
+use super::conv_plan::Dir;
 use super::registry::fnv1a;
 use crate::backend::Conv2dParams;
 use crate::base::DType;

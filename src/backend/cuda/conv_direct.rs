@@ -9,7 +9,7 @@
 
 use std::ffi::c_void;
 
-use super::conv::Dir;
+use super::conv_plan::Dir;
 use super::device::CudaDevice;
 use super::launch::{launch, Grid};
 use super::registry::Family;

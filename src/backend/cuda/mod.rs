@@ -24,6 +24,8 @@ mod common;
 mod conv;
 mod conv_cache;
 mod conv_direct;
+mod conv_plan;
+mod conv_report;
 mod conv_tune;
 mod cudnn_batch_norm;
 mod cudnn_graph;
@@ -51,8 +53,9 @@ pub use batch_norm_choice::{
     batch_norm_choices, batch_norm_impl, set_batch_norm_impl, with_batch_norm_impl,
     BatchNormChoice, BatchNormImpl,
 };
-pub use conv::{
-    clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, ConvPlanInfo, PlanSource,
+pub use conv_plan::PlanSource;
+pub use conv_report::{
+    clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, ConvPlanInfo,
 };
 pub use device::{
     allocation_count, deterministic, device_count, get as device, host_sync_count, set_allow_tf32,
