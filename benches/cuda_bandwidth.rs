@@ -158,16 +158,36 @@ fn bandwidth() -> mixprec::Result<()> {
     row(
         "batch_norm fwd f32 [256,64,128,128]",
         time(2, 10, || {
-            x32.batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
-                .map(|_| ())
+            x32.batch_norm_train(
+                &l,
+                BatchNormTrainOperands {
+                    residual: None,
+                    weight: &w,
+                    bias: &b,
+                    running_mean: &mut rm,
+                    running_var: &mut rv,
+                },
+                &p,
+            )
+            .map(|_| ())
         })?,
         8 * n,
     );
     row(
         "batch_norm fwd f16 [256,64,128,128]",
         time(2, 10, || {
-            x16.batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
-                .map(|_| ())
+            x16.batch_norm_train(
+                &l,
+                BatchNormTrainOperands {
+                    residual: None,
+                    weight: &w,
+                    bias: &b,
+                    running_mean: &mut rm,
+                    running_var: &mut rv,
+                },
+                &p,
+            )
+            .map(|_| ())
         })?,
         4 * n,
     );

@@ -772,18 +772,48 @@ fn batch_norm_train_and_backward() {
             let (mut rm, mut rv) = (rm_in.clone(), rv_in.clone());
             let (mut grm, mut grv) = (up(&rm), up(&rv));
             let (y, saved) = x
-                .batch_norm_train(&l, None, &w, &b, &mut rm, &mut rv, &p)
+                .batch_norm_train(
+                    &l,
+                    BatchNormTrainOperands {
+                        residual: None,
+                        weight: &w,
+                        bias: &b,
+                        running_mean: &mut rm,
+                        running_var: &mut rv,
+                    },
+                    &p,
+                )
                 .unwrap();
             let (mean, invstd) = (saved.mean, saved.invstd);
             let (gy, gsaved) = up(&x)
-                .batch_norm_train(&l, None, &up(&w), &up(&b), &mut grm, &mut grv, &p)
+                .batch_norm_train(
+                    &l,
+                    BatchNormTrainOperands {
+                        residual: None,
+                        weight: &up(&w),
+                        bias: &up(&b),
+                        running_mean: &mut grm,
+                        running_var: &mut grv,
+                    },
+                    &p,
+                )
                 .unwrap();
             let (gmean, ginvstd) = (gsaved.mean, gsaved.invstd);
             let what = format!("batch_norm {d} {n}x{c}x{spatial}");
             // The blocks of a channel wait for each other: a race would move the result.
             let (mut grm2, mut grv2) = (up(&rm_in), up(&rv_in));
             let (gy2, gsaved2) = up(&x)
-                .batch_norm_train(&l, None, &up(&w), &up(&b), &mut grm2, &mut grv2, &p)
+                .batch_norm_train(
+                    &l,
+                    BatchNormTrainOperands {
+                        residual: None,
+                        weight: &up(&w),
+                        bias: &up(&b),
+                        running_mean: &mut grm2,
+                        running_var: &mut grv2,
+                    },
+                    &p,
+                )
                 .unwrap();
             let gmean2 = gsaved2.mean;
             check_exact(&format!("{what} y, run twice"), &gy2, &gy.to_cpu().unwrap());
@@ -799,18 +829,29 @@ fn batch_norm_train_and_backward() {
             check(&format!("{what} running_var"), &grv, &rv, 1e-4);
             let g = randn(n * c * spatial, d);
             let r = g
-                .batch_norm_backward(&l, &x, &l, None, &w, &b, saved_of(&mean, &invstd), &p)
+                .batch_norm_backward(
+                    &l,
+                    BatchNormBackwardOperands {
+                        x: (&x, &l),
+                        y: None,
+                        weight: &w,
+                        bias: &b,
+                        saved: saved_of(&mean, &invstd),
+                    },
+                    &p,
+                )
                 .unwrap();
             let (gm, gs) = (up(&mean), up(&invstd));
             let gr = up(&g)
                 .batch_norm_backward(
                     &l,
-                    &up(&x),
-                    &l,
-                    None,
-                    &up(&w),
-                    &up(&b),
-                    saved_of(&gm, &gs),
+                    BatchNormBackwardOperands {
+                        x: (&up(&x), &l),
+                        y: None,
+                        weight: &up(&w),
+                        bias: &up(&b),
+                        saved: saved_of(&gm, &gs),
+                    },
                     &p,
                 )
                 .unwrap();
@@ -1033,14 +1074,34 @@ fn batch_norm_fused_cases(imp: BatchNormImpl) -> Vec<String> {
                     let rarg = residual.then_some((&res, &cl));
                     let what = format!("{what} ({imp:?})");
                     let (y, saved) = x
-                        .batch_norm_train(&cl, rarg, &w, &b, &mut rm, &mut rv, &p)
+                        .batch_norm_train(
+                            &cl,
+                            BatchNormTrainOperands {
+                                residual: rarg,
+                                weight: &w,
+                                bias: &b,
+                                running_mean: &mut rm,
+                                running_var: &mut rv,
+                            },
+                            &p,
+                        )
                         .unwrap();
                     let (mean, invstd) = (saved.mean, saved.invstd);
                     let (gx, gres) = (to_gpu(&x), to_gpu(&res));
                     let grarg = residual.then_some((&gres, &gl));
                     let (gw, gb) = (up(&w), up(&b));
                     let (gy, gsaved) = gx
-                        .batch_norm_train(&gl, grarg, &gw, &gb, &mut grm, &mut grv, &gp)
+                        .batch_norm_train(
+                            &gl,
+                            BatchNormTrainOperands {
+                                residual: grarg,
+                                weight: &gw,
+                                bias: &gb,
+                                running_mean: &mut grm,
+                                running_var: &mut grv,
+                            },
+                            &gp,
+                        )
                         .unwrap();
                     let cudnn = gsaved.reserve.is_some();
                     if cudnn {
@@ -1067,12 +1128,13 @@ fn batch_norm_fused_cases(imp: BatchNormImpl) -> Vec<String> {
                     let r = g
                         .batch_norm_backward(
                             &cl,
-                            &x,
-                            &cl,
-                            yarg,
-                            &w,
-                            &b,
-                            saved_of(&mean, &invstd),
+                            BatchNormBackwardOperands {
+                                x: (&x, &cl),
+                                y: yarg,
+                                weight: &w,
+                                bias: &b,
+                                saved: saved_of(&mean, &invstd),
+                            },
                             &p,
                         )
                         .unwrap();
@@ -1084,7 +1146,17 @@ fn batch_norm_fused_cases(imp: BatchNormImpl) -> Vec<String> {
                         reserve: gsaved.reserve.as_ref(),
                     };
                     let gr = to_gpu(&g)
-                        .batch_norm_backward(&gl, &gx, &gl, gyarg, &gw, &gb, gsaved_ref, &gp)
+                        .batch_norm_backward(
+                            &gl,
+                            BatchNormBackwardOperands {
+                                x: (&gx, &gl),
+                                y: gyarg,
+                                weight: &gw,
+                                bias: &gb,
+                                saved: gsaved_ref,
+                            },
+                            &gp,
+                        )
                         .unwrap();
                     // Where cuDNN's ReLU mask may differ from the CPU's (see ReluTies).
                     let (xv, rv, wv, bv) = (

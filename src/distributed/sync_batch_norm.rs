@@ -186,10 +186,8 @@ pub(crate) fn forward(
             &xs,
             saved_y.as_ref(),
             &wd,
-            &mean,
-            &invstd,
-            &total,
-            &count,
+            (&mean, &invstd),
+            (&total, &count),
             &p,
         )?;
         let mut grads = vec![

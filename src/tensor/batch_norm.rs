@@ -7,7 +7,10 @@
 
 use super::{DType, Shape, Storage, Tensor};
 use crate::autograd::Op;
-use crate::backend::BatchNormParams;
+use crate::backend::{
+    BatchNormElemtOperands, BatchNormGradOperands, BatchNormGradSums, BatchNormParams,
+    BatchNormTrainOperands,
+};
 use crate::error::{Error, Result};
 
 /// Arguments of [`Tensor::batch_norm`] beyond the tensors (PyTorch's defaults: 0.1, 1e-5).
@@ -212,15 +215,14 @@ impl Tensor {
         let res_layout = res.as_ref().map(|r| r.layout());
         let res_arg = res_storage.as_deref().zip(res_layout.as_deref());
         let (y, saved) = update_running(running_mean, running_var, acc, |rm, rv| {
-            x.storage().batch_norm_train(
-                &x.layout(),
-                res_arg,
-                &w.storage(),
-                &b.storage(),
-                rm,
-                rv,
-                &p,
-            )
+            let o = BatchNormTrainOperands {
+                residual: res_arg,
+                weight: &w.storage(),
+                bias: &b.storage(),
+                running_mean: rm,
+                running_var: rv,
+            };
+            x.storage().batch_norm_train(&x.layout(), o, &p)
         })?;
         drop(res_storage);
         let cs = Shape::new(vec![c]);
@@ -335,7 +337,6 @@ impl Tensor {
 
     /// `y = (x − mean)·invstd·weight + bias` and `p`'s epilogue, in `p.format`. `weight`,
     /// `bias`, `mean`, `invstd` are `[c]` in the statistics' dtype.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn batch_norm_elemt(
         &self,
         residual: Option<&Tensor>,
@@ -354,15 +355,14 @@ impl Tensor {
         let v: Vec<Tensor> = vecs.iter().map(|t| t.compact()).collect::<Result<_>>()?;
         let rs = r.as_ref().map(|r| r.storage());
         let rl = r.as_ref().map(|r| r.layout());
-        let y = x.storage().batch_norm_elemt(
-            &x.layout(),
-            rs.as_deref().zip(rl.as_deref()),
-            &v[0].storage(),
-            &v[1].storage(),
-            &v[2].storage(),
-            &v[3].storage(),
-            p,
-        )?;
+        let o = BatchNormElemtOperands {
+            residual: rs.as_deref().zip(rl.as_deref()),
+            weight: &v[0].storage(),
+            bias: &v[1].storage(),
+            mean: &v[2].storage(),
+            invstd: &v[3].storage(),
+        };
+        let y = x.storage().batch_norm_elemt(&x.layout(), o, p)?;
         Ok(Tensor::from_storage(y, x.layout().dense_like()))
     }
 
@@ -384,32 +384,27 @@ impl Tensor {
         let (mean, invstd) = (mean.compact()?, invstd.compact()?);
         let ys = y.as_ref().map(|y| y.storage());
         let yl = y.as_ref().map(|y| y.layout());
-        let s = g.storage().batch_norm_backward_reduce(
-            &g.layout(),
-            &x.storage(),
-            &x.layout(),
-            ys.as_deref().zip(yl.as_deref()),
-            &mean.storage(),
-            &invstd.storage(),
-            p,
-        )?;
+        let o = BatchNormGradOperands {
+            x: (&*x.storage(), &x.layout()),
+            y: ys.as_deref().zip(yl.as_deref()),
+            mean: &mean.storage(),
+            invstd: &invstd.storage(),
+        };
+        let s = g.storage().batch_norm_backward_reduce(&g.layout(), o, p)?;
         Ok(Tensor::from_storage(s, Shape::new(vec![2 * p.c])))
     }
 
     /// Called on the output gradient: the input's gradient (in `p.format`) given `sums` (as
     /// [`Tensor::batch_norm_backward_reduce`]'s, summed over the processes) and `count` (F64
     /// `[1]`: the values per channel over the processes), and g' for the residual when
-    /// `p.residual`.
-    #[allow(clippy::too_many_arguments)]
+    /// `p.residual`. `stats` are `(mean, invstd)`, `totals` `(sums, count)`.
     pub(crate) fn batch_norm_backward_elemt(
         &self,
         x: &Tensor,
         y: Option<&Tensor>,
         weight: &Tensor,
-        mean: &Tensor,
-        invstd: &Tensor,
-        sums: &Tensor,
-        count: &Tensor,
+        (mean, invstd): (&Tensor, &Tensor),
+        (sums, count): (&Tensor, &Tensor),
         p: &BatchNormParams,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let op = "batch_norm_backward_elemt";
@@ -434,18 +429,20 @@ impl Tensor {
             .collect::<Result<_>>()?;
         let ys = y.as_ref().map(|y| y.storage());
         let yl = y.as_ref().map(|y| y.layout());
-        let (dx, dres) = g.storage().batch_norm_backward_elemt(
-            &g.layout(),
-            &x.storage(),
-            &x.layout(),
-            ys.as_deref().zip(yl.as_deref()),
-            &v[0].storage(),
-            &v[1].storage(),
-            &v[2].storage(),
-            &v[3].storage(),
-            &v[4].storage(),
-            p,
-        )?;
+        let o = BatchNormGradOperands {
+            x: (&*x.storage(), &x.layout()),
+            y: ys.as_deref().zip(yl.as_deref()),
+            mean: &v[1].storage(),
+            invstd: &v[2].storage(),
+        };
+        let sums = BatchNormGradSums {
+            weight: &*v[0].storage(),
+            sums: &v[3].storage(),
+            count: &v[4].storage(),
+        };
+        let (dx, dres) = g
+            .storage()
+            .batch_norm_backward_elemt(&g.layout(), o, sums, p)?;
         let dense = x.layout().dense_like();
         Ok((
             Tensor::from_storage(dx, dense.clone()),
@@ -695,10 +692,8 @@ mod tests {
                     &part(&x, i),
                     y_saved.as_ref(),
                     &weight,
-                    mean,
-                    invstd,
-                    &total,
-                    count,
+                    (mean, invstd),
+                    (&total, count),
                     &p_of(sizes[i]),
                 )
                 .unwrap();

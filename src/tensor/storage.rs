@@ -148,6 +148,30 @@ impl<T: Lower> Lower for BatchNormSaved<T> {
     }
 }
 
+/// Lowers an operand struct field by field (a struct of a wide op, generic over the storage).
+macro_rules! lower_operands {
+    ($($name:ident { $($f:ident),* $(,)? })*) => {$(
+        impl<'a> Lower for $name<'a, Storage> {
+            type Cpu = $name<'a, CpuStorage>;
+            type Cuda = $name<'a, CudaStorage>;
+            fn cpu(self) -> std::result::Result<Self::Cpu, Device> {
+                Ok($name { $($f: self.$f.cpu()?,)* })
+            }
+            fn cuda(self) -> std::result::Result<Self::Cuda, Device> {
+                Ok($name { $($f: self.$f.cuda()?,)* })
+            }
+        }
+    )*};
+}
+
+lower_operands! {
+    BatchNormTrainOperands { residual, weight, bias, running_mean, running_var }
+    BatchNormBackwardOperands { x, y, weight, bias, saved }
+    BatchNormElemtOperands { residual, weight, bias, mean, invstd }
+    BatchNormGradOperands { x, y, mean, invstd }
+    BatchNormGradSums { weight, sums, count }
+}
+
 /// A backend op's result as the tensor layer holds it: each backend buffer wrapped in
 /// [`Storage`], part by part.
 trait Lift {
@@ -394,29 +418,14 @@ backend_ops! {
         -> Self;
 
     // batch norm
-    #[allow(clippy::too_many_arguments)]
     ["batch_norm", bn_detail(p)]
-    fn batch_norm_train(
-        &self,
-        l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        running_mean: &mut Self,
-        running_var: &mut Self,
-        p: &BatchNormParams,
-    ) -> (Self, BatchNormSaved<Self>);
-    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_train(&self, l: &Layout, o: BatchNormTrainOperands<'_, Self>, p: &BatchNormParams)
+        -> (Self, BatchNormSaved<Self>);
     ["batch_norm_backward", bn_detail(p)]
     fn batch_norm_backward(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        saved: BatchNormSaved<&Self>,
+        o: BatchNormBackwardOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> BatchNormGrads<Self>;
     ["batch_norm_stats", bn_detail(p)]
@@ -429,43 +438,22 @@ backend_ops! {
         running_var: &mut Self,
         p: &BatchNormParams,
     ) -> (Self, Self, Self);
-    #[allow(clippy::too_many_arguments)]
     ["batch_norm_elemt", bn_detail(p)]
-    fn batch_norm_elemt(
-        &self,
-        l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        mean: &Self,
-        invstd: &Self,
-        p: &BatchNormParams,
-    ) -> Self;
-    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_elemt(&self, l: &Layout, o: BatchNormElemtOperands<'_, Self>, p: &BatchNormParams)
+        -> Self;
     ["batch_norm_backward_reduce", bn_detail(p)]
     fn batch_norm_backward_reduce(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        mean: &Self,
-        invstd: &Self,
+        o: BatchNormGradOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Self;
-    #[allow(clippy::too_many_arguments)]
     ["batch_norm_backward_elemt", bn_detail(p)]
     fn batch_norm_backward_elemt(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        mean: &Self,
-        invstd: &Self,
-        sums: &Self,
-        count: &Self,
+        o: BatchNormGradOperands<'_, Self>,
+        sums: BatchNormGradSums<'_, Self>,
         p: &BatchNormParams,
     ) -> (Self, Option<Self>);
 

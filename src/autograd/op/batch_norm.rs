@@ -2,7 +2,7 @@
 //! kernel, keeping those that are needed.
 
 use super::{Op, Wanted};
-use crate::backend::BatchNormSaved;
+use crate::backend::{BatchNormBackwardOperands, BatchNormSaved};
 use crate::error::Result;
 use crate::tensor::{Shape, Tensor};
 
@@ -31,16 +31,14 @@ pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Op
         invstd: &*invstd_s,
         reserve: reserve_s.as_deref(),
     };
-    let r = g.storage().batch_norm_backward(
-        &g.layout(),
-        &x.storage(),
-        &x.layout(),
-        y_arg,
-        &weight.storage(),
-        &b.storage(),
+    let o = BatchNormBackwardOperands {
+        x: (&*x.storage(), &x.layout()),
+        y: y_arg,
+        weight: &weight.storage(),
+        bias: &b.storage(),
         saved,
-        p,
-    )?;
+    };
+    let r = g.storage().batch_norm_backward(&g.layout(), o, p)?;
     drop(y_storage);
     let c = Shape::new(vec![p.c]);
     let dense = x.layout().dense_like();

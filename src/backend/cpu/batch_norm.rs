@@ -8,7 +8,10 @@ use rayon::prelude::*;
 use super::{cast, contiguous_only, map_float2, narrow_vec, not_float, CpuStorage};
 use super::{Elem, PAR_THRESHOLD};
 use crate::backend::BatchNormParams;
-use crate::backend::{BackendStorage, BatchNormGrads, BatchNormOps, BatchNormSaved};
+use crate::backend::{
+    BackendStorage, BatchNormBackwardOperands, BatchNormElemtOperands, BatchNormGradOperands,
+    BatchNormGradSums, BatchNormGrads, BatchNormOps, BatchNormSaved, BatchNormTrainOperands,
+};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout};
 
@@ -351,13 +354,16 @@ impl BatchNormOps for CpuStorage {
     fn batch_norm_train(
         &self,
         l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        running_mean: &mut Self,
-        running_var: &mut Self,
+        o: BatchNormTrainOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<(Self, BatchNormSaved<Self>)> {
+        let BatchNormTrainOperands {
+            residual,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+        } = o;
         // Parameters and statistics are f32 for f32/f16/bf16 inputs and f64 for f64 inputs
         // (the gradient checks run in f64).
         // Half inputs run the f32 kernel on a bulk-widened copy (same arithmetic, see
@@ -427,14 +433,16 @@ impl BatchNormOps for CpuStorage {
     fn batch_norm_backward(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        _bias: &Self,
-        saved: BatchNormSaved<&Self>,
+        o: BatchNormBackwardOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>> {
+        let BatchNormBackwardOperands {
+            x: (x, xl),
+            y,
+            weight,
+            bias: _bias,
+            saved,
+        } = o;
         let op = "batch_norm_backward";
         macro_rules! arm {
             ($g:expr, $x:expr, $in:ident, $acc:ident, $narrow:expr) => {{
@@ -540,13 +548,16 @@ impl BatchNormOps for CpuStorage {
     fn batch_norm_elemt(
         &self,
         l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        mean: &Self,
-        invstd: &Self,
+        o: BatchNormElemtOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<Self> {
+        let BatchNormElemtOperands {
+            residual,
+            weight,
+            bias,
+            mean,
+            invstd,
+        } = o;
         let op = "batch_norm_elemt";
         macro_rules! arm {
             ($x:expr, $r:expr, $acc:ident) => {{
@@ -598,13 +609,15 @@ impl BatchNormOps for CpuStorage {
     fn batch_norm_backward_reduce(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        mean: &Self,
-        invstd: &Self,
+        o: BatchNormGradOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<Self> {
+        let BatchNormGradOperands {
+            x: (x, xl),
+            y,
+            mean,
+            invstd,
+        } = o;
         let op = "batch_norm_backward_reduce";
         macro_rules! arm {
             ($g:expr, $x:expr, $acc:ident) => {{
@@ -639,16 +652,21 @@ impl BatchNormOps for CpuStorage {
     fn batch_norm_backward_elemt(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        mean: &Self,
-        invstd: &Self,
-        sums: &Self,
-        count: &Self,
+        o: BatchNormGradOperands<'_, Self>,
+        sums: BatchNormGradSums<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<(Self, Option<Self>)> {
+        let BatchNormGradOperands {
+            x: (x, xl),
+            y,
+            mean,
+            invstd,
+        } = o;
+        let BatchNormGradSums {
+            weight,
+            sums,
+            count,
+        } = sums;
         let op = "batch_norm_backward_elemt";
         let n = match count {
             CpuStorage::F64(v) if v.len() == 1 => v[0],

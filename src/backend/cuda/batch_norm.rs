@@ -25,6 +25,10 @@ use super::device::deterministic;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::BatchNormOps;
+use crate::backend::{
+    BatchNormBackwardOperands, BatchNormElemtOperands, BatchNormGradOperands, BatchNormGradSums,
+    BatchNormTrainOperands,
+};
 use crate::backend::{BatchNormGrads, BatchNormParams, BatchNormSaved};
 use crate::base::error::{Error, Result};
 use crate::base::Layout;
@@ -137,13 +141,16 @@ impl BatchNormOps for CudaStorage {
     fn batch_norm_train(
         &self,
         l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        running_mean: &mut Self,
-        running_var: &mut Self,
+        o: BatchNormTrainOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<(Self, BatchNormSaved<Self>)> {
+        let BatchNormTrainOperands {
+            residual,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+        } = o;
         forward_train(
             self,
             l,
@@ -158,14 +165,16 @@ impl BatchNormOps for CudaStorage {
     fn batch_norm_backward(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        saved: BatchNormSaved<&Self>,
+        o: BatchNormBackwardOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>> {
+        let BatchNormBackwardOperands {
+            x: (x, xl),
+            y,
+            weight,
+            bias,
+            saved,
+        } = o;
         backward(self, l, x, xl, y, weight, bias, saved, p)
     }
     fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
@@ -183,40 +192,50 @@ impl BatchNormOps for CudaStorage {
     fn batch_norm_elemt(
         &self,
         l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        mean: &Self,
-        invstd: &Self,
+        o: BatchNormElemtOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<Self> {
+        let BatchNormElemtOperands {
+            residual,
+            weight,
+            bias,
+            mean,
+            invstd,
+        } = o;
         sync_elemt(self, l, residual, weight, bias, mean, invstd, p)
     }
     fn batch_norm_backward_reduce(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        mean: &Self,
-        invstd: &Self,
+        o: BatchNormGradOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<Self> {
+        let BatchNormGradOperands {
+            x: (x, xl),
+            y,
+            mean,
+            invstd,
+        } = o;
         sync_backward_reduce(self, l, x, xl, y, mean, invstd, p)
     }
     fn batch_norm_backward_elemt(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        mean: &Self,
-        invstd: &Self,
-        sums: &Self,
-        count: &Self,
+        o: BatchNormGradOperands<'_, Self>,
+        sums: BatchNormGradSums<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<(Self, Option<Self>)> {
+        let BatchNormGradOperands {
+            x: (x, xl),
+            y,
+            mean,
+            invstd,
+        } = o;
+        let BatchNormGradSums {
+            weight,
+            sums,
+            count,
+        } = sums;
         sync_backward_elemt(self, l, x, xl, y, weight, mean, invstd, sums, count, p)
     }
 }

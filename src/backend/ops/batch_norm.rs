@@ -98,37 +98,83 @@ impl<S> BatchNormGrads<S> {
     }
 }
 
+/// The operands of [`BatchNormOps::batch_norm_train`] besides the input: the residual of the
+/// fused add (laid out as the input), the affine parameters, and the running statistics, which
+/// the forward updates in place.
+#[derive(Debug)]
+pub struct BatchNormTrainOperands<'a, S> {
+    pub residual: Option<(&'a S, &'a Layout)>,
+    pub weight: &'a S,
+    pub bias: &'a S,
+    pub running_mean: &'a mut S,
+    pub running_var: &'a mut S,
+}
+
+/// The operands of [`BatchNormOps::batch_norm_backward`] besides the output gradient.
+#[derive(Debug)]
+pub struct BatchNormBackwardOperands<'a, S> {
+    /// The forward's input.
+    pub x: (&'a S, &'a Layout),
+    /// The forward's output, which the fused ReLU's backward reads (`p.relu`).
+    pub y: Option<(&'a S, &'a Layout)>,
+    pub weight: &'a S,
+    /// The forward's bias (cuDNN's fused ReLU backward reads it).
+    pub bias: &'a S,
+    /// What the forward saved.
+    pub saved: BatchNormSaved<&'a S>,
+}
+
+/// The operands of [`BatchNormOps::batch_norm_elemt`] besides the input: the residual (laid
+/// out as the input), the affine parameters and the statistics.
+#[derive(Debug)]
+pub struct BatchNormElemtOperands<'a, S> {
+    pub residual: Option<(&'a S, &'a Layout)>,
+    pub weight: &'a S,
+    pub bias: &'a S,
+    pub mean: &'a S,
+    pub invstd: &'a S,
+}
+
+/// The operands of [`BatchNormOps::batch_norm_backward_reduce`] and
+/// [`BatchNormOps::batch_norm_backward_elemt`] besides the output gradient.
+#[derive(Debug)]
+pub struct BatchNormGradOperands<'a, S> {
+    /// The forward's input.
+    pub x: (&'a S, &'a Layout),
+    /// The forward's output, which the fused ReLU's backward reads (`p.relu`).
+    pub y: Option<(&'a S, &'a Layout)>,
+    pub mean: &'a S,
+    pub invstd: &'a S,
+}
+
+/// What [`BatchNormOps::batch_norm_backward_elemt`] reads besides [`BatchNormGradOperands`]:
+/// the weight, the gradient sums over every process (as `batch_norm_backward_reduce`'s) and the
+/// count of values per channel over every process (F64 `[1]`).
+#[derive(Debug)]
+pub struct BatchNormGradSums<'a, S> {
+    pub weight: &'a S,
+    pub sums: &'a S,
+    pub count: &'a S,
+}
+
 /// Batch normalisation. Operands contiguous, or channels_last where
 /// [`BackendStorage::channels_last_native`] says so (`p.format`).
 pub trait BatchNormOps: BackendStorage {
-    /// Training-mode batch norm, with the fused epilogue `p.residual` / `p.relu` asks for
-    /// (`residual` laid out as the input). `weight`, `bias`, running statistics are F32 of length
-    /// `c` (contiguous, offset 0); the running statistics are updated in place (unbiased
-    /// variance, as PyTorch). Returns `y` (in `l`'s format) and what the backward reads.
-    #[allow(clippy::too_many_arguments)]
+    /// Training-mode batch norm, with the fused epilogue `p.residual` / `p.relu` asks for.
+    /// `weight`, `bias`, running statistics are F32 of length `c` (contiguous, offset 0; F64
+    /// for F64 inputs); the running statistics are updated in place (unbiased variance, as
+    /// PyTorch). Returns `y` (in `l`'s format) and what the backward reads.
     fn batch_norm_train(
         &self,
         l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        running_mean: &mut Self,
-        running_var: &mut Self,
+        o: BatchNormTrainOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<(Self, BatchNormSaved<Self>)>;
-    /// Called on the output gradient with what the forward saved; `y` is the forward output,
-    /// which the fused ReLU's backward reads (`p.relu`); `bias` is the forward's (cuDNN's fused
-    /// ReLU backward reads it).
-    #[allow(clippy::too_many_arguments)]
+    /// Called on the output gradient with what the forward saved.
     fn batch_norm_backward(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        saved: BatchNormSaved<&Self>,
+        o: BatchNormBackwardOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>>;
 
@@ -139,7 +185,7 @@ pub trait BatchNormOps: BackendStorage {
     /// The local batch's statistics: F64 `[2c + 1]`, each channel's mean, each channel's sum
     /// of squared deviations from its mean, then the count of values per channel (`n·spatial`).
     fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self>;
-    /// Called on `ranks` rows of [`BackendStorage::batch_norm_stats`] (F64 `[ranks, 2c + 1]`,
+    /// Called on `ranks` rows of [`BatchNormOps::batch_norm_stats`] (F64 `[ranks, 2c + 1]`,
     /// contiguous, rank order): the union's `(mean, invstd, count)`, mean and invstd in the
     /// running statistics' dtype (`[c]`, biased variance as `batch_norm_train` saves them),
     /// count F64 `[1]`. The running statistics are updated in place (unbiased variance). Every
@@ -153,46 +199,28 @@ pub trait BatchNormOps: BackendStorage {
     ) -> Result<(Self, Self, Self)>;
     /// `y = (x − mean)·invstd·weight + bias` with `p`'s epilogue: the training forward's output
     /// given its statistics (`weight`, `bias`, `mean`, `invstd` as `batch_norm_train`'s).
-    #[allow(clippy::too_many_arguments)]
     fn batch_norm_elemt(
         &self,
         l: &Layout,
-        residual: Option<(&Self, &Layout)>,
-        weight: &Self,
-        bias: &Self,
-        mean: &Self,
-        invstd: &Self,
+        o: BatchNormElemtOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<Self>;
     /// Called on the output gradient: `[Σ g'·x̂, Σ g']` per channel over this batch (`[2c]`,
     /// the statistics' dtype; g' is the gradient through the fused ReLU, read from `y`), which
     /// are the weight's and the bias's gradients.
-    #[allow(clippy::too_many_arguments)]
     fn batch_norm_backward_reduce(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        mean: &Self,
-        invstd: &Self,
+        o: BatchNormGradOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<Self>;
-    /// Called on the output gradient: the input's gradient given `sums` (as
-    /// `batch_norm_backward_reduce`'s, summed over the processes) and `count` (F64 `[1]`, the
-    /// values per channel over the processes), and g' for the residual when `p.residual`.
-    #[allow(clippy::too_many_arguments)]
+    /// Called on the output gradient: the input's gradient given the sums and count over the
+    /// processes, and g' for the residual when `p.residual`.
     fn batch_norm_backward_elemt(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        y: Option<(&Self, &Layout)>,
-        weight: &Self,
-        mean: &Self,
-        invstd: &Self,
-        sums: &Self,
-        count: &Self,
+        o: BatchNormGradOperands<'_, Self>,
+        sums: BatchNormGradSums<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<(Self, Option<Self>)>;
 }
