@@ -34,17 +34,19 @@ use crate::base::error::{Error, Result};
 use crate::base::Layout;
 
 /// Returns `y` and what the backward reads; the running statistics are updated in place.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward_train(
     x: &CudaStorage,
     l: &Layout,
-    residual: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    bias: &CudaStorage,
-    running_mean: &mut CudaStorage,
-    running_var: &mut CudaStorage,
+    o: BatchNormTrainOperands<'_, CudaStorage>,
     p: &BatchNormParams,
 ) -> Result<(CudaStorage, BatchNormSaved<CudaStorage>)> {
+    let BatchNormTrainOperands {
+        residual,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+    } = o;
     let f = Forward {
         x,
         l,
@@ -92,8 +94,14 @@ pub(crate) fn forward_train(
             }
         }
     }
-    let (y, mean, invstd) =
-        forward_own(x, l, residual, weight, bias, running_mean, running_var, p)?;
+    let o = BatchNormTrainOperands {
+        residual,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+    };
+    let (y, mean, invstd) = forward_own(x, l, o, p)?;
     Ok((
         y,
         BatchNormSaved {
@@ -106,20 +114,19 @@ pub(crate) fn forward_train(
 
 /// Called with the output gradient (`y`: the forward output, for the fused ReLU), and what the
 /// forward saved: cuDNN's backward when cuDNN ran the forward, else ours.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
-    g: &CudaStorage,
-    lg: &Layout,
-    x: &CudaStorage,
-    lx: &Layout,
-    y: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    bias: &CudaStorage,
-    saved: BatchNormSaved<&CudaStorage>,
+    (g, lg): (&CudaStorage, &Layout),
+    o: BatchNormBackwardOperands<'_, CudaStorage>,
     p: &BatchNormParams,
 ) -> Result<BatchNormGrads<CudaStorage>> {
-    if saved.reserve.is_none() {
-        return backward_own(g, lg, x, lx, y, weight, saved.mean, saved.invstd, p);
+    if o.saved.reserve.is_none() {
+        let grad = BatchNormGradOperands {
+            x: o.x,
+            y: o.y,
+            mean: o.saved.mean,
+            invstd: o.saved.invstd,
+        };
+        return backward_own((g, lg), grad, o.weight, p);
     }
     let mut guard = lock_dnn(&g.dev, "batch_norm_backward")?;
     let dnn = dnn_state(&mut guard)?;
@@ -134,7 +141,7 @@ pub(crate) fn backward(
             )))
         }
     };
-    backward_cudnn(h, &bn, (g, lg), (x, lx), y, weight, bias, saved, p)
+    backward_cudnn(h, &bn, (g, lg), o, p)
 }
 
 impl BatchNormOps for CudaStorage {
@@ -144,23 +151,7 @@ impl BatchNormOps for CudaStorage {
         o: BatchNormTrainOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<(Self, BatchNormSaved<Self>)> {
-        let BatchNormTrainOperands {
-            residual,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-        } = o;
-        forward_train(
-            self,
-            l,
-            residual,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            p,
-        )
+        forward_train(self, l, o, p)
     }
     fn batch_norm_backward(
         &self,
@@ -168,14 +159,7 @@ impl BatchNormOps for CudaStorage {
         o: BatchNormBackwardOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<BatchNormGrads<Self>> {
-        let BatchNormBackwardOperands {
-            x: (x, xl),
-            y,
-            weight,
-            bias,
-            saved,
-        } = o;
-        backward(self, l, x, xl, y, weight, bias, saved, p)
+        backward((self, l), o, p)
     }
     fn batch_norm_stats(&self, l: &Layout, p: &BatchNormParams) -> Result<Self> {
         sync_stats(self, l, p)
@@ -195,14 +179,7 @@ impl BatchNormOps for CudaStorage {
         o: BatchNormElemtOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<Self> {
-        let BatchNormElemtOperands {
-            residual,
-            weight,
-            bias,
-            mean,
-            invstd,
-        } = o;
-        sync_elemt(self, l, residual, weight, bias, mean, invstd, p)
+        sync_elemt((self, l), o, p)
     }
     fn batch_norm_backward_reduce(
         &self,
@@ -210,13 +187,7 @@ impl BatchNormOps for CudaStorage {
         o: BatchNormGradOperands<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<Self> {
-        let BatchNormGradOperands {
-            x: (x, xl),
-            y,
-            mean,
-            invstd,
-        } = o;
-        sync_backward_reduce(self, l, x, xl, y, mean, invstd, p)
+        sync_backward_reduce((self, l), o, p)
     }
     fn batch_norm_backward_elemt(
         &self,
@@ -225,17 +196,6 @@ impl BatchNormOps for CudaStorage {
         sums: BatchNormGradSums<'_, Self>,
         p: &BatchNormParams,
     ) -> Result<(Self, Option<Self>)> {
-        let BatchNormGradOperands {
-            x: (x, xl),
-            y,
-            mean,
-            invstd,
-        } = o;
-        let BatchNormGradSums {
-            weight,
-            sums,
-            count,
-        } = sums;
-        sync_backward_elemt(self, l, x, xl, y, weight, mean, invstd, sums, count, p)
+        sync_backward_elemt((self, l), o, sums, p)
     }
 }

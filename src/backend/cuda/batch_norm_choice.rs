@@ -15,6 +15,7 @@ use super::cudnn_batch_norm::CudnnBatchNorm;
 use super::probe::no_panic;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
+use crate::backend::{BatchNormBackwardOperands, BatchNormGradOperands, BatchNormTrainOperands};
 use crate::backend::{BatchNormGrads, BatchNormParams, BatchNormSaved};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout};
@@ -273,18 +274,20 @@ pub(super) fn forward_cudnn(
 }
 
 /// cuDNN's backward, from what its forward saved.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn backward_cudnn(
     h: dsys::cudnnHandle_t,
     bn: &CudnnBatchNorm,
     (g, lg): (&CudaStorage, &Layout),
-    (x, lx): (&CudaStorage, &Layout),
-    y: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    bias: &CudaStorage,
-    saved: BatchNormSaved<&CudaStorage>,
+    o: BatchNormBackwardOperands<'_, CudaStorage>,
     p: &BatchNormParams,
 ) -> Result<BatchNormGrads<CudaStorage>> {
+    let BatchNormBackwardOperands {
+        x: (x, lx),
+        y,
+        weight,
+        bias,
+        saved,
+    } = o;
     let op = "batch_norm_backward";
     let dev = &g.dev;
     let (pg, px) = (g.ptr_at(lg)?, x.ptr_at(lx)?);
@@ -365,11 +368,31 @@ pub(super) fn time_both(
                 reserve: saved.reserve.as_ref(),
             };
             let y = p.relu.then_some((&y, &dense));
-            backward_cudnn(h, bn, (x, l), (x, l), y, weight, bias, saved, p)?;
+            let o = BatchNormBackwardOperands {
+                x: (x, l),
+                y,
+                weight,
+                bias,
+                saved,
+            };
+            backward_cudnn(h, bn, (x, l), o, p)?;
         } else {
-            let (y, mean, invstd) = forward_own(x, l, residual, weight, bias, &mut rm, &mut rv, p)?;
+            let o = BatchNormTrainOperands {
+                residual,
+                weight,
+                bias,
+                running_mean: &mut rm,
+                running_var: &mut rv,
+            };
+            let (y, mean, invstd) = forward_own(x, l, o, p)?;
             let y = p.relu.then_some((&y, &dense));
-            backward_own(x, l, x, l, y, weight, &mean, &invstd, p)?;
+            let o = BatchNormGradOperands {
+                x: (x, l),
+                y,
+                mean: &mean,
+                invstd: &invstd,
+            };
+            backward_own((x, l), o, weight, p)?;
         }
         Ok(())
     };

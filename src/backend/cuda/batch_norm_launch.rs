@@ -8,7 +8,9 @@ use super::launch::{launch, launch_cooperative, Args, Grid, BLOCK};
 use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
-use crate::backend::{BatchNormGrads, BatchNormParams};
+use crate::backend::{
+    BatchNormGradOperands, BatchNormGrads, BatchNormParams, BatchNormTrainOperands,
+};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout, MemoryFormat};
 
@@ -247,17 +249,19 @@ pub(super) fn fused_dtype(op: &'static str, x: &CudaStorage) -> Result<&'static 
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) fn forward_fused(
     x: &CudaStorage,
     l: &Layout,
-    residual: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    bias: &CudaStorage,
-    running_mean: &mut CudaStorage,
-    running_var: &mut CudaStorage,
+    o: BatchNormTrainOperands<'_, CudaStorage>,
     p: &BatchNormParams,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let BatchNormTrainOperands {
+        residual,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+    } = o;
     let s = fused_dtype("batch_norm", x)?;
     let f = fmt_name(p.format);
     let src = x.ptr_at(l)?;
@@ -285,18 +289,18 @@ pub(super) fn forward_fused(
     Ok((y, mean, invstd))
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(super) fn backward_fused(
-    g: &CudaStorage,
-    lg: &Layout,
-    x: &CudaStorage,
-    lx: &Layout,
-    y: Option<(&CudaStorage, &Layout)>,
+    (g, lg): (&CudaStorage, &Layout),
+    o: BatchNormGradOperands<'_, CudaStorage>,
     weight: &CudaStorage,
-    saved_mean: &CudaStorage,
-    saved_invstd: &CudaStorage,
     p: &BatchNormParams,
 ) -> Result<BatchNormGrads<CudaStorage>> {
+    let BatchNormGradOperands {
+        x: (x, lx),
+        y,
+        mean: saved_mean,
+        invstd: saved_invstd,
+    } = o;
     let op = "batch_norm_backward";
     let s = fused_dtype(op, g)?;
     let f = fmt_name(p.format);
@@ -358,20 +362,22 @@ pub(super) fn plain_nchw(p: &BatchNormParams) -> bool {
 
 /// Our kernels: returns `(y, saved_mean, saved_invstd)`; the running statistics are updated in
 /// place.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn forward_own(
     x: &CudaStorage,
     l: &Layout,
-    residual: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    bias: &CudaStorage,
-    running_mean: &mut CudaStorage,
-    running_var: &mut CudaStorage,
+    o: BatchNormTrainOperands<'_, CudaStorage>,
     p: &BatchNormParams,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     if !plain_nchw(p) {
-        return forward_fused(x, l, residual, weight, bias, running_mean, running_var, p);
+        return forward_fused(x, l, o, p);
     }
+    let BatchNormTrainOperands {
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        ..
+    } = o;
     let op = "batch_norm";
     let s = float_sfx(op, x.dtype())?;
     let acc = acc_dtype(x.dtype());
@@ -406,21 +412,21 @@ pub(super) fn forward_own(
 }
 
 /// Our kernels, called with the output gradient (`y`: the forward output, for the fused ReLU).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn backward_own(
-    g: &CudaStorage,
-    lg: &Layout,
-    x: &CudaStorage,
-    lx: &Layout,
-    y: Option<(&CudaStorage, &Layout)>,
+    (g, lg): (&CudaStorage, &Layout),
+    o: BatchNormGradOperands<'_, CudaStorage>,
     weight: &CudaStorage,
-    saved_mean: &CudaStorage,
-    saved_invstd: &CudaStorage,
     p: &BatchNormParams,
 ) -> Result<BatchNormGrads<CudaStorage>> {
     if !plain_nchw(p) {
-        return backward_fused(g, lg, x, lx, y, weight, saved_mean, saved_invstd, p);
+        return backward_fused((g, lg), o, weight, p);
     }
+    let BatchNormGradOperands {
+        x: (x, lx),
+        mean: saved_mean,
+        invstd: saved_invstd,
+        ..
+    } = o;
     let op = "batch_norm_backward";
     let s = float_sfx(op, g.dtype())?;
     let acc = acc_dtype(g.dtype());

@@ -7,6 +7,7 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::BatchNormParams;
+use crate::backend::{BatchNormElemtOperands, BatchNormGradOperands, BatchNormGradSums};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout};
 
@@ -75,17 +76,18 @@ pub(crate) fn sync_gather(
 }
 
 /// `y = (x − mean)·invstd·w + b` and the epilogue (`bn_sync_coef`, then `bn_apply`).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn sync_elemt(
-    x: &CudaStorage,
-    l: &Layout,
-    residual: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    bias: &CudaStorage,
-    mean: &CudaStorage,
-    invstd: &CudaStorage,
+    (x, l): (&CudaStorage, &Layout),
+    o: BatchNormElemtOperands<'_, CudaStorage>,
     p: &BatchNormParams,
 ) -> Result<CudaStorage> {
+    let BatchNormElemtOperands {
+        residual,
+        weight,
+        bias,
+        mean,
+        invstd,
+    } = o;
     let s = fused_dtype("batch_norm_elemt", x)?;
     let f = fmt_name(p.format);
     let res = match residual {
@@ -106,17 +108,17 @@ pub(crate) fn sync_elemt(
 }
 
 /// F32 `[Σg'·x̂ (c), Σg' (c)]` over this batch (`bn_bwd_reduce`, then `bn_sync_bwd_sums`).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn sync_backward_reduce(
-    g: &CudaStorage,
-    lg: &Layout,
-    x: &CudaStorage,
-    lx: &Layout,
-    y: Option<(&CudaStorage, &Layout)>,
-    mean: &CudaStorage,
-    invstd: &CudaStorage,
+    (g, lg): (&CudaStorage, &Layout),
+    o: BatchNormGradOperands<'_, CudaStorage>,
     p: &BatchNormParams,
 ) -> Result<CudaStorage> {
+    let BatchNormGradOperands {
+        x: (x, lx),
+        y,
+        mean,
+        invstd,
+    } = o;
     let op = "batch_norm_backward_reduce";
     let s = fused_dtype(op, g)?;
     let f = fmt_name(p.format);
@@ -137,20 +139,23 @@ pub(crate) fn sync_backward_reduce(
 
 /// The input's gradient from the sums and count over every process (`bn_sync_bwd_coef`, then
 /// `bn_bwd_dx`), and g' for the residual.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn sync_backward_elemt(
-    g: &CudaStorage,
-    lg: &Layout,
-    x: &CudaStorage,
-    lx: &Layout,
-    y: Option<(&CudaStorage, &Layout)>,
-    weight: &CudaStorage,
-    mean: &CudaStorage,
-    invstd: &CudaStorage,
-    sums: &CudaStorage,
-    count: &CudaStorage,
+    (g, lg): (&CudaStorage, &Layout),
+    o: BatchNormGradOperands<'_, CudaStorage>,
+    sums: BatchNormGradSums<'_, CudaStorage>,
     p: &BatchNormParams,
 ) -> Result<(CudaStorage, Option<CudaStorage>)> {
+    let BatchNormGradOperands {
+        x: (x, lx),
+        y,
+        mean,
+        invstd,
+    } = o;
+    let BatchNormGradSums {
+        weight,
+        sums,
+        count,
+    } = sums;
     let op = "batch_norm_backward_elemt";
     let s = fused_dtype(op, g)?;
     let f = fmt_name(p.format);
