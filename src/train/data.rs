@@ -65,6 +65,56 @@ pub struct JobData {
     /// `[C, H, W]` of the model's input.
     pub item_shape: [usize; 3],
     pub num_classes: usize,
+    /// Image folders: what a file that does not decode does (other sources have no files
+    /// that can go bad).
+    pub bad_files: Option<BadFiles>,
+}
+
+impl JobData {
+    /// `e` with, for a file that did not read or decode, the flag that skips such files.
+    pub fn explain(&self, e: Error) -> Error {
+        let hint = "; to train without such files, pass --skip-bad-files \
+                    (data.skip_bad_files = true)";
+        match (self.bad_files, e) {
+            (
+                Some(BadFiles::Error),
+                Error::DataFormat {
+                    path,
+                    format,
+                    detail,
+                },
+            ) => Error::DataFormat {
+                path,
+                format,
+                detail: format!("{detail}{hint}"),
+            },
+            (Some(BadFiles::Error), Error::Io { context, source }) => Error::Io {
+                context: format!("{context}{hint}"),
+                source,
+            },
+            (_, e) => e,
+        }
+    }
+
+    /// Reads the training images that epoch `epoch` left out (the last partial batch, dropped):
+    /// a file there that does not decode is reported as it would be in a batch (an error
+    /// without `--skip-bad-files`, a warning with it), not only in an epoch that happens to
+    /// use it.
+    pub fn check_dropped(&self, epoch: usize) -> Result<()> {
+        if self.bad_files.is_none() {
+            return Ok(());
+        }
+        let used = self.train.num_batches() * self.train.batch_size();
+        let order = self.train.epoch_order(epoch);
+        let dataset = self.train.dataset();
+        let mut image = vec![0f32; self.item_shape.iter().product()];
+        for &i in order.iter().skip(used) {
+            dataset
+                .read_item(epoch, i, &mut image)
+                .map_err(|e| self.explain(e))?;
+        }
+        Ok(())
+    }
 }
 
 fn limited(d: impl Dataset + 'static, limit: usize) -> Box<dyn Dataset> {
@@ -183,6 +233,13 @@ fn small_image_workers(device: Device) -> usize {
 pub fn build(cfg: &RunConfig, device: Device, shard: Option<(usize, usize)>) -> Result<JobData> {
     let d = &cfg.data;
     let seed = cfg.seed;
+    let bad_files = matches!(DataKind::parse(&d.dir), DataKind::ImageFolder(_)).then_some(
+        if d.skip_bad_files {
+            BadFiles::Skip
+        } else {
+            BadFiles::Error
+        },
+    );
     let Chosen {
         train,
         test,
@@ -350,6 +407,7 @@ pub fn build(cfg: &RunConfig, device: Device, shard: Option<(usize, usize)>) -> 
         dir_used,
         item_shape,
         num_classes,
+        bad_files,
     })
 }
 
