@@ -146,8 +146,13 @@ enum EpochEnd {
         lr: f64,
         seconds: f64,
     },
-    /// Every rank stopped after the same step on this signal; this rank's running loss then.
-    Stopped { signal: i32, loss_sum: f64 },
+    /// Every rank stopped after the same step on this signal, `steps` steps into the epoch;
+    /// this rank's running loss then.
+    Stopped {
+        signal: i32,
+        steps: u64,
+        loss_sum: f64,
+    },
 }
 
 /// Trains per `cfg`; see the module doc. Under a launcher (`--nproc-per-node`, torchrun, srun)
@@ -207,8 +212,17 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
                     }
                 }
             }
-            EpochEnd::Stopped { signal, loss_sum } => {
-                job.stop_mid_epoch(&mut step, epoch, &at, loss_sum, signal)?;
+            EpochEnd::Stopped {
+                signal,
+                steps,
+                loss_sum,
+            } => {
+                let partial = PartialEpoch {
+                    steps,
+                    steps_per_epoch: job.steps_per_epoch,
+                    loss_sums: job.ranks.gather(loss_sum)?,
+                };
+                job.stop_mid_epoch(&mut step, epoch, at.step, &partial, signal)?;
                 stopped = Some(signal);
                 break;
             }
@@ -472,7 +486,7 @@ impl Job {
         // The running loss stays on the device until the epoch ends: no per-step read-back.
         // A run stopped inside this epoch left its value so far.
         let epoch_loss = Tensor::scalar(at.loss_sum, DType::F32, self.device)?;
-        let (mut images, mut lr) = (0usize, 0.0);
+        let (mut images, mut lr, mut steps) = (0usize, 0.0, at.skip as u64);
         for batch in self.data.train.epoch_from(epoch, at.skip) {
             let (x, y) = batch.map_err(|e| self.data.explain(e))?;
             let (x, y) = (x.to_device(self.device)?, y.to_device(self.device)?);
@@ -484,6 +498,7 @@ impl Job {
             let n = x.dims()[0];
             images += n;
             at.step += 1;
+            steps += 1;
             progress.tick(n);
             if self.watch.due(at.step) {
                 let s = step.optimizer().stats()?[0];
@@ -496,6 +511,7 @@ impl Job {
                 progress.finish();
                 return Ok(EpochEnd::Stopped {
                     signal,
+                    steps,
                     loss_sum: epoch_loss.item()?,
                 });
             }
@@ -649,38 +665,30 @@ impl Job {
         )
     }
 
-    /// Every rank stopped after step `at.step`, inside epoch `epoch`: rank 0 saves `last` with
+    /// Every rank stopped after step `step`, inside epoch `epoch`: rank 0 saves `last` with
     /// where in the epoch the run is and every rank's running loss, and says how to continue.
     fn stop_mid_epoch(
         &mut self,
-        step: &mut Step<'_>,
+        train_step: &mut Step<'_>,
         epoch: usize,
-        at: &Position,
-        loss_sum: f64,
+        step: u64,
+        partial: &PartialEpoch,
         signal: i32,
     ) -> Result<()> {
-        let loss_sums = self.ranks.gather(loss_sum)?;
-        if self.main {
-            let partial = PartialEpoch {
-                steps: at.step - (epoch as u64 * self.steps_per_epoch).min(at.step),
-                steps_per_epoch: self.steps_per_epoch,
-                loss_sums,
-            };
-            // A run resumed with another number of processes restarted the epoch at its first
-            // step: `at.step` counts from there.
-            let ckpt = self.capture(step.optimizer(), epoch, at.step, Some(&partial))?;
-            ckpt.save(&checkpoint_path(&self.cfg.out, "last"))?;
-            self.say(self.resume_hint(
-                signal,
-                &format!(
-                    "after step {} ({} of epoch {}'s {} steps)",
-                    at.step,
-                    partial.steps,
-                    epoch + 1,
-                    self.steps_per_epoch
-                ),
-            ));
+        if !self.main {
+            return Ok(());
         }
+        let ckpt = self.capture(train_step.optimizer(), epoch, step, Some(partial))?;
+        ckpt.save(&checkpoint_path(&self.cfg.out, "last"))?;
+        self.say(self.resume_hint(
+            signal,
+            &format!(
+                "after step {step} ({} of epoch {}'s {} steps)",
+                partial.steps,
+                epoch + 1,
+                self.steps_per_epoch
+            ),
+        ));
         Ok(())
     }
 
