@@ -666,7 +666,14 @@ mod tests {
             ),
             // Within the bound but larger than the data: refused before --out is made.
             (
-                &["--batch-size", "100000", "--data", "bundled", "--device", "cpu"],
+                &[
+                    "--batch-size",
+                    "100000",
+                    "--data",
+                    "bundled",
+                    "--device",
+                    "cpu",
+                ],
                 "invalid argument data.batch_size = 100000: at most the number of training images",
             ),
             (

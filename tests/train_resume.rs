@@ -56,8 +56,18 @@ fn flip_a_data_byte(p: &Path) {
 fn assert_same_losses(a: &RunSummary, b: &RunSummary) {
     assert_eq!(a.history.len(), b.history.len());
     for (x, y) in a.history.iter().zip(&b.history) {
-        assert_eq!(x.train_loss.to_bits(), y.train_loss.to_bits(), "epoch {}", x.epoch);
-        assert_eq!(x.test_loss.to_bits(), y.test_loss.to_bits(), "epoch {}", x.epoch);
+        assert_eq!(
+            x.train_loss.to_bits(),
+            y.train_loss.to_bits(),
+            "epoch {}",
+            x.epoch
+        );
+        assert_eq!(
+            x.test_loss.to_bits(),
+            y.test_loss.to_bits(),
+            "epoch {}",
+            x.epoch
+        );
     }
 }
 
@@ -115,7 +125,12 @@ fn a_snapshot_cut_short_by_a_kill_is_written_again() {
     std::fs::remove_file(&kept).unwrap();
     std::fs::remove_file(ckpt.join("epoch-001.safetensors")).unwrap();
     let s = run(&cfg, &opts(Some(Resume::Auto), Some(2))).unwrap();
-    assert!(s.written.contains(&"checkpoints/epoch-002.safetensors".into()), "{:?}", s.written);
+    assert!(
+        s.written
+            .contains(&"checkpoints/epoch-002.safetensors".into()),
+        "{:?}",
+        s.written
+    );
     let again = Checkpoint::load(&kept).unwrap();
     assert_eq!(again.progress, want.progress);
     assert_eq!(again.model.len(), want.model.len());
@@ -198,6 +213,8 @@ fn a_bad_image_is_reported_with_the_flag_even_in_the_dropped_batch() {
     cfg.data.test_limit = 0;
     cfg.data.workers = 1;
     cfg.data.grayscale = true;
+    // One step: a schedule that needs no warm-up.
+    cfg.schedule.kind = "constant".into();
     let msg = run(&cfg, &opts(None, None)).unwrap_err().to_string();
     assert!(
         msg.contains("bad.png") && msg.contains("--skip-bad-files"),

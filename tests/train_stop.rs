@@ -83,7 +83,11 @@ fn stop_launcher_child() {
     let Some(n) = std::env::var(NPROC).ok().and_then(|n| n.parse().ok()) else {
         return;
     };
-    let mut lc = LaunchConfig::new(n, std::env::current_exe().unwrap(), child_args("stop_rank_child"));
+    let mut lc = LaunchConfig::new(
+        n,
+        std::env::current_exe().unwrap(),
+        child_args("stop_rank_child"),
+    );
     lc.stop_grace = Duration::from_secs(60);
     lc.env = vec![("MIXPREC_DIST_TIMEOUT".into(), "60".into())];
     let launched = supervise(&lc).unwrap();
@@ -95,10 +99,16 @@ fn stop_launcher_child() {
 }
 
 fn child_args(name: &str) -> Vec<std::ffi::OsString> {
-    [name, "--exact", "--ignored", "--nocapture", "--test-threads=1"]
-        .iter()
-        .map(Into::into)
-        .collect()
+    [
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]
+    .iter()
+    .map(Into::into)
+    .collect()
 }
 
 /// Starts `stop_rank_child` (nproc 1) or `stop_launcher_child` of `nproc` ranks on `dir`;
@@ -134,14 +144,21 @@ fn signal(pid: u32, sig: i32) {
     }
 }
 
-/// Whether `pid` runs (a zombie, left to a parent that does not reap it, does not).
+/// Whether `pid` runs: a zombie (left to a parent that does not reap it) does not, but a
+/// process whose first thread is a zombie while others are still exiting (a multi-threaded
+/// process being killed) does.
 fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat
+    let running = |stat: &str| {
+        !stat
             .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
-        Err(_) => false,
-    }
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X']))
+    };
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks
+        .filter_map(|t| t.ok())
+        .any(|t| std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| running(&stat)))
 }
 
 /// The pids the ranks wrote (waiting until `n` have).
@@ -159,7 +176,10 @@ fn rank_pids(pids: &Path, n: usize, child: &mut Child) -> Vec<u32> {
             child.try_wait().unwrap().is_none(),
             "the run ended before its ranks started"
         );
-        assert!(t.elapsed() < Duration::from_secs(60), "the ranks did not start");
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -196,7 +216,10 @@ fn wait_all_gone(
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(t.elapsed() < within, "the run did not end within {within:?}");
+        assert!(
+            t.elapsed() < within,
+            "the run did not end within {within:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     while pids.iter().any(|&p| alive(p)) {
@@ -213,14 +236,24 @@ fn wait_all_gone(
     (status.code(), text)
 }
 
-/// The run directory's lock is free (no process of the run holds it).
+/// The run directory's lock is free (no process of the run holds it; the kernel releases the
+/// lock of a process as it ends, so it gets a moment).
 fn assert_lock_free(dir: &Path) {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(dir.join(".lock"))
         .unwrap();
-    assert!(f.try_lock().is_ok(), "{}: the lock is still held", dir.display());
+    let t = Instant::now();
+    while f.try_lock().is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{}: the lock is still held",
+            dir.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f.unlock().unwrap();
 }
 
 /// Whether `last` was saved inside an epoch.
@@ -239,8 +272,18 @@ fn assert_same_run(dir: &Path, reference: &Path) {
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x.step, y.step, "epoch {}", x.epoch);
-        assert_eq!(x.train_loss.to_bits(), y.train_loss.to_bits(), "epoch {} train loss", x.epoch);
-        assert_eq!(x.test_loss.to_bits(), y.test_loss.to_bits(), "epoch {} test loss", x.epoch);
+        assert_eq!(
+            x.train_loss.to_bits(),
+            y.train_loss.to_bits(),
+            "epoch {} train loss",
+            x.epoch
+        );
+        assert_eq!(
+            x.test_loss.to_bits(),
+            y.test_loss.to_bits(),
+            "epoch {} test loss",
+            x.epoch
+        );
         assert_eq!(x.test_accuracy.to_bits(), y.test_accuracy.to_bits());
     }
     let load = |d: &Path| {
@@ -253,9 +296,16 @@ fn assert_same_run(dir: &Path, reference: &Path) {
     for ((na, ta), (nb, tb)) in x.iter().zip(&y) {
         assert_eq!(na, nb);
         let bits = |t: &mixprec::Tensor| -> Vec<u64> {
-            t.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()
+            t.to_vec_f64()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
         };
-        assert!(bits(ta) == bits(tb), "{na} differs from the uninterrupted run's");
+        assert!(
+            bits(ta) == bits(tb),
+            "{na} differs from the uninterrupted run's"
+        );
     }
     assert!(
         std::fs::read(dir.join("model.safetensors")).unwrap()
@@ -337,8 +387,14 @@ fn launched_faults(nproc: usize) {
     signal(child.id(), libc::SIGTERM);
     let (code, out) = wait_all_gone(child, &ranks, &pids, bound);
     assert_eq!(code, Some(128 + libc::SIGTERM), "{out}");
-    assert!(out.contains("launcher: SIGTERM: forwarded to the ranks"), "{out}");
-    assert!(out.contains("to continue, run the same command with --resume auto"), "{out}");
+    assert!(
+        out.contains("launcher: SIGTERM: forwarded to the ranks"),
+        "{out}"
+    );
+    assert!(
+        out.contains("to continue, run the same command with --resume auto"),
+        "{out}"
+    );
     assert_lock_free(&dir);
     let after_term = epochs_done(&dir);
 

@@ -216,7 +216,14 @@ fn die_with_launcher(cmd: &mut Command) {
     // async-signal-safe functions (prctl, getppid, _exit).
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
                 return Err(std::io::Error::last_os_error());
             }
             if libc::getppid() != launcher {
@@ -339,9 +346,9 @@ pub fn supervise(cfg: &LaunchConfig) -> Result<Launched> {
         }
         let overdue = kill_now
             || match (stop, first_failure) {
-            (Some((_, at, _)), _) => at.elapsed() > cfg.stop_grace,
-            (None, Some((_, at))) => at.elapsed() > cfg.grace,
-            (None, None) => false,
+                (Some((_, at, _)), _) => at.elapsed() > cfg.stop_grace,
+                (None, Some((_, at))) => at.elapsed() > cfg.grace,
+                (None, None) => false,
             };
         if overdue {
             for (rank, slot) in children.iter_mut().enumerate() {

@@ -84,7 +84,9 @@ impl Ranks {
                 b.as_slice()
                     .try_into()
                     .map(f64::from_le_bytes)
-                    .map_err(|_| g.abort(None, format!("a rank sent {} bytes for one value", b.len())))
+                    .map_err(|_| {
+                        g.abort(None, format!("a rank sent {} bytes for one value", b.len()))
+                    })
             })
             .collect()
     }

@@ -171,7 +171,6 @@ pub(super) fn memory_format(name: &str, device: Device) -> MemoryFormat {
     }
 }
 
-
 /// The network fitted to the data, in `format`, and its optimizer, both under the run's AMP
 /// policy.
 pub(super) fn build_model(
@@ -212,4 +211,3 @@ pub(super) fn build_model(
     let (model, opt) = amp::initialize(model, opt, policy)?;
     Ok((Arc::new(model), opt))
 }
-

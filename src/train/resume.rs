@@ -228,7 +228,10 @@ pub fn restore_snapshots(
 ) -> Result<Option<PathBuf>> {
     let every = cfg.checkpoint_every;
     let own_dir = cfg.out.join(CHECKPOINT_DIR);
-    let inside = match (found.path.parent().map(Path::canonicalize), own_dir.canonicalize()) {
+    let inside = match (
+        found.path.parent().map(Path::canonicalize),
+        own_dir.canonicalize(),
+    ) {
         (Some(Ok(a)), Ok(b)) => a == b,
         _ => false,
     };

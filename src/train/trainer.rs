@@ -42,9 +42,9 @@ use super::config::RunConfig;
 use super::data::JobData;
 use super::distributed::Ranks;
 use super::divergence::DivergenceWatch;
+use super::metrics::{EpochRecord, MetricsWriter, CSV_FILE, JSONL_FILE};
 pub use super::model::model_config;
 use super::model::{build_model, evaluate, memory_format, schedule};
-use super::metrics::{EpochRecord, MetricsWriter, CSV_FILE, JSONL_FILE};
 use super::plot::plot_history;
 use super::progress::{EpochProgress, ProgressMode};
 pub use super::resume::{auto_checkpoint, checkpoint_config, find_checkpoint, Found, Resume};
@@ -164,7 +164,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     // A second Ctrl-C ends a single process at once; a rank may get each signal twice (from the
     // terminal and from its launcher), so it keeps catching them.
     signals::clear();
-    let _signals = signals::StopSignals::install(job.ranks.env.launcher == crate::distributed::Launcher::Single);
+    let _signals = signals::StopSignals::install(
+        job.ranks.env.launcher == crate::distributed::Launcher::Single,
+    );
     let mut at = match &found {
         Some(f) => job.resume(f, &mut opt)?,
         None => Position::default(),
@@ -187,7 +189,11 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
     let (format, loss_cfg) = (job.format, job.loss_cfg);
     // The batch arrives NCHW; its copy into the model's layout is part of the (captured) step.
     let body = |x: &Tensor, y: &Tensor| {
-        cross_entropy_with(&train_model.forward(&x.to_memory_format(format)?)?, y, loss_cfg)
+        cross_entropy_with(
+            &train_model.forward(&x.to_memory_format(format)?)?,
+            y,
+            loss_cfg,
+        )
     };
     let mut step = job.step(&*model, &mut opt, body)?;
     let mut vote = StopVote::new(at.step);
@@ -394,7 +400,11 @@ impl Job {
             at.epoch,
             match at.skip {
                 0 => String::new(),
-                k => format!(" and {k} of epoch {}'s {} steps", at.epoch + 1, self.steps_per_epoch),
+                k => format!(
+                    " and {k} of epoch {}'s {} steps",
+                    at.epoch + 1,
+                    self.steps_per_epoch
+                ),
             },
             at.step
         ));
@@ -650,7 +660,12 @@ impl Job {
         });
         if let Some(p) = partial {
             extra[PARTIAL_KEY] = serde_json::to_value(p).map_err(|e| {
-                Error::config("checkpoint JSON", PARTIAL_KEY, e.to_string(), "serialisable")
+                Error::config(
+                    "checkpoint JSON",
+                    PARTIAL_KEY,
+                    e.to_string(),
+                    "serialisable",
+                )
             })?;
         }
         Checkpoint::capture(
