@@ -621,6 +621,7 @@ mod tests {
             "--resume <auto|DIR|CKPT>",
             "--overwrite",
             "--divergence-steps <N>",
+            "--skip-bad-files",
         ] {
             assert!(help.contains(want), "{want} not in:\n{help}");
         }
@@ -717,6 +718,9 @@ mod tests {
             );
         }
         assert_eq!(gpu_processes(Ok(4)).unwrap(), 4);
+        // A run stopped by SIGTERM exits as one the signal ended.
+        assert_eq!(stop_status(15), 143);
+        assert_eq!(stop_status(2), 130);
         let none = gpu_processes(Ok(0)).unwrap_err().to_string();
         assert!(
             none.contains("CUDA sees no GPU") && none.contains("give a number"),

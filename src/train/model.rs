@@ -17,6 +17,9 @@ use crate::tensor::{Device, MemoryFormat, Tensor};
 use super::config::RunConfig;
 use super::data::{JobData, LARGE_IMAGE};
 
+/// The run's optimizer behind the AMP wrapper.
+pub(super) type Opt = AmpOptimizer<Box<dyn Optimizer>>;
+
 /// The network `cfg.model` asks for, fitted to the data: `auto` is the small-image ResNet for
 /// images under 64 pixels and torchvision's ResNet-50 otherwise. Returns it with a description.
 pub fn model_config(
@@ -179,7 +182,7 @@ pub(super) fn build_model(
     device: Device,
     format: MemoryFormat,
     say: &dyn Fn(String),
-) -> Result<(Arc<AmpModel<ResNet>>, AmpOptimizer<Box<dyn Optimizer>>)> {
+) -> Result<(Arc<AmpModel<ResNet>>, Opt)> {
     let (model_cfg, model_text) = model_config(cfg, data.item_shape, data.num_classes);
     let model = ResNet::new(&model_cfg, &device)?;
     // As PyTorch's `model.to(memory_format=...)`: before the optimizer makes its state, which

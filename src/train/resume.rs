@@ -239,7 +239,7 @@ pub fn restore_snapshots(
         return Ok(None);
     }
     let missing: Vec<usize> = (1..=at.epoch)
-        .filter(|e| e % every == 0)
+        .filter(|e| e.is_multiple_of(every))
         .filter(|&e| !checkpoint_path(&cfg.out, &epoch_name(e)).exists())
         .collect();
     let mut wrote = None;

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::amp::{AmpModel, AmpOptimizer, CapturedStep};
+use crate::amp::{AmpModel, CapturedStep};
 use crate::distributed::{convert_sync_batchnorm, signals, DdpConfig, DistributedDataParallel};
 use crate::error::{fmt_number, Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
@@ -44,7 +44,7 @@ use super::distributed::Ranks;
 use super::divergence::DivergenceWatch;
 use super::metrics::{EpochRecord, MetricsWriter, CSV_FILE, JSONL_FILE};
 pub use super::model::model_config;
-use super::model::{build_model, evaluate, memory_format, schedule};
+use super::model::{build_model, evaluate, memory_format, schedule, Opt};
 use super::plot::plot_history;
 use super::progress::{EpochProgress, ProgressMode};
 pub use super::resume::{auto_checkpoint, checkpoint_config, find_checkpoint, Found, Resume};
@@ -103,8 +103,6 @@ impl RunSummary {
     }
 }
 
-/// The optimizer behind the AMP wrapper.
-type Opt = AmpOptimizer<Box<dyn Optimizer>>;
 /// The training step over it.
 type Step<'a> = CapturedStep<'a, Box<dyn Optimizer>>;
 
@@ -195,7 +193,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary> {
             loss_cfg,
         )
     };
-    let mut step = job.step(&*model, &mut opt, body)?;
+    let mut step = job.step(&model, &mut opt, body)?;
     let mut vote = StopVote::new(at.step);
     let mut stopped = None;
     for epoch in at.epoch..job.end_epoch {
@@ -632,7 +630,7 @@ impl Job {
             self.last_good = Some((last.clone(), epoch));
         }
         let every = self.cfg.checkpoint_every;
-        if every > 0 && epoch % every == 0 {
+        if every > 0 && epoch.is_multiple_of(every) {
             let kept = checkpoint_path(&self.cfg.out, &epoch_name(epoch));
             ckpt.save(&kept)?;
             if good {
