@@ -31,9 +31,9 @@ use crate::base::{DType, Layout};
 /// and the multi-tensor protocol. (Trait methods are callable only with their trait in scope.)
 pub mod prelude {
     pub use super::multi_tensor::*;
-    pub use super::{AdamHyper, LambHyper, NovoGradHyper, SgdHyper};
     pub use super::ops::*;
     pub use super::BackendStorage;
+    pub use super::{AdamHyper, LambHyper, NovoGradHyper, SgdHyper};
 }
 
 /// What a device computes. Storage types are owned buffers of one dtype on one device; every
