@@ -17,6 +17,7 @@
 //! GPUs").
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
 use mixprec::error::fmt_number;
@@ -133,6 +134,10 @@ struct Cli {
     /// With several processes: batch-norm statistics over every process's batch.
     #[arg(long)]
     sync_batchnorm: bool,
+    /// Image folders: a file that does not decode is skipped (counted, logged once) instead of
+    /// stopping the run (the config key `data.skip_bad_files = true` does the same).
+    #[arg(long)]
+    skip_bad_files: bool,
 }
 
 /// The parser, with each flag's default (from `RunConfig::default`, the one source) in its help.
@@ -282,6 +287,10 @@ impl Cli {
             c.deterministic = true;
             given.push(("--deterministic", "deterministic"));
         }
+        if self.skip_bad_files {
+            c.data.skip_bad_files = true;
+            given.push(("--skip-bad-files", "data.skip_bad_files"));
+        }
         Ok(given)
     }
 }
@@ -296,10 +305,12 @@ fn main() -> std::process::ExitCode {
     let launched = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
     let result = match cli.nproc_per_node {
         Some(n) if !launched => n.count().and_then(|n| spawn_ranks(n, cli.master_port)),
-        _ => train(cli).map(|_| ()),
+        // A run stopped by a signal exits as a process that signal ended (128 + it), after
+        // saving and saying how to continue.
+        _ => train(cli).map(|s| s.stopped.map_or(0, stop_status)),
     };
     match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(code) => std::process::ExitCode::from(code),
         Err(e) => {
             match std::env::var("RANK") {
                 Ok(r) if launched => eprintln!("train_resnet (rank {r}): {e}"),
@@ -308,6 +319,11 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The exit status of a process stopped by `signal`, as a shell reports it.
+fn stop_status(signal: i32) -> u8 {
+    128u8.saturating_add(signal.clamp(0, 127) as u8)
 }
 
 /// `--nproc-per-node`: a number of processes, or one per visible GPU.
@@ -357,10 +373,11 @@ fn gpu_processes(visible: mixprec::Result<usize>) -> mixprec::Result<usize> {
 }
 
 /// `--nproc-per-node N`: this program N times, with the same arguments but that one, as ranks
-/// 0..N of one run on this machine; the first failure ends the run (see
-/// `mixprec::distributed::launch`).
-fn spawn_ranks(n: usize, port: Option<u16>) -> mixprec::Result<()> {
-    use mixprec::distributed::launch::{launch, LaunchConfig};
+/// 0..N of one run on this machine; the first failure ends the run, and a SIGINT / SIGTERM is
+/// forwarded to every rank (see `mixprec::distributed::launch`). Returns the exit status: 0,
+/// or 128 + the signal that stopped it.
+fn spawn_ranks(n: usize, port: Option<u16>) -> mixprec::Result<u8> {
+    use mixprec::distributed::launch::{supervise, LaunchConfig};
     let mut args = Vec::new();
     let mut it = std::env::args_os().skip(1);
     while let Some(a) = it.next() {
@@ -375,7 +392,21 @@ fn spawn_ranks(n: usize, port: Option<u16>) -> mixprec::Result<()> {
         .map_err(|e| mixprec::Error::io("finding this program to start the ranks", e))?;
     let mut cfg = LaunchConfig::new(n, exe, args);
     cfg.master_port = port;
-    launch(&cfg).map(|_| ())
+    let launched = supervise(&cfg)?;
+    let code = launched.exit_code();
+    match launched.into_result() {
+        Ok(_) => Ok(code),
+        Err(e) if code > 128 => {
+            eprintln!("train_resnet: {e}");
+            Ok(code)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether this process is one of several ranks (a launcher's variables say so).
+fn several_processes() -> bool {
+    mixprec::distributed::LaunchEnv::from_env().is_ok_and(|e| e.is_distributed())
 }
 
 /// The run directory a checkpoint file lies in (`DIR/checkpoints/NAME.safetensors` → `DIR`).
@@ -432,12 +463,13 @@ fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
     if let Some(o) = &cli.out {
         cfg.out = o.clone();
     }
+    // Found once here (its settings are the run's); the run reports what was skipped.
     let (resume, found) = match cli.resume.as_deref() {
         None => (None, None),
-        Some("auto") => (Some(Resume::Auto), auto_checkpoint(&cfg.out)?),
+        Some("auto") => (Some(Resume::Auto), auto_checkpoint(&cfg.out)?.map(Arc::new)),
         Some(p) => {
             let f = find_checkpoint(Path::new(p))?;
-            (Some(Resume::From(f.path.clone())), Some(f))
+            (Some(Resume::From(f.path.clone())), Some(Arc::new(f)))
         }
     };
     let saved = match &found {
@@ -453,6 +485,11 @@ fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
             (None, Some(dir)) => dir,
             (None, None) => saved.out.clone(),
         };
+        // Checkpoints of earlier versions recorded the device rank 0 resolved to (`cuda:0`),
+        // which a run of several processes refuses: each process takes cuda:LOCAL_RANK.
+        if cfg.device.starts_with("cuda:") && several_processes() {
+            cfg.device = "cuda".into();
+        }
     }
     let given = cli.apply(&mut cfg)?;
     cfg.validate("command line").map_err(|e| match e {
@@ -509,13 +546,14 @@ fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
         &cfg,
         &RunOptions {
             resume,
+            found,
             progress,
             stop_after: cli.stop_after,
             sync_batch_norm: cli.sync_batchnorm,
             overwrite: cli.overwrite,
         },
     )?;
-    if summary.rank != 0 {
+    if summary.rank != 0 || summary.stopped.is_some() {
         return Ok(summary);
     }
     if let Some(last) = summary.last() {
@@ -583,13 +621,14 @@ mod tests {
             "--resume <auto|DIR|CKPT>",
             "--overwrite",
             "--divergence-steps <N>",
+            "--skip-bad-files",
         ] {
             assert!(help.contains(want), "{want} not in:\n{help}");
         }
     }
 
     /// Flags are held to their keys' limits and words; a negative number reaches the check
-    /// instead of being taken for a flag. Nothing is written.
+    /// instead of being taken for a flag. Nothing is written, not even an empty --out.
     #[test]
     fn bad_flags_are_the_keys_errors() {
         let out = scratch("flags").join("out");
@@ -609,7 +648,34 @@ mod tests {
             ),
             (
                 &["--batch-size", "-3"],
-                "config command line --batch-size: key `data.batch_size` = -3: an integer >= 1",
+                "config command line --batch-size: key `data.batch_size` = -3: an integer from 1 \
+                 to 16777216, in digits (per process)",
+            ),
+            (
+                &["--batch-size", "1e21"],
+                "config command line --batch-size: key `data.batch_size` = 1e21: an integer from \
+                 1 to 16777216, in digits (per process)",
+            ),
+            (
+                &["--batch-size", "1000000000000"],
+                "key `data.batch_size` = 1000000000000: an integer from 1 to 16777216",
+            ),
+            (
+                &["--workers", "100000"],
+                "config command line --workers: key `data.workers` = 100000: an integer from 0 \
+                 to 1024",
+            ),
+            // Within the bound but larger than the data: refused before --out is made.
+            (
+                &[
+                    "--batch-size",
+                    "100000",
+                    "--data",
+                    "bundled",
+                    "--device",
+                    "cpu",
+                ],
+                "invalid argument data.batch_size = 100000: at most the number of training images",
             ),
             (
                 &["--widths", "8,x"],
@@ -652,6 +718,9 @@ mod tests {
             );
         }
         assert_eq!(gpu_processes(Ok(4)).unwrap(), 4);
+        // A run stopped by SIGTERM exits as one the signal ended.
+        assert_eq!(stop_status(15), 143);
+        assert_eq!(stop_status(2), 130);
         let none = gpu_processes(Ok(0)).unwrap_err().to_string();
         assert!(
             none.contains("CUDA sees no GPU") && none.contains("give a number"),

@@ -559,7 +559,7 @@ fn worker_trainer(env: &LaunchEnv, out: &Path) -> Result<()> {
             progress: Some(ProgressMode::Off),
             stop_after,
             sync_batch_norm: true,
-            overwrite: false,
+            ..Default::default()
         },
     )?;
     std::fs::write(

@@ -217,17 +217,26 @@ impl DataLoader {
     /// The batches of epoch `epoch` (a counter from 0; it selects the shuffle and the
     /// augmentation draws).
     pub fn epoch(&self, epoch: usize) -> EpochIter {
+        self.epoch_from(epoch, 0)
+    }
+
+    /// The batches of epoch `epoch` after its first `skip` (none read): the rest of an epoch a
+    /// run was stopped in, exactly as the whole epoch would have served them.
+    pub fn epoch_from(&self, epoch: usize, skip: usize) -> EpochIter {
         if let Err(e) = self.check() {
             return EpochIter {
                 inner: Inner::Failed(Some(e)),
                 remaining: 1,
             };
         }
+        let mut order = self.epoch_order(epoch);
+        let skip = skip.min(self.num_batches());
+        order.drain(..(skip * self.batch_size).min(order.len()));
         let job = EpochJob {
             dataset: self.dataset.clone(),
-            order: self.epoch_order(epoch),
+            order,
             batch_size: self.batch_size,
-            num_batches: self.num_batches(),
+            num_batches: self.num_batches() - skip,
             augment: self.augment,
             epoch,
             device: self.device,

@@ -28,6 +28,7 @@ mod nccl;
 mod nccl_comm;
 mod reducer;
 mod rendezvous;
+pub mod signals;
 pub mod sync_batch_norm;
 mod wire;
 

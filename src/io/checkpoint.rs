@@ -682,7 +682,8 @@ fn load_v1_manifest(path: &Path, meta: &BTreeMap<String, String>) -> Result<Part
 pub struct Latest {
     pub path: PathBuf,
     pub checkpoint: Checkpoint,
-    /// Newer checkpoints that did not load, each with the reason.
+    /// Newer checkpoints that did not load, and files whose header does not read (their
+    /// progress unknown), each with the reason.
     pub skipped: Vec<(PathBuf, Error)>,
 }
 
@@ -708,7 +709,8 @@ pub fn latest(dir: &Path) -> Result<Option<Latest>> {
     }
     files.sort();
     // Newest first (`last` before an epoch file of the same progress); an unreadable header
-    // sorts last (it is tried, and reported, all the same).
+    // (a file cut short, empty, or not a checkpoint) sorts last: it is tried after the others
+    // and, when an older one loads first, still reported as skipped.
     let rank = |p: &Path| {
         let progress = Checkpoint::peek(p).ok().map(|g| (g.step, g.epoch));
         (progress, p.file_stem().is_some_and(|s| s == "last"))
@@ -716,7 +718,8 @@ pub fn latest(dir: &Path) -> Result<Option<Latest>> {
     let mut ranked: Vec<_> = files.into_iter().map(|p| (rank(&p), p)).collect();
     ranked.sort_by_key(|(r, _)| std::cmp::Reverse(*r));
     let mut skipped = Vec::new();
-    for (_, path) in ranked {
+    let mut ranked = ranked.into_iter();
+    for (_, path) in ranked.by_ref() {
         // A checkpoint that verifies but holds Inf/NaN (a diverged run saved it) cannot be
         // continued from either.
         let loaded = Checkpoint::load(&path).and_then(|c| match c.non_finite_tensors()? {
@@ -725,11 +728,18 @@ pub fn latest(dir: &Path) -> Result<Option<Latest>> {
         });
         match loaded {
             Ok(checkpoint) => {
+                for (r, p) in ranked {
+                    if r.0.is_none() {
+                        if let Err(e) = Checkpoint::peek(&p) {
+                            skipped.push((p, e));
+                        }
+                    }
+                }
                 return Ok(Some(Latest {
                     path,
                     checkpoint,
                     skipped,
-                }))
+                }));
             }
             Err(e) => skipped.push((path, e)),
         }

@@ -239,6 +239,10 @@ pub const MEMORY_FORMATS: [&str; 3] = ["auto", "contiguous", "channels_last"];
 
 /// The largest peak learning rate a run accepts (from a file or a flag).
 pub const MAX_LR: f64 = 1e3;
+/// The largest batch (per process) a run accepts: 2^24 images.
+pub const MAX_BATCH: usize = 1 << 24;
+/// The most data worker threads a run accepts.
+pub const MAX_WORKERS: usize = 1024;
 
 /// What each key allows, in the words of every error about it (a file's or a flag's).
 pub const KEYS: &[(&str, &str)] = &[
@@ -284,16 +288,22 @@ pub const KEYS: &[(&str, &str)] = &[
         "\"auto\", \"bundled\", \"full\", a directory holding the four IDX files, \
          \"imagefolder:DIR\" or \"cifar10:DIR\"",
     ),
-    ("data.batch_size", "an integer >= 1"),
-    ("data.eval_batch_size", "an integer >= 1"),
+    (
+        "data.batch_size",
+        "an integer from 1 to 16777216, in digits (per process)",
+    ),
+    (
+        "data.eval_batch_size",
+        "an integer from 1 to 16777216, in digits (per process)",
+    ),
     ("data.augment", "true or false"),
     ("data.train_limit", "an integer >= 0 (0: all)"),
     ("data.test_limit", "an integer >= 0 (0: all)"),
     ("data.image_size", "an integer in [0, 4096] (0: 224)"),
     (
         "data.workers",
-        "an integer >= 0 (0: one per core for image folders; for Fashion-MNIST and CIFAR-10, \
-         2 on a GPU, 1 on the CPU)",
+        "an integer from 0 to 1024 (0: one per core for image folders; for Fashion-MNIST and \
+         CIFAR-10, 2 on a GPU, 1 on the CPU)",
     ),
     ("data.grayscale", "true or false"),
     (
@@ -422,11 +432,14 @@ impl RunConfig {
         {
             return bad("data.mean", format!("{:?} with std {:?}", d.mean, d.std));
         }
-        if d.batch_size == 0 {
-            return bad("data.batch_size", "0".into());
+        if d.batch_size == 0 || d.batch_size > MAX_BATCH {
+            return bad("data.batch_size", d.batch_size.to_string());
         }
-        if d.eval_batch_size == 0 {
-            return bad("data.eval_batch_size", "0".into());
+        if d.eval_batch_size == 0 || d.eval_batch_size > MAX_BATCH {
+            return bad("data.eval_batch_size", d.eval_batch_size.to_string());
+        }
+        if d.workers > MAX_WORKERS {
+            return bad("data.workers", d.workers.to_string());
         }
         let o = &self.optimizer;
         one_of("optimizer.name", &o.name, &OPTIMIZERS)?;

@@ -65,6 +65,56 @@ pub struct JobData {
     /// `[C, H, W]` of the model's input.
     pub item_shape: [usize; 3],
     pub num_classes: usize,
+    /// Image folders: what a file that does not decode does (other sources have no files
+    /// that can go bad).
+    pub bad_files: Option<BadFiles>,
+}
+
+impl JobData {
+    /// `e` with, for a file that did not read or decode, the flag that skips such files.
+    pub fn explain(&self, e: Error) -> Error {
+        let hint = "; to train without such files, pass --skip-bad-files \
+                    (data.skip_bad_files = true)";
+        match (self.bad_files, e) {
+            (
+                Some(BadFiles::Error),
+                Error::DataFormat {
+                    path,
+                    format,
+                    detail,
+                },
+            ) => Error::DataFormat {
+                path,
+                format,
+                detail: format!("{detail}{hint}"),
+            },
+            (Some(BadFiles::Error), Error::Io { context, source }) => Error::Io {
+                context: format!("{context}{hint}"),
+                source,
+            },
+            (_, e) => e,
+        }
+    }
+
+    /// Reads the training images that epoch `epoch` left out (the last partial batch, dropped):
+    /// a file there that does not decode is reported as it would be in a batch (an error
+    /// without `--skip-bad-files`, a warning with it), not only in an epoch that happens to
+    /// use it.
+    pub fn check_dropped(&self, epoch: usize) -> Result<()> {
+        if self.bad_files.is_none() {
+            return Ok(());
+        }
+        let used = self.train.num_batches() * self.train.batch_size();
+        let order = self.train.epoch_order(epoch);
+        let dataset = self.train.dataset();
+        let mut image = vec![0f32; self.item_shape.iter().product()];
+        for &i in order.iter().skip(used) {
+            dataset
+                .read_item(epoch, i, &mut image)
+                .map_err(|e| self.explain(e))?;
+        }
+        Ok(())
+    }
 }
 
 fn limited(d: impl Dataset + 'static, limit: usize) -> Box<dyn Dataset> {
@@ -183,6 +233,13 @@ fn small_image_workers(device: Device) -> usize {
 pub fn build(cfg: &RunConfig, device: Device, shard: Option<(usize, usize)>) -> Result<JobData> {
     let d = &cfg.data;
     let seed = cfg.seed;
+    let bad_files = matches!(DataKind::parse(&d.dir), DataKind::ImageFolder(_)).then_some(
+        if d.skip_bad_files {
+            BadFiles::Skip
+        } else {
+            BadFiles::Error
+        },
+    );
     let Chosen {
         train,
         test,
@@ -221,99 +278,7 @@ pub fn build(cfg: &RunConfig, device: Device, shard: Option<(usize, usize)>) -> 
                 note: String::new(),
             }
         }
-        DataKind::ImageFolder(root) => {
-            let side = if d.image_size == 0 {
-                DEFAULT_IMAGE_SIZE
-            } else {
-                d.image_size
-            };
-            let bad = if d.skip_bad_files {
-                BadFiles::Skip
-            } else {
-                BadFiles::Error
-            };
-            let large = side >= LARGE_IMAGE;
-            let eval_geometry = Geometry::ResizeCenterCrop {
-                resize: Resize::Shorter(if large {
-                    (side as f64 * 256.0 / 224.0).round() as usize
-                } else {
-                    side
-                }),
-                crop: Some(CenterCrop::new(side)),
-            };
-            let mut eval = ImageTransform::imagenet_eval(side, side);
-            eval.geometry = eval_geometry;
-            if !d.mean.is_empty() {
-                let m: Vec<f32> = d.mean.iter().map(|&v| v as f32).collect();
-                let s: Vec<f32> = d.std.iter().map(|&v| v as f32).collect();
-                eval = eval.with_normalize(&m, &s);
-            }
-            if d.grayscale {
-                eval.color = crate::data::ColorMode::Gray;
-                if d.mean.is_empty() {
-                    // ImageNet's statistics through PIL's luma weights.
-                    eval.mean = vec![0.449];
-                    eval.std = vec![0.226];
-                }
-            }
-            let train_t = if large && d.augment {
-                ImageTransform {
-                    geometry: ImageTransform::imagenet_train(side, seed).geometry,
-                    hflip: 0.5,
-                    seed,
-                    ..eval.clone()
-                }
-            } else {
-                eval.clone()
-            };
-            let aug = (!large && d.augment).then(|| Augment::crop_flip(crop_padding(side), seed));
-            let train_dir = root.join("train");
-            let train_folder = ImageFolder::with_bad_files(&train_dir, bad)?;
-            let test_folder = ImageFolder::with_bad_files(eval_dir(&root)?, bad)?;
-            if test_folder.classes() != train_folder.classes() {
-                return Err(Error::DataFormat {
-                    path: root.display().to_string(),
-                    format: "ImageFolder",
-                    detail: format!(
-                        "train/ has classes {:?}, the evaluation folder {:?}: they must match",
-                        head(train_folder.classes()),
-                        head(test_folder.classes())
-                    ),
-                });
-            }
-            let mut text = format!(
-                "ImageFolder {} ({} classes); train: {}{}{}; eval: {}; {}",
-                root.display(),
-                train_folder.classes().len(),
-                describe_geometry(&train_t.geometry),
-                if train_t.hflip > 0.0 {
-                    " + RandomHorizontalFlip"
-                } else {
-                    ""
-                },
-                if aug.is_some() {
-                    " + random crop/flip"
-                } else {
-                    ""
-                },
-                describe_geometry(&eval.geometry),
-                if d.grayscale { "grey" } else { "RGB" },
-            );
-            let skipped = train_folder.left_out().len() + test_folder.left_out().len();
-            if skipped > 0 {
-                text.push_str(&format!("; {skipped} file(s) left out"));
-            }
-            let workers = default_workers().saturating_sub(1).max(1);
-            Chosen {
-                train: limited(train_folder.with_transform(train_t)?, d.train_limit),
-                test: limited(test_folder.with_transform(eval)?, d.test_limit),
-                description: text,
-                augment: aug,
-                workers,
-                dir_used: d.dir.clone(),
-                note: String::new(),
-            }
-        }
+        DataKind::ImageFolder(root) => image_folder(d, &root, seed)?,
     };
     let workers = if d.workers == 0 { workers } else { d.workers };
     let source = description.clone();
@@ -350,6 +315,103 @@ pub fn build(cfg: &RunConfig, device: Device, shard: Option<(usize, usize)>) -> 
         dir_used,
         item_shape,
         num_classes,
+        bad_files,
+    })
+}
+
+/// An image folder's datasets (`DIR/train`, `DIR/val` or `DIR/test`) and transforms, per the
+/// table in the module doc.
+fn image_folder(d: &super::config::DataConfig, root: &Path, seed: u64) -> Result<Chosen> {
+    let side = if d.image_size == 0 {
+        DEFAULT_IMAGE_SIZE
+    } else {
+        d.image_size
+    };
+    let bad = if d.skip_bad_files {
+        BadFiles::Skip
+    } else {
+        BadFiles::Error
+    };
+    let large = side >= LARGE_IMAGE;
+    let eval_geometry = Geometry::ResizeCenterCrop {
+        resize: Resize::Shorter(if large {
+            (side as f64 * 256.0 / 224.0).round() as usize
+        } else {
+            side
+        }),
+        crop: Some(CenterCrop::new(side)),
+    };
+    let mut eval = ImageTransform::imagenet_eval(side, side);
+    eval.geometry = eval_geometry;
+    if !d.mean.is_empty() {
+        let m: Vec<f32> = d.mean.iter().map(|&v| v as f32).collect();
+        let s: Vec<f32> = d.std.iter().map(|&v| v as f32).collect();
+        eval = eval.with_normalize(&m, &s);
+    }
+    if d.grayscale {
+        eval.color = crate::data::ColorMode::Gray;
+        if d.mean.is_empty() {
+            // ImageNet's statistics through PIL's luma weights.
+            eval.mean = vec![0.449];
+            eval.std = vec![0.226];
+        }
+    }
+    let train_t = if large && d.augment {
+        ImageTransform {
+            geometry: ImageTransform::imagenet_train(side, seed).geometry,
+            hflip: 0.5,
+            seed,
+            ..eval.clone()
+        }
+    } else {
+        eval.clone()
+    };
+    let aug = (!large && d.augment).then(|| Augment::crop_flip(crop_padding(side), seed));
+    let train_dir = root.join("train");
+    let train_folder = ImageFolder::with_bad_files(&train_dir, bad)?;
+    let test_folder = ImageFolder::with_bad_files(eval_dir(root)?, bad)?;
+    if test_folder.classes() != train_folder.classes() {
+        return Err(Error::DataFormat {
+            path: root.display().to_string(),
+            format: "ImageFolder",
+            detail: format!(
+                "train/ has classes {:?}, the evaluation folder {:?}: they must match",
+                head(train_folder.classes()),
+                head(test_folder.classes())
+            ),
+        });
+    }
+    let mut text = format!(
+        "ImageFolder {} ({} classes); train: {}{}{}; eval: {}; {}",
+        root.display(),
+        train_folder.classes().len(),
+        describe_geometry(&train_t.geometry),
+        if train_t.hflip > 0.0 {
+            " + RandomHorizontalFlip"
+        } else {
+            ""
+        },
+        if aug.is_some() {
+            " + random crop/flip"
+        } else {
+            ""
+        },
+        describe_geometry(&eval.geometry),
+        if d.grayscale { "grey" } else { "RGB" },
+    );
+    let skipped = train_folder.left_out().len() + test_folder.left_out().len();
+    if skipped > 0 {
+        text.push_str(&format!("; {skipped} file(s) left out"));
+    }
+    let workers = default_workers().saturating_sub(1).max(1);
+    Ok(Chosen {
+        train: limited(train_folder.with_transform(train_t)?, d.train_limit),
+        test: limited(test_folder.with_transform(eval)?, d.test_limit),
+        description: text,
+        augment: aug,
+        workers,
+        dir_used: d.dir.clone(),
+        note: String::new(),
     })
 }
 

@@ -73,6 +73,24 @@ impl Ranks {
         Ok(())
     }
 
+    /// Every rank's `value`, in rank order (host values, through the control plane).
+    pub fn gather(&self, value: f64) -> Result<Vec<f64>> {
+        let Some(g) = &self.group else {
+            return Ok(vec![value]);
+        };
+        g.all_gather_bytes(&value.to_le_bytes())?
+            .iter()
+            .map(|b| {
+                b.as_slice()
+                    .try_into()
+                    .map(f64::from_le_bytes)
+                    .map_err(|_| {
+                        g.abort(None, format!("a rank sent {} bytes for one value", b.len()))
+                    })
+            })
+            .collect()
+    }
+
     /// The element-wise sum of every rank's `values` (host values, through the control plane).
     pub fn sum(&self, values: &[f64]) -> Result<Vec<f64>> {
         let Some(g) = &self.group else {

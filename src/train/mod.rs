@@ -1,6 +1,7 @@
 //! The main training job behind `examples/train_resnet.rs`: the run configuration (`config`:
 //! TOML + flags), its datasets and loaders (`data`), the loop with checkpoints and exact resume
-//! (`trainer`), its output directory and lock (`run_dir`), the divergence stop (`divergence`),
+//! (`trainer`, `resume`), its output directory and lock (`run_dir`), the divergence stop
+//! (`divergence`), the stop on SIGINT / SIGTERM at a step boundary the ranks agree on (`stop`),
 //! and its reports: per-epoch metrics files (`metrics`), the loss and accuracy plot (`plot`) and
 //! the progress display (`progress`).
 
@@ -9,9 +10,12 @@ pub mod data;
 pub mod distributed;
 pub mod divergence;
 pub mod metrics;
+mod model;
 pub mod plot;
 pub mod progress;
+pub mod resume;
 pub mod run_dir;
+mod stop;
 pub mod trainer;
 
 pub use config::RunConfig;

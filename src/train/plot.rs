@@ -223,6 +223,13 @@ fn draw_panel(c: &mut Canvas, p: &Panel, x0: usize, x1: usize, y0: usize, y1: us
     );
     c.rect_outline(left, top, right, bottom, FRAME);
 
+    draw_series(c, p, &area);
+}
+
+/// A panel's data inside its plot `area` (see `draw_panel`).
+fn draw_series(c: &mut Canvas, p: &Panel, area: &Area) {
+    let (left, right, top, bottom) = (area.left, area.right, area.top, area.bottom);
+    let line_h = glyph_height(SCALE);
     // The data: lines between consecutive finite points, markers when there are few of them;
     // nothing past the frame (a clamped axis can leave values out of range) but a marker's width,
     // so that a line along the frame (accuracy 100%) shows whole.

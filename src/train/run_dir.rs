@@ -10,7 +10,8 @@
 //!   checkpoints, weights; other files stay).
 //! - **Resumed runs** may use the directory their checkpoint is in; a checkpoint that is not
 //!   the newest there would mix two runs' checkpoints, so it is refused unless `--overwrite`
-//!   (which deletes the newer ones).
+//!   (which deletes the newer ones). Newer files that do not load or verify (passed over by
+//!   `--resume auto`) are no run's state: they stay until the run's saves replace them.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
@@ -42,9 +43,12 @@ pub enum Use<'a> {
     /// that run's own files are replaced; any other file makes it an error as for `Fresh`.
     Restart,
     /// A run continued from `checkpoint` (which may lie in this directory or elsewhere).
+    /// `corrupt`: newer checkpoint files that did not load or verify (passed over for it):
+    /// not a run's state, so they do not count as newer; the run's next saves replace them.
     Resume {
         checkpoint: &'a Path,
         overwrite: bool,
+        corrupt: &'a [PathBuf],
     },
 }
 
@@ -83,10 +87,16 @@ impl RunDir {
             Use::Fresh { .. } | Use::Restart => false,
         };
         if inside {
-            let Use::Resume { checkpoint, .. } = how else {
+            let Use::Resume {
+                checkpoint,
+                corrupt,
+                ..
+            } = how
+            else {
                 unreachable!("inside implies a resume")
             };
-            let newer = dir.checkpoints_newer_than(checkpoint)?;
+            let mut newer = dir.checkpoints_newer_than(checkpoint)?;
+            newer.retain(|p| !corrupt.iter().any(|c| same_file(c, p)));
             if !newer.is_empty() && !overwrite {
                 return Err(err(format!(
                     "holds checkpoints newer than {} ({}): continuing from it would mix two \
@@ -318,6 +328,14 @@ fn hostname() -> String {
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "this host".into())
+}
+
+/// Whether two paths name the same existing file.
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
 }
 
 fn list(dir: &Path) -> Result<Vec<PathBuf>> {
