@@ -12,16 +12,21 @@ use std::time::Instant;
 
 use mixprec::data::token_corpus::bundled_corpus_dir;
 use mixprec::data::{
-    prepare_token_shards, CorpusOptions, Gpt2Tokenizer, TokenLoader, TokenLoaderConfig,
-    TokenSplit,
+    prepare_token_shards, CorpusOptions, Gpt2Tokenizer, TokenLoader, TokenLoaderConfig, TokenSplit,
 };
 use mixprec::{Device, Error};
 
 fn main() -> mixprec::Result<()> {
     let mut args = std::env::args().skip(1);
-    let src = args.next().map(PathBuf::from).unwrap_or_else(bundled_corpus_dir);
+    let src = args
+        .next()
+        .map(PathBuf::from)
+        .unwrap_or_else(bundled_corpus_dir);
     let out = args.next().map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/token-shards/shakespeare"))
+        PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/target/token-shards/shakespeare"
+        ))
     });
     let mut opts = CorpusOptions::default();
     if let Some(f) = args.next() {

@@ -47,7 +47,11 @@ fn tokenizer_round_trips() {
     ];
     for s in texts {
         let ids = tok.encode(s);
-        assert!(ids.iter().all(|&i| (i as usize) < Gpt2Tokenizer::VOCAB_SIZE - 1), "{s:?}");
+        assert!(
+            ids.iter()
+                .all(|&i| (i as usize) < Gpt2Tokenizer::VOCAB_SIZE - 1),
+            "{s:?}"
+        );
         assert_eq!(tok.decode(&ids).unwrap(), s, "{s:?} -> {ids:?}");
         assert_eq!(tok.decode_bytes(&ids).unwrap(), s.as_bytes());
     }
@@ -59,7 +63,10 @@ fn tokenizer_round_trips() {
 fn tokenizer_decodes_cut_characters() {
     let tok = Gpt2Tokenizer::new();
     let ids = tok.encode("🦀");
-    assert!(ids.len() > 1, "the crab takes several byte-level ids: {ids:?}");
+    assert!(
+        ids.len() > 1,
+        "the crab takes several byte-level ids: {ids:?}"
+    );
     let first = tok.decode_bytes(&ids[..1]).unwrap();
     assert!(std::str::from_utf8(&first).is_err());
     assert!(tok.decode(&ids[..1]).unwrap().contains('\u{fffd}'));
@@ -77,7 +84,10 @@ fn tokenizer_refuses_ids_out_of_range() {
         let e = tok.decode(&[15496, bad]).unwrap_err();
         let msg = e.to_string();
         assert!(matches!(e, Error::InvalidArgument { .. }), "{msg}");
-        assert!(msg.contains(&bad.to_string()) && msg.contains("position 1"), "{msg}");
+        assert!(
+            msg.contains(&bad.to_string()) && msg.contains("position 1"),
+            "{msg}"
+        );
         assert!(msg.contains("0..50257"), "{msg}");
     }
 }
@@ -96,7 +106,7 @@ fn shard_layout_is_llm_c_s() {
     assert_eq!((field(0), field(1), field(2)), (20240520, 1, 6));
     assert!(bytes[12..1024].iter().all(|&b| b == 0));
     assert_eq!(&bytes[1024..1028], &[0, 0, 1, 0]);
-    assert_eq!(&bytes[1028..1032], &[0x00, 0xc4, 0xff, 0xff]);
+    assert_eq!(&bytes[1028..1032], &[0x50, 0xc4, 0xff, 0xff]); // 50256 = 0xc450
 
     let s = TokenShard::open(&p).unwrap();
     assert_eq!(s.len(), 6);
@@ -182,7 +192,11 @@ fn small_corpus(name: &str) -> (PathBuf, Vec<&'static str>) {
     (d, docs.to_vec())
 }
 
-fn read_split(out: &Path, m: &mixprec::data::token_corpus::CorpusManifest, s: TokenSplit) -> Vec<u16> {
+fn read_split(
+    out: &Path,
+    m: &mixprec::data::token_corpus::CorpusManifest,
+    s: TokenSplit,
+) -> Vec<u16> {
     m.shard_paths(out, s)
         .iter()
         .flat_map(|p| TokenShard::open(p).unwrap().to_vec())
@@ -246,31 +260,44 @@ fn corpus_documents_split_and_shards() {
 fn corpus_errors_are_clear() {
     let d = temp_dir("corpus-errors");
     let opts = CorpusOptions::default();
-    let e = tokenize_dir(&d, &d.join("out"), &opts).unwrap_err().to_string();
+    let e = tokenize_dir(&d, &d.join("out"), &opts)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains(".txt"), "{e}");
-    let e = tokenize_dir(&d.join("absent"), &d.join("out"), &opts).unwrap_err().to_string();
+    let e = tokenize_dir(&d.join("absent"), &d.join("out"), &opts)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("absent"), "{e}");
     std::fs::write(d.join("bad.txt"), b"ok \xff\xfe bad").unwrap();
     let e = tokenize_dir(&d, &d.join("out"), &opts).unwrap_err();
     assert!(matches!(e, Error::DataFormat { .. }), "{e}");
-    assert!(e.to_string().contains("bad.txt") && e.to_string().contains("UTF-8"), "{e}");
+    assert!(
+        e.to_string().contains("bad.txt") && e.to_string().contains("UTF-8"),
+        "{e}"
+    );
     std::fs::remove_file(d.join("bad.txt")).unwrap();
     std::fs::write(d.join("bad.txt.gz"), b"not gzip").unwrap();
-    let e = tokenize_dir(&d, &d.join("out"), &opts).unwrap_err().to_string();
+    let e = tokenize_dir(&d, &d.join("out"), &opts)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("bad.txt.gz") && e.contains("gzip"), "{e}");
     for bad in [1.0, -0.1, f64::NAN] {
         let o = CorpusOptions {
             val_fraction: bad,
             ..opts
         };
-        let e = tokenize_dir(&d, &d.join("out"), &o).unwrap_err().to_string();
+        let e = tokenize_dir(&d, &d.join("out"), &o)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("val_fraction"), "{e}");
     }
     let o = CorpusOptions {
         shard_tokens: 0,
         ..opts
     };
-    let e = tokenize_dir(&d, &d.join("out"), &o).unwrap_err().to_string();
+    let e = tokenize_dir(&d, &d.join("out"), &o)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("shard_tokens"), "{e}");
 }
 
@@ -285,11 +312,20 @@ fn bundled_shakespeare_tokenizes() {
     assert!((1_000_000..2_000_000).contains(&total), "{total} tokens");
     assert_eq!(m.val_tokens, total / 10);
     assert!(out.join(MANIFEST).is_file());
-    let mut loader = TokenLoader::open(&out, TokenSplit::Val, TokenLoaderConfig::new(4, 64)).unwrap();
+    let mut loader =
+        TokenLoader::open(&out, TokenSplit::Val, TokenLoaderConfig::new(4, 64)).unwrap();
     let (x, _) = loader.next_batch(Device::Cpu).unwrap();
-    let ids: Vec<u32> = x.to_vec::<i64>().unwrap().iter().map(|&t| t as u32).collect();
+    let ids: Vec<u32> = x
+        .to_vec::<i64>()
+        .unwrap()
+        .iter()
+        .map(|&t| t as u32)
+        .collect();
     let text = Gpt2Tokenizer::new().decode(&ids).unwrap();
-    assert!(text.chars().filter(|c| c.is_alphabetic()).count() > 100, "{text}");
+    assert!(
+        text.chars().filter(|c| c.is_alphabetic()).count() > 100,
+        "{text}"
+    );
 }
 
 // ---- loader ------------------------------------------------------------------------------------
@@ -309,7 +345,11 @@ fn counting_shards(name: &str, lens: &[usize]) -> PathBuf {
 
 fn rows(x: &mixprec::Tensor) -> Vec<Vec<i64>> {
     let t = x.dims()[1];
-    x.to_vec::<i64>().unwrap().chunks(t).map(|r| r.to_vec()).collect()
+    x.to_vec::<i64>()
+        .unwrap()
+        .chunks(t)
+        .map(|r| r.to_vec())
+        .collect()
 }
 
 #[test]
@@ -360,9 +400,10 @@ fn loader_ranks_are_disjoint_and_cover_the_epoch() {
                     assert_eq!(&rx[1..], &ry[..7]);
                     seen.push(rx[0]);
                 }
-                if shuffle.is_none() {
-                    // llm.c: rank r's batch b starts at ((b * world + r) * B * T).
-                    assert_eq!(rows(&x)[0][0], ((b * world + rank) * 4 * 8) as i64);
+                let global = b * world + rank;
+                if shuffle.is_none() && (global + 1) * 4 <= 50 {
+                    // Within shard 0, as llm.c: rank r's batch b starts (b·world + r)·B·T in.
+                    assert_eq!(rows(&x)[0][0], (global * 4 * 8) as i64);
                 }
             }
         }
@@ -379,8 +420,12 @@ fn loader_ranks_are_disjoint_and_cover_the_epoch() {
 fn loader_shuffle_is_seeded_per_epoch() {
     let d = counting_shards("shuffle", &[8 * 64 + 1]);
     let open = |seed| {
-        TokenLoader::open(&d, TokenSplit::Train, TokenLoaderConfig::new(2, 8).shuffle(seed))
-            .unwrap()
+        TokenLoader::open(
+            &d,
+            TokenSplit::Train,
+            TokenLoaderConfig::new(2, 8).shuffle(seed),
+        )
+        .unwrap()
     };
     let a = open(1);
     assert_eq!(a.epoch_order(0), open(1).epoch_order(0));
@@ -439,10 +484,14 @@ fn loader_errors_are_clear() {
     assert!(e.contains("batch_size"), "{e}");
     let e = open(TokenLoaderConfig::new(1, 0)).unwrap_err().to_string();
     assert!(e.contains("seq_len"), "{e}");
-    let e = open(TokenLoaderConfig::new(1, 8).ranks(2, 2)).unwrap_err().to_string();
+    let e = open(TokenLoaderConfig::new(1, 8).ranks(2, 2))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("2 of 2"), "{e}");
     // 100 tokens hold 12 windows at T = 8: 4 ranks x 4 windows is too many.
-    let e = open(TokenLoaderConfig::new(4, 8).ranks(0, 4)).unwrap_err().to_string();
+    let e = open(TokenLoaderConfig::new(4, 8).ranks(0, 4))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("12 window") && e.contains("100 token"), "{e}");
     let e = open(TokenLoaderConfig::new(1, 8).vocab_size(50)).unwrap_err();
     assert!(matches!(e, Error::DataFormat { .. }), "{e}");
@@ -451,4 +500,30 @@ fn loader_errors_are_clear() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("val"), "{e}");
+}
+
+#[test]
+fn loader_finds_llm_c_shard_names() {
+    // llm.c's folders: `tinyshakespeare_val.bin`, `fineweb_train_000001.bin`, no manifest.
+    let d = temp_dir("llm-c-names");
+    write_token_shard(&d.join("tinyshakespeare_val.bin"), &[1; 17]).unwrap();
+    write_token_shard(&d.join("fineweb_train_000002.bin"), &[3; 17]).unwrap();
+    write_token_shard(&d.join("fineweb_train_000001.bin"), &[2; 9]).unwrap();
+    write_token_shard(&d.join("other.bin"), &[4; 17]).unwrap();
+    let cfg = TokenLoaderConfig::new(1, 8);
+    let val = TokenLoader::open(&d, TokenSplit::Val, cfg).unwrap();
+    assert_eq!(val.shards().len(), 1);
+    let mut train = TokenLoader::open(&d, TokenSplit::Train, cfg).unwrap();
+    let names: Vec<_> = train
+        .shards()
+        .iter()
+        .map(|s| s.path().file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        ["fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    );
+    assert_eq!(train.windows(), 1 + 2);
+    let (x, _) = train.next_batch(Device::Cpu).unwrap();
+    assert_eq!(x.to_vec::<i64>().unwrap(), vec![2; 8]);
 }

@@ -58,7 +58,9 @@ fn hf_model(prefix: &str) -> Vec<(String, Tensor)> {
         .enumerate()
         .map(|(k, (name, shape))| {
             let n: usize = shape.iter().product();
-            let vals: Vec<f32> = (0..n).map(|i| k as f32 * 1000.0 + i as f32 * 0.25 - 3.0).collect();
+            let vals: Vec<f32> = (0..n)
+                .map(|i| k as f32 * 1000.0 + i as f32 * 0.25 - 3.0)
+                .collect();
             (
                 format!("{prefix}{name}"),
                 Tensor::from_vec(vals, shape, Device::Cpu).unwrap(),
@@ -70,15 +72,22 @@ fn hf_model(prefix: &str) -> Vec<(String, Tensor)> {
 fn write_hf(path: &std::path::Path, tensors: &[(String, Tensor)]) {
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    safetensors::write(path, &tensors.to_vec(), &meta).unwrap();
+    safetensors::write(path, tensors, &meta).unwrap();
 }
 
 fn get<'a>(t: &'a [(String, Tensor)], name: &str) -> &'a Tensor {
-    &t.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no {name}")).1
+    &t.iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no {name}"))
+        .1
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+    t.to_vec_f32()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
 }
 
 #[test]
@@ -117,14 +126,27 @@ fn load_transposes_pads_and_ties() {
         let mine = mine.to_vec_f32().unwrap();
         for a in 0..i {
             for b in 0..o {
-                assert_eq!(mine[b * i + a].to_bits(), theirs[a * o + b].to_bits(), "{s}");
+                assert_eq!(
+                    mine[b * i + a].to_bits(),
+                    theirs[a * o + b].to_bits(),
+                    "{s}"
+                );
             }
         }
     }
     // Everything else as it is.
-    assert_eq!(bits(get(&ours, "transformer.h.0.attn.c_attn.bias")), bits(get(&hf, "h.0.attn.c_attn.bias")));
-    assert_eq!(bits(get(&ours, "transformer.wpe.weight")), bits(get(&hf, "wpe.weight")));
-    assert_eq!(bits(get(&ours, "transformer.ln_f.bias")), bits(get(&hf, "ln_f.bias")));
+    assert_eq!(
+        bits(get(&ours, "transformer.h.0.attn.c_attn.bias")),
+        bits(get(&hf, "h.0.attn.c_attn.bias"))
+    );
+    assert_eq!(
+        bits(get(&ours, "transformer.wpe.weight")),
+        bits(get(&hf, "wpe.weight"))
+    );
+    assert_eq!(
+        bits(get(&ours, "transformer.ln_f.bias")),
+        bits(get(&hf, "ln_f.bias"))
+    );
     // Padded rows are zero; the head is the embedding.
     let wte = get(&ours, "transformer.wte.weight");
     assert_eq!(wte.dims(), &[PAD, C]);
@@ -161,7 +183,11 @@ fn save_and_reload_are_bitwise() {
         assert_eq!(bits(t0), bits(t1), "{n0}");
     }
     // Without the head, and with an unpadded vocabulary, the same file.
-    let no_head: Vec<_> = ours.iter().filter(|(n, _)| n != "lm_head.weight").cloned().collect();
+    let no_head: Vec<_> = ours
+        .iter()
+        .filter(|(n, _)| n != "lm_head.weight")
+        .cloned()
+        .collect();
     let hf2 = to_hf(&no_head, V, "test").unwrap();
     for (n, t) in hf2 {
         assert_eq!(bits(&t), bits(get(&hf, &n)), "{n}");
@@ -181,7 +207,11 @@ fn real_file_variants_load() {
         let (dt, bytes) = match i % 3 {
             0 => (
                 ::safetensors::Dtype::F32,
-                t.to_vec_f32().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect(),
+                t.to_vec_f32()
+                    .unwrap()
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
             ),
             1 => (
                 ::safetensors::Dtype::F16,
@@ -216,12 +246,27 @@ fn real_file_variants_load() {
         }
     }
     for l in 0..L {
-        st.push((format!("h.{l}.attn.bias"), vec![1u8; P * P], vec![1, 1, P, P], ::safetensors::Dtype::BOOL));
-        st.push((format!("h.{l}.attn.masked_bias"), (-1e4f32).to_le_bytes().to_vec(), vec![], ::safetensors::Dtype::F32));
+        st.push((
+            format!("h.{l}.attn.bias"),
+            vec![1u8; P * P],
+            vec![1, 1, P, P],
+            ::safetensors::Dtype::BOOL,
+        ));
+        st.push((
+            format!("h.{l}.attn.masked_bias"),
+            (-1e4f32).to_le_bytes().to_vec(),
+            vec![],
+            ::safetensors::Dtype::F32,
+        ));
     }
     let views: Vec<(String, ::safetensors::tensor::TensorView)> = st
         .iter()
-        .map(|(n, b, s, d)| (n.clone(), ::safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .map(|(n, b, s, d)| {
+            (
+                n.clone(),
+                ::safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
         .collect();
     let path = temp("variants.safetensors");
     std::fs::write(&path, ::safetensors::serialize(views, None).unwrap()).unwrap();
@@ -232,19 +277,23 @@ fn real_file_variants_load() {
         assert_eq!(t.dtype(), DType::F32, "{n}");
     }
     // A half-stored tensor arrives with its half values.
-    let (i, (name, _)) = hf
+    let (_, (name, _)) = hf
         .iter()
         .enumerate()
         .find(|(i, (n, t))| i % 3 == 1 && t.dims().len() == 1 && n.starts_with("h."))
         .unwrap();
-    let _ = i;
     let want: Vec<f32> = get(&hf, name)
         .to_vec_f32()
         .unwrap()
         .iter()
         .map(|v| half::f16::from_f32(*v).to_f32())
         .collect();
-    assert_eq!(get(&ours, &format!("transformer.{name}")).to_vec_f32().unwrap(), want);
+    assert_eq!(
+        get(&ours, &format!("transformer.{name}"))
+            .to_vec_f32()
+            .unwrap(),
+        want
+    );
 }
 
 fn mismatch_text(e: Error) -> String {
@@ -270,15 +319,30 @@ fn load_errors_name_tensors_and_shapes() {
     write_hf(&path, &hf);
     let msg = mismatch_text(load_hf_gpt2(&path, PAD).unwrap_err());
     assert!(msg.contains("bad.safetensors"), "{msg}");
-    assert!(msg.contains("missing `transformer.h.1.mlp.c_fc.bias`") && msg.contains("[32]"), "{msg}");
-    assert!(msg.contains("`transformer.h.0.attn.c_attn.weight`: shape [8, 24] expected, [24, 8] found"), "{msg}");
-    assert!(msg.contains("unexpected `transformer.h.0.attn.extra`"), "{msg}");
+    assert!(
+        msg.contains("missing `transformer.h.1.mlp.c_fc.bias`") && msg.contains("[32]"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("`transformer.h.0.attn.c_attn.weight`: shape [8, 24] expected, [24, 8] found"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("unexpected `transformer.h.0.attn.extra`"),
+        "{msg}"
+    );
 
     // No embeddings at all.
-    let hf: Vec<_> = hf_model("").into_iter().filter(|(n, _)| !n.starts_with("w")).collect();
+    let hf: Vec<_> = hf_model("")
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with("w"))
+        .collect();
     write_hf(&path, &hf);
     let msg = mismatch_text(load_hf_gpt2(&path, PAD).unwrap_err());
-    assert!(msg.contains("missing `transformer.wte.weight`") && msg.contains("wpe"), "{msg}");
+    assert!(
+        msg.contains("missing `transformer.wte.weight`") && msg.contains("wpe"),
+        "{msg}"
+    );
 
     // An untied head.
     let mut hf = hf_model("");
@@ -288,11 +352,17 @@ fn load_errors_name_tensors_and_shapes() {
     ));
     write_hf(&path, &hf);
     let msg = mismatch_text(load_hf_gpt2(&path, PAD).unwrap_err());
-    assert!(msg.contains("lm_head.weight") && msg.contains("tied"), "{msg}");
+    assert!(
+        msg.contains("lm_head.weight") && msg.contains("tied"),
+        "{msg}"
+    );
 
     // Both spellings of a name.
     let mut hf = hf_model("");
-    hf.push(("transformer.ln_f.bias".to_string(), get(&hf_model(""), "ln_f.bias").clone()));
+    hf.push((
+        "transformer.ln_f.bias".to_string(),
+        get(&hf_model(""), "ln_f.bias").clone(),
+    ));
     write_hf(&path, &hf);
     let msg = mismatch_text(load_hf_gpt2(&path, PAD).unwrap_err());
     assert!(msg.contains("given twice"), "{msg}");
@@ -300,9 +370,14 @@ fn load_errors_name_tensors_and_shapes() {
     // A padded vocabulary smaller than the file's.
     write_hf(&path, &hf_model(""));
     let e = load_hf_gpt2(&path, V - 1).unwrap_err().to_string();
-    assert!(e.contains("padded_vocab") && e.contains("49") && e.contains("50"), "{e}");
+    assert!(
+        e.contains("padded_vocab") && e.contains("49") && e.contains("50"),
+        "{e}"
+    );
     // Not a file.
-    let e = load_hf_gpt2(&temp("absent.safetensors"), PAD).unwrap_err().to_string();
+    let e = load_hf_gpt2(&temp("absent.safetensors"), PAD)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("absent.safetensors"), "{e}");
 }
 
@@ -314,7 +389,10 @@ fn save_errors_name_tensors_and_shapes() {
     let out = temp("not-written.safetensors");
 
     let e = save_hf_gpt2(&out, &ours, PAD + 1).unwrap_err().to_string();
-    assert!(e.contains("vocab_size") && e.contains("65") && e.contains("1..=64"), "{e}");
+    assert!(
+        e.contains("vocab_size") && e.contains("65") && e.contains("1..=64"),
+        "{e}"
+    );
 
     let mut bad = ours.clone();
     for (n, t) in bad.iter_mut() {
@@ -324,7 +402,10 @@ fn save_errors_name_tensors_and_shapes() {
     }
     bad.retain(|(n, _)| n != "transformer.ln_f.weight");
     let msg = mismatch_text(save_hf_gpt2(&out, &bad, V).unwrap_err());
-    assert!(msg.contains("`transformer.h.1.mlp.c_proj.weight`: shape [8, 32] expected, [32, 8] found"), "{msg}");
+    assert!(
+        msg.contains("`transformer.h.1.mlp.c_proj.weight`: shape [8, 32] expected, [32, 8] found"),
+        "{msg}"
+    );
     assert!(msg.contains("missing `transformer.ln_f.weight`"), "{msg}");
 
     let mut untied = ours.clone();

@@ -32,8 +32,8 @@ use serde::{Deserialize, Serialize};
 
 use super::token_shards::write_token_shard;
 use super::tokenizer::Gpt2Tokenizer;
-use crate::{Error, Result};
 use crate::io::write_atomic;
+use crate::{Error, Result};
 
 /// The manifest's file name in a shard folder.
 pub const MANIFEST: &str = "corpus.json";
@@ -263,7 +263,10 @@ pub fn tokenize_dir(src: &Path, out: &Path, opts: &CorpusOptions) -> Result<Corp
     let manifest_path = out.join(MANIFEST);
     match std::fs::remove_file(&manifest_path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(Error::io(format!("removing {}", manifest_path.display()), e))
+            return Err(Error::io(
+                format!("removing {}", manifest_path.display()),
+                e,
+            ))
         }
         _ => {}
     }

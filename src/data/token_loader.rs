@@ -22,9 +22,8 @@ use serde::{Deserialize, Serialize};
 
 use super::token_corpus::{read_manifest, TokenSplit};
 use super::token_shards::TokenShard;
-use crate::{Error, Result};
 use crate::tensor::random::{philox4x32, SeedStream};
-use crate::{Device, Tensor};
+use crate::{Device, Error, Result, Tensor};
 
 /// Distinguishes the window shuffle from other Philox uses of the same seed.
 const SHUFFLE_TAG: u32 = 0x7045_4e53;
@@ -182,8 +181,8 @@ impl TokenLoader {
 
     /// The `split` shards of a folder made by
     /// [`tokenize_dir`](super::token_corpus::tokenize_dir): those its `corpus.json` lists, or,
-    /// without one, every `{split}_*.bin` by name (llm.c's shard folders have no manifest, and
-    /// name shards `*_{split}_*.bin`, which is matched too).
+    /// without one, every `{split}_*.bin` by name (llm.c's shard folders have no manifest and
+    /// name shards `*_{split}_*.bin` or `*_{split}.bin`, which are matched too).
     pub fn open(dir: &Path, split: TokenSplit, cfg: TokenLoaderConfig) -> Result<TokenLoader> {
         let paths = match read_manifest(dir) {
             Some(m) => m.shard_paths(dir, split),
@@ -192,12 +191,16 @@ impl TokenLoader {
                     .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
                 let prefix = format!("{}_", split.name());
                 let infix = format!("_{}_", split.name());
+                let suffix = format!("_{}.bin", split.name());
                 let mut paths: Vec<_> = entries
                     .flatten()
                     .map(|e| e.path())
                     .filter(|p| {
                         let n = p.file_name().unwrap_or_default().to_string_lossy();
-                        n.ends_with(".bin") && (n.starts_with(&prefix) || n.contains(&infix))
+                        n.ends_with(".bin")
+                            && (n.starts_with(&prefix)
+                                || n.contains(&infix)
+                                || n.ends_with(&suffix))
                     })
                     .collect();
                 paths.sort();

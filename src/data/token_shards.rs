@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::{Error, Result};
 use crate::io::write_atomic;
+use crate::{Error, Result};
 
 /// The first header field of every shard.
 pub const SHARD_MAGIC: i32 = 20240520;

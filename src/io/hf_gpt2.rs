@@ -162,7 +162,11 @@ fn dims_of(
         let problems = [wte.err(), wpe.err()].into_iter().flatten().collect();
         return Err(mismatch(context, problems));
     };
-    let n_layer = t.keys().filter_map(|n| layer_of(n)).max().map_or(0, |l| l + 1);
+    let n_layer = t
+        .keys()
+        .filter_map(|n| layer_of(n))
+        .max()
+        .map_or(0, |l| l + 1);
     let fc = t.get(&format!("{PREFIX}h.0.mlp.c_fc.weight"));
     let n_inner = match fc.map(|w| w.dims()) {
         Some([a, b]) => {
@@ -222,7 +226,8 @@ fn check_tensors(
             Some(_) => {}
         }
     }
-    let known: std::collections::HashSet<&str> = layout.iter().map(|(n, _, _)| n.as_str()).collect();
+    let known: std::collections::HashSet<&str> =
+        layout.iter().map(|(n, _, _)| n.as_str()).collect();
     for (name, x) in t {
         if name != LM_HEAD && !known.contains(name.as_str()) {
             problems.push(Mismatch::Unexpected {
@@ -360,10 +365,7 @@ pub fn to_hf(tensors: &NamedTensors, vocab_size: usize, context: &str) -> Result
             "hf_gpt2::to_hf",
             "vocab_size",
             vocab_size,
-            format!(
-                "1..={} (the rows of {WTE}; {context})",
-                ours.vocab_size
-            ),
+            format!("1..={} (the rows of {WTE}; {context})", ours.vocab_size),
         ));
     }
     let layout = hf_layout(&ours);
