@@ -34,6 +34,10 @@ pub mod image_transforms;
 pub mod loader;
 pub mod sampler;
 pub mod synthetic;
+pub mod token_corpus;
+pub mod token_loader;
+pub mod token_shards;
+pub mod tokenizer;
 pub mod transforms;
 mod workers;
 
@@ -48,4 +52,8 @@ pub use image_transforms::{
 pub use loader::{Batch, DataLoader, EpochIter};
 pub use sampler::DistributedSampler;
 pub use synthetic::SyntheticDataset;
+pub use token_corpus::{prepare_token_shards, tokenize_dir, CorpusOptions, TokenSplit};
+pub use token_loader::{TokenLoader, TokenLoaderConfig, TokenLoaderState};
+pub use token_shards::{write_token_shard, TokenShard};
+pub use tokenizer::Gpt2Tokenizer;
 pub use transforms::{Augment, AugmentDraw};

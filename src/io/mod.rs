@@ -13,6 +13,7 @@
 //! ```
 
 pub mod checkpoint;
+pub mod hf_gpt2;
 pub mod safetensors;
 pub mod weights;
 

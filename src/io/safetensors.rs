@@ -270,12 +270,25 @@ pub fn read(path: &Path) -> Result<(NamedTensors, Metadata)> {
 
 /// [`read`] on the bytes of a file (`path` names it in errors).
 pub fn parse(path: &Path, bytes: &[u8]) -> Result<(NamedTensors, Metadata)> {
+    parse_some(path, bytes, &|_| true)
+}
+
+/// [`parse`] of the tensors whose names `keep` accepts; the others are not converted, so their
+/// dtype may be one mixprec does not read (the BOOL attention masks of some Hugging Face files).
+pub fn parse_some(
+    path: &Path,
+    bytes: &[u8],
+    keep: &dyn Fn(&str) -> bool,
+) -> Result<(NamedTensors, Metadata)> {
     let (n, header) =
         SafeTensors::read_metadata(bytes).map_err(|e| bad(path, describe(&e, bytes)))?;
     let mut infos: Vec<(String, &TensorInfo)> = header.tensors().into_iter().collect();
     infos.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = Vec::with_capacity(infos.len());
     for (name, info) in infos {
+        if !keep(&name) {
+            continue;
+        }
         // The parser checked that the ranges tile the data exactly; `get` keeps that a check.
         let (s, e) = info.data_offsets;
         let data = 8usize
