@@ -688,6 +688,7 @@ fn step_checks_its_batches() {
     );
 }
 
+#[cfg(feature = "train")]
 #[test]
 fn run_config_has_the_cuda_graph_switch() {
     use mixprec::train::RunConfig;

@@ -564,6 +564,7 @@ fn captured_step_captures_again_after_restore_config_and_mode_changes() {
     assert_eq!(pc, pe, "parameters, captured vs eager");
 }
 
+#[cfg(feature = "train")]
 /// The main job: train_resnet on the bundled subset on the GPU, captured (the default) vs
 /// `cuda_graph = false`, and a captured run stopped after epoch 1 and resumed.
 #[test]

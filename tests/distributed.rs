@@ -56,6 +56,7 @@ fn rank_entry() {
         "hang" => worker_hang(&env),
         "early" => worker_early(&env),
         "mismatch-shape" | "mismatch-dtype" => worker_mismatch(&env, &role),
+        #[cfg(feature = "train")]
         "trainer" => worker_trainer(&env, &out),
         "buffers" => worker_buffers(&env, &out, DType::F32),
         // F64 buffers take the broadcast's general path (no flat multi-tensor copy for F64).
@@ -541,6 +542,7 @@ fn worker_mismatch(env: &LaunchEnv, role: &str) -> Result<()> {
     Err(Error::Backward("mismatched models were accepted".into()))
 }
 
+#[cfg(feature = "train")]
 /// The main job's loop (`train_resnet`'s) as one rank: the config and options from the test.
 fn worker_trainer(env: &LaunchEnv, out: &Path) -> Result<()> {
     use mixprec::train::progress::ProgressMode;
@@ -1334,6 +1336,7 @@ fn distributed_sampler_cuts_epochs_as_pytorch() {
     assert_ne!(loaders[0].epoch_order(0), loaders[0].epoch_order(1));
 }
 
+#[cfg(feature = "train")]
 #[test]
 fn the_training_job_runs_on_ranks_and_resumes_with_another_count() {
     use mixprec::train::RunConfig;

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::nn::module::{Module, StateDict, TensorInfo, TensorKind, TrainingFlag};
+use crate::nn::BatchNorm2d;
 use crate::optim::{MasterWeights, Optimizer, OptimizerState};
 use crate::tensor::{DType, Device, Tensor, TensorId};
 
@@ -172,6 +173,9 @@ impl<M: Module> Module for AmpModel<M> {
     }
     fn training_flag(&self) -> Option<&TrainingFlag> {
         self.inner.training_flag()
+    }
+    fn as_batch_norm(&self) -> Option<&BatchNorm2d> {
+        self.inner.as_batch_norm()
     }
     fn set_training(&self, training: bool) {
         self.inner.set_training(training)

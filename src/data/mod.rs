@@ -28,8 +28,11 @@ pub mod cifar10;
 pub mod dataset;
 pub mod fashion_mnist;
 pub mod idx;
+#[cfg(feature = "images")]
 pub mod image;
+#[cfg(feature = "images")]
 pub mod image_folder;
+#[cfg(feature = "images")]
 pub mod image_transforms;
 pub mod loader;
 pub mod sampler;
@@ -44,8 +47,11 @@ mod workers;
 pub use cifar10::Cifar10;
 pub use dataset::{Dataset, First, ItemShape};
 pub use fashion_mnist::{DataSource, FashionMnist, Split};
+#[cfg(feature = "images")]
 pub use image::{ColorMode, DecodedImage};
+#[cfg(feature = "images")]
 pub use image_folder::{BadFiles, ImageFolder, ImageFolderDataset};
+#[cfg(feature = "images")]
 pub use image_transforms::{
     CenterCrop, ImageTransform, RandomResizedCrop, Resize, IMAGENET_MEAN, IMAGENET_STD,
 };

@@ -27,6 +27,7 @@ use super::reducer::{Bucket, Reducer, ReducerConfig, ReductionStats};
 use crate::autograd::HookId;
 use crate::error::{Error, Result};
 use crate::nn::module::{Module, StateDict, TensorInfo, TrainingFlag};
+use crate::nn::BatchNorm2d;
 use crate::tensor::{DType, Device, Tensor};
 
 /// DDP's settings (PyTorch's and apex's knobs).
@@ -523,6 +524,9 @@ impl<M: Module> Module for DistributedDataParallel<M> {
     }
     fn training_flag(&self) -> Option<&TrainingFlag> {
         self.module.training_flag()
+    }
+    fn as_batch_norm(&self) -> Option<&BatchNorm2d> {
+        self.module.as_batch_norm()
     }
     fn set_training(&self, training: bool) {
         self.module.set_training(training)

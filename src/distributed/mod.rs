@@ -10,7 +10,7 @@
 //! - `group.rs`: `ProcessGroup` and its collectives; `cpu.rs` and `nccl.rs`: the backends;
 //!   `collective.rs`: what they share (the reduction ops, the collectives, the backend codes);
 //! - `ddp.rs`, `reducer.rs`: `DistributedDataParallel` and its gradient buckets;
-//! - `sync_batch_norm.rs`: batch statistics over every rank;
+//! - `sync_batch_norm.rs`: `SyncBatchNorm`, batch statistics over every rank;
 //! - `launch.rs`: spawning and supervising the rank processes of one machine.
 //!
 //! A dead or hung rank is an [`Error::Distributed`](crate::Error::Distributed) on every other
@@ -37,4 +37,4 @@ pub use ddp::{DdpConfig, DistributedDataParallel, NoSyncGuard};
 pub use env::{LaunchEnv, Launcher};
 pub use group::{default_timeout, GroupOptions, ProcessGroup, Work};
 pub use reducer::ReductionStats;
-pub use sync_batch_norm::convert_sync_batchnorm;
+pub use sync_batch_norm::{convert_sync_batchnorm, SyncBatchNorm};

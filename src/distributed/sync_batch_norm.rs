@@ -2,10 +2,14 @@
 //! those of the global batch, every rank's samples together, so that N processes with batches
 //! of B/N normalise as one process with batches of B.
 //!
-//! [`convert_sync_batchnorm`] marks a model's `BatchNorm2d` layers (torch's
-//! `SyncBatchNorm.convert_sync_batchnorm`); a marked layer's training forward then runs
-//! `forward` instead of the batch-norm kernel, with the same fused epilogue (ReLU, residual
-//! add), as PyTorch's `batch_norm_stats` / `gather_stats` / `elemt`:
+//! [`SyncBatchNorm`] is a layer of its own: a `BatchNorm2d`'s parameters and buffers (same
+//! names, same state dict) with this module's training forward. [`convert_sync_batchnorm`]
+//! (torch's `SyncBatchNorm.convert_sync_batchnorm`) swaps that forward into every `BatchNorm2d`
+//! of a model, through the seat nn gives each batch norm (`BatchNorm2d::swap_in`): Rust models
+//! hold their layers in typed fields and are shared while they train, so the swap happens in
+//! place, and the model's tensors, names and checkpoints are unchanged. The training forward
+//! has the plain batch norm's fused epilogue (ReLU, residual add) and runs as PyTorch's
+//! `batch_norm_stats` / `gather_stats` / `elemt`:
 //! - forward: each rank's per-channel mean, sum of squared deviations and count (the fused
 //!   batch-norm kernels' statistics pass), one all-gather of those rows, combined on every rank
 //!   in rank order (Chan et al.'s pairwise update, in f64: no cancellation however far apart
@@ -19,82 +23,160 @@
 //! what a plain batch norm keeps for backward. Eval mode uses the running statistics, as a
 //! plain `BatchNorm2d`. On CUDA it runs f16, bf16 and f32 inputs (the fused kernels' dtypes).
 //!
-//! The mark lives in a registry keyed by the layer's weight tensor and holds the group weakly:
-//! dropping the group unmarks nothing by itself but makes the layer fail loudly (an error, not
-//! silently local statistics).
+//! A layer holds its group weakly: dropping the group makes the layer fail loudly (an error,
+//! not silently local statistics).
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::ops::Deref;
+use std::sync::Arc;
 
 use super::collective::ReduceOp;
 use super::group::{ProcessGroup, WeakGroup};
 use crate::autograd::custom_function;
 use crate::backend::BatchNormParams;
 use crate::error::{Error, Result};
-use crate::nn::module::{Module, TensorKind};
-use crate::nn::BatchNorm2d;
-use crate::tensor::{DType, Tensor, TensorId};
+use crate::nn::module::{Module, TensorInfo, TrainingFlag};
+use crate::nn::{BatchNorm2d, BatchNormTraining, Epilogue};
+use crate::tensor::{DType, Device, Tensor};
 
-static ANY: AtomicBool = AtomicBool::new(false);
+const NAME: &str = "SyncBatchNorm";
 
-fn registry() -> std::sync::MutexGuard<'static, Option<HashMap<TensorId, WeakGroup>>> {
-    static R: Mutex<Option<HashMap<TensorId, WeakGroup>>> = Mutex::new(None);
-    R.lock().unwrap_or_else(|e| e.into_inner())
+/// PyTorch's `nn.SyncBatchNorm` for NCHW input: a batch norm whose training statistics are
+/// every rank's of `group` (see the module docs). It dereferences to the `BatchNorm2d` that
+/// holds its parameters and buffers (`weight`, `running_mean`, ...).
+#[derive(Debug)]
+pub struct SyncBatchNorm {
+    bn: BatchNorm2d,
 }
 
-/// Marks every `BatchNorm2d` of `model` to normalise with statistics over all ranks of `group`;
-/// returns how many layers were marked. Call it on every rank, before
-/// `DistributedDataParallel::new` (the layers' tensors do not change).
+impl SyncBatchNorm {
+    /// A new layer with PyTorch's defaults (`BatchNorm2d::new`'s) over the ranks of `group`.
+    pub fn new(channels: usize, group: &ProcessGroup, device: &Device) -> Result<SyncBatchNorm> {
+        Ok(Self::from_batch_norm(
+            BatchNorm2d::new(channels, device)?,
+            group,
+        ))
+    }
+
+    /// The layer over `bn`'s parameters, buffers and settings (their values and identities
+    /// kept), normalising over the ranks of `group`.
+    pub fn from_batch_norm(bn: BatchNorm2d, group: &ProcessGroup) -> SyncBatchNorm {
+        bn.swap_in(Some(global_statistics(group)));
+        SyncBatchNorm { bn }
+    }
+
+    /// The plain batch norm over the same tensors, normalising with its own batch again.
+    pub fn into_batch_norm(self) -> BatchNorm2d {
+        self.bn.swap_in(None);
+        self.bn
+    }
+
+    /// `relu(bn(x))` in one fused op.
+    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        self.bn.forward_relu(x)
+    }
+
+    /// `relu(bn(x) + residual)` in one fused op.
+    pub fn forward_add_relu(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.bn.forward_add_relu(x, residual)
+    }
+}
+
+impl Deref for SyncBatchNorm {
+    type Target = BatchNorm2d;
+    fn deref(&self) -> &BatchNorm2d {
+        &self.bn
+    }
+}
+
+impl Module for SyncBatchNorm {
+    /// Training mode normalises with the global batch's statistics, updates the running
+    /// statistics and counts the batch; eval mode uses the running statistics.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.bn.forward(x)
+    }
+
+    fn visit_own(&self, f: &mut dyn FnMut(&TensorInfo)) {
+        self.bn.visit_own(f)
+    }
+
+    fn training_flag(&self) -> Option<&TrainingFlag> {
+        self.bn.training_flag()
+    }
+
+    fn as_batch_norm(&self) -> Option<&BatchNorm2d> {
+        Some(&self.bn)
+    }
+}
+
+/// Makes every `BatchNorm2d` of `model` a SyncBatchNorm over the ranks of `group` (torch's
+/// `SyncBatchNorm.convert_sync_batchnorm`): each one's training forward becomes
+/// [`SyncBatchNorm`]'s, its parameters, buffers and names stay. Returns how many layers were
+/// converted. Call it on every rank, before `DistributedDataParallel::new`.
 pub fn convert_sync_batchnorm(model: &dyn Module, group: &ProcessGroup) -> Result<usize> {
-    let mut weights = Vec::new();
-    model.visit("", &mut |i| {
-        if i.batch_norm && i.kind == TensorKind::Parameter && i.name.ends_with("weight") {
-            weights.push(i.tensor.id());
-        }
+    let layer = global_statistics(group);
+    let mut n = 0;
+    model.visit_batch_norms("", &mut |_, bn| {
+        bn.swap_in(Some(layer.clone()));
+        n += 1;
     });
-    let mut g = registry();
-    let m = g.get_or_insert_with(HashMap::new);
-    for id in &weights {
-        m.insert(*id, group.downgrade());
-    }
-    if !weights.is_empty() {
-        ANY.store(true, Ordering::Release);
-    }
-    Ok(weights.len())
+    Ok(n)
 }
 
-/// The group a layer with this weight was marked for.
-fn group_of(weight: &Tensor) -> Result<Option<ProcessGroup>> {
-    if !ANY.load(Ordering::Acquire) {
-        return Ok(None);
+fn global_statistics(group: &ProcessGroup) -> Arc<dyn BatchNormTraining> {
+    Arc::new(GlobalStatistics {
+        group: group.downgrade(),
+    })
+}
+
+/// SyncBatchNorm's training forward: what takes a batch norm's place.
+struct GlobalStatistics {
+    group: WeakGroup,
+}
+
+impl std::fmt::Debug for GlobalStatistics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.group.upgrade() {
+            Some(g) => write!(f, "{NAME}({g:?})"),
+            None => write!(f, "{NAME}(a dropped process group)"),
+        }
     }
-    let g = registry();
-    let Some(w) = g.as_ref().and_then(|m| m.get(&weight.id())) else {
-        return Ok(None);
-    };
-    match w.upgrade() {
-        Some(pg) => Ok(Some(pg)),
-        None => Err(Error::Unsupported {
-            op: "SyncBatchNorm",
+}
+
+impl GlobalStatistics {
+    fn group(&self) -> Result<ProcessGroup> {
+        self.group.upgrade().ok_or_else(|| Error::Unsupported {
+            op: NAME,
             detail: "the layer was converted for a process group that no longer exists".into(),
-        }),
+        })
     }
 }
 
-/// The training forward of a marked layer, `y = relu(bn(x) + residual)` with each part of the
-/// epilogue optional, or None when `bn` is not marked (see the module docs). Updates the
-/// running statistics; the caller counts the batch.
-pub(crate) fn forward(
+impl BatchNormTraining for GlobalStatistics {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn forward_training(
+        &self,
+        bn: &BatchNorm2d,
+        x: &Tensor,
+        epilogue: Epilogue<'_>,
+    ) -> Result<Tensor> {
+        forward(self.group()?, bn, x, epilogue.residual, epilogue.relu)
+    }
+}
+
+/// The training forward, `y = relu(bn(x) + residual)` with each part of the epilogue optional,
+/// over the ranks of `group` (see the module docs). Updates the running statistics; the caller
+/// counts the batch.
+fn forward(
+    group: ProcessGroup,
     bn: &BatchNorm2d,
     x: &Tensor,
     residual: Option<&Tensor>,
     relu: bool,
-) -> Result<Option<Tensor>> {
-    let Some(group) = group_of(&bn.weight)? else {
-        return Ok(None);
-    };
-    let op = "SyncBatchNorm";
+) -> Result<Tensor> {
+    let op = NAME;
     x.float_only(op)?;
     let c = bn.num_features();
     if x.rank() != 4 || x.dims()[1] != c {
@@ -125,9 +207,8 @@ pub(crate) fn forward(
         }
         if r.dtype() != x.dtype() {
             // The kernels add a residual of the input's dtype; another one promotes, unfused.
-            let y = forward(bn, x, None, false)?.ok_or_else(|| unmarked(op))?;
-            let y = y.add(r)?;
-            return Ok(Some(if relu { y.relu()? } else { y }));
+            let y = forward(group, bn, x, None, false)?.add(r)?;
+            return if relu { y.relu() } else { Ok(y) };
         }
     }
     let acc = if x.dtype() == DType::F64 {
@@ -200,12 +281,5 @@ pub(crate) fn forward(
         }
         Ok(grads)
     });
-    Ok(Some(y.to_memory_format(keep)?))
-}
-
-fn unmarked(op: &'static str) -> Error {
-    Error::Unsupported {
-        op,
-        detail: "the layer is no longer converted to SyncBatchNorm".into(),
-    }
+    y.to_memory_format(keep)
 }

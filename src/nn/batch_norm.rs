@@ -1,9 +1,42 @@
-//! Batch normalisation over the channels of NCHW input (PyTorch's `nn.BatchNorm2d`).
+//! Batch normalisation over the channels of NCHW input (PyTorch's `nn.BatchNorm2d`), and the
+//! seat through which another batch-norm layer takes its place in a model (SyncBatchNorm).
+//!
+//! A model holds its layers in typed fields and is shared by reference while it trains, so a
+//! layer cannot be replaced by assigning a new struct as PyTorch's `convert_sync_batchnorm`
+//! does. Instead each `BatchNorm2d` has a seat for a [`BatchNormTraining`]: a layer put there
+//! ([`BatchNorm2d::swap_in`]) runs this one's training forwards over this one's parameters and
+//! buffers, so the model's names, state dict and checkpoints stay as they are. The layers that
+//! fill it live above nn (`distributed::SyncBatchNorm`); nn imports nothing of them.
+
+use std::sync::{Arc, RwLock};
 
 use super::init;
 use super::module::{Module, TensorInfo, TensorKind, TrainingFlag};
 use crate::error::{Error, Result};
 use crate::tensor::{BatchNormConfig, DType, Device, Tensor};
+
+/// The epilogue fused into a batch norm: `relu(bn(x) + residual)`, each part optional.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Epilogue<'a> {
+    pub residual: Option<&'a Tensor>,
+    pub relu: bool,
+}
+
+/// A batch-norm layer's training forward that takes a [`BatchNorm2d`]'s place in a model, over
+/// that layer's own parameters and buffers (see the module docs).
+pub trait BatchNormTraining: Send + Sync + std::fmt::Debug {
+    /// The layer's name (`SyncBatchNorm`), as errors and [`BatchNorm2d::swapped_in`] give it.
+    fn name(&self) -> &'static str;
+
+    /// `relu(bn(x) + residual)` (as `epilogue` says) normalised with training statistics, which
+    /// also updates `bn`'s running statistics; `bn` counts the batch itself. `x` is 4-D.
+    fn forward_training(
+        &self,
+        bn: &BatchNorm2d,
+        x: &Tensor,
+        epilogue: Epilogue<'_>,
+    ) -> Result<Tensor>;
+}
 
 #[derive(Debug)]
 pub struct BatchNorm2d {
@@ -22,6 +55,8 @@ pub struct BatchNorm2d {
     pub momentum: f64,
     pub eps: f64,
     training: TrainingFlag,
+    /// The layer swapped into this one's place for training forwards, if any.
+    swapped: RwLock<Option<Arc<dyn BatchNormTraining>>>,
 }
 
 impl BatchNorm2d {
@@ -62,11 +97,36 @@ impl BatchNorm2d {
             momentum,
             eps,
             training: TrainingFlag::default(),
+            swapped: RwLock::new(None),
         })
     }
 
     pub fn num_features(&self) -> usize {
         self.weight.dims()[0]
+    }
+
+    /// Puts `layer` in this batch norm's place: its training forwards run `layer` over this
+    /// layer's parameters and buffers; eval mode still normalises with the running statistics.
+    /// `None` puts the plain batch norm back. Returns the layer that was there.
+    pub fn swap_in(
+        &self,
+        layer: Option<Arc<dyn BatchNormTraining>>,
+    ) -> Option<Arc<dyn BatchNormTraining>> {
+        let mut seat = self.swapped.write().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *seat, layer)
+    }
+
+    /// The name of the layer in this one's place (`Some("SyncBatchNorm")` after
+    /// `convert_sync_batchnorm`), or `None` for the plain batch norm.
+    pub fn swapped_in(&self) -> Option<&'static str> {
+        self.swapped_layer().map(|l| l.name())
+    }
+
+    fn swapped_layer(&self) -> Option<Arc<dyn BatchNormTraining>> {
+        self.swapped
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -92,8 +152,8 @@ impl BatchNorm2d {
     }
 
     /// Checks the input, runs `op` with this module's tensors and settings, and counts a
-    /// training batch. A layer converted to SyncBatchNorm normalises over every rank's batch in
-    /// training instead, with the same epilogue as `op` (`relu(bn(x) + residual)`).
+    /// training batch. A layer swapped into this one's place runs the training forward instead,
+    /// with the same epilogue as `op` (`relu(bn(x) + residual)`).
     fn run(
         &self,
         x: &Tensor,
@@ -109,13 +169,9 @@ impl BatchNorm2d {
             ));
         }
         let training = self.training.get();
-        let synced = if training {
-            crate::distributed::sync_batch_norm::forward(self, x, residual, relu)?
-        } else {
-            None
-        };
-        let y = match synced {
-            Some(y) => y,
+        let swapped = if training { self.swapped_layer() } else { None };
+        let y = match swapped {
+            Some(layer) => layer.forward_training(self, x, Epilogue { residual, relu })?,
             None => op(
                 x,
                 &self.weight,
@@ -172,6 +228,10 @@ impl Module for BatchNorm2d {
 
     fn training_flag(&self) -> Option<&TrainingFlag> {
         Some(&self.training)
+    }
+
+    fn as_batch_norm(&self) -> Option<&BatchNorm2d> {
+        Some(self)
     }
 }
 

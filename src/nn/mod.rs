@@ -16,7 +16,7 @@ pub mod resnet;
 pub mod sequential;
 
 pub use activation::ReLU;
-pub use batch_norm::BatchNorm2d;
+pub use batch_norm::{BatchNorm2d, BatchNormTraining, Epilogue};
 pub use blocks::{BasicBlock, BlockKind, Bottleneck, Downsample};
 pub use conv::Conv2d;
 pub use flatten::Flatten;

@@ -12,6 +12,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::batch_norm::BatchNorm2d;
 use crate::error::{Error, Mismatch, Result};
 use crate::tensor::{DType, MemoryFormat, Tensor};
 
@@ -82,6 +83,12 @@ pub trait Module: Send + Sync {
         None
     }
 
+    /// This module as a batch norm, if it is one (or wraps one as a whole: AMP's and DDP's
+    /// wrappers, `SyncBatchNorm`); what [`Module::visit_batch_norms`] finds.
+    fn as_batch_norm(&self) -> Option<&BatchNorm2d> {
+        None
+    }
+
     // ---- provided -----------------------------------------------------------------------------
 
     /// Calls `f` on every parameter and buffer of this module and its descendants with full
@@ -96,6 +103,15 @@ pub trait Module: Send + Sync {
             })
         });
         self.visit_children(&mut |name, child| child.visit(&join(prefix, name), f));
+    }
+
+    /// Calls `f` on every batch norm of this module and its descendants with its full dotted
+    /// name under `prefix` (`layer1.0.bn1`; `""` for the root), in the order of [`Module::visit`].
+    fn visit_batch_norms(&self, prefix: &str, f: &mut dyn FnMut(&str, &BatchNorm2d)) {
+        if let Some(bn) = self.as_batch_norm() {
+            f(prefix, bn);
+        }
+        self.visit_children(&mut |name, child| child.visit_batch_norms(&join(prefix, name), f));
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
@@ -373,6 +389,12 @@ macro_rules! forward_module {
             }
             fn training_flag(&self) -> Option<&TrainingFlag> {
                 (**self).training_flag()
+            }
+            fn as_batch_norm(&self) -> Option<&BatchNorm2d> {
+                (**self).as_batch_norm()
+            }
+            fn visit_batch_norms(&self, prefix: &str, f: &mut dyn FnMut(&str, &BatchNorm2d)) {
+                (**self).visit_batch_norms(prefix, f)
             }
             fn state_dict(&self) -> Result<StateDict> {
                 (**self).state_dict()
