@@ -7,8 +7,7 @@
 
 use mixprec::distributed::launch::free_port;
 use mixprec::distributed::{
-    convert_sync_batchnorm, Backend, GroupOptions, LaunchEnv, Launcher, ProcessGroup,
-    SyncBatchNorm,
+    convert_sync_batchnorm, Backend, GroupOptions, LaunchEnv, Launcher, ProcessGroup, SyncBatchNorm,
 };
 use mixprec::nn::{BatchNorm2d, BlockKind, Module, ReLU, ResNet, ResNetConfig, Sequential, Stem};
 use mixprec::{DType, Device, Result, Tensor};
@@ -67,7 +66,10 @@ fn conversion_keeps_names_tensors_and_state_dict() {
         names.push(name.to_string());
     });
     assert_eq!(names[0], "bn1");
-    assert!(names.contains(&"layer2.0.downsample.1".to_string()), "{names:?}");
+    assert!(
+        names.contains(&"layer2.0.downsample.1".to_string()),
+        "{names:?}"
+    );
 
     let g = single_group();
     assert_eq!(convert_sync_batchnorm(&model, &g).unwrap(), names.len());
@@ -226,9 +228,19 @@ fn sync_batch_norm_is_a_layer_with_a_batch_norms_names() {
     let model = Sequential::new()
         .with(SyncBatchNorm::new(3, &g, &CPU).unwrap())
         .with(ReLU::new());
-    let names: Vec<String> = model.state_dict().unwrap().into_iter().map(|e| e.0).collect();
+    let names: Vec<String> = model
+        .state_dict()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.0)
+        .collect();
     let plain = Sequential::new().with(BatchNorm2d::new(3, &CPU).unwrap());
-    let want: Vec<String> = plain.state_dict().unwrap().into_iter().map(|e| e.0).collect();
+    let want: Vec<String> = plain
+        .state_dict()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.0)
+        .collect();
     assert_eq!(names, want);
     let mut found = 0;
     model.visit_batch_norms("", &mut |name, bn| {
