@@ -11,7 +11,7 @@
 //! resumed at an epoch boundary, or at the step a signal stopped it at, reproduces the
 //! uninterrupted run's losses bit for bit.
 //!
-//! The step is an [`amp::CapturedStep`]: on a GPU it is captured into a CUDA graph after two
+//! The step is an [`crate::amp::CapturedStep`]: on a GPU it is captured into a CUDA graph after two
 //! warm-up steps and replayed (`cuda_graph = false` / `--no-cuda-graph` runs it eagerly); on the
 //! CPU it always runs eagerly. Under data parallelism the graph holds DDP's collectives too
 //! (every rank warms up and captures at the same step). Eager and replayed steps compute the
