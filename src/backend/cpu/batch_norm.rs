@@ -88,15 +88,13 @@ fn moments<T: Elem>(x: &[T], p: &BatchNormParams) -> Vec<(T::Acc, T::Acc)> {
 
 /// `y = bn(x)`, or with the fused epilogue `relu(bn(x) + residual)` (`residual` laid out as x),
 /// rounded once to `T`.
-#[allow(clippy::too_many_arguments)]
+/// `(w, b)` are the affine parameters, `(rm, rv)` the running statistics (updated in place).
 pub fn forward_train<T: Elem>(
     x: &[T],
     residual: Option<&[T]>,
     relu: bool,
-    w: &[T::Acc],
-    b: &[T::Acc],
-    rm: &mut [T::Acc],
-    rv: &mut [T::Acc],
+    (w, b): (&[T::Acc], &[T::Acc]),
+    (rm, rv): (&mut [T::Acc], &mut [T::Acc]),
     p: &BatchNormParams,
 ) -> (Vec<T>, Vec<T::Acc>, Vec<T::Acc>) {
     let count = p.n * p.spatial;
@@ -117,21 +115,19 @@ pub fn forward_train<T: Elem>(
         rm[c] = (T::Acc::one() - m) * rm[c] + m * mu;
         rv[c] = (T::Acc::one() - m) * rv[c] + m * var * unbias;
     }
-    let y = normalize(x, residual, relu, w, b, &mean, &invstd, p);
+    let y = normalize(x, residual, relu, (w, b), (&mean, &invstd), p);
     (y, mean, invstd)
 }
 
 /// `y = (x − mean)·invstd·w + b`, then the fused epilogue (`residual` laid out as x, ReLU),
 /// rounded once to `T`: the forward's output given its statistics.
-#[allow(clippy::too_many_arguments)]
+/// `(w, b)` are the affine parameters, `(mean, invstd)` the statistics.
 pub fn normalize<T: Elem>(
     x: &[T],
     residual: Option<&[T]>,
     relu: bool,
-    w: &[T::Acc],
-    b: &[T::Acc],
-    mean: &[T::Acc],
-    invstd: &[T::Acc],
+    (w, b): (&[T::Acc], &[T::Acc]),
+    (mean, invstd): (&[T::Acc], &[T::Acc]),
     p: &BatchNormParams,
 ) -> Vec<T> {
     let mut y = vec![T::default(); x.len()];
@@ -166,7 +162,7 @@ pub fn backward<T: Elem>(
 ) -> (Vec<T>, Vec<T::Acc>, Vec<T::Acc>) {
     let (dgamma, dbeta) = grad_sums(g, x, mean, invstd, p);
     let nf = T::acc((p.n * p.spatial) as f64);
-    let dx = grad_input(g, x, w, mean, invstd, &dgamma, &dbeta, nf, p);
+    let dx = grad_input(g, x, w, (mean, invstd), (&dgamma, &dbeta), nf, p);
     (dx, dgamma, dbeta)
 }
 
@@ -198,15 +194,13 @@ pub fn grad_sums<T: Elem>(
 
 /// `dx = w·invstd/N · (N·g − dbeta − x̂·dgamma)` given the sums of `N` values per channel (the
 /// local batch's, or every process's for SyncBatchNorm).
-#[allow(clippy::too_many_arguments)]
+/// `(mean, invstd)` are the statistics, `(dgamma, dbeta)` the sums.
 pub fn grad_input<T: Elem>(
     g: &[T],
     x: &[T],
     w: &[T::Acc],
-    mean: &[T::Acc],
-    invstd: &[T::Acc],
-    dgamma: &[T::Acc],
-    dbeta: &[T::Acc],
+    (mean, invstd): (&[T::Acc], &[T::Acc]),
+    (dgamma, dbeta): (&[T::Acc], &[T::Acc]),
     nf: T::Acc,
     p: &BatchNormParams,
 ) -> Vec<T> {
@@ -377,7 +371,7 @@ impl BatchNormOps for CpuStorage {
                 );
                 let rm = acc_slice_mut!(running_mean, $acc, "batch_norm");
                 let rv = acc_slice_mut!(running_var, $acc, "batch_norm");
-                let (y, mean, invstd) = forward_train($x, $r, p.relu, w, b, rm, rv, p);
+                let (y, mean, invstd) = forward_train($x, $r, p.relu, (w, b), (rm, rv), p);
                 (
                     CpuStorage::$in($narrow(y)),
                     BatchNormSaved {
@@ -563,7 +557,7 @@ impl BatchNormOps for CpuStorage {
             ($x:expr, $r:expr, $acc:ident) => {{
                 let (w, b) = (acc_slice!(weight, $acc, op), acc_slice!(bias, $acc, op));
                 let (m, s) = (acc_slice!(mean, $acc, op), acc_slice!(invstd, $acc, op));
-                normalize($x, $r, p.relu, w, b, m, s, p)
+                normalize($x, $r, p.relu, (w, b), (m, s), p)
             }};
         }
         contiguous_only(op, p.format)?;
@@ -685,7 +679,7 @@ impl BatchNormOps for CpuStorage {
                 let (m, s) = (acc_slice!(mean, $acc, op), acc_slice!(invstd, $acc, op));
                 let sums = acc_slice!(sums, $acc, op);
                 let (dgamma, dbeta) = sums.split_at(p.c);
-                grad_input($g, $x, w, m, s, dgamma, dbeta, n as $A, p)
+                grad_input($g, $x, w, (m, s), (dgamma, dbeta), n as $A, p)
             }};
         }
         contiguous_only(op, p.format)?;

@@ -69,16 +69,12 @@ fn plan(n: usize, work_per_image: usize) -> (bool, Parallelism) {
 type Mat = (usize, isize, isize);
 
 /// `dst (m×n) = [dst +] lhs (m×k) · rhs (k×n)`.
-#[allow(clippy::too_many_arguments)]
 fn gemm_acc<A: Copy + Zero + num_traits::One + 'static>(
     (m, n, k): (usize, usize, usize),
-    dst: &mut [A],
-    d: Mat,
+    (dst, d): (&mut [A], Mat),
     accumulate: bool,
-    lhs: &[A],
-    a: Mat,
-    rhs: &[A],
-    b: Mat,
+    (lhs, a): (&[A], Mat),
+    (rhs, b): (&[A], Mat),
     par: Parallelism,
 ) {
     if m == 0 || n == 0 {
@@ -299,13 +295,10 @@ pub fn conv2d<T: Elem>(x: &[T], w: &[T], p: &Conv2dParams) -> Vec<T> {
                 im2col(xi, p, &g, gi * g.cig, col);
                 gemm_acc(
                     (cog, l, k),
-                    acc,
-                    (gi * cog * l, 1, l as isize),
+                    (acc, (gi * cog * l, 1, l as isize)),
                     false,
-                    &wa,
-                    (gi * cog * k, 1, k as isize),
-                    col,
-                    (0, 1, l as isize),
+                    (&wa, (gi * cog * k, 1, k as isize)),
+                    (col, (0, 1, l as isize)),
                     par,
                 );
             }
@@ -344,13 +337,10 @@ pub fn conv2d_backward_input<T: Elem>(g: &[T], w: &[T], p: &Conv2dParams) -> Vec
                 // col [K, L] = W_gᵀ [K, cog] · g_g [cog, L]
                 gemm_acc(
                     (k, l, cog),
-                    col,
-                    (0, 1, l as isize),
+                    (col, (0, 1, l as isize)),
                     false,
-                    &wa,
-                    (gi * cog * k, k as isize, 1),
-                    ga,
-                    (gi * cog * l, 1, l as isize),
+                    (&wa, (gi * cog * k, k as isize, 1)),
+                    (ga, (gi * cog * l, 1, l as isize)),
                     par,
                 );
                 col2im(col, p, &geo, gi * geo.cig, dx);
@@ -382,13 +372,10 @@ pub fn conv2d_backward_weight<T: Elem>(g: &[T], x: &[T], p: &Conv2dParams) -> Ve
             // dW_gᵀ [K, cog] += col [K, L] · g_gᵀ [L, cog]: the big `col` is read along its rows.
             gemm_acc(
                 (k, cog, l),
-                dw,
-                (gi * cog * k, k as isize, 1),
+                (dw, (gi * cog * k, k as isize, 1)),
                 true,
-                col,
-                (0, 1, l as isize),
-                ga,
-                (gi * cog * l, l as isize, 1),
+                (col, (0, 1, l as isize)),
+                (ga, (gi * cog * l, l as isize, 1)),
                 par,
             );
         }

@@ -261,7 +261,7 @@ pub(super) fn forward_cudnn(
     ];
     // A cuDNN missing the symbol would panic inside cudarc: an error instead.
     no_panic("cuDNN batch-norm forward", || {
-        bn.forward(h, p, src, z, y.ptr(), stats, (ptr_of(&ws), reserve.ptr()))
+        bn.forward(h, p, [src, z, y.ptr()], stats, (ptr_of(&ws), reserve.ptr()))
     })?;
     Ok((
         y,

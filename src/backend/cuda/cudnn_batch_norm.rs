@@ -222,14 +222,11 @@ impl CudnnBatchNorm {
     /// `y = act(bn(x) (+ z))`; updates the running statistics, writes the saved mean and
     /// inverse standard deviation, and the reserve space. Pointers are device addresses of
     /// buffers the descriptors describe (the workspace and reserve of at least the sizes above).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn forward(
         &self,
         h: dsys::cudnnHandle_t,
         p: &BatchNormParams,
-        x: u64,
-        z: u64,
-        y: u64,
+        [x, z, y]: [u64; 3],
         [weight, bias, running_mean, running_var, mean, invstd]: [u64; 6],
         (workspace, reserve): (u64, u64),
     ) -> Result<()> {
@@ -270,7 +267,6 @@ impl CudnnBatchNorm {
 
     /// The gradients of x (and of the residual, `dz`), weight and bias from `dy`, with the
     /// forward's saved statistics, output `y` and reserve space.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn backward(
         &self,
         h: dsys::cudnnHandle_t,

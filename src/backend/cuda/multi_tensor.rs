@@ -243,6 +243,8 @@ impl CudaMultiTensor {
 }
 
 impl MultiTensorOps for CudaMultiTensor {
+    // Long (about 160 lines) because it is one match arm per kernel, each a name built from the
+    // operand dtypes and one launch: a new kernel is one arm here, beside the others.
     fn multi_tensor(&self, kernel: &MtKernel, entries: &[MtEntry], sc: &MtScalars) -> Result<()> {
         use MtList as L;
         let op = "multi_tensor (cuda)";
