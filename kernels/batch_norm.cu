@@ -143,7 +143,7 @@ __device__ void bn_fwd(BnFwd p, const T* x_, const typename Num<T>::acc* w, cons
     // S units in the slice, L of them kept in the ring (the rest is read again by the writers).
     const u64 S = hi - lo, L = S < R ? S : R;
     // Readers: chunks of U units per thread, up to D chunks in flight (16 bytes each: 32–64 KB
-    // per block; more in flight measured slower on an H200). Writers: F units per thread between
+    // per block; more in flight measured slower). Writers: F units per thread between
     // reports of their progress.
     const int U = 8, D = 2, F = 4;
     // The ring position `q` moved on by one group stride.
@@ -401,7 +401,7 @@ __device__ void bn_bwd_partial(u64 n, u64 c, u64 sp, u64 S, const T* g, const T*
 
 // The two sums of one channel's S partials, part[(ch·S + s)·2 + q], in F (`block_fold`). A block
 // per channel, because the NHWC reductions leave hundreds of partials per channel on early
-// layers (a thread per channel walking them serially took ~34 µs per call on CIFAR's 32x32
+// layers (a thread per channel walking them serially was slow, latency-bound, on CIFAR's 32x32
 // layers); the order depends only on S and the block size, so the result repeats bitwise.
 template <typename F, typename P>
 __device__ __forceinline__ void channel_sums(const P* part, u64 ch, u64 S, F& a, F& b, F* sh) {

@@ -17,7 +17,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! See the README's "Mixed precision (AMP)" section for the levels, the policy files and the loop.
+//! See the README's "The training loop and AMP" section for the loop and the levels, and its
+//! "Policies" section for the policy files.
 
 pub mod autocast;
 pub mod captured_step;

@@ -7,14 +7,14 @@
 //! conversion reads it, and when the pass ends (`Deferred::join`).
 //!
 //! Only into a weight with no hooks: a hook reads the gradient as soon as it is added, so the
-//! join would follow at once (DDP's hooks made the main job on four H100s 2–4% slower, RESULTS.md
-//! call I10, as joining at every layer did on one). Only small ones go beside, and only beside a
-//! data gradient: two kernels that each fill the
-//! GPU gain nothing from sharing it, and a weight gradient with no data gradient to overlap (the
-//! first layer's) only pays for the fork and the join. Whole steps measured that (RESULTS.md,
-//! calls B10–F10): the CIFAR ResNet-18's and ResNet-50's weight gradients (0.5–10 GFLOP each)
-//! lost 1–3% beside, and the ResNet-18's stem alone 2%; the main job's net, whose weight
-//! gradients are under 0.5 GFLOP and leave most of an H100 idle, gained.
+//! join would follow at once (with DDP's hooks the main job's multi-GPU step was slower beside,
+//! as joining at every layer made it on one GPU). Only small ones go beside, and only beside a
+//! data gradient: two kernels that each fill the GPU gain nothing from sharing it, and a weight
+//! gradient with no data gradient to overlap (the first layer's) only pays for the fork and the
+//! join. Whole steps measured that (benches/RESULTS.md has the figures): the CIFAR ResNet-18's
+//! and ResNet-50's weight gradients, each large enough to fill the GPU, lost a little beside, and
+//! so did the ResNet-18's stem alone; the main job's net, whose weight gradients are small and
+//! leave most of the GPU idle, gained.
 
 use crate::backend::cuda::side_stream;
 use crate::backend::Conv2dParams;

@@ -53,9 +53,9 @@ pub const MT_ROLES: usize = 6;
 
 /// Elements per chunk of a multi-tensor call: one CUDA block each, and the unit of the per-chunk
 /// partials that a norm sums in a fixed order (so the CPU backend walks the same chunks). apex
-/// uses 65536; a block then loops 32 times over its chunk, and a small net's step (the main
-/// job's ~80k parameters: 11 blocks) ran its SGD kernel for 26 µs on an idle GPU. 8192 gives
-/// such a net enough blocks and keeps a large one's launch at memory speed.
+/// uses 65536; a block then loops 32 times over its chunk, and a small net (the main job's
+/// ~80k parameters fill only 11 blocks) leaves most of the GPU idle during its SGD kernel. 8192
+/// gives such a net enough blocks and keeps a large one's launch at memory speed.
 pub const MT_CHUNK: usize = 8192;
 
 impl MtList {

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use super::control::Control;
 use crate::error::{Error, Result};
 
-/// How long a wait polls without sleeping: polling a non-blocking NCCL call with 200 µs sleeps
-/// from the start made SyncBatchNorm's eager DDP step at 2 ranks 10.9–12.3 ms, against 6.9 ms
-/// polling for the first 2 ms (RESULTS.md, call C7). Longer waits (a peer still busy) sleep
-/// between polls.
+/// How long a wait polls without sleeping: sleeping between polls of a non-blocking NCCL call
+/// from the start made SyncBatchNorm's eager DDP step at 2 ranks much slower than polling
+/// without sleeping for this long first (benches/RESULTS.md has the figures). Longer waits (a
+/// peer still busy) sleep between polls.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
 
 /// How long a worker polls for its next job before it sleeps on the queue: a training step's

@@ -14,7 +14,7 @@
 //! - `launch.rs`: spawning and supervising the rank processes of one machine.
 //!
 //! A dead or hung rank is an [`Error::Distributed`](crate::Error::Distributed) on every other
-//! rank within a bounded time, naming the rank; README.md ("Several GPUs") shows each fault.
+//! rank within a bounded time, naming the rank; docs/distributed.md ("Faults") shows each fault.
 
 mod collective;
 mod control;

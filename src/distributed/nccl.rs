@@ -5,8 +5,8 @@
 //!   asked for; the thread that asks gets a work handle at once and waits only where it needs
 //!   the call made ([`NcclWork::wait`]), and then within the group's timeout and faults, never
 //!   inside NCCL. So the communicator can be blocking (NCCL's default): a blocking call returns
-//!   in microseconds, where a non-blocking one goes to a thread NCCL starts for it and returned
-//!   "in progress" for ~0.2 ms on the lent H100s (RESULTS.md, calls C7 and A8).
+//!   in microseconds, where a non-blocking one goes to a thread NCCL starts for it and returns
+//!   "in progress" for far longer (benches/RESULTS.md has the figures).
 //!   `NCCL_COMM_BLOCKING=0` (NCCL's own switch) makes it non-blocking, and the issuing thread
 //!   then polls each call to completion.
 //! - The communicator is created by the issuing thread from the unique id that rank 0 handed out
@@ -529,8 +529,8 @@ impl NcclEngine {
     /// calls still queued, wait for this rank's collectives and finalize the communicator (NCCL
     /// flushes what it still has of them), then stops it. The group then says goodbye to its
     /// peers, and only then [`NcclEngine::release`] destroys the communicator: destroying it
-    /// can wait on a peer that is still inside a collective this rank never issued (seen on two
-    /// H100s), and that peer learns from the goodbye to fail and abort, which releases both (a
+    /// can wait on a peer that is still inside a collective this rank never issued (seen with
+    /// two GPUs), and that peer learns from the goodbye to fail and abort, which releases both (a
     /// peer that never does is not waited for past [`DESTROY_LIMIT`]).
     pub(crate) fn flush(&self) {
         let sh = &self.shared;
@@ -586,7 +586,7 @@ impl NcclEngine {
 
 /// How long leaving the group waits for `ncclCommDestroy` of a finalized communicator. A clean
 /// destroy takes milliseconds, but it waits for a peer that is inside a collective this rank
-/// never issued (seen on the lent H100s): a live peer learns from the goodbye to abort, which
+/// never issued (seen in practice): a live peer learns from the goodbye to abort, which
 /// releases both; a peer whose host is hung never does, and a program leaving its group must
 /// not hang with it.
 const DESTROY_LIMIT: Duration = Duration::from_secs(10);

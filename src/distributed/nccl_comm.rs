@@ -233,7 +233,7 @@ pub(super) struct Shared {
 /// The collectives issued and not yet seen complete, and whether an abort cut one short.
 ///
 /// Destroying a CUDA event waits for a driver lock that a thread inside `cuStreamSynchronize`
-/// holds (seen on the lent H100s: the watchdog stuck in `cuEventDestroy` while the compute thread
+/// holds (seen on GPUs: the watchdog stuck in `cuEventDestroy` while the compute thread
 /// waited for a collective that only an abort would end). So the watchdog, which must keep
 /// watching while the compute thread waits, and the abort never destroy an event, nor wait for
 /// a lock held by a thread that might: the watchdog moves what completed to `retired`, and the
@@ -471,8 +471,8 @@ impl Shared {
             .map_err(|e| cuda("binding the context", e))?;
         // Blocking calls, unless NCCL_COMM_BLOCKING=0 in the environment (NCCL's own switch)
         // makes them non-blocking: a blocking collective returns in microseconds, where a
-        // non-blocking one is handed to a thread NCCL starts for it (~0.2 ms on the lent
-        // H100s, RESULTS.md call A8). Both work here; see the module's notes.
+        // non-blocking one is handed to a thread NCCL starts for it and stays in progress far
+        // longer (benches/RESULTS.md has the figures). Both work here; see the module's notes.
         let mut config = ConfigV214 {
             size: std::mem::size_of::<ConfigV214>(),
             magic: 0xcafe_beef,

@@ -215,10 +215,10 @@ struct Chosen {
     note: String,
 }
 
-/// The default worker threads for Fashion-MNIST and CIFAR-10 (images held in memory, cropped
-/// and flipped per batch): two on a GPU, where a captured step of the main job's net consumes a
-/// batch of 128 in about 1.0 ms and one thread assembles one in about 1.1 ms (H200, 16 cores);
-/// one on the CPU, whose cores the training step needs. The batches are the same for any count.
+/// The default worker threads for Fashion-MNIST and CIFAR-10 (images held in memory, cropped and
+/// flipped per batch): two on a GPU, where a captured step of the main job's net consumes a batch
+/// of 128 a little faster than one thread assembles one (benches/RESULTS.md has the figures); one
+/// on the CPU, whose cores the training step needs. The batches are the same for any count.
 fn small_image_workers(device: Device) -> usize {
     if device.is_cuda() {
         default_workers().saturating_sub(1).clamp(1, 2)

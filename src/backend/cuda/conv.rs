@@ -3,37 +3,36 @@
 //! chosen once, on the first call's own buffers, and kept with its workspace size.
 //!
 //! **One candidate list, one timer.** The candidates are the graph API's engine configurations
-//! (`cudnn_graph.rs`: heuristic modes A and B, then the fallback list), the legacy API's
-//! algorithms (`cudnn_legacy.rs`: `cudnnGet*Algorithm_v7`, each with its math type), every one
-//! that keeps the dtype's numerical promise and needs at most the workspace limit, and our own
-//! kernel where it applies (`conv_direct.rs`: the weight gradient of small channels_last
-//! filters, such as a one-channel stem). All are timed
-//! the same way on the same buffers (`conv_tune.rs`: warm-up, median of three, slow ones
-//! abandoned early, near-equals re-timed) and the fastest runs; among candidates within 3% of it,
-//! the one with the least workspace. A candidate is not run at all where a tenth of the best
-//! rate it reached in a long run (1 ms or more) on an earlier convolution of the same direction,
-//! dtype and layout (`conv_tune::Rates`) would still make it slow: cuDNN's generic engine 0,
-//! run on each of ResNet-50's convolutions at 25-1240 ms a run, was most of a new machine's
-//! first step.
+//! (`cudnn_graph.rs`: heuristic modes A and B, then the fallback list), the legacy API's algorithms
+//! (`cudnn_legacy.rs`: `cudnnGet*Algorithm_v7`, each with its math type), every one that keeps the
+//! dtype's numerical promise and needs at most the workspace limit, and our own kernel where it
+//! applies (`conv_direct.rs`: the weight gradient of small channels_last filters, such as a
+//! one-channel stem). All are timed the same way on the same buffers (`conv_tune.rs`: warm-up,
+//! median of three, slow ones abandoned early, near-equals re-timed) and the fastest runs; among
+//! candidates within 3% of it, the one with the least workspace. A candidate is not run at all
+//! where a tenth of the best rate it reached in a long run on an earlier convolution of the same
+//! direction, dtype and layout (`conv_tune::Rates`) would still make it slow: cuDNN's generic
+//! engine 0, run on each of ResNet-50's convolutions and far slower than the best on every one, was
+//! most of a new machine's first step.
 //!
-//! Why: inside a real ResNet-50 step (H200, batch 256) the former choice lost up to 4.4x to the
-//! legacy API's untimed heuristic choice. The graph API's candidates were capped at 256 MiB of
-//! workspace, and so was `cudnnFind*AlgorithmEx`'s scratch. cuDNN's fast tensor-core kernels
-//! for NCHW operands run NHWC internally and transpose both operands in the workspace: the
-//! sizes it asked for are x + y exactly (layer1's 1x1 64->256 forward: 102.8 + 411.0 MB =
-//! 513.8 MB; the 56x56 downsample's backward-data: dx 411.0 + dy 205.5 MB = 616.6 MB; the stem,
-//! its 3 channels padded to 8: 205.5 + 411.0 MB). At batch 256 that is over 256 MiB for every
-//! early-layer convolution, so the graph API was left with its generic engine 0 on the strided
-//! 1x1 backward-data (127-140 ms against 0.3 ms), cudnnFind returned no candidate at all there
-//! (elsewhere one algorithm at most passed its filter: success, the scratch size, and a math type
-//! equal to the descriptor's), and an untimed side lost by default. channels_last operands need
-//! no such transposes. Now the limit is what PyTorch allows in spirit (a generous cap:
-//! a quarter of the free device memory, at most 2 GiB; `MIXPREC_CUDNN_WORKSPACE_MB` overrides),
-//! the legacy algorithms are timed by our own timer rather than by cudnnFind (whose single run
-//! per candidate includes a first-launch warm-up, whose scratch it cannot share with the graph
-//! API's timing, and whose results report no workspace-aware tie-break), and nothing wins
-//! untimed while timing is on ([`conv_plans`] reports each plan's time and how many candidates
-//! of each API were timed).
+//! Why: inside a real ResNet-50 step (batch 256) the former choice lost by several times to the
+//! legacy API's untimed heuristic choice (benches/RESULTS.md has the figures). The graph API's
+//! candidates were capped at 256 MiB of workspace, and so was `cudnnFind*AlgorithmEx`'s scratch.
+//! cuDNN's fast tensor-core kernels for NCHW operands run NHWC internally and transpose both
+//! operands in the workspace: the sizes it asked for are x + y exactly (layer1's 1x1 64->256
+//! forward: 102.8 + 411.0 MB = 513.8 MB; the 56x56 downsample's backward-data: dx 411.0 + dy
+//! 205.5 MB = 616.6 MB; the stem, its 3 channels padded to 8: 205.5 + 411.0 MB). At batch 256 that
+//! is over 256 MiB for every early-layer convolution, so the graph API was left with its generic
+//! engine 0 on the strided 1x1 backward-data (hundreds of times slower than the best), cudnnFind
+//! returned no candidate at all there (elsewhere one algorithm at most passed its filter: success,
+//! the scratch size, and a math type equal to the descriptor's), and an untimed side lost by
+//! default. channels_last operands need no such transposes. Now the limit is what PyTorch allows in
+//! spirit (a generous cap: a quarter of the free device memory, at most 2 GiB;
+//! `MIXPREC_CUDNN_WORKSPACE_MB` overrides), the legacy algorithms are timed by our own timer rather
+//! than by cudnnFind (whose single run per candidate includes a first-launch warm-up, whose scratch
+//! it cannot share with the graph API's timing, and whose results report no workspace-aware
+//! tie-break), and nothing wins untimed while timing is on ([`conv_plans`] reports each plan's time
+//! and how many candidates of each API were timed).
 //!
 //! Engines that compile kernels at run time (cuDNN's `RUNTIME_COMPILATION` note) stay out by
 //! default: their compile happens when their plan is built, in every process and for every

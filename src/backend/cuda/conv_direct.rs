@@ -3,8 +3,8 @@
 //!
 //! Today one: the weight gradient of a channels_last filter with few weights against a long
 //! sum over pixels (a one-channel stem, the 1x1 shortcuts of a small net), where cuDNN's tiled
-//! kernels leave most of the GPU idle: a 28x28 stem of 16 filters at batch 128 took 34 µs, more
-//! than any other kernel of the main job's step. Two launches: partial sums per range of
+//! kernels leave most of the GPU idle: a 28x28 stem of 16 filters at batch 128 was the slowest
+//! kernel of the main job's step. Two launches: partial sums per range of
 //! pixels into the convolution's workspace, then a fixed-order sum of them per weight.
 
 use std::ffi::c_void;
@@ -25,7 +25,7 @@ const THREADS: usize = 256;
 const SUM_THREADS: u32 = 128;
 /// Pixels each copy of a slot walks at least. Each pixel's loads wait on the last one's, so
 /// parallelism comes from many short walks: with 16 pixels a thread the stem's 224 blocks
-/// ran 14.8 µs, latency-bound at ~14 warps per multiprocessor.
+/// were latency-bound, too few warps per multiprocessor to hide the loads.
 const MIN_PIXELS_PER_THREAD: usize = 4;
 /// The most weights a filter may have to be a candidate: beyond this cuDNN's tiles fill the GPU.
 const MAX_WEIGHTS: usize = 1 << 14;

@@ -9,9 +9,9 @@
 //! 1. Every candidate runs once, timed coarsely (from an idle GPU: launch and first-launch costs
 //!    included), unless its *floor* is already slow: a lower estimate of its time that the caller
 //!    may give from the rate the candidate reached on other convolutions ([`Rates`]: a tenth of
-//!    its best rate in runs of at least `RATE_MIN_MS`). cuDNN's generic engine 0 takes
-//!    25-1240 ms on each of ResNet-50's convolutions where the best takes 0.04-0.6 ms; run on
-//!    every one, it was 30 of the 39 s a cold plan choice took (RESULTS.md, call A14).
+//!    its best rate in runs of at least `RATE_MIN_MS`). cuDNN's generic engine 0 is orders of
+//!    magnitude slower than the best candidate on each of ResNet-50's convolutions; run on every
+//!    one, it took most of a cold plan choice's time (benches/RESULTS.md has the figures).
 //! 2. In order of that time, each is measured precisely: `TIMED_RUNS` timed runs after an untimed
 //!    one, the median its time. One whose coarse time was more than `SLOW` times (plus
 //!    `SLACK_MS`) the best coarse time so far runs once more, coarsely, and is abandoned if that
@@ -44,7 +44,7 @@ pub(super) const TIMED_RUNS: usize = 3;
 const SLOW: f32 = 2.0;
 const SLACK_MS: f32 = 0.2;
 /// More than this beyond the slow mark, a coarse time is the candidate's own, not a first
-/// launch's (loading a kernel took ~8 ms at most in the calls of RESULTS.md): abandoned at once.
+/// launch's (loading a kernel costs well under this): abandoned at once.
 const FIRST_LAUNCH_MS: f32 = 50.0;
 /// Candidates whose median is within this factor of the best are re-timed.
 const FINALIST: f32 = 1.10;
@@ -55,13 +55,13 @@ pub(super) const WORKSPACE_TIE: f32 = 0.03;
 
 /// A candidate's floor on a convolution is its time at this many times the best rate it reached
 /// on another of the same direction, dtype and layout. Over ResNet-50's convolutions the rate of
-/// cuDNN's engine 0 varied 5x (457-2338 GFLOP/s forward, 42-204 backward-filter), and it stayed
-/// 44-9100x slower than the best candidate (RESULTS.md, call A14).
+/// cuDNN's engine 0 varied by a few times, less than this margin, and it stayed far slower than
+/// the best candidate on every one (benches/RESULTS.md has the figures).
 const RATE_MARGIN: f64 = 10.0;
 /// Only a run at least this long gives a rate: a shorter one may be mostly launch costs, or too
 /// small a problem to fill the GPU, and a fast engine first seen there would get a floor far
 /// above its real time on a large convolution. Every candidate a floor should keep from running
-/// takes tens of ms (A14: engine 0 13-1241 ms, the CUDA-core legacy algorithms 2-17 ms).
+/// takes longer than that on every convolution (engine 0, the CUDA-core legacy algorithms).
 const RATE_MIN_MS: f32 = 1.0;
 
 /// The best rate (work per ms) each candidate reached, and the floors it gives (step 1 of the

@@ -6,8 +6,8 @@
 //! `conv.rs`'s.
 //!
 //! Why this API and not only the legacy one: the legacy API reaches a subset of cuDNN 9's
-//! engines. On ResNet-50's 14x14 layer3 convolution (H200, f16) it offered two tensor-core
-//! candidates, the faster at ~0.7 of what PyTorch (which uses this API) reaches.
+//! engines. On ResNet-50's 14x14 layer3 convolution (f16) it offered two tensor-core
+//! candidates, the faster well short of what PyTorch (which uses this API) reaches.
 
 use std::ffi::c_void;
 
@@ -184,15 +184,15 @@ pub(super) struct EngineRules {
     pub(super) runtime_compiled: bool,
 }
 
-/// Whether an engine with these numerical and behaviour notes is refused. It must compute what
-/// the dtype promises: no inputs converted down, no reduction in reduced precision (half inputs
+/// Whether an engine with these numerical and behaviour notes is refused. It must compute what the
+/// dtype promises: no inputs converted down, no reduction in reduced precision (half inputs
 /// accumulate in f32), f32 on tensor cores (TF32) only when allowed (f64 tensor cores compute in
-/// f64), and f32 without Winograd or FFT transforms unless TF32 is allowed (measured on H200: a
-/// CIFAR ResNet-18's f32 gradients 4e-4 from f64 through Winograd in layer4, against PyTorch's
-/// 3e-6). Nondeterministic engines are refused when determinism is asked for. Engines that
-/// compile kernels at run time are refused unless `rules` admit them: each costs seconds of
-/// NVRTC at plan build, for every shape of a network, in every process (the plan cache stores
-/// the choice, not the compiled kernel).
+/// f64), and f32 without Winograd or FFT transforms unless TF32 is allowed (measured: through
+/// Winograd in layer4, a CIFAR ResNet-18's f32 gradients lay about a hundred times further from f64
+/// than PyTorch's). Nondeterministic engines are refused when determinism is asked for. Engines
+/// that compile kernels at run time are refused unless `rules` admit them: each costs seconds of
+/// NVRTC at plan build, for every shape of a network, in every process (the plan cache stores the
+/// choice, not the compiled kernel).
 fn refuses(numerical: &[u32], behavior: &[u32], rules: EngineRules) -> bool {
     use dsys::cudnnBackendBehaviorNote_t as B;
     use dsys::cudnnBackendNumericalNote_t as N;

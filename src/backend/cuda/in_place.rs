@@ -165,8 +165,8 @@ pub(crate) fn copy_from(dst: &CudaStorage, src: &CudaStorage) -> Result<()> {
 }
 
 /// `dst = 0` (+0.0 in every float dtype, 0 as i64). A fill kernel rather than a memset: in a
-/// captured graph a memset node costs about 2.3 µs against a small kernel's 1 µs on an H200
-/// (`benches/diag/graph_node_cost.cu`).
+/// captured graph a memset node costs more than a small kernel node
+/// (`benches/diag/graph_node_cost.cu`; benches/RESULTS.md has the figures).
 pub(crate) fn fill_zero(dst: &CudaStorage) -> Result<()> {
     if dst.is_empty() {
         return Ok(());

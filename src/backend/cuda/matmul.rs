@@ -4,9 +4,9 @@
 //! column-major convention. The handle and its workspace are created once per device.
 //!
 //! One path for every dtype: cuBLASLt with a heuristic-chosen algorithm and the same 32 MiB
-//! workspace measured no faster for f16/bf16 8192³ on an H200 (2026-11-21, one call: 665–673 vs
-//! 651–652 TFLOP/s f16, 678–688 vs 688–694 bf16; PyTorch 658 / 688 on the same data), and
-//! cudarc's safe Lt wrapper would force TF32 on f32.
+//! workspace measured no faster on large f16/bf16 products, where this path already matches
+//! PyTorch's (benches/RESULTS.md has the figures), and cudarc's safe Lt wrapper would force TF32
+//! on f32.
 
 use std::ffi::c_void;
 

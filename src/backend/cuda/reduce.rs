@@ -37,8 +37,8 @@ const WIDE_THREADS: u32 = 128;
 
 /// Whether a lane reduction gets a block per lane: when a thread per lane would leave most
 /// multiprocessors idle (fewer than four lanes each) while each thread walks a long lane (the fc
-/// bias gradient of a batch of 128: 10 threads × 128 loads, ~10 µs alone). With many lanes the
-/// thread-per-lane loads coalesce across neighbouring lanes, which a block per lane's do not.
+/// bias gradient of a batch of 128: 10 threads × 128 serial loads, latency-bound). With many lanes
+/// the thread-per-lane loads coalesce across neighbouring lanes, which a block per lane's do not.
 fn wide_lanes(lanes: usize, len: usize, sms: usize) -> bool {
     lanes < 4 * sms && len >= 64
 }

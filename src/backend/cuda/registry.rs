@@ -5,14 +5,14 @@
 //! ([`crate::io::write_atomic`]) and sealed with a CRC-32 of the image ([`seal`]); a file whose
 //! seal does not match is compiled again, so the driver is never handed a damaged image.
 //!
-//! A first use that finds its family in neither place (a new machine, a new version) compiles
-//! every family missing from the disk cache, side by side on the host's cores, longest first,
-//! and waits for them all: a training step uses nearly every family, and one after another, each
-//! at its first use, they took ~40 s of the first step on the lent GPU machines' hosts
-//! (`fused_optim` 12-16 s, `batch_norm` 8-10 s). The threads end before the call returns, so
-//! none is left inside NVRTC when the program exits. (NVRTC 13 also keeps its compiles in the
-//! driver's compute cache, `~/.nv/ComputeCache`: a later process compiles from there in a
-//! fraction of a second, even with this cache empty.)
+//! A first use that finds its family in neither place (a new machine, a new version) compiles every
+//! family missing from the disk cache, side by side on the host's cores, longest first, and waits
+//! for them all: a training step uses nearly every family, and one after another, each at its first
+//! use, they made the first step take tens of seconds (`fused_optim` and `batch_norm` the longest;
+//! benches/RESULTS.md has the figures). The threads end before the call returns, so none is left
+//! inside NVRTC when the program exits. (NVRTC 13 also keeps its compiles in the driver's compute
+//! cache, `~/.nv/ComputeCache`: a later process compiles from there in a fraction of a second, even
+//! with this cache empty.)
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};

@@ -10,8 +10,8 @@
 //!   ([`join`]) before anything reads what it wrote. The buffers the side work reads and writes
 //!   (`keep`) live until then, so that the main stream frees none of them under it; a fork that
 //!   would keep more than [`KEEP_LIMIT`] bytes so joins first. (Joining at every fork, which
-//!   keeps one layer's buffers, cost the main job's net 6% of its captured step: RESULTS.md,
-//!   call C10.)
+//!   keeps one layer's buffers, made the main job's captured step measurably slower:
+//!   benches/RESULTS.md has the figures.)
 //! - **Buffers belong to the main stream.** Memory allocated beside is allocated on the side
 //!   stream (so that its first use there is ordered) but owned by the main stream: it is freed
 //!   there, after the join, unless it is freed while still beside (a temporary of the side work),
