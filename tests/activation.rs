@@ -18,7 +18,9 @@ fn silu(x: f64) -> f64 {
 }
 
 type Op = fn(&Tensor) -> mixprec::Result<Tensor>;
-const OPS: [(&str, Op, fn(f64) -> f64); 3] = [
+/// Name, the op, its f64 formula.
+type Case = (&'static str, Op, fn(f64) -> f64);
+const OPS: [Case; 3] = [
     ("gelu", |t| t.gelu(), gelu),
     ("gelu_tanh", |t| t.gelu_tanh(), gelu_tanh),
     ("silu", |t| t.silu(), silu),
@@ -65,7 +67,7 @@ fn strided_inputs_and_their_gradients() {
         let y = op(&x).unwrap();
         let want: Vec<f64> = vals(&x).iter().map(|&v| f(v)).collect();
         assert_close(&vals(&y), &want, 1e-12, 1e-13);
-        check_gradients(&[base.clone()], |t| op(&t[0].transpose(0, 1)?));
+        check_gradients(std::slice::from_ref(&base), |t| op(&t[0].transpose(0, 1)?));
     }
 }
 
