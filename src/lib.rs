@@ -36,5 +36,5 @@ pub use base::error;
 
 pub use autograd::{no_grad, with_no_grad};
 pub use error::{Error, Mismatch, Result};
-pub use tensor::{BatchNormConfig, Conv2dConfig};
+pub use tensor::{BatchNormConfig, Conv2dConfig, DropoutGenerator};
 pub use tensor::{DType, Device, Layout, MemoryFormat, Shape, Tensor, TensorId, WithDType};

@@ -61,11 +61,15 @@ pub const fn class_of(op: OpKind) -> OpClass {
         | K::Sum
         | K::Mean
         | K::CrossEntropy
-        | K::MseLoss => OpClass::Fp32,
+        | K::MseLoss
+        | K::LayerNorm
+        | K::RmsNorm => OpClass::Fp32,
         // ---- promote: several inputs, the widest type wins -----------------------------------
         K::Add | K::Sub | K::Mul | K::Div | K::Maximum | K::Minimum | K::Cat => OpClass::Promote,
         // ---- passthrough: exact in any type ---------------------------------------------------
         K::Relu | K::Neg | K::Abs | K::Sqrt | K::Sqr => OpClass::Passthrough,
+        // ---- passthrough: as torch's autocast, which lists neither ---------------------------
+        K::Gelu | K::GeluTanh | K::Silu => OpClass::Passthrough,
     }
 }
 

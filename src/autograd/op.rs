@@ -9,10 +9,14 @@
 //! named as `tensor/`'s): a new op adds its variant here, a line to [`Op::name`] and to the
 //! dispatch in [`Op::backward`], and its formula to its family's module.
 
+mod activation;
 mod batch_norm;
 mod cast;
 mod conv;
+mod dropout;
 mod elementwise;
+mod embedding;
+mod layer_norm;
 mod matmul;
 mod pool;
 mod reduce;
@@ -20,7 +24,8 @@ mod softmax;
 mod view;
 
 use crate::backend::{
-    AdaptivePoolParams, BatchNormParams, BinaryOp, Conv2dParams, MatmulDims, Pool2dParams, UnaryOp,
+    Activation, AdaptivePoolParams, BatchNormParams, BinaryOp, Conv2dParams, DropoutParams,
+    EmbeddingParams, MatmulDims, Pool2dParams, UnaryOp,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Shape, Tensor};
@@ -132,6 +137,23 @@ pub(crate) enum Op {
         dim: usize,
         log: bool,
     },
+    /// Layer norm and RMS norm (what the backward reads: `tensor/layer_norm.rs`).
+    Norm(Box<crate::tensor::layer_norm::NormNode>),
+    /// GELU / SiLU of the saved input `x`.
+    Activation {
+        x: Tensor,
+        act: Activation,
+    },
+    /// An embedding lookup by the saved indices (the table is the one input).
+    Embedding {
+        idx: Tensor,
+        p: EmbeddingParams,
+    },
+    /// Dropout; `state` is the generator state the forward drew its mask at.
+    Dropout {
+        state: Tensor,
+        p: DropoutParams,
+    },
     /// A user-defined function (`autograd::custom_function`).
     Custom(Box<super::hooks::CustomOp>),
 }
@@ -164,6 +186,10 @@ impl Op {
             Op::AvgPool2d { .. } => "avg_pool2d",
             Op::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
             Op::Softmax { .. } => "softmax",
+            Op::Norm(n) => n.name(),
+            Op::Activation { act, .. } => act.name(),
+            Op::Embedding { .. } => "embedding",
+            Op::Dropout { .. } => "dropout",
             Op::Custom(f) => f.name,
         }
     }
@@ -205,6 +231,10 @@ impl Op {
                 pool::backward(self, g, w)
             }
             Op::Softmax { .. } => softmax::backward(self, g, w),
+            Op::Norm(_) => layer_norm::backward(self, g, w),
+            Op::Activation { .. } => activation::backward(self, g, w),
+            Op::Embedding { .. } => embedding::backward(self, g, w),
+            Op::Dropout { .. } => dropout::backward(self, g, w),
             Op::Custom(f) => f.backward(g, needs),
         }
     }

@@ -66,6 +66,11 @@ op_kinds! {
     Maximum => "maximum",
     Minimum => "minimum",
     Cat => "cat",
+    LayerNorm => "layer_norm",
+    RmsNorm => "rms_norm",
+    Gelu => "gelu",
+    GeluTanh => "gelu_tanh",
+    Silu => "silu",
 }
 
 impl OpKind {

@@ -10,14 +10,18 @@
 //!   how a parameter keeps its identity while an optimizer or `amp::initialize` holds it;
 //! - every op checks its operands and returns an `Error` naming them; none panics on user input.
 
+mod activation;
 pub mod autocast;
 mod batch_norm;
 mod cast;
 mod conv;
 mod device;
+mod dropout;
 mod elementwise;
+mod embedding;
 mod in_place;
 mod index;
+pub(crate) mod layer_norm;
 mod matmul;
 mod pool;
 pub mod random;
@@ -32,6 +36,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard}
 pub use crate::base::{DType, Device, Layout, MemoryFormat, Shape, WithDType};
 pub use batch_norm::BatchNormConfig;
 pub use conv::Conv2dConfig;
+pub use dropout::DropoutGenerator;
 pub use storage::Storage;
 
 use crate::autograd::{self, Node, Op};

@@ -59,6 +59,13 @@ plain!(
     Pool2dParams,
     AdaptivePoolParams
 );
+plain!(
+    LayerNormParams,
+    NormBackwardParams,
+    Activation,
+    EmbeddingParams,
+    DropoutParams
+);
 
 impl<T: Plain + ?Sized> Plain for &T {}
 
@@ -172,6 +179,23 @@ lower_operands! {
     BatchNormGradSums { weight, sums, count }
 }
 
+impl<T: Lower> Lower for NormSaved<T> {
+    type Cpu = NormSaved<T::Cpu>;
+    type Cuda = NormSaved<T::Cuda>;
+    fn cpu(self) -> std::result::Result<Self::Cpu, Device> {
+        Ok(NormSaved {
+            mean: self.mean.cpu()?,
+            rstd: self.rstd.cpu()?,
+        })
+    }
+    fn cuda(self) -> std::result::Result<Self::Cuda, Device> {
+        Ok(NormSaved {
+            mean: self.mean.cuda()?,
+            rstd: self.rstd.cuda()?,
+        })
+    }
+}
+
 /// A backend op's result as the tensor layer holds it: each backend buffer wrapped in
 /// [`Storage`], part by part.
 trait Lift {
@@ -216,6 +240,20 @@ impl<A: Lift, B: Lift, C: Lift> Lift for (A, B, C) {
 
 impl<A: Lift> Lift for BatchNormSaved<A> {
     type Out = BatchNormSaved<A::Out>;
+    fn lift(self) -> Self::Out {
+        self.map(A::lift)
+    }
+}
+
+impl<A: Lift> Lift for NormSaved<A> {
+    type Out = NormSaved<A::Out>;
+    fn lift(self) -> Self::Out {
+        self.map(A::lift)
+    }
+}
+
+impl<A: Lift> Lift for NormGrads<A> {
+    type Out = NormGrads<A::Out>;
     fn lift(self) -> Self::Out {
         self.map(A::lift)
     }
@@ -474,6 +512,42 @@ backend_ops! {
     ["softmax"] fn softmax(&self, l: &Layout, dim: usize, log: bool) -> Self;
     ["softmax_backward"]
     fn softmax_backward(&self, l: &Layout, y: &Self, yl: &Layout, dim: usize, log: bool) -> Self;
+
+    // layer norm, RMS norm
+    [p.kind.name(), format!("{}x{}", p.rows, p.cols)]
+    fn layer_norm(
+        &self,
+        l: &Layout,
+        weight: Option<(&Self, &Layout)>,
+        bias: Option<(&Self, &Layout)>,
+        p: &LayerNormParams,
+    ) -> (Self, NormSaved<Self>);
+    ["layer_norm_backward", format!("{}x{}", p.norm.rows, p.norm.cols)]
+    fn layer_norm_backward(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        saved: NormSaved<&Self>,
+        weight: Option<(&Self, &Layout)>,
+        p: &NormBackwardParams,
+    ) -> NormGrads<Self>;
+
+    // activations
+    [act.name()] fn activation(&self, l: &Layout, act: Activation) -> Self;
+    [act.backward_name()]
+    fn activation_backward(&self, l: &Layout, x: &Self, xl: &Layout, act: Activation) -> Self;
+
+    // embedding
+    ["embedding"]
+    fn embedding(&self, l: &Layout, idx: &Self, il: &Layout, p: &EmbeddingParams) -> Self;
+    ["embedding_backward"]
+    fn embedding_backward(&self, l: &Layout, idx: &Self, il: &Layout, p: &EmbeddingParams) -> Self;
+
+    // dropout
+    ["dropout"] fn dropout(&self, l: &Layout, state: &mut Self, p: &DropoutParams) -> (Self, Self);
+    ["dropout_backward"]
+    fn dropout_backward(&self, l: &Layout, saved: &Self, p: &DropoutParams) -> Self;
 }
 
 fn bn_detail(p: &BatchNormParams) -> String {

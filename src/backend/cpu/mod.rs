@@ -6,13 +6,17 @@
 //! Half values are stored as `half::f16`/`bf16`; kernels compute in `Elem::Acc` (f32 for the
 //! half types and f32, f64 for F64) and round once on store, as the CUDA kernels do.
 
+mod activation;
 pub(crate) mod alloc;
 mod batch_norm;
 mod cast;
 mod conv;
+mod dropout;
 mod elementwise;
+mod embedding;
 mod in_place;
 mod index;
+mod layer_norm;
 mod layout;
 mod matmul;
 pub mod multi_tensor;

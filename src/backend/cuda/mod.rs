@@ -15,6 +15,7 @@
 //!
 //! [`BackendStorage`]: crate::backend::BackendStorage
 
+mod activation;
 mod batch_norm;
 mod batch_norm_choice;
 mod batch_norm_launch;
@@ -31,11 +32,14 @@ mod cudnn_batch_norm;
 mod cudnn_graph;
 mod cudnn_legacy;
 mod device;
+mod dropout;
 mod elementwise;
+mod embedding;
 pub(crate) mod graph;
 pub(crate) mod in_place;
 mod index;
 mod launch;
+mod layer_norm;
 mod layout;
 mod matmul;
 pub(crate) mod multi_tensor;

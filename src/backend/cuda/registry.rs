@@ -74,6 +74,10 @@ kernel_families! {
     MultiTensor => "multi_tensor", 32;
     FusedOptim => "fused_optim", 122;
     Conv => "conv", 12;
+    LayerNorm => "layer_norm", 10;
+    Activation => "activation", 6;
+    Embedding => "embedding", 4;
+    Dropout => "dropout", 4;
 }
 
 /// The families, longest to compile first.

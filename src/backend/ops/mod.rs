@@ -3,19 +3,27 @@
 //! `X`). A new family is a new file here plus its two lines below (see ARCHITECTURE.md, "Adding
 //! an op family").
 
+mod activation;
 mod batch_norm;
 mod conv;
+mod dropout;
 mod elementwise;
+mod embedding;
 mod index;
+mod layer_norm;
 mod matmul;
 mod pool;
 mod reduce;
 mod softmax;
 
+pub use activation::*;
 pub use batch_norm::*;
 pub use conv::*;
+pub use dropout::*;
 pub use elementwise::*;
+pub use embedding::*;
 pub use index::*;
+pub use layer_norm::*;
 pub use matmul::*;
 pub use pool::*;
 pub use reduce::*;

@@ -1,0 +1,162 @@
+// layer_norm.cu: layer norm and RMS norm over `rows` contiguous rows of `cols` values, statistics
+// in the accumulation type (f32 for the half types and f32, f64 for f64) whatever T. The affine
+// parameters are W: T itself, or f32 for a half T (AMP's O2 keeps them f32); either may be null.
+//
+// Forward and the input's gradient: a warp per row (rows grid-strided over the grid's warps);
+// lane l folds values l, l + 32, ... in order, then the warp's butterfly, so every lane holds the
+// same sums and the results repeat bit for bit.
+// Parameter gradients: block p sums rows [p·part_rows, (p+1)·part_rows) per column in row order
+// into its own slice of `part`; then one thread per column adds the blocks' slices in block order.
+// No atomics: deterministic.
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+    return warp_reduce(v, [](A a, A b) { return a + b; });
+}
+
+template <typename T, typename W>
+__device__ void ln_fwd(u64 rows, u64 cols, double eps, int rms, const T* __restrict__ x,
+                       const W* __restrict__ w, const W* __restrict__ b, T* __restrict__ y,
+                       typename Num<T>::acc* __restrict__ mean, typename Num<T>::acc* __restrict__ rstd) {
+    typedef typename Num<T>::acc A;
+    const unsigned lane = threadIdx.x & 31;
+    const u64 nwarps = global_stride() >> 5;
+    const A n = (A)cols, e = (A)eps;
+    for (u64 r = global_tid() >> 5; r < rows; r += nwarps) {
+        const T* xr = x + r * cols;
+        T* yr = y + r * cols;
+        A mu = 0, ss = 0;
+        if (!rms) {
+            A s = 0;
+            for (u64 j = lane; j < cols; j += 32) s += Num<T>::to(xr[j]);
+            mu = warp_sum(s) / n;
+        }
+        for (u64 j = lane; j < cols; j += 32) {
+            A d = Num<T>::to(xr[j]) - mu;
+            ss += d * d;
+        }
+        const A rs = (A)1 / m_sqrt(warp_sum(ss) / n + e);
+        for (u64 j = lane; j < cols; j += 32) {
+            A h = (Num<T>::to(xr[j]) - mu) * rs;
+            if (w) h = h * Num<W>::to(w[j]);
+            if (b) h = h + Num<W>::to(b[j]);
+            yr[j] = Num<T>::from(h);
+        }
+        if (lane == 0) {
+            mean[r] = mu;
+            rstd[r] = rs;
+        }
+    }
+}
+
+// dx = rstd·(u − mean(u) − h·mean(u·h)), u = g·w, h = (x − mean)·rstd (RMS norm: no mean(u)).
+template <typename T, typename W>
+__device__ void ln_bwd(u64 rows, u64 cols, int rms, const T* __restrict__ g, const T* __restrict__ x,
+                       const typename Num<T>::acc* __restrict__ mean,
+                       const typename Num<T>::acc* __restrict__ rstd, const W* __restrict__ w,
+                       T* __restrict__ dx) {
+    typedef typename Num<T>::acc A;
+    const unsigned lane = threadIdx.x & 31;
+    const u64 nwarps = global_stride() >> 5;
+    const A n = (A)cols;
+    for (u64 r = global_tid() >> 5; r < rows; r += nwarps) {
+        const T* gr = g + r * cols;
+        const T* xr = x + r * cols;
+        T* dr = dx + r * cols;
+        const A mu = mean[r], rs = rstd[r];
+        A su = 0, suh = 0;
+        for (u64 j = lane; j < cols; j += 32) {
+            A u = Num<T>::to(gr[j]);
+            if (w) u = u * Num<W>::to(w[j]);
+            su += u;
+            suh += u * ((Num<T>::to(xr[j]) - mu) * rs);
+        }
+        const A mu_u = rms ? (A)0 : warp_sum(su) / n;
+        const A mu_uh = warp_sum(suh) / n;
+        for (u64 j = lane; j < cols; j += 32) {
+            A u = Num<T>::to(gr[j]);
+            if (w) u = u * Num<W>::to(w[j]);
+            A h = (Num<T>::to(xr[j]) - mu) * rs;
+            dr[j] = Num<T>::from(rs * (u - mu_u - h * mu_uh));
+        }
+    }
+}
+
+// part[p][0..cols) = Σ g·h, part[p][cols..2·cols) = Σ g over block p's rows (grid = the blocks).
+template <typename T>
+__device__ void ln_param_partial(u64 rows, u64 cols, u64 part_rows, const T* __restrict__ g,
+                                 const T* __restrict__ x, const typename Num<T>::acc* __restrict__ mean,
+                                 const typename Num<T>::acc* __restrict__ rstd,
+                                 typename Num<T>::acc* __restrict__ part) {
+    typedef typename Num<T>::acc A;
+    const u64 p = blockIdx.x;
+    const u64 lo = p * part_rows;
+    const u64 hi = lo + part_rows < rows ? lo + part_rows : rows;
+    A* pw = part + p * 2 * cols;
+    for (u64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        A sw = 0, sb = 0;
+        for (u64 r = lo; r < hi; r++) {
+            A gv = Num<T>::to(g[r * cols + j]);
+            sw += gv * ((Num<T>::to(x[r * cols + j]) - mean[r]) * rstd[r]);
+            sb += gv;
+        }
+        pw[j] = sw;
+        pw[cols + j] = sb;
+    }
+}
+
+// dw[j] = Σ_p part[p][j], db[j] = Σ_p part[p][cols + j], in block order; either may be null.
+template <typename A, typename W>
+__device__ void ln_param_finalize(u64 cols, u64 parts, const A* __restrict__ part, W* __restrict__ dw,
+                                  W* __restrict__ db) {
+    for (u64 j = global_tid(); j < cols; j += global_stride()) {
+        A sw = 0, sb = 0;
+        for (u64 p = 0; p < parts; p++) {
+            sw += part[p * 2 * cols + j];
+            sb += part[p * 2 * cols + cols + j];
+        }
+        if (dw) dw[j] = Num<W>::from(sw);
+        if (db) db[j] = Num<W>::from(sb);
+    }
+}
+
+// One forward and one backward per (input, parameter) dtype pair; statistics of type A.
+#define LAYER_NORM(N, T, WN, W, A)                                                                 \
+    extern "C" __global__ void layer_norm_##N##_##WN(u64 rows, u64 cols, double eps, int rms,      \
+                                                     const T* x, const W* w, const W* b, T* y,     \
+                                                     A* mean, A* rstd) {                           \
+        ln_fwd<T, W>(rows, cols, eps, rms, x, w, b, y, mean, rstd);                                \
+    }                                                                                              \
+    extern "C" __global__ void layer_norm_backward_##N##_##WN(u64 rows, u64 cols, int rms,         \
+                                                              const T* g, const T* x,              \
+                                                              const A* mean, const A* rstd,        \
+                                                              const W* w, T* dx) {                 \
+        ln_bwd<T, W>(rows, cols, rms, g, x, mean, rstd, w, dx);                                    \
+    }
+LAYER_NORM(f16, f16, f16, f16, float)
+LAYER_NORM(f16, f16, f32, float, float)
+LAYER_NORM(bf16, bf16, bf16, bf16, float)
+LAYER_NORM(bf16, bf16, f32, float, float)
+LAYER_NORM(f32, float, f32, float, float)
+LAYER_NORM(f64, double, f64, double, double)
+
+#define LAYER_NORM_PARAMS(N, T, A)                                                                 \
+    extern "C" __global__ void layer_norm_param_partial_##N(u64 rows, u64 cols, u64 part_rows,     \
+                                                            const T* g, const T* x, const A* mean, \
+                                                            const A* rstd, A* part) {              \
+        ln_param_partial<T>(rows, cols, part_rows, g, x, mean, rstd, part);                        \
+    }
+LAYER_NORM_PARAMS(f16, f16, float)
+LAYER_NORM_PARAMS(bf16, bf16, float)
+LAYER_NORM_PARAMS(f32, float, float)
+LAYER_NORM_PARAMS(f64, double, double)
+
+#define LAYER_NORM_FINALIZE(AN, A, WN, W)                                                          \
+    extern "C" __global__ void layer_norm_param_finalize_##AN##_##WN(u64 cols, u64 parts,          \
+                                                                     const A* part, W* dw,         \
+                                                                     W* db) {                      \
+        ln_param_finalize<A, W>(cols, parts, part, dw, db);                                        \
+    }
+LAYER_NORM_FINALIZE(f32, float, f16, f16)
+LAYER_NORM_FINALIZE(f32, float, bf16, bf16)
+LAYER_NORM_FINALIZE(f32, float, f32, float)
+LAYER_NORM_FINALIZE(f64, double, f64, double)

@@ -1,0 +1,193 @@
+//! Layer norm and RMS norm (`kernels/layer_norm.cu`) on contiguous operands: a warp per row for
+//! the forward and the input's gradient; the parameters' gradients as per-block partial sums
+//! (a temporary of the device's pool) and one ordered reduction, so they repeat bit for bit.
+
+use super::common::{acc_dtype, float_sfx, same_dtype, sfx};
+use super::launch::{launch, Grid, BLOCK};
+use super::registry::Family;
+use super::storage::CudaStorage;
+use crate::backend::BackendStorage;
+use crate::backend::{
+    norm_stats_layout, LayerNormOps, LayerNormParams, NormBackwardInputs, NormBackwardParams,
+    NormGrads, NormInputs, NormKind, NormSaved,
+};
+use crate::base::error::{Error, Result};
+use crate::base::{DType, Layout};
+
+/// Most blocks of parameter-gradient partials: bounds the temporary at `2·cols·MAX_PARTS` values.
+const MAX_PARTS: usize = 1024;
+/// Fewest rows a partial block sums.
+const MIN_PART_ROWS: usize = 32;
+
+/// The kernel-name suffix of the parameters' dtype `w` for input dtype `x`: the input's own, or
+/// f32 for a half input; anything else is an error naming `op`.
+fn param_sfx(op: &'static str, x: DType, w: Option<DType>) -> Result<&'static str> {
+    match w {
+        None => Ok(sfx(x)),
+        Some(w) if w == x || (w == DType::F32 && x.is_half()) => Ok(sfx(w)),
+        Some(w) => Err(Error::DTypeMismatch { op, lhs: x, rhs: w }),
+    }
+}
+
+/// A warp per row, grid-strided.
+fn row_grid(x: &CudaStorage, rows: usize) -> Grid {
+    Grid::for_items(&x.dev, rows.saturating_mul(32))
+}
+
+pub(crate) fn layer_norm(
+    inp: &NormInputs<'_, CudaStorage>,
+    p: &LayerNormParams,
+) -> Result<(CudaStorage, NormSaved<CudaStorage>)> {
+    let op = p.kind.name();
+    let (x, lx) = inp.x;
+    let s = float_sfx(op, x.dtype())?;
+    let wdt = inp.weight.or(inp.bias).map(|(w, _)| w.dtype());
+    if let (Some((w, _)), Some((b, _))) = (inp.weight, inp.bias) {
+        same_dtype(op, w, b)?;
+    }
+    let ws = param_sfx(op, x.dtype(), wdt)?;
+    let px = x.ptr_at(lx)?;
+    let pw = inp
+        .weight
+        .map(|(w, l)| w.ptr_at(l))
+        .transpose()?
+        .unwrap_or(0);
+    let pb = inp.bias.map(|(b, l)| b.ptr_at(l)).transpose()?.unwrap_or(0);
+    let acc = acc_dtype(x.dtype());
+    let y = CudaStorage::alloc(&x.dev, x.dtype(), p.rows * p.cols)?;
+    let mean = CudaStorage::alloc(&x.dev, acc, p.rows)?;
+    let rstd = CudaStorage::alloc(&x.dev, acc, p.rows)?;
+    if p.rows > 0 {
+        launch!(x.dev, Family::LayerNorm, format!("layer_norm_{s}_{ws}"), row_grid(x, p.rows);
+            p.rows as u64, p.cols as u64, p.eps, (p.kind == NormKind::Rms) as i32,
+            px, pw, pb, y.ptr(), mean.ptr(), rstd.ptr());
+    }
+    Ok((y, NormSaved { mean, rstd }))
+}
+
+pub(crate) fn layer_norm_backward(
+    inp: &NormBackwardInputs<'_, CudaStorage>,
+    p: &LayerNormParams,
+) -> Result<NormGrads<CudaStorage>> {
+    let op = "layer_norm_backward";
+    let ((g, lg), (x, lx)) = (inp.grad, inp.x);
+    let s = float_sfx(op, g.dtype())?;
+    same_dtype(op, g, x)?;
+    let acc = acc_dtype(x.dtype());
+    for (st, _) in [inp.saved.mean, inp.saved.rstd] {
+        if st.dtype() != acc {
+            return Err(Error::UnsupportedDType {
+                op,
+                got: st.dtype(),
+                expected: "statistics of the input's accumulation type (f32; f64 for f64)",
+            });
+        }
+    }
+    if let (Some((w, _)), Some(d)) = (inp.weight, inp.param_dtype) {
+        if w.dtype() != d {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: w.dtype(),
+                rhs: d,
+            });
+        }
+    }
+    let ws = param_sfx(op, x.dtype(), inp.param_dtype)?;
+    let (pg, px) = (g.ptr_at(lg)?, x.ptr_at(lx)?);
+    let (pm, pr) = (
+        inp.saved.mean.0.ptr_at(inp.saved.mean.1)?,
+        inp.saved.rstd.0.ptr_at(inp.saved.rstd.1)?,
+    );
+    let pw = inp
+        .weight
+        .map(|(w, l)| w.ptr_at(l))
+        .transpose()?
+        .unwrap_or(0);
+    let (rows, cols) = (p.rows, p.cols);
+    let dx = CudaStorage::alloc(&g.dev, g.dtype(), rows * cols)?;
+    if rows > 0 {
+        launch!(g.dev, Family::LayerNorm, format!("layer_norm_backward_{s}_{ws}"), row_grid(g, rows);
+            rows as u64, cols as u64, (p.kind == NormKind::Rms) as i32, pg, px, pm, pr, pw, dx.ptr());
+    }
+    let want = inp.want;
+    let pdt = match inp.param_dtype {
+        Some(d) if want.weight || want.bias => d,
+        _ => {
+            return Ok(NormGrads {
+                input: dx,
+                weight: None,
+                bias: None,
+            })
+        }
+    };
+    let grad = |on: bool| -> Result<Option<CudaStorage>> {
+        on.then(|| CudaStorage::alloc(&g.dev, pdt, cols))
+            .transpose()
+    };
+    let (dw, db) = (grad(want.weight)?, grad(want.bias)?);
+    if rows == 0 {
+        // Sums over no rows.
+        for t in dw.iter().chain(db.iter()) {
+            if cols > 0 {
+                super::cast::fill(t, 0.0)?;
+            }
+        }
+    } else if cols > 0 {
+        let part_rows = rows.div_ceil(MAX_PARTS).max(MIN_PART_ROWS);
+        let parts = rows.div_ceil(part_rows);
+        let part = CudaStorage::alloc(&g.dev, acc, 2 * cols * parts)?;
+        let grid = Grid {
+            blocks: parts as u32,
+            threads: BLOCK,
+        };
+        launch!(g.dev, Family::LayerNorm, format!("layer_norm_param_partial_{s}"), grid;
+            rows as u64, cols as u64, part_rows as u64, pg, px, pm, pr, part.ptr());
+        let ptr = |t: &Option<CudaStorage>| t.as_ref().map_or(0, |t| t.ptr());
+        launch!(g.dev, Family::LayerNorm,
+            format!("layer_norm_param_finalize_{}_{ws}", sfx(acc)), Grid::for_items(&g.dev, cols);
+            cols as u64, parts as u64, part.ptr(), ptr(&dw), ptr(&db));
+    }
+    Ok(NormGrads {
+        input: dx,
+        weight: dw,
+        bias: db,
+    })
+}
+
+impl LayerNormOps for CudaStorage {
+    fn layer_norm(
+        &self,
+        l: &Layout,
+        weight: Option<(&Self, &Layout)>,
+        bias: Option<(&Self, &Layout)>,
+        p: &LayerNormParams,
+    ) -> Result<(Self, NormSaved<Self>)> {
+        let inp = NormInputs {
+            x: (self, l),
+            weight,
+            bias,
+        };
+        layer_norm(&inp, p)
+    }
+
+    fn layer_norm_backward(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        saved: NormSaved<&Self>,
+        weight: Option<(&Self, &Layout)>,
+        p: &NormBackwardParams,
+    ) -> Result<NormGrads<Self>> {
+        let sl = norm_stats_layout(p.norm.rows);
+        let inp = NormBackwardInputs {
+            grad: (self, l),
+            x: (x, xl),
+            saved: saved.map(|s| (s, &sl)),
+            weight,
+            param_dtype: p.param_dtype,
+            want: p.want,
+        };
+        layer_norm_backward(&inp, &p.norm)
+    }
+}

@@ -1,0 +1,372 @@
+//! GPU tests of the transformer op family against the CPU backend (the reference), forward and
+//! backward, in f32/f16/bf16, with outputs poisoned (NaN-filled) before each op so that unwritten
+//! elements fail. Ignored on CI (no GPU): run with `cargo test --test cuda_transformer --
+//! --ignored` on a GPU machine.
+//!
+//! The error measure is ‖gpu − cpu‖ / ‖cpu‖ over all elements; a NaN/Inf where the reference is
+//! finite fails.
+
+use mixprec::backend::cuda::{host_sync_count, set_poison_allocations};
+use mixprec::{DType, Device, Tensor};
+
+fn gpu() -> Device {
+    set_poison_allocations(true);
+    Device::cuda(0).expect("these tests need a CUDA GPU")
+}
+
+fn vals(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
+}
+
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (g, w) in got.iter().zip(want) {
+        if w.is_finite() && !g.is_finite() {
+            return f64::INFINITY;
+        }
+        num += (g - w) * (g - w);
+        den += w * w;
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// Relative-error bound per dtype.
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        _ => 1.6e-2,
+    }
+}
+
+fn check(what: &str, got: &Tensor, want: &Tensor, d: DType) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let e = rel_err(&vals(got), &vals(want));
+    assert!(e <= tol(d), "{what}: relative error {e} (bound {})", tol(d));
+}
+
+/// One norm, forward and backward on `dev`: the output and the gradients of x, weight, bias.
+fn run_norm(
+    rms: bool,
+    x: &Tensor,
+    w: Option<&Tensor>,
+    b: Option<&Tensor>,
+    g: &Tensor,
+    dev: Device,
+    transpose: bool,
+) -> (Tensor, Tensor, Option<Tensor>, Option<Tensor>) {
+    let on = |t: &Tensor| t.to_device(dev).unwrap().to_variable();
+    let xv = on(x);
+    let (wv, bv) = (w.map(on), b.map(on));
+    let xin = if transpose {
+        xv.transpose(0, 1).unwrap()
+    } else {
+        xv.clone()
+    };
+    let cols = *xin.dims().last().unwrap();
+    let y = if rms {
+        xin.rms_norm(&[cols], wv.as_ref(), 1e-5).unwrap()
+    } else {
+        xin.layer_norm(&[cols], wv.as_ref(), bv.as_ref(), 1e-5)
+            .unwrap()
+    };
+    let loss = y
+        .to_dtype(DType::F32)
+        .unwrap()
+        .mul(&g.to_device(dev).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    loss.backward().unwrap();
+    let cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+    (
+        cpu(&y),
+        cpu(&xv.grad().unwrap()),
+        wv.map(|t| cpu(&t.grad().unwrap())),
+        bv.map(|t| cpu(&t.grad().unwrap())),
+    )
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norms_match_the_cpu_forward_and_backward() {
+    let dev = gpu();
+    let mut seed = 1u64;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    for (rows, cols) in [
+        (1usize, 1usize),
+        (7, 33),
+        (1024, 768),
+        (64, 5000),
+        (3000, 64),
+    ] {
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            let params = if d == DType::F32 {
+                vec![d]
+            } else {
+                vec![d, DType::F32]
+            };
+            for pd in params {
+                for rms in [false, true] {
+                    for affine in [true, false] {
+                        let x =
+                            Tensor::randn([rows, cols], 0.5, 2.0, next(), DType::F32, Device::Cpu)
+                                .unwrap()
+                                .to_dtype(d)
+                                .unwrap();
+                        let w = Tensor::randn([cols], 1.0, 0.5, next(), pd, Device::Cpu).unwrap();
+                        let b = Tensor::randn([cols], 0.0, 0.5, next(), pd, Device::Cpu).unwrap();
+                        let g =
+                            Tensor::randn([rows, cols], 0.0, 1.0, next(), DType::F32, Device::Cpu)
+                                .unwrap();
+                        let (wa, ba) = if affine {
+                            (Some(&w), (!rms).then_some(&b))
+                        } else {
+                            (None, None)
+                        };
+                        let want = run_norm(rms, &x, wa, ba, &g, Device::Cpu, false);
+                        let got = run_norm(rms, &x, wa, ba, &g, dev, false);
+                        let tag =
+                            format!("{rows}x{cols} {d} params {pd} rms {rms} affine {affine}");
+                        check(&format!("{tag}: y"), &got.0, &want.0, d);
+                        check(&format!("{tag}: dx"), &got.1, &want.1, d);
+                        if let (Some(a), Some(b)) = (&got.2, &want.2) {
+                            check(&format!("{tag}: dweight"), a, b, pd.max_with(d));
+                        }
+                        if let (Some(a), Some(b)) = (&got.3, &want.3) {
+                            check(&format!("{tag}: dbias"), a, b, pd.max_with(d));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A looser bound where either operand is half.
+trait Looser {
+    fn max_with(self, other: DType) -> DType;
+}
+impl Looser for DType {
+    fn max_with(self, other: DType) -> DType {
+        if self == DType::BF16 || other == DType::BF16 {
+            DType::BF16
+        } else if self == DType::F16 || other == DType::F16 {
+            DType::F16
+        } else {
+            DType::F32
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_strided_input_normalises_its_logical_rows() {
+    let dev = gpu();
+    for d in [DType::F32, DType::BF16] {
+        let x = Tensor::randn([96, 40], 0.0, 1.0, 3, DType::F32, Device::Cpu)
+            .unwrap()
+            .to_dtype(d)
+            .unwrap();
+        let w = Tensor::randn([96], 1.0, 0.5, 4, DType::F32, Device::Cpu).unwrap();
+        let g = Tensor::randn([40, 96], 0.0, 1.0, 5, DType::F32, Device::Cpu).unwrap();
+        let want = run_norm(false, &x, Some(&w), None, &g, Device::Cpu, true);
+        let got = run_norm(false, &x, Some(&w), None, &g, dev, true);
+        check("strided y", &got.0, &want.0, d);
+        check("strided dx", &got.1, &want.1, d);
+        check(
+            "strided dw",
+            got.2.as_ref().unwrap(),
+            want.2.as_ref().unwrap(),
+            d,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norm_parameter_gradients_repeat_bit_for_bit_without_host_reads() {
+    let dev = gpu();
+    let x = Tensor::randn([4096, 768], 0.0, 1.0, 6, DType::BF16, dev).unwrap();
+    let w = Tensor::randn([768], 1.0, 0.1, 7, DType::F32, dev)
+        .unwrap()
+        .to_variable();
+    let b = Tensor::randn([768], 0.0, 0.1, 8, DType::F32, dev)
+        .unwrap()
+        .to_variable();
+    let g = Tensor::randn([4096, 768], 0.0, 1.0, 9, DType::BF16, dev).unwrap();
+    let step = || {
+        w.zero_grad();
+        b.zero_grad();
+        let xv = x.detach().to_variable();
+        let y = xv.layer_norm(&[768], Some(&w), Some(&b), 1e-5).unwrap();
+        // Σ y·g: the norm's backward receives g.
+        y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+        (w.grad().unwrap(), b.grad().unwrap(), xv.grad().unwrap())
+    };
+    let _ = step();
+    let before = host_sync_count();
+    let (w1, b1, x1) = step();
+    assert_eq!(
+        host_sync_count(),
+        before,
+        "a norm forward + backward read the device"
+    );
+    let (w2, b2, x2) = step();
+    for (a, b) in [(&w1, &w2), (&b1, &b2), (&x1, &x2)] {
+        assert_eq!(
+            vals(a),
+            vals(b),
+            "gradients differ between two identical steps"
+        );
+    }
+}
+
+/// `op` forward and backward (Σ op(x)·g) on `dev`: the output and x's gradient, on the host.
+fn run_unary(
+    op: &dyn Fn(&Tensor) -> mixprec::Result<Tensor>,
+    x: &Tensor,
+    g: &Tensor,
+    dev: Device,
+) -> (Tensor, Tensor) {
+    let xv = x.to_device(dev).unwrap().to_variable();
+    let y = op(&xv).unwrap();
+    let gd = g.to_device(dev).unwrap().to_dtype(y.dtype()).unwrap();
+    y.mul(&gd).unwrap().sum_all().unwrap().backward().unwrap();
+    let cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+    (cpu(&y), cpu(&xv.grad().unwrap()))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn activations_match_the_cpu() {
+    let dev = gpu();
+    type Op = fn(&Tensor) -> mixprec::Result<Tensor>;
+    let ops: [(&str, Op); 3] = [
+        ("gelu", |t| t.gelu()),
+        ("gelu_tanh", |t| t.gelu_tanh()),
+        ("silu", |t| t.silu()),
+    ];
+    for (name, op) in ops {
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            for n in [1usize, 7, 4099, 1 << 20] {
+                let x = Tensor::randn([n], 0.0, 3.0, n as u64, DType::F32, Device::Cpu)
+                    .unwrap()
+                    .to_dtype(d)
+                    .unwrap();
+                let g =
+                    Tensor::randn([n], 0.0, 1.0, 7 + n as u64, DType::F32, Device::Cpu).unwrap();
+                let (yc, dc) = run_unary(&op, &x, &g, Device::Cpu);
+                let (yg, dg) = run_unary(&op, &x, &g, dev);
+                check(&format!("{name} {d} n {n}: y"), &yg, &yc, d);
+                check(&format!("{name} {d} n {n}: dx"), &dg, &dc, d);
+            }
+            // A transposed (dense, non-contiguous) input keeps its strides.
+            let x = Tensor::randn([33, 17], 0.0, 2.0, 3, DType::F32, Device::Cpu)
+                .unwrap()
+                .to_dtype(d)
+                .unwrap();
+            let g = Tensor::randn([17, 33], 0.0, 1.0, 4, DType::F32, Device::Cpu).unwrap();
+            let t = |x: &Tensor| op(&x.transpose(0, 1)?);
+            let (yc, dc) = run_unary(&t, &x, &g, Device::Cpu);
+            let (yg, dg) = run_unary(&t, &x, &g, dev);
+            check(&format!("{name} {d} strided: y"), &yg, &yc, d);
+            check(&format!("{name} {d} strided: dx"), &dg, &dc, d);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn embedding_matches_the_cpu_bit_for_bit_sums() {
+    let dev = gpu();
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        for (num, dim, count) in [
+            (5usize, 3usize, 40usize),
+            (50257, 64, 4096),
+            (1024, 768, 2048),
+        ] {
+            let ids: Vec<i64> =
+                mixprec::tensor::random::uniform(count as u64, count, 0.0, num as f64)
+                    .into_iter()
+                    .map(|v| (v as i64).min(num as i64 - 1))
+                    .collect();
+            // A popular token, as padding or a frequent word would be.
+            let ids: Vec<i64> = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| if i % 5 == 0 { 3 } else { v })
+                .collect();
+            let idx = Tensor::from_vec(ids, [count], Device::Cpu).unwrap();
+            let table = Tensor::randn([num, dim], 0.0, 1.0, 11, DType::F32, Device::Cpu)
+                .unwrap()
+                .to_dtype(d)
+                .unwrap();
+            let g = Tensor::randn([count, dim], 0.0, 1.0, 12, DType::F32, Device::Cpu).unwrap();
+            let run = |dev: Device| {
+                let t = table.to_device(dev).unwrap().to_variable();
+                let y = idx.to_device(dev).unwrap().embedding(&t, Some(1)).unwrap();
+                let gd = g.to_device(dev).unwrap().to_dtype(d).unwrap();
+                y.mul(&gd).unwrap().sum_all().unwrap().backward().unwrap();
+                let cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+                (cpu(&y), cpu(&t.grad().unwrap()))
+            };
+            let (yc, dc) = run(Device::Cpu);
+            let (yg, dg) = run(dev);
+            assert_eq!(vals(&yg), vals(&yc), "{d} {num}x{dim}: the gather is exact");
+            // Both add each row's gradients in position order in f32: equal sums.
+            check(&format!("{d} {num}x{dim}: dweight"), &dg, &dc, d);
+            let (_, dg2) = run(dev);
+            assert_eq!(
+                vals(&dg),
+                vals(&dg2),
+                "{d} {num}x{dim}: the scatter-add repeats"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dropout_draws_the_cpus_masks_from_the_same_state() {
+    let dev = gpu();
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        for (n, offset_draws) in [(1usize, 0usize), (1001, 1), (1 << 20, 2)] {
+            let x = Tensor::randn([n], 0.0, 1.0, 21, DType::F32, Device::Cpu)
+                .unwrap()
+                .to_dtype(d)
+                .unwrap();
+            let g = Tensor::randn([n], 0.0, 1.0, 22, DType::F32, Device::Cpu).unwrap();
+            let run = |dev: Device| {
+                let gen = mixprec::DropoutGenerator::new(77, dev).unwrap();
+                // Earlier draws move the offset off a Philox block boundary.
+                for _ in 0..offset_draws {
+                    let _ = Tensor::ones([3], d, dev)
+                        .unwrap()
+                        .dropout(0.5, &gen)
+                        .unwrap();
+                }
+                let xv = x.to_device(dev).unwrap().to_variable();
+                let y = xv.dropout(0.1, &gen).unwrap();
+                let gd = g.to_device(dev).unwrap().to_dtype(d).unwrap();
+                y.mul(&gd).unwrap().sum_all().unwrap().backward().unwrap();
+                let cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+                (cpu(&y), cpu(&xv.grad().unwrap()), gen.state().unwrap())
+            };
+            let (yc, dc, sc) = run(Device::Cpu);
+            let (yg, dg, sg) = run(dev);
+            assert_eq!(sg, sc, "the state advanced alike");
+            assert_eq!(vals(&yg), vals(&yc), "{d} n {n}: the same mask and scaling");
+            assert_eq!(vals(&dg), vals(&dc), "{d} n {n}: the same backward");
+        }
+    }
+}
