@@ -42,7 +42,7 @@ use crate::optim::Optimizer;
 use crate::tensor::{DType, Device, Tensor};
 
 use super::autocast;
-use super::initialize::AmpOptimizer;
+use super::optimizer::AmpOptimizer;
 
 /// The body of a step: the loss of one batch (`x`, `y` are the step's static input buffers).
 type Body<'a> = Box<dyn FnMut(&Tensor, &Tensor) -> Result<Tensor> + 'a>;

@@ -24,7 +24,10 @@ pub mod autocast;
 pub mod captured_step;
 mod fused;
 pub mod initialize;
+mod model;
+mod optimizer;
 pub mod policy;
+mod registry;
 pub mod scaler;
 
 pub use autocast::{autocast, AutocastGuard, OpClass};
