@@ -21,7 +21,8 @@ fn master_of(masters: &[Arc<MasterWeights>], param: TensorId) -> Option<&Tensor>
     masters.iter().find_map(|m| m.get(param))
 }
 
-/// A model wrapped by [`initialize`](super::initialize()): casts inputs/outputs or enters autocast per the level.
+/// A model wrapped by [`initialize`](super::initialize()): casts inputs/outputs or enters
+/// autocast per the level.
 pub struct AmpModel<M: Module> {
     inner: M,
     props: Properties,

@@ -66,8 +66,8 @@ fn lock(s: &SharedScalers) -> MutexGuard<'_, ScalerSet> {
 
 // ---- the wrapped optimizer ---------------------------------------------------------------------
 
-/// An optimizer wrapped by [`initialize`](super::initialize()): scaled backward, unscale + overflow check, the
-/// skip-or-step and the scale update.
+/// An optimizer wrapped by [`initialize`](super::initialize()): scaled backward, unscale +
+/// overflow check, the skip-or-step and the scale update.
 pub struct AmpOptimizer<O: Optimizer> {
     inner: O,
     index: usize,
