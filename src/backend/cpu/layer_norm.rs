@@ -402,8 +402,15 @@ mod tests {
         }
     }
 
+    /// Values in [-2, 3), one Philox block per element (the backend may not import tensor).
     fn data(n: usize, seed: u64) -> Vec<f64> {
-        crate::tensor::random::uniform(seed, n, -2.0, 3.0)
+        let key = [seed as u32, (seed >> 32) as u32];
+        (0..n as u32)
+            .map(|i| {
+                let b = crate::util::philox::philox4x32([i, 0, 0, 0], key);
+                -2.0 + 5.0 * (b[0] as f64 / 4294967296.0)
+            })
+            .collect()
     }
 
     /// Σ g·y for the loss whose gradient is checked.
