@@ -58,6 +58,52 @@ __device__ void reduce_lanes_wide(int op, u64 outer, u64 len, u64 inner, const T
     }
 }
 
+// inner > 1 with many long lanes (a linear layer's bias gradient: 3072 lanes of 16384 rows). A
+// thread per lane would walk 16384 rows alone with a few warps on the whole device; a block per
+// lane reads one element per 32-byte sector. Instead each block of 256 threads takes a tile of
+// 32 neighbouring lanes (a warp reads them side by side) and `chunk` rows (its 8 warps
+// interleave them), folds its 8 warp rows in shared memory in a fixed order and writes one
+// partial per lane; `reduce_parts` then folds each lane's partials in order (deterministic).
+template <typename T>
+__device__ void reduce_tiles(int op, u64 len, u64 inner, u64 col_tiles, u64 splits, u64 chunk,
+                             const T* x, typename Num<T>::acc* part) {
+    typedef typename Num<T>::acc A;
+    __shared__ A sh[8][33];
+    Red<A> r{op};
+    const u64 tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const u64 per_outer = col_tiles * splits;
+    const u64 o = blockIdx.x / per_outer;
+    const u64 rest = blockIdx.x - o * per_outer;
+    const u64 tile = rest / splits, s = rest - tile * splits;
+    const u64 i = tile * 32 + tx;
+    const u64 j0 = s * chunk, j1 = j0 + chunk < len ? j0 + chunk : len;
+    A acc = r.init();
+    if (i < inner) {
+        const T* p = x + o * len * inner + i;
+        for (u64 j = j0 + ty; j < j1; j += 8) acc = r(acc, Num<T>::to(p[j * inner]));
+    }
+    sh[ty][tx] = acc;
+    __syncthreads();
+    if (ty == 0 && i < inner) {
+        A a = sh[0][tx];
+        for (int k = 1; k < 8; k++) a = r(a, sh[k][tx]);
+        part[(o * splits + s) * inner + i] = a;
+    }
+}
+
+template <typename T>
+__device__ void reduce_parts(int op, u64 outer, u64 splits, u64 inner,
+                             const typename Num<T>::acc* part, T* y) {
+    typedef typename Num<T>::acc A;
+    Red<A> r{op};
+    for (u64 k = global_tid(); k < outer * inner; k += global_stride()) {
+        u64 o = k / inner, i = k - o * inner;
+        A acc = r.init();
+        for (u64 s = 0; s < splits; s++) acc = r(acc, part[(o * splits + s) * inner + i]);
+        y[k] = Num<T>::from(acc);
+    }
+}
+
 template <typename T>
 __device__ void argmax_lanes(u64 outer, u64 len, u64 inner, const T* x, i64* y) {
     u64 n = outer * inner;
@@ -86,6 +132,15 @@ __device__ void argmax_lanes(u64 outer, u64 len, u64 inner, const T* x, i64* y) 
     extern "C" __global__ void reduce_lanes_wide_##N(int op, u64 outer, u64 len, u64 inner,         \
                                                      const T* x, T* y) {                            \
         reduce_lanes_wide<T>(op, outer, len, inner, x, y);                                          \
+    }                                                                                               \
+    extern "C" __global__ void reduce_tiles_##N(int op, u64 len, u64 inner, u64 col_tiles,          \
+                                                u64 splits, u64 chunk, const T* x,                  \
+                                                Num<T>::acc* part) {                                \
+        reduce_tiles<T>(op, len, inner, col_tiles, splits, chunk, x, part);                         \
+    }                                                                                               \
+    extern "C" __global__ void reduce_parts_##N(int op, u64 outer, u64 splits, u64 inner,           \
+                                                const Num<T>::acc* part, T* y) {                    \
+        reduce_parts<T>(op, outer, splits, inner, part, y);                                         \
     }
 REDUCE(f16, f16)
 REDUCE(bf16, bf16)

@@ -465,6 +465,10 @@ fn reduce_sum_max_min() {
         (2, 5000, 300),
         // A bias gradient (few long lanes: a block per lane).
         (1, 128, 10),
+        // A transformer's bias gradients (many long lanes: tiles of 32 lanes by row chunks, the
+        // chunks' partials folded in a second pass), one with a short last chunk and tile.
+        (1, 16384, 768),
+        (4, 1000, 150),
     ];
     for d in DTYPES {
         for split in splits {

@@ -383,6 +383,27 @@ fn schedules_follow_torch() {
     };
     assert!((w.lr_at(0).unwrap() - 0.1).abs() < 1e-12);
     assert_eq!(w.lr_at(20).unwrap(), 1.0);
+    // nanoGPT's get_lr: (step+1)/warmup, then cosine to min at total.
+    let wc = LrSchedule::WarmupCosine {
+        base: 1.0,
+        min: 0.1,
+        warmup: 10,
+        total: 110,
+    };
+    assert!((wc.lr_at(0).unwrap() - 0.1).abs() < 1e-12);
+    assert!((wc.lr_at(9).unwrap() - 1.0).abs() < 1e-12);
+    assert!((wc.lr_at(10).unwrap() - 1.0).abs() < 1e-12);
+    assert!((wc.lr_at(60).unwrap() - 0.55).abs() < 1e-12);
+    assert!((wc.lr_at(110).unwrap() - 0.1).abs() < 1e-12);
+    assert!((wc.lr_at(500).unwrap() - 0.1).abs() < 1e-12);
+    assert!(LrSchedule::WarmupCosine {
+        base: 1.0,
+        min: 0.0,
+        warmup: 5,
+        total: 4
+    }
+    .lr_at(0)
+    .is_err());
     let o = LrSchedule::one_cycle(1.0, 100);
     assert!((o.lr_at(0).unwrap() - 0.04).abs() < 1e-12);
     assert!((o.lr_at(29).unwrap() - 1.0).abs() < 1e-12);

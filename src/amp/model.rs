@@ -52,6 +52,19 @@ impl<M: Module> AmpModel<M> {
     pub fn properties(&self) -> &Properties {
         &self.props
     }
+
+    /// Runs `f` on the inner model under this level's rules, for work that is not `forward`:
+    /// inside an autocast scope at O1; as it is at the other levels, with no cast of inputs or
+    /// outputs. A language model computes its loss this way (`amp_model.scope(|m|
+    /// m.loss(&x, &y))`), so that its half logits go straight into the cross-entropy instead of
+    /// being copied to f32 as `forward`'s output cast at O2 would.
+    pub fn scope<R>(&self, f: impl FnOnce(&M) -> Result<R>) -> Result<R> {
+        if self.props.autocast {
+            let _g = autocast::autocast(self.props.half_dtype)?;
+            return f(&self.inner);
+        }
+        f(&self.inner)
+    }
 }
 
 impl<M: Module> Drop for AmpModel<M> {

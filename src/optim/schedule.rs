@@ -21,6 +21,14 @@ pub enum LrSchedule {
         start_factor: f64,
         warmup: u64,
     },
+    /// GPT training's schedule (nanoGPT, llm.c): linear warm-up to `base` over `warmup` steps
+    /// (`base·(step+1)/warmup`), then cosine down to `min` at `total`, then flat at `min`.
+    WarmupCosine {
+        base: f64,
+        min: f64,
+        warmup: u64,
+        total: u64,
+    },
     /// torch OneCycleLR (cosine annealing): from max/div_factor up to `max` over `pct_start` of
     /// `total`, then down to max/(div_factor·final_div_factor).
     OneCycle {
@@ -86,6 +94,29 @@ impl LrSchedule {
                     base
                 } else {
                     base * (start_factor + (1.0 - start_factor) * step as f64 / warmup as f64)
+                }
+            }
+            LrSchedule::WarmupCosine {
+                base,
+                min,
+                warmup,
+                total,
+            } => {
+                if total == 0 || warmup > total {
+                    return Err(Error::invalid_arg(
+                        "LrSchedule::WarmupCosine",
+                        "warmup, total",
+                        format!("{warmup}, {total}"),
+                        "total >= 1 and warmup <= total",
+                    ));
+                }
+                if step < warmup {
+                    base * (step + 1) as f64 / warmup as f64
+                } else if total == warmup {
+                    min
+                } else {
+                    let pct = (step.min(total) - warmup) as f64 / (total - warmup) as f64;
+                    cos_anneal(base, min, pct)
                 }
             }
             LrSchedule::OneCycle {

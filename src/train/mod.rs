@@ -9,6 +9,7 @@ pub mod config;
 pub mod data;
 pub mod distributed;
 pub mod divergence;
+pub mod gpt;
 pub mod metrics;
 mod model;
 pub mod plot;

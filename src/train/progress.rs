@@ -57,6 +57,8 @@ pub struct EpochProgress {
     /// Lines mode: tenths of the epoch already reported, and when the last line went out.
     tenths_shown: u64,
     last_line: Instant,
+    /// What the rate counts: `images`, `tokens`.
+    unit: &'static str,
 }
 
 impl EpochProgress {
@@ -64,7 +66,8 @@ impl EpochProgress {
     pub fn new(epoch: usize, epochs: usize, steps: u64, mode: ProgressMode) -> Self {
         let images = Arc::new(AtomicU64::new(0));
         let start = Instant::now();
-        let bar = (mode == ProgressMode::Bar).then(|| new_bar(epoch, epochs, steps, &images));
+        let bar =
+            (mode == ProgressMode::Bar).then(|| new_bar(epoch, epochs, steps, &images, "images"));
         EpochProgress {
             epoch,
             epochs,
@@ -77,10 +80,20 @@ impl EpochProgress {
             bar,
             tenths_shown: 0,
             last_line: start,
+            unit: "images",
         }
     }
 
     /// One step done, on `images` images.
+    /// What the rate counts (default `images`; the GPT job counts `tokens`).
+    pub fn with_unit(mut self, unit: &'static str) -> Self {
+        self.unit = unit;
+        if self.bar.is_some() {
+            self.bar = Some(new_bar(self.epoch, self.epochs, self.steps, &self.images, unit));
+        }
+        self
+    }
+
     pub fn tick(&mut self, images: usize) {
         self.done += 1;
         self.images.fetch_add(images as u64, Ordering::Relaxed);
@@ -112,7 +125,8 @@ impl EpochProgress {
                     self.steps,
                     self.images_per_s(now),
                     &self.message,
-                );
+                )
+                .replace(" images/s", &format!(" {}/s", self.unit));
                 write_stderr(&line);
             }
         }
@@ -150,7 +164,13 @@ impl EpochProgress {
     }
 }
 
-fn new_bar(epoch: usize, epochs: usize, steps: u64, images: &Arc<AtomicU64>) -> ProgressBar {
+fn new_bar(
+    epoch: usize,
+    epochs: usize,
+    steps: u64,
+    images: &Arc<AtomicU64>,
+    unit: &'static str,
+) -> ProgressBar {
     let template = if steps > 0 {
         "epoch {prefix} [{bar:30.cyan/blue}] {pos}/{len} steps  {ips}  ETA {eta}  {msg}"
     } else {
@@ -166,7 +186,7 @@ fn new_bar(epoch: usize, epochs: usize, steps: u64, images: &Arc<AtomicU64>) -> 
                 let secs = state.elapsed().as_secs_f64();
                 let n = images.load(Ordering::Relaxed) as f64;
                 if secs > 0.0 {
-                    let _ = write!(w, "{} images/s", group_thousands((n / secs).round() as u64));
+                    let _ = write!(w, "{} {unit}/s", group_thousands((n / secs).round() as u64));
                 }
             },
         );

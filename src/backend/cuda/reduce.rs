@@ -1,6 +1,6 @@
 //! Sum/max/min over one dimension and argmax (`kernels/reduce.cu`), on contiguous operands.
 
-use super::common::{float_sfx, sfx};
+use super::common::{acc_dtype, float_sfx, sfx};
 use super::launch::{launch, Grid, BLOCK};
 use super::registry::Family;
 use super::storage::CudaStorage;
@@ -22,6 +22,17 @@ pub(crate) fn reduce(x: &CudaStorage, l: &Layout, op: ReduceOp, dim: usize) -> R
     if inner == 1 {
         launch!(x.dev, Family::Reduce, format!("reduce_rows_{s}"), Grid::per_row(outer, BLOCK);
             code, outer as u64, len as u64, src, out.ptr());
+    } else if let Some(t) = tiles(outer, len, inner, x.dev.sm_count as usize) {
+        let part = CudaStorage::alloc(&x.dev, acc_dtype(x.dtype()), outer * t.splits * inner)?;
+        let grid = Grid {
+            blocks: (outer * t.col_tiles * t.splits) as u32,
+            threads: 256,
+        };
+        launch!(x.dev, Family::Reduce, format!("reduce_tiles_{s}"), grid;
+            code, len as u64, inner as u64, t.col_tiles as u64, t.splits as u64, t.chunk as u64,
+            src, part.ptr());
+        launch!(x.dev, Family::Reduce, format!("reduce_parts_{s}"), Grid::for_items(&x.dev, outer * inner);
+            code, outer as u64, t.splits as u64, inner as u64, part.ptr(), out.ptr());
     } else if wide_lanes(outer * inner, len, x.dev.sm_count as usize) {
         launch!(x.dev, Family::Reduce, format!("reduce_lanes_wide_{s}"), Grid::per_row(outer * inner, WIDE_THREADS);
             code, outer as u64, len as u64, inner as u64, src, out.ptr());
@@ -30,6 +41,36 @@ pub(crate) fn reduce(x: &CudaStorage, l: &Layout, op: ReduceOp, dim: usize) -> R
             code, outer as u64, len as u64, inner as u64, src, out.ptr());
     }
     Ok(out)
+}
+
+/// How `reduce_tiles` cuts a lane reduction: tiles of 32 lanes by `chunk` rows, `splits`
+/// chunks per lane.
+struct Tiles {
+    col_tiles: usize,
+    splits: usize,
+    chunk: usize,
+}
+
+/// The tiled path for many long lanes (each thread-per-lane would walk hundreds of rows, see
+/// `reduce_tiles`): enough row chunks for about eight blocks per multiprocessor, each chunk at
+/// least 64 rows.
+fn tiles(outer: usize, len: usize, inner: usize, sms: usize) -> Option<Tiles> {
+    if inner < 32 || len < 256 || outer * inner < 4 * sms {
+        return None;
+    }
+    let col_tiles = inner.div_ceil(32);
+    let want = (8 * sms).div_ceil(outer * col_tiles);
+    let splits = want.clamp(1, len / 64);
+    let chunk = len.div_ceil(splits);
+    let splits = len.div_ceil(chunk);
+    if outer * col_tiles * splits > u32::MAX as usize {
+        return None;
+    }
+    Some(Tiles {
+        col_tiles,
+        splits,
+        chunk,
+    })
 }
 
 /// Threads per lane of `reduce_lanes_wide`.

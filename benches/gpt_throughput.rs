@@ -1,0 +1,237 @@
+//! GPT-2's whole training step against PyTorch's (`benches/torch_gpt_throughput.py` prints the
+//! same fields). Exits quietly without a GPU. One configuration per process, so that its peak
+//! memory is its own:
+//!
+//! ```text
+//! bench-gpt_throughput [--model gpt2|gpt2-medium|...] [--mode o0|o1-bf16|o1-f16|o2-bf16|o2-f16]
+//!                      [--captured] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5] [--profile]
+//! ```
+//!
+//! The step is the PyTorch twin's: forward, cross-entropy over the padded 50304-token vocabulary,
+//! the scaled backward, clipping at norm 1.0, fused AdamW (lr 6e-4, betas 0.9/0.95, weight decay
+//! 0.1 on every parameter, as the twin does), the loss-scale update; random tokens already on the
+//! device. `--captured` replays the step as one CUDA graph (`amp::CapturedStep`). One JSON line:
+//! tokens/s, step time, first-step time (process start to the end of the first step), peak pool
+//! memory (bytes handed to tensors: PyTorch's `max_memory_allocated`), host syncs per step,
+//! skipped steps, the final loss, the attention path taken.
+
+mod common;
+
+use std::time::Instant;
+
+use mixprec::backend::cuda::{self, device};
+use mixprec::nn::{Gpt, GptConfig, Module, GPT2_VOCAB};
+use mixprec::optim::{AdamConfig, FusedAdam};
+use mixprec::tensor::{AttentionPath, SdpaOptions};
+use mixprec::{amp, DType, Device, Tensor};
+
+struct Args {
+    model: String,
+    mode: String,
+    captured: bool,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    warmup: usize,
+    profile: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        model: "gpt2".into(),
+        mode: "o2-bf16".into(),
+        captured: false,
+        batch: 16,
+        seq: 1024,
+        steps: 20,
+        warmup: 5,
+        profile: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        let mut number = |what: &str| -> Result<usize, String> {
+            let v = value()?;
+            v.parse()
+                .map_err(|_| format!("{what} needs a whole number, not '{v}'"))
+        };
+        match flag.as_str() {
+            "--model" => a.model = value()?,
+            "--mode" => a.mode = value()?,
+            "--captured" => a.captured = true,
+            "--batch" => a.batch = number("--batch")?,
+            "--seq" => a.seq = number("--seq")?,
+            "--steps" => a.steps = number("--steps")?,
+            "--warmup" => a.warmup = number("--warmup")?,
+            "--profile" => a.profile = true,
+            "--bench" => {}
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if a.batch == 0 || a.seq == 0 || a.steps == 0 {
+        return Err("--batch, --seq and --steps must be at least 1".into());
+    }
+    Ok(a)
+}
+
+fn main() {
+    let start = Instant::now();
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("gpt_throughput: {e}");
+            std::process::exit(2);
+        }
+    };
+    common::main_with(|| run(&args, start))
+}
+
+fn policy(mode: &str) -> mixprec::Result<amp::Policy> {
+    use amp::{OptLevel, Policy};
+    let half = |p: Policy, bf16: bool| {
+        if bf16 {
+            p.with_half_dtype(DType::BF16)
+        } else {
+            p
+        }
+    };
+    match mode {
+        "o0" => Ok(Policy::opt_level(OptLevel::O0)),
+        "o1-f16" | "o1-bf16" => Ok(half(Policy::opt_level(OptLevel::O1), mode.ends_with("bf16"))),
+        "o2-f16" | "o2-bf16" => Ok(half(Policy::opt_level(OptLevel::O2), mode.ends_with("bf16"))),
+        other => Err(mixprec::Error::invalid_arg(
+            "gpt_throughput",
+            "--mode",
+            other,
+            "o0, o1-bf16, o1-f16, o2-bf16 or o2-f16",
+        )),
+    }
+}
+
+fn random_tokens(n: usize, seed: u64, dev: Device) -> mixprec::Result<Tensor> {
+    let ids: Vec<i64> = mixprec::tensor::random::uniform(seed, n, 0.0, GPT2_VOCAB as f64)
+        .into_iter()
+        .map(|u| (u as i64).min(GPT2_VOCAB as i64 - 1))
+        .collect();
+    Tensor::from_vec(ids, vec![n], Device::Cpu)?.to_device(dev)
+}
+
+fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
+    let dev = Device::cuda(0)?;
+    let mut cfg = GptConfig::named(&args.model)?;
+    cfg.block_size = cfg.block_size.max(args.seq);
+    let model = Gpt::new(cfg, 0, &dev)?;
+    let params = model.num_parameters();
+    let opt = FusedAdam::new(
+        model.parameters(),
+        AdamConfig {
+            lr: 6e-4,
+            betas: (0.9, 0.95),
+            weight_decay: 0.1,
+            adam_w_mode: true,
+            ..Default::default()
+        },
+    )?;
+    let (model, mut opt) = amp::initialize(model, opt, policy(&args.mode)?)?;
+    opt.clip_grad_norm(Some(1.0))?;
+    let (b, t) = (args.batch, args.seq);
+    let x = random_tokens(b * t, 1, dev)?.reshape(vec![b, t])?;
+    let y = random_tokens(b * t, 2, dev)?.reshape(vec![b, t])?;
+
+    // Which attention path the blocks take at this shape and dtype.
+    let half = match args.mode.as_str() {
+        "o0" => DType::F32,
+        m if m.ends_with("bf16") => DType::BF16,
+        _ => DType::F16,
+    };
+    let h = cfg.n_head;
+    let probe = Tensor::zeros(vec![b, h, t, cfg.n_embd / h], half, dev)?;
+    let path: AttentionPath = probe.attention_path(
+        &probe,
+        &probe,
+        &SdpaOptions {
+            causal: true,
+            ..Default::default()
+        },
+    );
+    drop(probe);
+
+    let body = |x: &Tensor, y: &Tensor| model.scope(|m| m.loss(x, y));
+    // Eager or captured, the same step object (eager: every step runs as written).
+    let mut stepper = if args.captured {
+        amp::CapturedStep::new(&model, &mut opt, body)?
+    } else {
+        amp::CapturedStep::eager(&model, &mut opt, body)?
+    };
+    let mut step = || stepper.run(&x, &y);
+    let gpu = device(0)?;
+    let first_loss = step()?.item()?;
+    let first_step_s = start.elapsed().as_secs_f64();
+    // A captured step runs two eager warm-up steps, then captures: past them before timing.
+    for _ in 1..args.warmup.max(4) {
+        step()?;
+    }
+    gpu.synchronize()?;
+    cuda::reset_peak_memory(0)?;
+
+    if args.profile && !args.captured {
+        cuda::set_op_profiling(true);
+        for _ in 0..2 {
+            step()?;
+        }
+        gpu.synchronize()?;
+        cuda::set_op_profiling(false);
+        let rows = cuda::op_profile()?;
+        let busy: f64 = rows.iter().map(|r| r.total_ms).sum::<f64>() / 2.0;
+        eprintln!("profile {} {}: device busy {busy:.2} ms per step", args.model, args.mode);
+        for r in rows.iter().take(40) {
+            eprintln!(
+                "  {:<28} {:<48} {:>4}x {:>8.3} ms/step",
+                r.op,
+                r.detail,
+                r.calls / 2,
+                r.total_ms / 2.0
+            );
+        }
+    }
+
+    let syncs_before = cuda::host_sync_count();
+    let t0 = Instant::now();
+    let mut loss = None;
+    for _ in 0..args.steps {
+        loss = Some(step()?);
+    }
+    gpu.synchronize()?;
+    let wall_s = t0.elapsed().as_secs_f64();
+    let syncs = cuda::host_sync_count() - syncs_before - 1;
+    let mem = cuda::memory_stats(0)?;
+    let stats = stepper.optimizer().stats()?;
+    let skipped: u64 = stats.iter().map(|s| s.skipped_total).sum();
+    let scale = stats.first().map_or(1.0, |s| s.scale);
+    let final_loss = match loss {
+        Some(l) => l.item()?,
+        None => f64::NAN,
+    };
+    let step_s = wall_s / args.steps as f64;
+    let tokens_per_s = (b * t) as f64 / step_s;
+    let flops = cfg.train_flops_per_token(t) * (b * t) as f64;
+    let mib = |v: u64| v as f64 / (1 << 20) as f64;
+    println!(
+        "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"attention\": \"{:?}\", \
+         \"batch\": {b}, \"seq\": {t}, \"params\": {params}, \"steps\": {}, \"tokens_per_s\": {tokens_per_s:.0}, \
+         \"step_ms\": {:.2}, \"tflops\": {:.1}, \"first_step_s\": {first_step_s:.2}, \
+         \"peak_alloc_mib\": {:.0}, \"peak_reserved_mib\": {:.0}, \"host_syncs_per_step\": {:.2}, \
+         \"skipped\": {skipped}, \"loss_scale\": {scale}, \"loss_first\": {first_loss:.4}, \"loss_last\": {final_loss:.4}}}",
+        args.model,
+        args.mode,
+        args.captured,
+        path,
+        args.steps,
+        step_s * 1e3,
+        flops / step_s / 1e12,
+        mib(mem.used_high),
+        mib(mem.reserved_high),
+        syncs as f64 / args.steps as f64,
+    );
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! The second main job: train a GPT on a text corpus with mixed precision.
+//!
+//!     cargo run --release --example train_gpt [-- OPTIONS]
+//!
+//! With no options: the first GPU when one is usable, else the CPU. On a GPU a small GPT
+//! (6 layers, 6 heads, width 384, context 256) on the bundled Shakespeare for 600 steps under
+//! O2 bf16 with the step captured into a CUDA graph; on the CPU a tiny one (4 layers, width
+//! 128, context 128) for 300 steps in f32 (about five minutes on 2 cores). Both print the val
+//! loss and a sample of generated text at each evaluation, and leave metrics, a plot, a
+//! checkpoint and the final weights (Hugging Face GPT-2 layout) under `runs/train_gpt/`.
+//! `--model gpt2` trains GPT-2 124M; `--data DIR` takes any folder of `.txt` files. A run
+//! config (`--config FILE`, TOML) holds the same keys as the flags (`batch_size = 32`).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use mixprec::train::gpt::{run_gpt, GptRunConfig, GptRunOptions};
+use mixprec::train::progress::ProgressMode;
+use mixprec::{Device, Error};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "train_gpt",
+    version,
+    about = "Train a GPT on a text corpus with mixed precision (mixprec)",
+    after_help = "Flags override the --config file. Unset values are chosen for the device \
+                  (the GPU recipe or the CPU one)."
+)]
+struct Cli {
+    /// A run config (TOML with the flags' names as keys, e.g. `steps = 1000`).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl (GPU: small, CPU: tiny).
+    #[arg(long)]
+    model: Option<String>,
+    /// A folder of .txt / .txt.gz files (default: the bundled Shakespeare).
+    #[arg(long, value_name = "DIR")]
+    data: Option<PathBuf>,
+    /// auto, cpu or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Where the run's files go.
+    #[arg(long, default_value = "runs/train_gpt")]
+    out: PathBuf,
+    /// Start over in a non-empty --out (deletes that run's files).
+    #[arg(long)]
+    overwrite: bool,
+    /// Continue from a checkpoint: auto (--out's last) or a path.
+    #[arg(long, value_name = "auto|PATH")]
+    resume: Option<String>,
+    /// O0, O1, O2 or O3 (GPU: O2, CPU: O0).
+    #[arg(long)]
+    opt_level: Option<String>,
+    /// bf16 or f16 (f16 uses dynamic loss scaling).
+    #[arg(long)]
+    half: Option<String>,
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Tokens per sequence (default: the model's context).
+    #[arg(long)]
+    context: Option<usize>,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    #[arg(long)]
+    steps: Option<u64>,
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    min_lr: Option<f64>,
+    #[arg(long)]
+    warmup: Option<u64>,
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    /// Gradient clipping norm (0: off).
+    #[arg(long)]
+    clip: Option<f64>,
+    #[arg(long)]
+    dropout: Option<f64>,
+    #[arg(long)]
+    eval_every: Option<u64>,
+    #[arg(long)]
+    eval_batches: Option<usize>,
+    /// Tokens generated at each evaluation.
+    #[arg(long)]
+    sample_tokens: Option<usize>,
+    /// The generated sample's prompt.
+    #[arg(long)]
+    prompt: Option<String>,
+    #[arg(long)]
+    temperature: Option<f64>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Capture the step into a CUDA graph: true or false (GPU default: true).
+    #[arg(long)]
+    captured: Option<bool>,
+    /// Stop after N steps (at the next evaluation), resumable with --resume auto.
+    #[arg(long, value_name = "N")]
+    stop_after: Option<u64>,
+    /// bar, lines or off (default: a bar on a terminal, lines otherwise).
+    #[arg(long)]
+    progress: Option<String>,
+}
+
+fn config(cli: &Cli) -> mixprec::Result<GptRunConfig> {
+    let mut c = match &cli.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| Error::io(format!("reading {}", p.display()), e))?;
+            toml::from_str(&text).map_err(|e| {
+                Error::invalid_arg("train_gpt", "--config", p.display(), format!("valid TOML with known keys: {e}"))
+            })?
+        }
+        None => GptRunConfig::default(),
+    };
+    macro_rules! flag {
+        ($($f:ident),*) => { $(if cli.$f.is_some() { c.$f = cli.$f.clone(); })* };
+    }
+    flag!(
+        model, data, opt_level, half, batch_size, context, grad_accum, steps, lr, min_lr, warmup,
+        weight_decay, clip, dropout, eval_every, eval_batches, sample_tokens, prompt, temperature,
+        top_k, seed, captured
+    );
+    Ok(c)
+}
+
+fn device(spec: &str) -> mixprec::Result<Device> {
+    match spec {
+        "auto" => Ok(Device::cuda_if_available(0)),
+        "cpu" => Ok(Device::Cpu),
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(i)) => Device::cuda(i),
+            _ => Err(Error::invalid_arg("train_gpt", "--device", s, "auto, cpu or cuda:N")),
+        },
+    }
+}
+
+fn run(cli: &Cli) -> mixprec::Result<()> {
+    let config = config(cli)?;
+    let device = device(&cli.device)?;
+    let resume = match cli.resume.as_deref() {
+        None => None,
+        Some("auto") => {
+            let last = cli.out.join("checkpoints").join("last.safetensors");
+            last.exists().then_some(last)
+        }
+        Some(p) => Some(PathBuf::from(p)),
+    };
+    let progress = match cli.progress.as_deref() {
+        None => ProgressMode::detect(),
+        Some("bar") => ProgressMode::Bar,
+        Some("lines") => ProgressMode::Lines,
+        Some("off") => ProgressMode::Off,
+        Some(o) => return Err(Error::invalid_arg("train_gpt", "--progress", o, "bar, lines or off")),
+    };
+    let summary = run_gpt(
+        &config,
+        &GptRunOptions {
+            out: cli.out.clone(),
+            device,
+            resume,
+            overwrite: cli.overwrite,
+            progress,
+            stop_after: cli.stop_after,
+        },
+    )?;
+    println!(
+        "done: {} steps, train loss {:.4}, val loss {:.4}, {:.0} tokens/s; weights in {}",
+        summary.steps,
+        summary.train_loss,
+        summary.val_loss,
+        summary.tokens_per_s,
+        summary.weights.display()
+    );
+    Ok(())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(&cli) {
+        eprintln!("train_gpt: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,550 @@
+//! The GPT job behind `examples/train_gpt.rs`: a GPT (`nn::Gpt`) trained on token shards of a
+//! text corpus under an AMP policy, with fused AdamW in two parameter groups, a warm-up + cosine
+//! schedule, clipping, gradient accumulation, the step captured into a CUDA graph, evaluation of
+//! the val loss with a sample of generated text, metrics and a plot, checkpoints with exact
+//! resume, and the final weights in Hugging Face's GPT-2 layout.
+//!
+//! Between two evaluations lies one *round* (`eval_every` steps): the progress display, the
+//! metrics files (`metrics.csv`/`.jsonl`, one row per round: `epoch` is the round, `images_per_s`
+//! counts tokens, the accuracies are empty) and `checkpoints/last` follow rounds.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::metrics::{EpochRecord, MetricsWriter};
+use super::plot::plot_history;
+use super::progress::{EpochProgress, ProgressMode};
+use super::run_dir::{RunDir, Use, CHECKPOINT_DIR};
+use crate::amp::{self, AmpModel, OptLevel, Policy};
+use crate::data::token_corpus::bundled_corpus_dir;
+use crate::data::{
+    prepare_token_shards, CorpusOptions, Gpt2Tokenizer, TokenLoader, TokenLoaderConfig,
+    TokenLoaderState, TokenSplit,
+};
+use crate::error::{Error, Result};
+use crate::io::checkpoint::{Checkpoint, TrainProgress};
+use crate::nn::{generate, Gpt, GptConfig, Module, SampleConfig, GPT2_VOCAB};
+use crate::optim::{AdamConfig, FusedAdam, LrSchedule, ParamGroup};
+use crate::tensor::{DType, Device, Tensor};
+
+/// The job's settings (flags and TOML keys by the same names). `None` means "chosen for the
+/// device": the GPU recipe or the CPU one.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GptRunConfig {
+    /// A size from `nn::GPT_SIZES` (GPU: `small`, CPU: `tiny`).
+    pub model: Option<String>,
+    /// Tokens per sequence (the model's context by default).
+    pub context: Option<usize>,
+    /// A folder of `.txt` (or `.txt.gz`) files; the bundled Shakespeare by default.
+    pub data: Option<PathBuf>,
+    /// `O0`..`O3` (GPU: O2, CPU: O0).
+    pub opt_level: Option<String>,
+    /// The half type: `bf16` (default) or `f16` (with dynamic loss scaling).
+    pub half: Option<String>,
+    /// Sequences per micro-batch (GPU: 64, CPU: 16).
+    pub batch_size: Option<usize>,
+    /// Micro-batches per optimizer step (1).
+    pub grad_accum: Option<usize>,
+    /// Optimizer steps (GPU: 600, CPU: 300).
+    pub steps: Option<u64>,
+    /// Peak learning rate (GPU: 1e-3, CPU: 2e-3).
+    pub lr: Option<f64>,
+    /// The schedule's floor (lr / 10).
+    pub min_lr: Option<f64>,
+    /// Warm-up steps (steps / 20).
+    pub warmup: Option<u64>,
+    /// AdamW's decay on matrices (biases, norms and embeddings get none): 0.1.
+    pub weight_decay: Option<f64>,
+    /// Gradient clipping norm (1.0; 0 turns it off).
+    pub clip: Option<f64>,
+    /// Dropout (GPU: 0.2, CPU: 0).
+    pub dropout: Option<f64>,
+    /// Steps between evaluations (steps / 5).
+    pub eval_every: Option<u64>,
+    /// Val batches per evaluation (20).
+    pub eval_batches: Option<usize>,
+    /// Tokens sampled at each evaluation and at the end (100).
+    pub sample_tokens: Option<usize>,
+    /// The sample's prompt.
+    pub prompt: Option<String>,
+    pub temperature: Option<f64>,
+    pub top_k: Option<usize>,
+    pub seed: Option<u64>,
+    /// Capture the step into a CUDA graph (GPU: true).
+    pub captured: Option<bool>,
+}
+
+/// [`GptRunConfig`] with every choice made.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GptRecipe {
+    pub model: String,
+    pub gpt: GptConfigRecord,
+    pub data: PathBuf,
+    pub opt_level: String,
+    pub half: String,
+    pub batch_size: usize,
+    pub context: usize,
+    pub grad_accum: usize,
+    pub steps: u64,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup: u64,
+    pub weight_decay: f64,
+    pub clip: f64,
+    pub eval_every: u64,
+    pub eval_batches: usize,
+    pub sample_tokens: usize,
+    pub prompt: String,
+    pub temperature: f64,
+    pub top_k: usize,
+    pub seed: u64,
+    pub captured: bool,
+}
+
+/// The model's sizes as the checkpoint records them.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GptConfigRecord {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub block_size: usize,
+    pub vocab_size: usize,
+    pub dropout: f64,
+}
+
+impl From<GptConfig> for GptConfigRecord {
+    fn from(c: GptConfig) -> Self {
+        GptConfigRecord {
+            n_layer: c.n_layer,
+            n_head: c.n_head,
+            n_embd: c.n_embd,
+            block_size: c.block_size,
+            vocab_size: c.vocab_size,
+            dropout: c.dropout,
+        }
+    }
+}
+
+impl From<GptConfigRecord> for GptConfig {
+    fn from(c: GptConfigRecord) -> Self {
+        GptConfig {
+            n_layer: c.n_layer,
+            n_head: c.n_head,
+            n_embd: c.n_embd,
+            block_size: c.block_size,
+            vocab_size: c.vocab_size,
+            dropout: c.dropout,
+        }
+    }
+}
+
+fn positive<T: PartialOrd + Default + std::fmt::Display>(key: &'static str, v: T) -> Result<T> {
+    if v > T::default() {
+        Ok(v)
+    } else {
+        Err(Error::invalid_arg("train_gpt", key, v, "a value > 0"))
+    }
+}
+
+fn opt_level_of(s: &str) -> Result<OptLevel> {
+    OptLevel::parse(s)
+        .ok_or_else(|| Error::invalid_arg("train_gpt", "opt_level", s, "O0, O1, O2 or O3"))
+}
+
+impl GptRunConfig {
+    /// Every choice made for `device`, checked.
+    pub fn resolve(&self, device: Device) -> Result<GptRecipe> {
+        let gpu = device.is_cuda();
+        let model = self
+            .model
+            .clone()
+            .unwrap_or_else(|| if gpu { "small" } else { "tiny" }.into());
+        let mut gpt = GptConfig::named(&model)?;
+        gpt.dropout = self.dropout.unwrap_or(if gpu { 0.2 } else { 0.0 });
+        let context = positive("context", self.context.unwrap_or(gpt.block_size))?;
+        gpt.block_size = gpt.block_size.max(context);
+        let steps = positive("steps", self.steps.unwrap_or(if gpu { 600 } else { 300 }))?;
+        let lr = positive("lr", self.lr.unwrap_or(if gpu { 1e-3 } else { 2e-3 }))?;
+        let opt_level = self
+            .opt_level
+            .clone()
+            .unwrap_or_else(|| if gpu { "O2" } else { "O0" }.into());
+        opt_level_of(&opt_level)?;
+        let half = self.half.clone().unwrap_or_else(|| "bf16".into());
+        if half != "bf16" && half != "f16" {
+            return Err(Error::invalid_arg("train_gpt", "half", half, "bf16 or f16"));
+        }
+        let r = GptRecipe {
+            model,
+            gpt: gpt.into(),
+            data: self.data.clone().unwrap_or_else(bundled_corpus_dir),
+            opt_level,
+            half,
+            batch_size: positive("batch_size", self.batch_size.unwrap_or(if gpu { 64 } else { 16 }))?,
+            context,
+            grad_accum: positive("grad_accum", self.grad_accum.unwrap_or(1))?,
+            steps,
+            lr,
+            min_lr: self.min_lr.unwrap_or(lr / 10.0),
+            warmup: self.warmup.unwrap_or(steps / 20),
+            weight_decay: self.weight_decay.unwrap_or(0.1),
+            clip: self.clip.unwrap_or(1.0),
+            eval_every: positive("eval_every", self.eval_every.unwrap_or((steps / 5).max(1)))?,
+            eval_batches: positive("eval_batches", self.eval_batches.unwrap_or(20))?,
+            sample_tokens: self.sample_tokens.unwrap_or(100),
+            prompt: self.prompt.clone().unwrap_or_else(|| "ROMEO:".into()),
+            temperature: self.temperature.unwrap_or(0.8),
+            top_k: self.top_k.unwrap_or(200),
+            seed: self.seed.unwrap_or(1337),
+            captured: self.captured.unwrap_or(gpu),
+        };
+        if r.captured && !gpu {
+            return Err(Error::invalid_arg(
+                "train_gpt",
+                "captured",
+                true,
+                "false on the CPU (CUDA graphs need a GPU)",
+            ));
+        }
+        if !(r.min_lr >= 0.0 && r.min_lr <= r.lr) || r.warmup > r.steps {
+            return Err(Error::invalid_arg(
+                "train_gpt",
+                "min_lr/warmup",
+                format!("{}/{}", r.min_lr, r.warmup),
+                "0 <= min_lr <= lr and warmup <= steps",
+            ));
+        }
+        if !(r.weight_decay >= 0.0 && r.clip >= 0.0 && r.temperature >= 0.0) {
+            return Err(Error::invalid_arg(
+                "train_gpt",
+                "weight_decay/clip/temperature",
+                format!("{}/{}/{}", r.weight_decay, r.clip, r.temperature),
+                "each >= 0",
+            ));
+        }
+        Ok(r)
+    }
+}
+
+impl GptRecipe {
+    fn policy(&self) -> Result<Policy> {
+        let p = Policy::opt_level(opt_level_of(&self.opt_level)?);
+        Ok(if self.half == "bf16" {
+            p.with_half_dtype(DType::BF16)
+        } else {
+            p
+        })
+    }
+
+    fn schedule(&self) -> LrSchedule {
+        LrSchedule::WarmupCosine {
+            base: self.lr,
+            min: self.min_lr,
+            warmup: self.warmup,
+            total: self.steps,
+        }
+    }
+
+    fn tokens_per_step(&self) -> usize {
+        self.batch_size * self.context * self.grad_accum
+    }
+}
+
+/// How the job was asked to start.
+#[derive(Clone, Debug)]
+pub struct GptRunOptions {
+    pub out: PathBuf,
+    pub device: Device,
+    /// Continue from this checkpoint (its recipe wins over `config`).
+    pub resume: Option<PathBuf>,
+    pub overwrite: bool,
+    pub progress: ProgressMode,
+    /// Stop (with a checkpoint) after this many steps in all, rounded up to an evaluation: the
+    /// run can be continued with `resume` as if it had never stopped.
+    pub stop_after: Option<u64>,
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug)]
+pub struct GptRunSummary {
+    pub steps: u64,
+    pub train_loss: f64,
+    pub val_loss: f64,
+    pub tokens_per_s: f64,
+    pub sample: String,
+    pub weights: PathBuf,
+}
+
+/// The checkpoint's free-form part.
+#[derive(Serialize, Deserialize)]
+struct Extra {
+    recipe: GptRecipe,
+    train_loader: TokenLoaderState,
+    history: Vec<EpochRecord>,
+}
+
+/// Decay on matrices only: biases, norms (1-D) and the embeddings (`wte`, `wpe`) take none
+/// (GPT-2's and nanoGPT's rule).
+fn decays(name: &str, t: &Tensor) -> bool {
+    t.rank() >= 2 && !name.ends_with("wte.weight") && !name.ends_with("wpe.weight")
+}
+
+fn optimizer(model: &Gpt, r: &GptRecipe) -> Result<FusedAdam> {
+    let cfg = |wd: f64| AdamConfig {
+        lr: r.lr,
+        betas: (0.9, 0.95),
+        eps: 1e-8,
+        weight_decay: wd,
+        adam_w_mode: true,
+        ..Default::default()
+    };
+    let (mut decay, mut no_decay) = (Vec::new(), Vec::new());
+    for (name, t) in model.named_parameters() {
+        if decays(&name, &t) {
+            decay.push(t)
+        } else {
+            no_decay.push(t)
+        }
+    }
+    FusedAdam::with_groups(vec![
+        ParamGroup::new(decay, cfg(r.weight_decay)),
+        ParamGroup::new(no_decay, cfg(0.0)),
+    ])
+}
+
+fn loaders(r: &GptRecipe, out: &Path, world: (usize, usize)) -> Result<(TokenLoader, TokenLoader)> {
+    let shards = out.join("tokens");
+    let (manifest, reused) = prepare_token_shards(&r.data, &shards, &CorpusOptions::default())?;
+    println!(
+        "data: {} ({} train / {} val tokens{})",
+        r.data.display(),
+        manifest.train_tokens,
+        manifest.val_tokens,
+        if reused { ", shards reused" } else { "" }
+    );
+    let cfg = TokenLoaderConfig::new(r.batch_size, r.context).ranks(world.0, world.1);
+    let train = TokenLoader::open(&shards, TokenSplit::Train, cfg.shuffle(r.seed))?;
+    let val = TokenLoader::open(&shards, TokenSplit::Val, cfg)?;
+    Ok((train, val))
+}
+
+/// The mean loss over `n` val batches (from the start of the val split each time).
+fn evaluate<M: Module>(model: &AmpModel<M>, loss: impl Fn(&Tensor, &Tensor) -> Result<Tensor>, val: &mut TokenLoader, n: usize, dev: Device) -> Result<f64> {
+    let _g = crate::no_grad();
+    let was = model.is_training();
+    model.set_training(false);
+    val.reset();
+    let mut total = 0.0;
+    let mut count = 0;
+    let out = (|| {
+        for _ in 0..n.min(val.batches_per_epoch().max(1)) {
+            let (x, y) = val.next_batch(dev)?;
+            total += loss(&x, &y)?.item()?;
+            count += 1;
+        }
+        Ok(total / count.max(1) as f64)
+    })();
+    model.set_training(was);
+    out
+}
+
+fn sample<M: Module>(model: &AmpModel<M>, r: &GptRecipe, dev: Device, tok: &Gpt2Tokenizer, seed: u64) -> Result<String> {
+    let prompt = tok.encode(&r.prompt);
+    let prompt = if prompt.is_empty() { vec![50256] } else { prompt };
+    let ids = generate(
+        model,
+        dev,
+        &prompt,
+        &SampleConfig {
+            max_new_tokens: r.sample_tokens,
+            temperature: r.temperature,
+            top_k: (r.top_k > 0).then_some(r.top_k),
+            seed,
+            vocab: GPT2_VOCAB,
+            context: r.context,
+        },
+    )?;
+    tok.decode(&ids)
+}
+
+/// The peak dense half-precision tensor-core rate of the device, for model-flops utilisation.
+fn peak_flops(dev: Device) -> Option<f64> {
+    let Device::Cuda(i) = dev else { return None };
+    let (major, _) = crate::backend::cuda::device(i).ok()?.compute_capability();
+    match major {
+        9 => Some(989e12),
+        8 => Some(312e12),
+        _ => None,
+    }
+}
+
+/// Runs (or continues) a GPT training job.
+pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSummary> {
+    let dev = opts.device;
+    let resumed = opts.resume.as_ref().map(|p| Checkpoint::load(p).map(|c| (p, c))).transpose()?;
+    let (recipe, extra) = match &resumed {
+        Some((p, c)) => {
+            let e: Extra = serde_json::from_value(c.extra.clone()).map_err(|e| {
+                Error::invalid_arg("train_gpt", "resume", p.display(), format!("a train_gpt checkpoint ({e})"))
+            })?;
+            (e.recipe.clone(), Some(e))
+        }
+        None => (config.resolve(dev)?, None),
+    };
+    let how = match &resumed {
+        Some((p, _)) => Use::Resume {
+            checkpoint: p.as_path(),
+            overwrite: opts.overwrite,
+            corrupt: &[],
+        },
+        None => Use::Fresh {
+            overwrite: opts.overwrite,
+        },
+    };
+    let dir = RunDir::open(&opts.out, how)?;
+    let out = dir.root().to_path_buf();
+    crate::io::write_atomic(&out.join("config.json"), |w| {
+        serde_json::to_writer_pretty(w, &recipe)
+            .map_err(|e| Error::invalid_arg("train_gpt", "config", e, "serialisable"))
+    })?;
+    let (mut train, mut val) = loaders(&recipe, &out, (0, 1))?;
+    let gcfg: GptConfig = recipe.gpt.into();
+    let model = Gpt::new(gcfg, recipe.seed, &dev)?;
+    let params = model.num_parameters();
+    println!(
+        "model: {} ({} layers, {} heads, width {}, context {}): {:.1}M parameters on {dev}; {} {}",
+        recipe.model, gcfg.n_layer, gcfg.n_head, gcfg.n_embd, recipe.context,
+        params as f64 / 1e6, recipe.opt_level, recipe.half
+    );
+    let opt = optimizer(&model, &recipe)?;
+    let (model, mut opt) = amp::initialize(model, opt, recipe.policy()?)?;
+    if recipe.clip > 0.0 {
+        opt.clip_grad_norm(Some(recipe.clip))?;
+    }
+    let mut history = Vec::new();
+    let mut step = 0;
+    if let (Some((_, ckpt)), Some(e)) = (&resumed, &extra) {
+        ckpt.restore(&model, &mut opt)?;
+        train.set_state(e.train_loader)?;
+        history = e.history.clone();
+        step = ckpt.progress.step;
+        println!("resumed at step {step} of {}", recipe.steps);
+    }
+    let mut metrics = if history.is_empty() {
+        MetricsWriter::create(&out)?
+    } else {
+        MetricsWriter::resume(&out, &history)?
+    };
+    let tok = Gpt2Tokenizer::new();
+    let k = recipe.grad_accum;
+    let body = |x: &Tensor, y: &Tensor| {
+        let l = model.scope(|m| m.loss(x, y))?;
+        if k == 1 { Ok(l) } else { l.mul_scalar(1.0 / k as f64) }
+    };
+    let val_loss = |x: &Tensor, y: &Tensor| model.scope(|m| m.loss(x, y));
+    let mut stepper = if recipe.captured {
+        amp::CapturedStep::new(&model, &mut opt, body)?
+    } else {
+        amp::CapturedStep::eager(&model, &mut opt, body)?
+    }
+    .micro_batches(k)?;
+    let schedule = recipe.schedule();
+    let rounds = recipe.steps.div_ceil(recipe.eval_every) as usize;
+    let peak = peak_flops(dev);
+    let flops_per_token = gcfg.train_flops_per_token(recipe.context);
+    let mut last_train = f64::NAN;
+    let mut last_val = f64::NAN;
+    let mut last_rate = f64::NAN;
+    let mut last_sample = String::new();
+    let mut skipped_before: u64 = 0;
+    let stop = opts.stop_after.unwrap_or(u64::MAX).min(recipe.steps);
+    while step < stop {
+        let round = (step / recipe.eval_every) as usize + 1;
+        let round_end = (round as u64 * recipe.eval_every).min(recipe.steps);
+        let mut bar = EpochProgress::new(round, rounds, round_end - step, opts.progress).with_unit("tokens");
+        let started = Instant::now();
+        let mut loss_sum: Option<Tensor> = None;
+        let steps_in_round = round_end - step;
+        let mut lr = 0.0;
+        while step < round_end {
+            lr = schedule.apply(stepper.optimizer().inner_mut(), step)?;
+            let batches = (0..k).map(|_| train.next_batch(dev)).collect::<Result<Vec<_>>>()?;
+            let loss = stepper.run_accumulated(&batches)?;
+            // Summed on the device: the loss is read once per round, not per step.
+            let l = loss.detach().to_dtype(DType::F32)?;
+            loss_sum = Some(match loss_sum {
+                Some(s) => s.add(&l)?,
+                None => l.clone(),
+            });
+            step += 1;
+            bar.tick(recipe.tokens_per_step());
+        }
+        let secs = started.elapsed().as_secs_f64();
+        last_rate = (recipe.tokens_per_step() as u64 * steps_in_round) as f64 / secs;
+        last_train = match loss_sum {
+            Some(s) => s.item()? / steps_in_round as f64,
+            None => f64::NAN,
+        };
+        bar.finish();
+        last_val = evaluate(&model, val_loss, &mut val, recipe.eval_batches, dev)?;
+        last_sample = sample(&model, &recipe, dev, &tok, recipe.seed ^ step)?;
+        let stats = stepper.optimizer().stats()?;
+        let skipped_total: u64 = stats.iter().map(|s| s.skipped_total).sum();
+        let scale = stats.first().map_or(1.0, |s| s.scale);
+        let mfu = peak
+            .map(|p| format!(", MFU {:.0}%", 100.0 * flops_per_token * last_rate / p))
+            .unwrap_or_default();
+        println!(
+            "step {step}/{}: train loss {last_train:.4}, val loss {last_val:.4}, lr {lr:.2e}, {} tokens/s{mfu}, loss scale {scale}",
+            recipe.steps,
+            super::progress::group_thousands(last_rate.round() as u64)
+        );
+        println!("sample: {last_sample}\n");
+        let rec = EpochRecord {
+            epoch: round,
+            step,
+            train_loss: last_train,
+            train_accuracy: None,
+            test_loss: last_val,
+            test_accuracy: f64::NAN,
+            lr,
+            images_per_s: last_rate,
+            epoch_seconds: secs,
+            loss_scale: scale,
+            skipped_steps: skipped_total - skipped_before,
+        };
+        skipped_before = skipped_total;
+        metrics.append(&rec)?;
+        plot_history(metrics.history(), &out.join("metrics.png"), &format!("train_gpt {}", recipe.model))?;
+        let extra = Extra {
+            recipe: recipe.clone(),
+            train_loader: train.state(),
+            history: metrics.history().to_vec(),
+        };
+        let extra = serde_json::to_value(&extra)
+            .map_err(|e| Error::invalid_arg("train_gpt", "checkpoint", e, "serialisable"))?;
+        let progress = TrainProgress {
+            epoch: round,
+            step,
+            seed: recipe.seed,
+        };
+        Checkpoint::capture(&model, stepper.optimizer(), progress, extra)?
+            .save(&out.join(CHECKPOINT_DIR).join("last.safetensors"))?;
+    }
+    drop(stepper);
+    let weights = out.join("model.safetensors");
+    let state = model.state_dict()?;
+    crate::io::hf_gpt2::save_hf_gpt2(&weights, &state, GPT2_VOCAB)?;
+    drop(dir);
+    Ok(GptRunSummary {
+        steps: step,
+        train_loss: last_train,
+        val_loss: last_val,
+        tokens_per_s: last_rate,
+        sample: last_sample,
+        weights,
+    })
+}
