@@ -212,7 +212,7 @@ fn check_view(
             format!("every operand on cuda:{}", like.ordinal()),
         ));
     }
-    if v.offset % 8 != 0 || v.strides.iter().any(|s| s % 8 != 0) {
+    if !v.offset.is_multiple_of(8) || v.strides.iter().any(|s| !s.is_multiple_of(8)) {
         return Err(Error::invalid_arg(
             OP,
             name,
@@ -248,7 +248,7 @@ fn check_view(
         }
     }
     let ptr = v.buf.ptr() + (v.offset * v.buf.dtype().size_in_bytes()) as u64;
-    if ptr % 16 != 0 {
+    if !ptr.is_multiple_of(16) {
         return Err(Error::invalid_arg(
             OP,
             name,
