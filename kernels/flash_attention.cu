@@ -13,8 +13,10 @@
 // a block of 4 warps per (64-key block, batch, head), warp w owning keys 16w..16w+15, loops over
 // the query blocks that see those keys: recomputes Pᵀ from Q, K and the LSE, dV += Pᵀ·dO,
 // dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dK += dSᵀ·Q; dSᵀ goes to shared memory, then every warp
-// multiplies its share of dS·K and adds it to dQ with f32 atomics; flash_dq_convert scales dQ
-// and converts it to the input dtype. dK (scaled) and dV are written once, from registers.
+// multiplies its share of dS·K and adds it to dQ with f32 atomics (vector reductions on sm_90);
+// flash_dq_convert scales dQ and converts it to the input dtype. dK (scaled) and dV are written
+// once, from registers. (Query blocks are 32 rows for D = 128, to stay within 48 KiB of static
+// shared memory.)
 //
 // Tensor-core fragments of mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: lane l, with
 // g = l / 4 and t = l % 4; a .b32 register holds two 16-bit values, the lower column (A, C) or
@@ -87,6 +89,13 @@ __device__ __forceinline__ void ldsm_x4_t(const void* p, unsigned (&r)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p))
+                 : "memory");
+}
+
+// p[0..4) += v0..v3 in global memory (16-byte aligned), one vector reduction (sm_90).
+__device__ __forceinline__ void red_add_v4(float* p, float v0, float v1, float v2, float v3) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v0), "f"(v1), "f"(v2),
+                 "f"(v3)
                  : "memory");
 }
 
@@ -562,6 +571,25 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
             }
         }
         float* acc = (float*)p.dq_acc;
+#if __CUDA_ARCH__ >= 900
+        // Lanes t and t^1 swap halves so that each holds 4 adjacent dims of one row: the even
+        // lane row g, dims 2t..2t+3; the odd lane row g+8, dims 2t-2..2t+1. One vector
+        // reduction each instead of four scalar atomics.
+        {
+            const bool odd = t & 1;
+            const i64 query = m0 + rg * 16 + g + (odd ? 8 : 0);
+            float* arow = acc + ((b * seq_q + query) * H + h) * D + dg * 64 + 2 * (t & ~1);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[i][0] : dq[i][2], 1);
+                const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[i][1] : dq[i][3], 1);
+                if (query < seq_q) {
+                    if (odd) red_add_v4(arow + i * 8, r0, r1, dq[i][2], dq[i][3]);
+                    else red_add_v4(arow + i * 8, dq[i][0], dq[i][1], r0, r1);
+                }
+            }
+        }
+#else
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const i64 query = m0 + rg * 16 + g + 8 * r;
@@ -574,6 +602,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                 }
             }
         }
+#endif
     }
 
     // dK·scale and dV as [B, Tk, H, D].
