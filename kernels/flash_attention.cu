@@ -46,6 +46,10 @@
 // Shared arrays have rows padded by 8 elements (16 bytes), so the 8 rows of one ldmatrix matrix
 // fall in different banks, and every row start stays 16-byte aligned.
 
+// The instructions used (mma.sync with bf16, cp.async) need sm_80: for older GPUs the family
+// compiles to no kernels, and backend/cuda/flash_attention.rs refuses before any launch.
+#if __CUDA_ARCH__ >= 800
+
 // Launch parameters (mirrored by `FlashParams` in backend/cuda/flash_attention.rs: every field
 // 8 bytes but the two floats at the end, so the layouts agree). Strides in elements, for
 // (batch, head, token); the head dimension is contiguous.
@@ -650,3 +654,5 @@ __device__ __forceinline__ void flash_dq_convert(const FlashParams& p) {
     extern "C" __global__ void flash_dq_convert_##N(FlashParams p) { flash_dq_convert<T>(p); }
 FLASH(f16, f16)
 FLASH(bf16, bf16)
+
+#endif  // __CUDA_ARCH__ >= 800

@@ -162,8 +162,23 @@ impl FlashParams {
     }
 }
 
-/// Checks the problem's sizes and dtype; returns the kernel-name suffix of the dtype.
-fn check_dims(d: &FlashDims, dtype: DType) -> Result<&'static str> {
+/// Checks the device, the problem's sizes and the dtype; returns the kernel-name suffix of the
+/// dtype.
+fn check_dims(d: &FlashDims, like: &CudaStorage) -> Result<&'static str> {
+    let arch = like.dev.arch;
+    if arch.0 < 8 {
+        return Err(Error::Unsupported {
+            op: OP,
+            detail: format!(
+                "the flash-attention kernels need compute capability 8.0 or newer (mma.sync \
+                 with bf16, cp.async); cuda:{} is {}.{}",
+                like.ordinal(),
+                arch.0,
+                arch.1
+            ),
+        });
+    }
+    let dtype = like.dtype();
     if !matches!(dtype, DType::F16 | DType::BF16) {
         return Err(Error::UnsupportedDType {
             op: OP,
@@ -278,7 +293,7 @@ fn block_grid(blocks: usize) -> Result<Grid> {
 /// softmax(scale·Q·Kᵀ)·V for every (batch, head): O `[B, Tq, H, D]` and the LSE `[B, H, Tq]`.
 pub fn flash_forward(inp: &FlashInputs<'_>, d: &FlashDims) -> Result<FlashOutput> {
     let like = inp.q.buf;
-    let s = check_dims(d, like.dtype())?;
+    let s = check_dims(d, like)?;
     let mut p = FlashParams::new(d);
     (p.q, p.q_s) = check_view("q", &inp.q, d.seq_q, d, like)?;
     (p.k, p.k_s) = check_view("k", &inp.k, d.seq_k, d, like)?;
@@ -299,7 +314,7 @@ pub fn flash_forward(inp: &FlashInputs<'_>, d: &FlashDims) -> Result<FlashOutput
 /// The gradients of Q, K and V from dL/dO (`g.grad_out`) and the forward's O and LSE.
 pub fn flash_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<FlashInputGrads> {
     let like = g.q.buf;
-    let s = check_dims(d, like.dtype())?;
+    let s = check_dims(d, like)?;
     let mut p = FlashParams::new(d);
     (p.q, p.q_s) = check_view("q", &g.q, d.seq_q, d, like)?;
     (p.k, p.k_s) = check_view("k", &g.k, d.seq_k, d, like)?;
