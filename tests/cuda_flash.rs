@@ -276,11 +276,8 @@ fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
             q: qv,
             k: kv,
             v: vv,
-            o: FlashView {
-                buf: &out.o,
-                offset: 0,
-                strides: bthd_q,
-            },
+            // O through the [B, H, T, D] presentation of the kernels' outputs.
+            o: FlashView::from_bhtd(&out.o, &FlashView::bthd_as_bhtd(b, h, tq, d)).unwrap(),
             lse: &out.lse,
             grad_out: FlashView {
                 buf: &dout_buf,

@@ -14,7 +14,7 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::base::error::{Error, Result};
-use crate::base::{DType, Layout};
+use crate::base::{DType, Layout, Shape};
 
 /// Threads per block of the attention kernels (4 warps, `FA_THREADS` in the kernel source).
 const THREADS: u32 = 128;
@@ -40,6 +40,17 @@ impl<'a> FlashView<'a> {
     /// The view of a `[B, T, H, D]` layout of `buf` (any strides but a contiguous last dim).
     pub fn from_bthd(buf: &'a CudaStorage, l: &Layout) -> Result<Self> {
         Self::from_rank4(buf, l, [0, 2, 1])
+    }
+
+    /// The layout that presents an output of these kernels (a contiguous `[B, T, H, D]` buffer:
+    /// O, dQ, dK, dV) as a `[B, H, T, D]` tensor, the usual shape of attention operands; its
+    /// transpose(1, 2) is contiguous again, so merging heads is a reshape.
+    pub fn bthd_as_bhtd(batch: usize, heads: usize, seq: usize, head_dim: usize) -> Layout {
+        Layout::new(
+            Shape::new(vec![batch, heads, seq, head_dim]),
+            vec![seq * heads * head_dim, head_dim, heads * head_dim, 1],
+            0,
+        )
     }
 
     /// `order` gives the layout dims of (batch, head, token).
