@@ -355,23 +355,34 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 // ---------------------------------------------------------------------------------------------
 // Backward.
 
-// Dᵢ = Σ_d dOᵢ·Oᵢ per (batch, query, head) row, a warp per row; the row's dQ accumulator zeroed.
+// Dᵢ = Σ_d dOᵢ·Oᵢ per (batch, query, head) row, and the row's dQ accumulator zeroed: D/8 lanes
+// per row (8 or 16), each with 16 bytes of O and of dO.
+struct __align__(16) FaF4 { float v[4]; };
 template <typename T>
 __device__ __forceinline__ void flash_bwd_pre(const FlashParams& p) {
+    typedef typename Pack<T>::type P;
     const i64 H = p.heads, Tq = p.seq_q, D = p.head_dim;
-    const i64 rows = p.batch * Tq * H;
-    const int lane = threadIdx.x & 31;
+    const int per_row = (int)(D / 8);
+    const i64 rows = p.batch * Tq * H, rows_per_warp = 32 / per_row;
+    const int lane = threadIdx.x & 31, sub = lane % per_row;
     const i64 nwarps = (i64)(global_stride() >> 5);
-    for (i64 r = (i64)(global_tid() >> 5); r < rows; r += nwarps) {
+    for (i64 base = (i64)(global_tid() >> 5) * rows_per_warp; base < rows; base += nwarps * rows_per_warp) {
+        const i64 r = base + lane / per_row;
         const i64 h = r % H, i = (r / H) % Tq, b = r / (H * Tq);
-        const T* o = (const T*)p.o + b * p.o_s[0] + h * p.o_s[1] + i * p.o_s[2];
-        const T* d = (const T*)p.dout + b * p.do_s[0] + h * p.do_s[1] + i * p.do_s[2];
         float s = 0.f;
-        for (i64 c = lane; c < D; c += 32) s += Num<T>::to(o[c]) * Num<T>::to(d[c]);
-        s = warp_reduce(s, [](float a, float x) { return a + x; });
-        if (lane == 0) ((float*)p.dvec)[(b * H + h) * Tq + i] = s;
-        float* acc = (float*)p.dq_acc + r * D;
-        for (i64 c = lane; c < D; c += 32) acc[c] = 0.f;
+        if (r < rows) {
+            const P a = ((const P*)((const T*)p.o + b * p.o_s[0] + h * p.o_s[1] + i * p.o_s[2]))[sub];
+            const P d = ((const P*)((const T*)p.dout + b * p.do_s[0] + h * p.do_s[1] + i * p.do_s[2]))[sub];
+#pragma unroll
+            for (int k = 0; k < 8; k++) s += Num<T>::to(a.v[k]) * Num<T>::to(d.v[k]);
+            FaF4* acc = (FaF4*)((float*)p.dq_acc + r * D) + 2 * sub;
+            const FaF4 zero = {{0.f, 0.f, 0.f, 0.f}};
+            acc[0] = zero;
+            acc[1] = zero;
+        }
+        // The row's lanes are an aligned group of per_row: xor offsets below per_row stay in it.
+        for (int o = per_row / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (r < rows && sub == 0) ((float*)p.dvec)[(b * H + h) * Tq + i] = s;
     }
 }
 
@@ -628,13 +639,23 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     }
 }
 
-// dQ = scale·(the f32 accumulator), in the input dtype.
+// dQ = scale·(the f32 accumulator), in the input dtype; 8 values per step (D is a multiple of 8).
 template <typename T>
 __device__ __forceinline__ void flash_dq_convert(const FlashParams& p) {
-    const u64 n = (u64)(p.batch * p.seq_q * p.heads * p.head_dim);
-    const float* acc = (const float*)p.dq_acc;
-    T* dq = (T*)p.dq;
-    for (u64 i = global_tid(); i < n; i += global_stride()) dq[i] = Num<T>::from(acc[i] * p.scale);
+    typedef typename Pack<T>::type P;
+    const u64 n8 = (u64)(p.batch * p.seq_q * p.heads * p.head_dim) / 8;
+    const FaF4* acc = (const FaF4*)p.dq_acc;
+    P* dq = (P*)p.dq;
+    for (u64 i = global_tid(); i < n8; i += global_stride()) {
+        const FaF4 a = acc[2 * i], b = acc[2 * i + 1];
+        P r;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            r.v[k] = Num<T>::from(a.v[k] * p.scale);
+            r.v[4 + k] = Num<T>::from(b.v[k] * p.scale);
+        }
+        dq[i] = r;
+    }
 }
 
 #define FLASH(N, T)                                                                                \

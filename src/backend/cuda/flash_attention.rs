@@ -369,12 +369,13 @@ pub fn flash_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<FlashInputGra
     let dq_acc = CudaStorage::alloc(dev, DType::F32, rows_q * d.head_dim)?;
     let dvec = CudaStorage::alloc(dev, DType::F32, rows_q)?;
     (p.dq, p.dk, p.dv, p.dq_acc, p.dvec) = (dq.ptr(), dk.ptr(), dv.ptr(), dq_acc.ptr(), dvec.ptr());
-    // A warp per (batch, query, head) row.
+    // head_dim / 8 threads per (batch, query, head) row.
     launch!(like.dev, Family::FlashAttention, format!("flash_bwd_pre_{s}"),
-        Grid::for_items(dev, rows_q.saturating_mul(32)); p);
+        Grid::for_items(dev, rows_q.saturating_mul(d.head_dim / 8)); p);
     let grid = block_grid(d.batch * d.heads * d.seq_k.div_ceil(BLOCK_ROWS))?;
     launch!(like.dev, Family::FlashAttention, format!("flash_bwd_{s}_d{}", d.head_dim), grid; p);
+    // 8 values per thread.
     launch!(like.dev, Family::FlashAttention, format!("flash_dq_convert_{s}"),
-        Grid::for_items(dev, rows_q * d.head_dim); p);
+        Grid::for_items(dev, rows_q * d.head_dim / 8); p);
     Ok(FlashInputGrads { dq, dk, dv })
 }
