@@ -243,6 +243,7 @@ fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
     if let Packing::Separate = c.packing {
         // K and V through the Layout constructor of [B, H, T, D] operands.
         let l = Layout::contiguous(Shape::new(vec![b, h, tk, d]));
+        assert!(FlashView::fits_bhtd(&l));
         kv = FlashView::from_bhtd(&bufs[1], &l).unwrap();
         vv = FlashView::from_bhtd(&bufs[2], &l).unwrap();
     }
@@ -485,6 +486,16 @@ fn flash_refuses_what_it_does_not_handle() {
         v: v(256),
     };
     assert!(flash_forward(&inp, &dims).is_ok());
+    // A [B, H, T, D] view of the middle of a [B, T, 3, H, D] buffer fits; an odd offset does not.
+    let qkv = |offset| {
+        Layout::new(
+            Shape::new(vec![2, 2, 64, 64]),
+            vec![st[0], st[1], st[2], 1],
+            offset,
+        )
+    };
+    assert!(FlashView::fits_bhtd(&qkv(128)));
+    assert!(!FlashView::fits_bhtd(&qkv(129)));
     let bad = |d: FlashDims, i: FlashInputs<'_>, what: &str| {
         let e = flash_forward(&i, &d).expect_err(what);
         println!("{what}: {e}");

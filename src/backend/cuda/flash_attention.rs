@@ -42,6 +42,15 @@ impl<'a> FlashView<'a> {
         Self::from_rank4(buf, l, [0, 2, 1])
     }
 
+    /// Whether a `[B, H, T, D]` layout can be taken as it is: a contiguous last dimension and
+    /// an offset and strides that are multiples of 8 elements (else make it contiguous first).
+    pub fn fits_bhtd(l: &Layout) -> bool {
+        l.rank() == 4
+            && (l.dims()[3] <= 1 || l.strides()[3] == 1)
+            && l.offset().is_multiple_of(8)
+            && l.strides()[..3].iter().all(|s| s.is_multiple_of(8))
+    }
+
     /// The layout that presents an output of these kernels (a contiguous `[B, T, H, D]` buffer:
     /// O, dQ, dK, dV) as a `[B, H, T, D]` tensor, the usual shape of attention operands; its
     /// transpose(1, 2) is contiguous again, so merging heads is a reshape.
