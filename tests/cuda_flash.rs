@@ -22,9 +22,14 @@ use mixprec::backend::BackendStorage;
 use mixprec::tensor::random;
 use mixprec::{DType, Device, Layout, Shape};
 
-fn gpu() {
+/// The GPU, one test at a time (the timing runs alone, and switches poisoning off only while
+/// it holds this), with new buffers poisoned.
+fn gpu() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = ONE.lock().unwrap_or_else(|e| e.into_inner());
     set_poison_allocations(true);
     Device::cuda(0).expect("these tests need a CUDA GPU");
+    guard
 }
 
 /// Unit roundoff of the half type.
@@ -363,7 +368,7 @@ const DTYPES: [DType; 2] = [DType::F16, DType::BF16];
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_small_packed_qkv() {
-    gpu();
+    let _gpu = gpu();
     for dt in DTYPES {
         for causal in [false, true] {
             let c = Case {
@@ -383,7 +388,7 @@ fn flash_small_packed_qkv() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_ragged_tails() {
-    gpu();
+    let _gpu = gpu();
     for dt in DTYPES {
         // A length that is no multiple of the 64-row blocks, causal.
         let c = Case {
@@ -415,7 +420,7 @@ fn flash_ragged_tails() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_head_dim_128() {
-    gpu();
+    let _gpu = gpu();
     for dt in DTYPES {
         let c = Case {
             b: 1,
@@ -443,7 +448,7 @@ fn flash_head_dim_128() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_gpt2_shape() {
-    gpu();
+    let _gpu = gpu();
     // Every head is computed; four of them are checked (the reference is O(T²·D) per head).
     let heads = [(0, 0), (1, 5), (2, 7), (3, 11)];
     for dt in DTYPES {
@@ -463,7 +468,7 @@ fn flash_gpt2_shape() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_refuses_what_it_does_not_handle() {
-    gpu();
+    let _gpu = gpu();
     let (_, buf) = randn(7, 2 * 64 * 3 * 2 * 64, DType::F16);
     let dims = FlashDims {
         batch: 2,
@@ -557,7 +562,8 @@ fn flash_refuses_what_it_does_not_handle() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_gpt2_timing() {
-    gpu();
+    let _gpu = gpu();
+    // Poisoning would add a fill of every output to the times.
     set_poison_allocations(false);
     let (b, h, t, d) = (16, 12, 1024, 64);
     let dev = mixprec::backend::cuda::device(0).unwrap();
@@ -632,4 +638,5 @@ fn flash_gpt2_timing() {
             (fwd + bwd) * 1e3
         );
     }
+    set_poison_allocations(true);
 }
