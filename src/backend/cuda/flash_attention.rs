@@ -294,6 +294,26 @@ fn check_view(
     Ok((ptr, v.strides.map(|s| s as i64)))
 }
 
+/// The element counts of the query-side and key-side `[B, T, H, D]` tensors, or an error when
+/// one does not fit an address.
+fn sizes(d: &FlashDims) -> Result<(usize, usize)> {
+    let n = |t: usize| {
+        d.batch
+            .checked_mul(d.heads)
+            .and_then(|x| x.checked_mul(t))
+            .and_then(|x| x.checked_mul(d.head_dim))
+    };
+    match (n(d.seq_q), n(d.seq_k)) {
+        (Some(q), Some(k)) => Ok((q, k)),
+        _ => Err(Error::invalid_arg(
+            OP,
+            "dims",
+            format!("{d:?}"),
+            "batch·heads·seq·head_dim that fits in an address",
+        )),
+    }
+}
+
 /// A grid of `blocks` attention blocks, or an error when the launch cannot hold them.
 fn block_grid(blocks: usize) -> Result<Grid> {
     match u32::try_from(blocks) {
@@ -318,8 +338,9 @@ pub fn flash_forward(inp: &FlashInputs<'_>, d: &FlashDims) -> Result<FlashOutput
     (p.q, p.q_s) = check_view("q", &inp.q, d.seq_q, d, like)?;
     (p.k, p.k_s) = check_view("k", &inp.k, d.seq_k, d, like)?;
     (p.v, p.v_s) = check_view("v", &inp.v, d.seq_k, d, like)?;
-    let rows = d.batch * d.heads * d.seq_q;
-    let o = CudaStorage::alloc(&like.dev, like.dtype(), rows * d.head_dim)?;
+    let (n_q, _) = sizes(d)?;
+    let rows = n_q / d.head_dim;
+    let o = CudaStorage::alloc(&like.dev, like.dtype(), n_q)?;
     let lse = CudaStorage::alloc(&like.dev, DType::F32, rows)?;
     if rows == 0 {
         return Ok(FlashOutput { o, lse });
@@ -341,8 +362,8 @@ pub fn flash_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<FlashInputGra
     (p.v, p.v_s) = check_view("v", &g.v, d.seq_k, d, like)?;
     (p.o, p.o_s) = check_view("o", &g.o, d.seq_q, d, like)?;
     (p.dout, p.do_s) = check_view("grad_out", &g.grad_out, d.seq_q, d, like)?;
-    let rows_q = d.batch * d.heads * d.seq_q;
-    let rows_k = d.batch * d.heads * d.seq_k;
+    let (n_q, n_k) = sizes(d)?;
+    let (rows_q, rows_k) = (n_q / d.head_dim, n_k / d.head_dim);
     if g.lse.dtype() != DType::F32 || g.lse.len() < rows_q || g.lse.ordinal() != like.ordinal() {
         return Err(Error::invalid_arg(
             OP,
@@ -361,7 +382,7 @@ pub fn flash_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<FlashInputGra
     }
     p.lse = g.lse.ptr();
     let (dev, dt) = (&like.dev, like.dtype());
-    let dq = CudaStorage::alloc(dev, dt, rows_q * d.head_dim)?;
+    let dq = CudaStorage::alloc(dev, dt, n_q)?;
     if rows_k == 0 {
         let dk = CudaStorage::alloc(dev, dt, 0)?;
         let dv = CudaStorage::alloc(dev, dt, 0)?;
@@ -369,13 +390,13 @@ pub fn flash_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<FlashInputGra
     }
     if rows_q == 0 {
         // No query sees any key.
-        let dk = CudaStorage::zeroed(dev, dt, rows_k * d.head_dim)?;
-        let dv = CudaStorage::zeroed(dev, dt, rows_k * d.head_dim)?;
+        let dk = CudaStorage::zeroed(dev, dt, n_k)?;
+        let dv = CudaStorage::zeroed(dev, dt, n_k)?;
         return Ok(FlashInputGrads { dq, dk, dv });
     }
-    let dk = CudaStorage::alloc(dev, dt, rows_k * d.head_dim)?;
-    let dv = CudaStorage::alloc(dev, dt, rows_k * d.head_dim)?;
-    let dq_acc = CudaStorage::alloc(dev, DType::F32, rows_q * d.head_dim)?;
+    let dk = CudaStorage::alloc(dev, dt, n_k)?;
+    let dv = CudaStorage::alloc(dev, dt, n_k)?;
+    let dq_acc = CudaStorage::alloc(dev, DType::F32, n_q)?;
     let dvec = CudaStorage::alloc(dev, DType::F32, rows_q)?;
     (p.dq, p.dk, p.dv, p.dq_acc, p.dvec) = (dq.ptr(), dk.ptr(), dv.ptr(), dq_acc.ptr(), dvec.ptr());
     // head_dim / 8 threads per (batch, query, head) row.
@@ -385,6 +406,6 @@ pub fn flash_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<FlashInputGra
     launch!(like.dev, Family::FlashAttention, format!("flash_bwd_{s}_d{}", d.head_dim), grid; p);
     // 8 values per thread.
     launch!(like.dev, Family::FlashAttention, format!("flash_dq_convert_{s}"),
-        Grid::for_items(dev, rows_q * d.head_dim / 8); p);
+        Grid::for_items(dev, n_q / 8); p);
     Ok(FlashInputGrads { dq, dk, dv })
 }
