@@ -244,8 +244,12 @@ fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
             strides: host.strides,
         }
     };
-    let (qv, mut kv, mut vv) = (view(&q_h, 0), view(&k_h, 1), view(&v_h, 2));
+    let (mut qv, mut kv, mut vv) = (view(&q_h, 0), view(&k_h, 1), view(&v_h, 2));
     if let Packing::Separate = c.packing {
+        // Q through the Layout constructor of [B, T, H, D] operands.
+        qv = FlashView::from_bthd(&bufs[0], &Layout::contiguous(Shape::new(vec![b, tq, h, d])))
+            .unwrap();
+        assert_eq!(qv.strides, q_h.strides);
         // K and V through the Layout constructor of [B, H, T, D] operands.
         let l = Layout::contiguous(Shape::new(vec![b, h, tk, d]));
         assert!(FlashView::fits_bhtd(&l));
