@@ -35,6 +35,7 @@ mod device;
 mod dropout;
 mod elementwise;
 mod embedding;
+pub mod flash_attention;
 pub(crate) mod graph;
 pub(crate) mod in_place;
 mod index;

@@ -78,6 +78,7 @@ kernel_families! {
     Activation => "activation", 6;
     Embedding => "embedding", 4;
     Dropout => "dropout", 4;
+    FlashAttention => "flash_attention", 30;
 }
 
 /// The families, longest to compile first.
