@@ -51,7 +51,7 @@ pub const fn class_of(op: OpKind) -> OpClass {
     use OpKind as K;
     match op {
         // ---- half: products that run on tensor cores -----------------------------------------
-        K::Matmul | K::Linear | K::Conv2d => OpClass::Half,
+        K::Matmul | K::Linear | K::Conv2d | K::Attention => OpClass::Half,
         // ---- fp32: range or precision matters ------------------------------------------------
         K::Softmax
         | K::LogSoftmax

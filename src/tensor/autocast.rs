@@ -71,6 +71,7 @@ op_kinds! {
     Gelu => "gelu",
     GeluTanh => "gelu_tanh",
     Silu => "silu",
+    Attention => "scaled_dot_product_attention",
 }
 
 impl OpKind {

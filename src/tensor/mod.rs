@@ -11,6 +11,7 @@
 //! - every op checks its operands and returns an `Error` naming them; none panics on user input.
 
 mod activation;
+mod attention;
 pub mod autocast;
 mod batch_norm;
 mod cast;
@@ -35,6 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use crate::base::{DType, Device, Layout, MemoryFormat, Shape, WithDType};
+pub use attention::{fused_supported, AttentionPath, SdpaOptions};
 pub use batch_norm::BatchNormConfig;
 pub use conv::Conv2dConfig;
 pub use dropout::DropoutGenerator;

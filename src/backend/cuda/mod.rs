@@ -16,6 +16,7 @@
 //! [`BackendStorage`]: crate::backend::BackendStorage
 
 mod activation;
+mod attention;
 mod batch_norm;
 mod batch_norm_choice;
 mod batch_norm_launch;
@@ -54,6 +55,7 @@ pub(crate) mod side_stream;
 mod softmax;
 mod storage;
 
+pub use attention::flash_attention_available;
 pub use batch_norm_choice::{
     batch_norm_choices, batch_norm_impl, set_batch_norm_impl, with_batch_norm_impl,
     BatchNormChoice, BatchNormImpl,
