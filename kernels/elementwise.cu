@@ -68,6 +68,13 @@ template <typename A> __device__ __forceinline__ A binary_op(int op, A a, A b) {
             y[i] = Num<T>::from(binary_op<A>(op, Num<T>::to(a[oa]), Num<T>::to(b[ob])));           \
         }                                                                                          \
     }                                                                                              \
+    /* b a row broadcast over a's rows (a linear layer's bias): one index split, no per-dim loop */ \
+    extern "C" __global__ void binary_rowvec_##N(u64 n, u64 cols, int op, const T* a, const T* b,  \
+                                                 T* y) {                                           \
+        typedef Num<T>::acc A;                                                                     \
+        for (u64 i = global_tid(); i < n; i += global_stride())                                    \
+            y[i] = Num<T>::from(binary_op<A>(op, Num<T>::to(a[i]), Num<T>::to(b[i % cols])));      \
+    }                                                                                              \
     extern "C" __global__ void relu_backward_##N(u64 n, const T* g, const T* x, T* y) {            \
         typedef Num<T>::acc A;                                                                     \
         map2_contig(n, g, x, y, [](A gv, A xv) { return xv > (A)0 ? gv : (A)0; });                 \

@@ -391,6 +391,10 @@ fn binary_same_shape_and_broadcast() {
         (vec![], vec![7]),
         (vec![8, 16, 9, 9], vec![16, 1, 1]),
         (vec![2, 1, 3, 1, 2, 1, 2], vec![2, 1, 3, 1, 2, 1]),
+        // A bias over rows (the row-vector kernel) and the same with the operands swapped.
+        (vec![64, 300], vec![300]),
+        (vec![2, 7, 33], vec![33]),
+        (vec![300], vec![64, 300]),
     ];
     for d in DTYPES {
         for (sa, sb) in &cases {

@@ -64,6 +64,13 @@ pub(crate) fn binary(
             n as u64, code, pa, pb, res.ptr());
         return Ok(res);
     }
+    if n > 0 && out.is_contiguous() && la.strides() == out.strides() {
+        if let Some(cols) = row_vector(lb, out) {
+            launch!(a.dev, Family::Elementwise, format!("binary_rowvec_{s}"), Grid::for_items(&a.dev, n);
+                n as u64, cols as u64, code, pa, pb, res.ptr());
+            return Ok(res);
+        }
+    }
     if n > 0 {
         let st = strided(op.name(), out.dims(), la.strides(), lb.strides())?;
         launch!(a.dev, Family::Elementwise, format!("binary_bcast_{s}"), Grid::for_items(&a.dev, n);
@@ -74,6 +81,14 @@ pub(crate) fn binary(
     } else {
         super::layout::copy_strided(&res, &Layout::contiguous(out.shape().clone()), out)
     }
+}
+
+/// The length of the last dim when `b` is one row repeated over every other dim of `out`
+/// (strides 0 except a unit stride on the last dim): a bias added to a linear layer's output.
+fn row_vector(b: &Layout, out: &Layout) -> Option<usize> {
+    let (st, dims) = (b.strides(), out.dims());
+    let r = dims.len();
+    (r >= 2 && st[r - 1] == 1 && st[..r - 1].iter().all(|&s| s == 0)).then(|| dims[r - 1])
 }
 
 /// `g · (x > 0)`; both dense with the same strides.

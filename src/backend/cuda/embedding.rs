@@ -65,6 +65,31 @@ pub(crate) fn embedding_backward(
         Some(CudaStorage::zeroed(&g.dev, acc, n)?)
     };
     let target = sum.as_ref().unwrap_or(&out);
+    let padding = p.padding_idx.map_or(-1, |v| v as i64);
+    if super::device::deterministic() {
+        ordered_scatter(g, pg, pi, target, p, &s, padding)?;
+    } else {
+        launch!(g.dev, Family::Embedding, format!("embedding_backward_atomic_{s}"), Grid::for_items(&g.dev, p.count * p.dim);
+            p.count as u64, p.num as u64, p.dim as u64, padding, pg, pi, target.ptr());
+    }
+    if let Some(sum) = &sum {
+        launch!(g.dev, Family::Embedding, format!("embedding_round_{s}"), Grid::for_items(&g.dev, n);
+            n as u64, sum.ptr(), out.ptr());
+    }
+    Ok(out)
+}
+
+/// The ordered walk (see kernels/embedding.cu): every sum in position order, bit for bit the
+/// CPU's; taken under the determinism switch.
+fn ordered_scatter(
+    g: &CudaStorage,
+    pg: u64,
+    pi: u64,
+    target: &CudaStorage,
+    p: &EmbeddingParams,
+    s: &str,
+    padding: i64,
+) -> Result<()> {
     // Enough (range, column) threads to fill the device about twice, at most one range per row.
     let col_blocks = p.dim.div_ceil(BLOCK as usize);
     let want_threads = g.dev.sm_count as usize * 4096;
@@ -75,15 +100,10 @@ pub(crate) fn embedding_backward(
         blocks: (ranges * col_blocks) as u32,
         threads: BLOCK,
     };
-    let padding = p.padding_idx.map_or(-1, |v| v as i64);
     launch!(g.dev, Family::Embedding, format!("embedding_backward_{s}"), grid;
         p.count as u64, p.num as u64, p.dim as u64, range_rows as u64, col_blocks as u64,
         padding, pg, pi, target.ptr());
-    if let Some(sum) = &sum {
-        launch!(g.dev, Family::Embedding, format!("embedding_round_{s}"), Grid::for_items(&g.dev, n);
-            n as u64, sum.ptr(), out.ptr());
-    }
-    Ok(out)
+    Ok(())
 }
 
 impl EmbeddingOps for CudaStorage {
