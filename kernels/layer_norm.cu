@@ -104,18 +104,37 @@ __device__ void ln_param_partial(u64 rows, u64 cols, u64 part_rows, const T* __r
     }
 }
 
-// dw[j] = Σ_p part[p][j], db[j] = Σ_p part[p][cols + j], in block order; either may be null.
+// dw[j] = Σ_p part[p][j], db[j] = Σ_p part[p][cols + j]; either may be null. A block of 256
+// threads takes 32 columns: its 8 warps each sum every 8th block's partials in block order, then
+// warp 0 adds the 8 sums in warp order (a fixed association: deterministic). One thread per
+// column walking all the parts alone was latency-bound (hundreds of serial loads, few warps).
 template <typename A, typename W>
 __device__ void ln_param_finalize(u64 cols, u64 parts, const A* __restrict__ part, W* __restrict__ dw,
                                   W* __restrict__ db) {
-    for (u64 j = global_tid(); j < cols; j += global_stride()) {
+    __shared__ A shw[8][33], shb[8][33];
+    const u64 tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    for (u64 tile = blockIdx.x; tile * 32 < cols; tile += gridDim.x) {
+        const u64 j = tile * 32 + tx;
         A sw = 0, sb = 0;
-        for (u64 p = 0; p < parts; p++) {
-            sw += part[p * 2 * cols + j];
-            sb += part[p * 2 * cols + cols + j];
+        if (j < cols) {
+            for (u64 p = ty; p < parts; p += 8) {
+                sw += part[p * 2 * cols + j];
+                sb += part[p * 2 * cols + cols + j];
+            }
         }
-        if (dw) dw[j] = Num<W>::from(sw);
-        if (db) db[j] = Num<W>::from(sb);
+        shw[ty][tx] = sw;
+        shb[ty][tx] = sb;
+        __syncthreads();
+        if (ty == 0 && j < cols) {
+            A w = shw[0][tx], b = shb[0][tx];
+            for (int k = 1; k < 8; k++) {
+                w += shw[k][tx];
+                b += shb[k][tx];
+            }
+            if (dw) dw[j] = Num<W>::from(w);
+            if (db) db[j] = Num<W>::from(b);
+        }
+        __syncthreads();
     }
 }
 

@@ -144,7 +144,8 @@ pub(crate) fn layer_norm_backward(
             rows as u64, cols as u64, part_rows as u64, pg, px, pm, pr, part.ptr());
         let ptr = |t: &Option<CudaStorage>| t.as_ref().map_or(0, |t| t.ptr());
         launch!(g.dev, Family::LayerNorm,
-            format!("layer_norm_param_finalize_{}_{ws}", sfx(acc)), Grid::for_items(&g.dev, cols);
+            format!("layer_norm_param_finalize_{}_{ws}", sfx(acc)),
+            Grid { blocks: cols.div_ceil(32).min(1 << 16) as u32, threads: 256 };
             cols as u64, parts as u64, part.ptr(), ptr(&dw), ptr(&db));
     }
     Ok(NormGrads {
