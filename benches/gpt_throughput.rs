@@ -97,8 +97,14 @@ fn policy(mode: &str) -> mixprec::Result<amp::Policy> {
     };
     match mode {
         "o0" => Ok(Policy::opt_level(OptLevel::O0)),
-        "o1-f16" | "o1-bf16" => Ok(half(Policy::opt_level(OptLevel::O1), mode.ends_with("bf16"))),
-        "o2-f16" | "o2-bf16" => Ok(half(Policy::opt_level(OptLevel::O2), mode.ends_with("bf16"))),
+        "o1-f16" | "o1-bf16" => Ok(half(
+            Policy::opt_level(OptLevel::O1),
+            mode.ends_with("bf16"),
+        )),
+        "o2-f16" | "o2-bf16" => Ok(half(
+            Policy::opt_level(OptLevel::O2),
+            mode.ends_with("bf16"),
+        )),
         other => Err(mixprec::Error::invalid_arg(
             "gpt_throughput",
             "--mode",
@@ -183,7 +189,10 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         cuda::set_op_profiling(false);
         let rows = cuda::op_profile()?;
         let busy: f64 = rows.iter().map(|r| r.total_ms).sum::<f64>() / 2.0;
-        eprintln!("profile {} {}: device busy {busy:.2} ms per step", args.model, args.mode);
+        eprintln!(
+            "profile {} {}: device busy {busy:.2} ms per step",
+            args.model, args.mode
+        );
         for r in rows.iter().take(40) {
             eprintln!(
                 "  {:<28} {:<48} {:>4}x {:>8.3} ms/step",

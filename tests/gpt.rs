@@ -34,12 +34,17 @@ fn names_sizes_and_init_are_gpt2s() {
     let m = Gpt::new(cfg, 0, &CPU).unwrap();
     let names: Vec<String> = m.named_parameters().into_iter().map(|(n, _)| n).collect();
     let mut want = gpt2_names(cfg.n_layer);
-    assert_eq!(want.pop().as_deref(), Some(LM_HEAD), "the tied head is not a parameter of its own");
+    assert_eq!(
+        want.pop().as_deref(),
+        Some(LM_HEAD),
+        "the tied head is not a parameter of its own"
+    );
     assert_eq!(names, want);
     assert_eq!(m.num_parameters(), cfg.num_parameters());
     // GPT-2 124M as everybody counts it (with the vocabulary padded to 50304).
     assert_eq!(GptConfig::gpt2().num_parameters(), 124_475_904);
-    let params: std::collections::HashMap<String, Tensor> = m.named_parameters().into_iter().collect();
+    let params: std::collections::HashMap<String, Tensor> =
+        m.named_parameters().into_iter().collect();
     let std_of = |n: &str| {
         let v = params[n].to_vec_f64().unwrap();
         (v.iter().map(|x| x * x).sum::<f64>() / v.len() as f64).sqrt()
@@ -50,7 +55,10 @@ fn names_sizes_and_init_are_gpt2s() {
     // Residual projections: 0.02 / sqrt(2 * n_layer) = 0.01 here.
     assert!((proj - 0.01).abs() < 0.0015, "{proj}");
     assert_eq!(std_of("transformer.h.1.attn.c_attn.bias"), 0.0);
-    assert_eq!(params["transformer.ln_f.weight"].to_vec_f64().unwrap(), vec![1.0; 32]);
+    assert_eq!(
+        params["transformer.ln_f.weight"].to_vec_f64().unwrap(),
+        vec![1.0; 32]
+    );
 }
 
 #[test]
@@ -85,14 +93,29 @@ fn weights_round_trip_through_the_hugging_face_layout() {
     let path = dir.join("model.safetensors");
     save_hf_gpt2(&path, &m.state_dict().unwrap(), 100).unwrap();
     let (loaded, dims) = load_hf_gpt2(&path, 128).unwrap();
-    assert_eq!((dims.n_layer, dims.n_embd, dims.vocab_size, dims.n_positions), (2, 32, 100, 16));
+    assert_eq!(
+        (dims.n_layer, dims.n_embd, dims.vocab_size, dims.n_positions),
+        (2, 32, 100, 16)
+    );
     let m2 = Gpt::new(cfg, 9, &CPU).unwrap();
     let entries: Vec<(String, Tensor)> = loaded.into_iter().filter(|(n, _)| n != LM_HEAD).collect();
     m2.load_state_dict(&entries).unwrap();
     // The padding rows (100..128) came back as zeros; the rest is the same model.
     let x = ids(1, 10, 5, 100);
-    let a = m.forward(&x).unwrap().narrow(2, 0, 100).unwrap().to_vec_f32().unwrap();
-    let b = m2.forward(&x).unwrap().narrow(2, 0, 100).unwrap().to_vec_f32().unwrap();
+    let a = m
+        .forward(&x)
+        .unwrap()
+        .narrow(2, 0, 100)
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
+    let b = m2
+        .forward(&x)
+        .unwrap()
+        .narrow(2, 0, 100)
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
     for (p, q) in a.iter().zip(&b) {
         assert!((p - q).abs() <= 1e-5 * (1.0 + p.abs()), "{p} vs {q}");
     }
@@ -141,7 +164,16 @@ fn training_lowers_the_loss_and_sampling_is_seeded() {
     assert_eq!(a.len(), 9);
     assert!(a.iter().all(|&t| t < 100));
     // Greedy continues the learnt sequence.
-    let g = generate(&model, CPU, &[0, 5, 10], &SampleConfig { temperature: 0.0, ..cfg_s }).unwrap();
+    let g = generate(
+        &model,
+        CPU,
+        &[0, 5, 10],
+        &SampleConfig {
+            temperature: 0.0,
+            ..cfg_s
+        },
+    )
+    .unwrap();
     assert_eq!(&g[3..6], &[15, 20, 2]);
     assert!(model.is_training(), "sampling restores the training mode");
     assert!(generate(&model, CPU, &[], &cfg_s).is_err());

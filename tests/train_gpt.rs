@@ -55,11 +55,21 @@ fn a_tiny_gpt_learns_writes_its_files_and_resumes() {
     assert!(s.train_loss < 7.0, "train loss {}", s.train_loss);
     assert!(s.val_loss < 7.0, "val loss {}", s.val_loss);
     assert!(s.sample.starts_with("To be"), "{}", s.sample);
-    for f in ["metrics.csv", "metrics.jsonl", "metrics.png", "model.safetensors", "config.json"] {
+    for f in [
+        "metrics.csv",
+        "metrics.jsonl",
+        "metrics.png",
+        "model.safetensors",
+        "config.json",
+    ] {
         assert!(out.join(f).is_file(), "{f}");
     }
     let csv = std::fs::read_to_string(out.join("metrics.csv")).unwrap();
-    assert_eq!(csv.lines().count(), 3, "a header and one row per evaluation:\n{csv}");
+    assert_eq!(
+        csv.lines().count(),
+        3,
+        "a header and one row per evaluation:\n{csv}"
+    );
     // The next run in the same place refuses to mix files.
     assert!(run_gpt(&config(&data, 20), &options(&out)).is_err());
 
@@ -86,11 +96,26 @@ fn bad_settings_are_errors() {
     let data = tmp.join("text");
     corpus(&data);
     let bad = [
-        GptRunConfig { model: Some("gpt5".into()), ..config(&data, 5) },
-        GptRunConfig { steps: Some(0), ..config(&data, 5) },
-        GptRunConfig { half: Some("f8".into()), ..config(&data, 5) },
-        GptRunConfig { captured: Some(true), ..config(&data, 5) },
-        GptRunConfig { warmup: Some(9), ..config(&data, 5) },
+        GptRunConfig {
+            model: Some("gpt5".into()),
+            ..config(&data, 5)
+        },
+        GptRunConfig {
+            steps: Some(0),
+            ..config(&data, 5)
+        },
+        GptRunConfig {
+            half: Some("f8".into()),
+            ..config(&data, 5)
+        },
+        GptRunConfig {
+            captured: Some(true),
+            ..config(&data, 5)
+        },
+        GptRunConfig {
+            warmup: Some(9),
+            ..config(&data, 5)
+        },
     ];
     for (i, c) in bad.iter().enumerate() {
         let err = run_gpt(c, &options(&tmp.join(format!("r{i}"))));

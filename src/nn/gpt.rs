@@ -94,7 +94,8 @@ impl GptConfig {
     /// Every parameter element (the head is the token embedding).
     pub fn num_parameters(&self) -> usize {
         let (c, l) = (self.n_embd, self.n_layer);
-        let block = 2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c);
+        let block =
+            2 * 2 * c + (c * 3 * c + 3 * c) + (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c);
         self.vocab_size * c + self.block_size * c + l * block + 2 * c
     }
 

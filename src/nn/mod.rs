@@ -34,7 +34,7 @@ pub use linear::Linear;
 pub use loss::{cross_entropy, cross_entropy_with, mse_loss, CrossEntropyConfig, Reduction};
 pub use module::{state_dict_mismatches, Module, StateDict, TensorInfo, TensorKind, TrainingFlag};
 pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
-pub use sample::{generate, SampleConfig};
 pub use resnet::{ResNet, ResNetConfig, Stem};
+pub use sample::{generate, SampleConfig};
 pub use sequential::Sequential;
 pub use transformer::{BlockConfig, CausalSelfAttention, Mlp, TransformerBlock};

@@ -43,7 +43,10 @@ fn pick(logits: &[f32], cfg: &SampleConfig, u: f64) -> usize {
         order.select_nth_unstable_by(k.max(1) - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
         order.truncate(k.max(1));
     }
-    let max = order.iter().map(|&i| logits[i] as f64).fold(f64::NEG_INFINITY, f64::max);
+    let max = order
+        .iter()
+        .map(|&i| logits[i] as f64)
+        .fold(f64::NEG_INFINITY, f64::max);
     if !max.is_finite() {
         return argmax();
     }
@@ -74,7 +77,12 @@ pub fn generate(
         return Err(Error::invalid_arg(op, "prompt", "[]", "at least one token"));
     }
     if !(cfg.temperature.is_finite() && cfg.temperature >= 0.0) {
-        return Err(Error::invalid_arg(op, "temperature", cfg.temperature, "a finite value >= 0"));
+        return Err(Error::invalid_arg(
+            op,
+            "temperature",
+            cfg.temperature,
+            "a finite value >= 0",
+        ));
     }
     if cfg.top_k == Some(0) || cfg.vocab == 0 || cfg.context == 0 {
         return Err(Error::invalid_arg(
@@ -85,7 +93,12 @@ pub fn generate(
         ));
     }
     if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= cfg.vocab) {
-        return Err(Error::invalid_arg(op, "prompt token", bad, format!("ids in 0..{}", cfg.vocab)));
+        return Err(Error::invalid_arg(
+            op,
+            "prompt token",
+            bad,
+            format!("ids in 0..{}", cfg.vocab),
+        ));
     }
     let was_training = model.is_training();
     model.set_training(false);

@@ -44,7 +44,12 @@ impl BlockConfig {
             return Err(Error::invalid_arg(op, "n_inner", 0, "at least 1"));
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(Error::invalid_arg(op, "dropout", self.dropout, "a probability in [0, 1)"));
+            return Err(Error::invalid_arg(
+                op,
+                "dropout",
+                self.dropout,
+                "a probability in [0, 1)",
+            ));
         }
         if !(self.residual_init_std.is_finite() && self.residual_init_std > 0.0) {
             return Err(Error::invalid_arg(

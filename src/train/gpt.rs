@@ -36,7 +36,7 @@ use crate::tensor::{DType, Device, Tensor};
 pub struct GptRunConfig {
     /// A size from `nn::GPT_SIZES` (GPU: `small`, CPU: `tiny`).
     pub model: Option<String>,
-    /// Tokens per sequence (the model's context by default).
+    /// Tokens per sequence (GPU: the model's context, CPU: 64).
     pub context: Option<usize>,
     /// A folder of `.txt` (or `.txt.gz`) files; the bundled Shakespeare by default.
     pub data: Option<PathBuf>,
@@ -44,13 +44,13 @@ pub struct GptRunConfig {
     pub opt_level: Option<String>,
     /// The half type: `bf16` (default) or `f16` (with dynamic loss scaling).
     pub half: Option<String>,
-    /// Sequences per micro-batch (GPU: 64, CPU: 16).
+    /// Sequences per micro-batch (GPU: 64, CPU: 8).
     pub batch_size: Option<usize>,
     /// Micro-batches per optimizer step (1).
     pub grad_accum: Option<usize>,
     /// Optimizer steps (GPU: 600, CPU: 300).
     pub steps: Option<u64>,
-    /// Peak learning rate (GPU: 1e-3, CPU: 2e-3).
+    /// Peak learning rate (GPU: 1e-3, CPU: 3e-3).
     pub lr: Option<f64>,
     /// The schedule's floor (lr / 10).
     pub min_lr: Option<f64>,
@@ -64,9 +64,9 @@ pub struct GptRunConfig {
     pub dropout: Option<f64>,
     /// Steps between evaluations (steps / 5).
     pub eval_every: Option<u64>,
-    /// Val batches per evaluation (20).
+    /// Val batches per evaluation (GPU: 20, CPU: 5).
     pub eval_batches: Option<usize>,
-    /// Tokens sampled at each evaluation and at the end (100).
+    /// Tokens sampled at each evaluation (GPU: 100, CPU: 60).
     pub sample_tokens: Option<usize>,
     /// The sample's prompt.
     pub prompt: Option<String>,
@@ -164,10 +164,16 @@ impl GptRunConfig {
             .unwrap_or_else(|| if gpu { "small" } else { "tiny" }.into());
         let mut gpt = GptConfig::named(&model)?;
         gpt.dropout = self.dropout.unwrap_or(if gpu { 0.2 } else { 0.0 });
-        let context = positive("context", self.context.unwrap_or(gpt.block_size))?;
+        // The CPU recipe reads short windows: the 50k-way classifier costs the same per token
+        // whatever the context, and five minutes on 2 cores buys about 150k tokens.
+        let context = positive(
+            "context",
+            self.context
+                .unwrap_or(if gpu { gpt.block_size } else { 64 }),
+        )?;
         gpt.block_size = gpt.block_size.max(context);
         let steps = positive("steps", self.steps.unwrap_or(if gpu { 600 } else { 300 }))?;
-        let lr = positive("lr", self.lr.unwrap_or(if gpu { 1e-3 } else { 2e-3 }))?;
+        let lr = positive("lr", self.lr.unwrap_or(if gpu { 1e-3 } else { 3e-3 }))?;
         let opt_level = self
             .opt_level
             .clone()
@@ -183,7 +189,10 @@ impl GptRunConfig {
             data: self.data.clone().unwrap_or_else(bundled_corpus_dir),
             opt_level,
             half,
-            batch_size: positive("batch_size", self.batch_size.unwrap_or(if gpu { 64 } else { 16 }))?,
+            batch_size: positive(
+                "batch_size",
+                self.batch_size.unwrap_or(if gpu { 64 } else { 8 }),
+            )?,
             context,
             grad_accum: positive("grad_accum", self.grad_accum.unwrap_or(1))?,
             steps,
@@ -193,8 +202,11 @@ impl GptRunConfig {
             weight_decay: self.weight_decay.unwrap_or(0.1),
             clip: self.clip.unwrap_or(1.0),
             eval_every: positive("eval_every", self.eval_every.unwrap_or((steps / 5).max(1)))?,
-            eval_batches: positive("eval_batches", self.eval_batches.unwrap_or(20))?,
-            sample_tokens: self.sample_tokens.unwrap_or(100),
+            eval_batches: positive(
+                "eval_batches",
+                self.eval_batches.unwrap_or(if gpu { 20 } else { 5 }),
+            )?,
+            sample_tokens: self.sample_tokens.unwrap_or(if gpu { 100 } else { 60 }),
             prompt: self.prompt.clone().unwrap_or_else(|| "ROMEO:".into()),
             temperature: self.temperature.unwrap_or(0.8),
             top_k: self.top_k.unwrap_or(200),
@@ -332,7 +344,13 @@ fn loaders(r: &GptRecipe, out: &Path, world: (usize, usize)) -> Result<(TokenLoa
 }
 
 /// The mean loss over `n` val batches (from the start of the val split each time).
-fn evaluate<M: Module>(model: &AmpModel<M>, loss: impl Fn(&Tensor, &Tensor) -> Result<Tensor>, val: &mut TokenLoader, n: usize, dev: Device) -> Result<f64> {
+fn evaluate<M: Module>(
+    model: &AmpModel<M>,
+    loss: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    val: &mut TokenLoader,
+    n: usize,
+    dev: Device,
+) -> Result<f64> {
     let _g = crate::no_grad();
     let was = model.is_training();
     model.set_training(false);
@@ -351,9 +369,19 @@ fn evaluate<M: Module>(model: &AmpModel<M>, loss: impl Fn(&Tensor, &Tensor) -> R
     out
 }
 
-fn sample<M: Module>(model: &AmpModel<M>, r: &GptRecipe, dev: Device, tok: &Gpt2Tokenizer, seed: u64) -> Result<String> {
+fn sample<M: Module>(
+    model: &AmpModel<M>,
+    r: &GptRecipe,
+    dev: Device,
+    tok: &Gpt2Tokenizer,
+    seed: u64,
+) -> Result<String> {
     let prompt = tok.encode(&r.prompt);
-    let prompt = if prompt.is_empty() { vec![50256] } else { prompt };
+    let prompt = if prompt.is_empty() {
+        vec![50256]
+    } else {
+        prompt
+    };
     let ids = generate(
         model,
         dev,
@@ -384,11 +412,20 @@ fn peak_flops(dev: Device) -> Option<f64> {
 /// Runs (or continues) a GPT training job.
 pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSummary> {
     let dev = opts.device;
-    let resumed = opts.resume.as_ref().map(|p| Checkpoint::load(p).map(|c| (p, c))).transpose()?;
+    let resumed = opts
+        .resume
+        .as_ref()
+        .map(|p| Checkpoint::load(p).map(|c| (p, c)))
+        .transpose()?;
     let (recipe, extra) = match &resumed {
         Some((p, c)) => {
             let e: Extra = serde_json::from_value(c.extra.clone()).map_err(|e| {
-                Error::invalid_arg("train_gpt", "resume", p.display(), format!("a train_gpt checkpoint ({e})"))
+                Error::invalid_arg(
+                    "train_gpt",
+                    "resume",
+                    p.display(),
+                    format!("a train_gpt checkpoint ({e})"),
+                )
             })?;
             (e.recipe.clone(), Some(e))
         }
@@ -415,9 +452,19 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
     let model = Gpt::new(gcfg, recipe.seed, &dev)?;
     let params = model.num_parameters();
     println!(
-        "model: {} ({} layers, {} heads, width {}, context {}): {:.1}M parameters on {dev}; {} {}",
-        recipe.model, gcfg.n_layer, gcfg.n_head, gcfg.n_embd, recipe.context,
-        params as f64 / 1e6, recipe.opt_level, recipe.half
+        "model: {} ({} layers, {} heads, width {}, context {}): {:.1}M parameters on {dev}; {}{}",
+        recipe.model,
+        gcfg.n_layer,
+        gcfg.n_head,
+        gcfg.n_embd,
+        recipe.context,
+        params as f64 / 1e6,
+        recipe.opt_level,
+        if recipe.opt_level == "O0" {
+            String::new()
+        } else {
+            format!(" {}", recipe.half)
+        }
     );
     let opt = optimizer(&model, &recipe)?;
     let (model, mut opt) = amp::initialize(model, opt, recipe.policy()?)?;
@@ -442,7 +489,11 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
     let k = recipe.grad_accum;
     let body = |x: &Tensor, y: &Tensor| {
         let l = model.scope(|m| m.loss(x, y))?;
-        if k == 1 { Ok(l) } else { l.mul_scalar(1.0 / k as f64) }
+        if k == 1 {
+            Ok(l)
+        } else {
+            l.mul_scalar(1.0 / k as f64)
+        }
     };
     let val_loss = |x: &Tensor, y: &Tensor| model.scope(|m| m.loss(x, y));
     let mut stepper = if recipe.captured {
@@ -464,14 +515,17 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
     while step < stop {
         let round = (step / recipe.eval_every) as usize + 1;
         let round_end = (round as u64 * recipe.eval_every).min(recipe.steps);
-        let mut bar = EpochProgress::new(round, rounds, round_end - step, opts.progress).with_unit("tokens");
+        let mut bar =
+            EpochProgress::new(round, rounds, round_end - step, opts.progress).with_unit("tokens");
         let started = Instant::now();
         let mut loss_sum: Option<Tensor> = None;
         let steps_in_round = round_end - step;
         let mut lr = 0.0;
         while step < round_end {
             lr = schedule.apply(stepper.optimizer().inner_mut(), step)?;
-            let batches = (0..k).map(|_| train.next_batch(dev)).collect::<Result<Vec<_>>>()?;
+            let batches = (0..k)
+                .map(|_| train.next_batch(dev))
+                .collect::<Result<Vec<_>>>()?;
             let loss = stepper.run_accumulated(&batches)?;
             // Summed on the device: the loss is read once per round, not per step.
             let l = loss.detach().to_dtype(DType::F32)?;
@@ -518,7 +572,11 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         };
         skipped_before = skipped_total;
         metrics.append(&rec)?;
-        plot_history(metrics.history(), &out.join("metrics.png"), &format!("train_gpt {}", recipe.model))?;
+        plot_history(
+            metrics.history(),
+            &out.join("metrics.png"),
+            &format!("train_gpt {}", recipe.model),
+        )?;
         let extra = Extra {
             recipe: recipe.clone(),
             train_loader: train.state(),

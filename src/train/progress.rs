@@ -89,7 +89,13 @@ impl EpochProgress {
     pub fn with_unit(mut self, unit: &'static str) -> Self {
         self.unit = unit;
         if self.bar.is_some() {
-            self.bar = Some(new_bar(self.epoch, self.epochs, self.steps, &self.images, unit));
+            self.bar = Some(new_bar(
+                self.epoch,
+                self.epochs,
+                self.steps,
+                &self.images,
+                unit,
+            ));
         }
         self
     }
