@@ -46,6 +46,7 @@ fn cross_entropy_values_and_reductions() {
         let cfg = |reduction| CrossEntropyConfig {
             reduction,
             label_smoothing: eps,
+            ..Default::default()
         };
         let none = cross_entropy_with(&x, &y, cfg(Reduction::None)).unwrap();
         assert_eq!(none.dims(), &[2]);
@@ -64,6 +65,7 @@ fn cross_entropy_values_and_reductions() {
         CrossEntropyConfig {
             reduction: Reduction::None,
             label_smoothing: 0.1,
+            ..Default::default()
         },
     )
     .unwrap()
@@ -86,6 +88,7 @@ fn cross_entropy_gradient_matches_finite_differences() {
         let cfg = CrossEntropyConfig {
             reduction,
             label_smoothing: eps,
+            ..Default::default()
         };
         let x = base.detach().to_variable();
         cross_entropy_with(&x, &y, cfg).unwrap().backward().unwrap();
@@ -168,6 +171,7 @@ fn cross_entropy_rejects_bad_input() {
         CrossEntropyConfig {
             reduction: Reduction::Mean,
             label_smoothing: 1.5,
+            ..Default::default()
         },
     )
     .unwrap_err();

@@ -5,6 +5,7 @@
 //! |---------------|-------------------------------------------------|------------------------------|
 //! | `Half`        | the scope's half type                           | matmul, linear, conv2d       |
 //! | `Fp32`        | F32 (F64 stays F64)                             | softmax, exp, log, powf, sums, means, losses |
+//! | `Fp32Math`    | unchanged; the op computes in F32 and returns F32 (F64 for F64) | cross_entropy (half logits are never copied to F32) |
 //! | `Promote`     | the widest input type (f16 with bf16: F32)      | binary elementwise, cat      |
 //! | `Passthrough` | unchanged                                       | relu, neg, abs, sqrt, sqr    |
 //!
@@ -39,6 +40,10 @@ pub enum OpClass {
     Half,
     /// Cast half inputs to F32 (ops that need the range or the precision).
     Fp32,
+    /// Leave the inputs as they are: the op computes in F32 itself, whatever its inputs' type,
+    /// and returns F32 (F64 for F64 inputs). For fused ops whose F32 copy of a half input
+    /// would cost more than the op (cross-entropy over a large vocabulary).
+    Fp32Math,
     /// Cast every input to the widest input type.
     Promote,
     /// Leave the inputs as they are.
@@ -60,10 +65,11 @@ pub const fn class_of(op: OpKind) -> OpClass {
         | K::Powf
         | K::Sum
         | K::Mean
-        | K::CrossEntropy
         | K::MseLoss
         | K::LayerNorm
         | K::RmsNorm => OpClass::Fp32,
+        // ---- fp32 inside: half inputs read as they are, f32 math, an f32 output ------------
+        K::CrossEntropy => OpClass::Fp32Math,
         // ---- promote: several inputs, the widest type wins -----------------------------------
         K::Add | K::Sub | K::Mul | K::Div | K::Maximum | K::Minimum | K::Cat => OpClass::Promote,
         // ---- passthrough: exact in any type ---------------------------------------------------
@@ -157,7 +163,7 @@ pub fn register_op(name: &str, class: OpClass) -> Result<()> {
 fn targets(class: OpClass, half: DType, dtypes: &[DType]) -> Option<Vec<DType>> {
     let floats = || dtypes.iter().filter(|d| d.is_float());
     let out: Vec<DType> = match class {
-        OpClass::Passthrough => return None,
+        OpClass::Passthrough | OpClass::Fp32Math => return None,
         OpClass::Half => dtypes
             .iter()
             .map(|&d| if d.is_float() { half } else { d })
@@ -243,9 +249,10 @@ mod tests {
         assert_eq!(t(OpKind::Add, F16, &[F16, F32]), Some(vec![F32, F32]));
         assert_eq!(t(OpKind::Cat, F16, &[F16, BF16]), Some(vec![F32, F32]));
         assert_eq!(t(OpKind::Relu, F16, &[F32]), None);
-        assert_eq!(
-            t(OpKind::CrossEntropy, F16, &[F16, I64]),
-            Some(vec![F32, I64])
-        );
+        // Cross-entropy reads half logits as they are (f32 math inside, an f32 output).
+        assert_eq!(class_of(OpKind::CrossEntropy), OpClass::Fp32Math);
+        assert_eq!(t(OpKind::CrossEntropy, F16, &[F16, I64]), None);
+        assert_eq!(t(OpKind::CrossEntropy, BF16, &[BF16, I64]), None);
+        assert_eq!(t(OpKind::MseLoss, F16, &[F16, F16]), Some(vec![F32, F32]));
     }
 }

@@ -13,6 +13,7 @@ mod activation;
 mod batch_norm;
 mod cast;
 mod conv;
+mod cross_entropy;
 mod dropout;
 mod elementwise;
 mod embedding;
@@ -154,6 +155,8 @@ pub(crate) enum Op {
         state: Tensor,
         p: DropoutParams,
     },
+    /// The fused cross-entropy (what the backward reads: `tensor/cross_entropy.rs`).
+    CrossEntropy(Box<crate::tensor::cross_entropy::CrossEntropyNode>),
     /// A user-defined function (`autograd::custom_function`).
     Custom(Box<super::hooks::CustomOp>),
 }
@@ -190,6 +193,7 @@ impl Op {
             Op::Activation { act, .. } => act.name(),
             Op::Embedding { .. } => "embedding",
             Op::Dropout { .. } => "dropout",
+            Op::CrossEntropy(_) => "cross_entropy",
             Op::Custom(f) => f.name,
         }
     }
@@ -235,6 +239,7 @@ impl Op {
             Op::Activation { .. } => activation::backward(self, g, w),
             Op::Embedding { .. } => embedding::backward(self, g, w),
             Op::Dropout { .. } => dropout::backward(self, g, w),
+            Op::CrossEntropy(_) => cross_entropy::backward(self, g, w),
             Op::Custom(f) => f.backward(g, needs),
         }
     }

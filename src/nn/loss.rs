@@ -1,6 +1,7 @@
-//! Loss functions. Every loss computes in FP32 whatever its inputs' type (half inputs are cast
-//! to F32 first; F64 stays F64, for gradient checks), as apex's O1 lists require, and returns a
-//! tensor of that type.
+//! Loss functions. Every loss computes in FP32 whatever its inputs' type (F64 stays F64, for
+//! gradient checks), as apex's O1 lists require, and returns a tensor of that type: mse casts
+//! half inputs to F32 first; cross-entropy reads half logits as they are, in one fused op
+//! (`tensor/cross_entropy.rs`) that never makes an F32 copy of them.
 
 use crate::error::{Error, Result};
 use crate::tensor::autocast::{self, OpKind};
@@ -24,15 +25,11 @@ pub struct CrossEntropyConfig {
     /// ε in [0, 1]: the target distribution is (1−ε)·one_hot + ε/C (PyTorch's
     /// `label_smoothing`).
     pub label_smoothing: f64,
-}
-
-/// The type a loss computes in: F32, or F64 for F64 inputs.
-fn loss_dtype(t: &Tensor) -> DType {
-    if t.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
+    /// Rows whose target is this value count for nothing: loss 0, gradient 0, and `Mean`
+    /// divides by the number of the other rows (counted on the device: no host read; NaN when
+    /// every row is ignored, as PyTorch). `None` (the default) ignores no row; PyTorch's
+    /// default is `Some(-100)`.
+    pub ignore_index: Option<i64>,
 }
 
 fn reduce(per: Tensor, reduction: Reduction) -> Result<Tensor> {
@@ -49,81 +46,21 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 /// Cross-entropy with PyTorch's options: per sample,
-/// `loss = (1−ε)·(−log p_target) + ε·mean_c(−log p_c)`, then reduced.
+/// `loss = (1−ε)·(−log p_target) + ε·mean_c(−log p_c)` (0 for an ignored sample), then
+/// reduced. One fused op ([`Tensor::cross_entropy_rows`]): f16/bf16 logits are read as they
+/// are, with f32 math and no f32 copy of them; the loss is F32 (F64 for F64 logits), the
+/// logits' gradient has their dtype. Under autocast the logits are not cast (class
+/// `Fp32Math`).
 pub fn cross_entropy_with(
     logits: &Tensor,
     targets: &Tensor,
     cfg: CrossEntropyConfig,
 ) -> Result<Tensor> {
-    let op = "cross_entropy";
-    if let Some(x) = autocast::inputs1(OpKind::CrossEntropy, logits)? {
-        return cross_entropy_with(&x, targets, cfg);
+    let rows = logits.cross_entropy_rows(targets, cfg.label_smoothing, cfg.ignore_index)?;
+    match (cfg.reduction, rows.kept) {
+        (Reduction::Mean, Some(kept)) => rows.loss.sum_all()?.div(&kept),
+        (reduction, _) => reduce(rows.loss, reduction),
     }
-    logits.float_only(op)?;
-    if logits.rank() != 2 || logits.dims()[1] == 0 {
-        return Err(Error::invalid_shape(
-            op,
-            logits.shape(),
-            "logits must be [n, c] with c ≥ 1",
-        ));
-    }
-    if targets.dtype() != DType::I64 {
-        return Err(Error::UnsupportedDType {
-            op,
-            got: targets.dtype(),
-            expected: "i64 class indices",
-        });
-    }
-    let (n, c) = (logits.dims()[0], logits.dims()[1]);
-    if targets.dims() != [n] {
-        return Err(Error::shape_mismatch(
-            op,
-            logits.shape(),
-            targets.shape(),
-            format!("targets must be [{n}], one class index per row of the logits"),
-        ));
-    }
-    logits.same_device(op, targets)?;
-    let eps = cfg.label_smoothing;
-    if !(0.0..=1.0).contains(&eps) {
-        return Err(Error::invalid_arg(
-            op,
-            "label_smoothing",
-            eps,
-            "a value in [0, 1]",
-        ));
-    }
-    // Labels are checked on the host when they live there (the data loader's case); on a GPU
-    // the gather kernel checks them, so that the loss needs no host synchronisation.
-    if targets.device().is_cpu() {
-        if let Some(bad) = targets
-            .to_vec::<i64>()?
-            .into_iter()
-            .find(|&t| t < 0 || t as usize >= c)
-        {
-            return Err(Error::invalid_arg(
-                op,
-                "target",
-                bad,
-                format!("class indices in 0..{c}"),
-            ));
-        }
-    }
-    let x = logits.to_dtype(loss_dtype(logits))?;
-    let logp = x.log_softmax(1)?;
-    let picked = logp
-        .gather(1, &targets.reshape(vec![n, 1])?)?
-        .reshape(vec![n])?;
-    let per = if eps == 0.0 {
-        picked.neg()?
-    } else {
-        let smooth = logp.mean_dim(1, false)?;
-        // −(1−ε)·log p_t − ε·mean_c log p_c
-        picked
-            .mul_scalar(-(1.0 - eps))?
-            .sub(&smooth.mul_scalar(eps)?)?
-    };
-    reduce(per, cfg.reduction)
 }
 
 /// Mean squared error between two tensors of equal shape.

@@ -17,6 +17,7 @@ mod batch_norm;
 mod cast;
 mod constructors;
 mod conv;
+pub(crate) mod cross_entropy;
 mod device;
 mod dropout;
 mod elementwise;
@@ -39,6 +40,7 @@ pub use crate::base::{DType, Device, Layout, MemoryFormat, Shape, WithDType};
 pub use attention::{fused_supported, AttentionPath, SdpaOptions};
 pub use batch_norm::BatchNormConfig;
 pub use conv::Conv2dConfig;
+pub use cross_entropy::CrossEntropyRowLosses;
 pub use dropout::DropoutGenerator;
 pub use storage::Storage;
 

@@ -64,7 +64,8 @@ plain!(
     NormBackwardParams,
     Activation,
     EmbeddingParams,
-    DropoutParams
+    DropoutParams,
+    CrossEntropyParams
 );
 
 impl<T: Plain + ?Sized> Plain for &T {}
@@ -177,6 +178,7 @@ lower_operands! {
     BatchNormElemtOperands { residual, weight, bias, mean, invstd }
     BatchNormGradOperands { x, y, mean, invstd }
     BatchNormGradSums { weight, sums, count }
+    CrossEntropyBackwardOperands { logits, targets, lse }
 }
 
 impl<T: Lower> Lower for NormSaved<T> {
@@ -254,6 +256,13 @@ impl<A: Lift> Lift for NormSaved<A> {
 
 impl<A: Lift> Lift for NormGrads<A> {
     type Out = NormGrads<A::Out>;
+    fn lift(self) -> Self::Out {
+        self.map(A::lift)
+    }
+}
+
+impl<A: Lift> Lift for CrossEntropyRows<A> {
+    type Out = CrossEntropyRows<A::Out>;
     fn lift(self) -> Self::Out {
         self.map(A::lift)
     }
@@ -548,6 +557,18 @@ backend_ops! {
     ["dropout"] fn dropout(&self, l: &Layout, state: &mut Self, p: &DropoutParams) -> (Self, Self);
     ["dropout_backward"]
     fn dropout_backward(&self, l: &Layout, saved: &Self, p: &DropoutParams) -> Self;
+
+    // cross-entropy
+    ["cross_entropy", format!("{}x{}", p.rows, p.classes)]
+    fn cross_entropy(&self, l: &Layout, targets: &Self, tl: &Layout, p: &CrossEntropyParams)
+        -> CrossEntropyRows<Self>;
+    ["cross_entropy_backward", format!("{}x{}", p.rows, p.classes)]
+    fn cross_entropy_backward(
+        &self,
+        l: &Layout,
+        o: CrossEntropyBackwardOperands<'_, Self>,
+        p: &CrossEntropyParams,
+    ) -> Self;
 }
 
 fn bn_detail(p: &BatchNormParams) -> String {

@@ -11,6 +11,7 @@ pub(crate) mod alloc;
 mod batch_norm;
 mod cast;
 mod conv;
+mod cross_entropy;
 mod dropout;
 mod elementwise;
 mod embedding;

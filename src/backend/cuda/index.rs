@@ -27,7 +27,7 @@ thread_local! {
 }
 
 /// The address of this thread's index-range flag on `dev`, noting that `op` may raise it.
-fn index_flag(dev: &Arc<CudaDevice>, op: &'static str) -> Result<u64> {
+pub(crate) fn index_flag(dev: &Arc<CudaDevice>, op: &'static str) -> Result<u64> {
     INDEX_FLAGS.with(|flags| {
         let mut flags = flags.borrow_mut();
         let (flag, ops) = match flags.entry(dev.ordinal) {

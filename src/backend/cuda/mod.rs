@@ -29,6 +29,7 @@ mod conv_direct;
 mod conv_plan;
 mod conv_report;
 mod conv_tune;
+mod cross_entropy;
 mod cudnn_batch_norm;
 mod cudnn_graph;
 mod cudnn_legacy;

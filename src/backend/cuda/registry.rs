@@ -79,6 +79,7 @@ kernel_families! {
     Embedding => "embedding", 4;
     Dropout => "dropout", 4;
     FlashAttention => "flash_attention", 30;
+    CrossEntropy => "cross_entropy", 4;
 }
 
 /// The families, longest to compile first.

@@ -6,6 +6,7 @@
 mod activation;
 mod batch_norm;
 mod conv;
+mod cross_entropy;
 mod dropout;
 mod elementwise;
 mod embedding;
@@ -19,6 +20,7 @@ mod softmax;
 pub use activation::*;
 pub use batch_norm::*;
 pub use conv::*;
+pub use cross_entropy::*;
 pub use dropout::*;
 pub use elementwise::*;
 pub use embedding::*;
