@@ -81,20 +81,15 @@ fn values_match_a_naive_f64_reference() {
     let (n, c) = (7, 13);
     let (x, t) = case(n, c, 3);
     let xv = x.to_vec::<f64>().unwrap();
-    let y = targets(&t);
     for eps in [0.0, 0.1, 1.0] {
         for ignore in [Some(IGNORE), Some(3), None] {
-            // Without an ignore_index, -100 would be out of range: those rows get class 0.
-            let tt: Vec<i64> = if ignore.is_none() {
-                t.iter().map(|&v| v.max(0)).collect()
-            } else {
-                t.clone()
-            };
-            let y = if ignore.is_none() {
-                targets(&tt)
-            } else {
-                y.clone()
-            };
+            // The -100 rows get the ignore_index in force (class 0 without one; with 3, the
+            // rows whose class is 3 are ignored too).
+            let tt: Vec<i64> = t
+                .iter()
+                .map(|&v| if v == IGNORE { ignore.unwrap_or(0) } else { v })
+                .collect();
+            let y = targets(&tt);
             let (rows, kept) = naive(&xv, c, &tt, eps, ignore);
             let what = format!("eps {eps} ignore {ignore:?}");
             let none = cross_entropy_with(&x, &y, cfg(Reduction::None, eps, ignore)).unwrap();
