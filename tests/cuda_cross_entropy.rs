@@ -189,9 +189,7 @@ fn gpt2_step_shape_matches_the_cpu_without_host_reads_or_an_f32_copy() {
     let n = 16 * 1024;
     let tv = targets(n, VOCAB);
     let t = Tensor::from_vec(tv.clone(), [n], Device::Cpu).unwrap();
-    let x = Tensor::randn([n, VOCAB], 0.0, 3.0, 11, DType::F32, dev)
-        .unwrap()
-        .to_dtype(DType::BF16)
+    let x = Tensor::randn([n, VOCAB], 0.0, 3.0, 11, DType::BF16, dev)
         .unwrap()
         .to_variable();
     let tg = t.to_device(dev).unwrap();
@@ -261,9 +259,7 @@ fn diagnostic_gpt2_fwd_bwd_time() {
     let dev = gpu();
     cuda::set_poison_allocations(false);
     let n = 16 * 1024;
-    let x = Tensor::randn([n, VOCAB], 0.0, 3.0, 5, DType::F32, dev)
-        .unwrap()
-        .to_dtype(DType::BF16)
+    let x = Tensor::randn([n, VOCAB], 0.0, 3.0, 5, DType::BF16, dev)
         .unwrap()
         .to_variable();
     let t = Tensor::from_vec(targets(n, VOCAB), [n], Device::Cpu)
