@@ -32,7 +32,7 @@ pub struct BlockConfig {
 impl BlockConfig {
     pub(crate) fn check(&self) -> Result<()> {
         let op = "TransformerBlock";
-        if self.n_embd == 0 || self.n_head == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_embd == 0 || self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(Error::invalid_arg(
                 op,
                 "n_embd/n_head",

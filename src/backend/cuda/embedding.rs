@@ -67,7 +67,7 @@ pub(crate) fn embedding_backward(
     let target = sum.as_ref().unwrap_or(&out);
     let padding = p.padding_idx.map_or(-1, |v| v as i64);
     if super::device::deterministic() {
-        ordered_scatter(g, pg, pi, target, p, &s, padding)?;
+        ordered_scatter(g, pg, pi, target, p, s, padding)?;
     } else {
         launch!(g.dev, Family::Embedding, format!("embedding_backward_atomic_{s}"), Grid::for_items(&g.dev, p.count * p.dim);
             p.count as u64, p.num as u64, p.dim as u64, padding, pg, pi, target.ptr());
