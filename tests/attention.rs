@@ -467,3 +467,162 @@ fn bad_inputs_are_errors() {
     is_err(randn(&[4], 1, DType::F32).scaled_masked_softmax(1.0, true));
     is_err(randn(&[4, 4], 1, DType::F32).scaled_masked_softmax(f64::NAN, true));
 }
+
+/// Output and the gradients of q, k, v of `f` (Σ f(q, k, v)·w with fixed weights w).
+fn with_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> mixprec::Result<Tensor>,
+) -> [Vec<f64>; 4] {
+    let (q, k, v) = (
+        q.detach().to_variable(),
+        k.detach().to_variable(),
+        v.detach().to_variable(),
+    );
+    let y = f(&q, &k, &v).unwrap();
+    let w = Tensor::randn(y.shape(), 0.0, 1.0, 7, y.dtype(), Device::Cpu).unwrap();
+    y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    [
+        vals(&y),
+        vals(&q.grad().unwrap()),
+        vals(&k.grad().unwrap()),
+        vals(&v.grad().unwrap()),
+    ]
+}
+
+#[test]
+fn fused_reference_on_the_cpu_equals_the_math_path() {
+    for (n, s) in SIZES.into_iter().enumerate() {
+        for causal in [false, true] {
+            for dt in [DType::F64, DType::F32] {
+                let (q, k, v) = qkv(s, 130 + n as u64, dt);
+                let o = SdpaOptions {
+                    causal,
+                    scale: Some(0.45),
+                    ..Default::default()
+                };
+                let math = with_grads(&q, &k, &v, |q, k, v| {
+                    q.scaled_dot_product_attention(k, v, &o)
+                });
+                let fused = with_grads(&q, &k, &v, |q, k, v| {
+                    q.scaled_dot_product_attention_fused(k, v, &o)
+                });
+                let tol = if dt == DType::F64 { 1e-12 } else { 2e-5 };
+                for (what, (a, b)) in ["out", "dq", "dk", "dv"]
+                    .iter()
+                    .zip(fused.iter().zip(&math))
+                {
+                    assert_close_named(
+                        &format!("{n} {dt} causal {causal}: {what}"),
+                        a,
+                        b,
+                        tol,
+                        tol,
+                    );
+                }
+            }
+        }
+    }
+    // Half inputs: the fused reference keeps the probabilities in f32, the math path rounds
+    // them to the half type.
+    let s = SIZES[0];
+    let (q, k, v) = qkv(s, 140, DType::BF16);
+    let math = with_grads(&q, &k, &v, |q, k, v| {
+        q.scaled_dot_product_attention(k, v, &opts(true))
+    });
+    let fused = with_grads(&q, &k, &v, |q, k, v| {
+        q.scaled_dot_product_attention_fused(k, v, &opts(true))
+    });
+    for (a, b) in fused.iter().zip(&math) {
+        assert_close(a, b, 6e-2, 6e-2);
+    }
+}
+
+#[test]
+fn fused_reference_reads_strided_views_and_its_gradients_match_finite_differences() {
+    let (b, t, h, d) = (1, 5, 2, 3);
+    let fused_qkv = randn(&[b, t, 3, h, d], 150, DType::F64);
+    let part = |x: &Tensor, i: usize| -> mixprec::Result<Tensor> {
+        x.narrow(2, i, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3])
+    };
+    let f = |x: &Tensor, fused: bool| -> mixprec::Result<Tensor> {
+        let (q, k, v) = (part(x, 0)?, part(x, 1)?, part(x, 2)?);
+        if fused {
+            q.scaled_dot_product_attention_fused(&k, &v, &opts(true))
+        } else {
+            q.scaled_dot_product_attention(&k, &v, &opts(true))
+        }
+    };
+    assert_close(
+        &vals(&f(&fused_qkv, true).unwrap()),
+        &vals(&f(&fused_qkv, false).unwrap()),
+        1e-12,
+        1e-12,
+    );
+    check_gradients(&[fused_qkv], |x| f(&x[0], true));
+    let s = SIZES[1];
+    let (q, k, v) = qkv(s, 151, DType::F64);
+    check_gradients(&[q, k, v], |x| {
+        x[0].scaled_dot_product_attention_fused(&x[1], &x[2], &opts(false))
+    });
+    // Masks and dropout are the math path's.
+    let (q, k, v) = qkv(s, 152, DType::F64);
+    let m = randn(&[s.tq, s.tk], 1, DType::F64);
+    let o = SdpaOptions {
+        mask: Some(&m),
+        ..Default::default()
+    };
+    assert!(q.scaled_dot_product_attention_fused(&k, &v, &o).is_err());
+}
+
+/// The masked softmax of `x` ([rows/tq][tq][tk] row-major) in f64.
+fn masked_softmax_ref(x: &[f64], tq: usize, tk: usize, scale: f64, causal: bool) -> Vec<f64> {
+    let mut y = vec![0.0; x.len()];
+    for (r, (xr, yr)) in x.chunks(tk).zip(y.chunks_mut(tk)).enumerate() {
+        let n = if causal { (r % tq + 1).min(tk) } else { tk };
+        let mx = xr[..n]
+            .iter()
+            .map(|v| v * scale)
+            .fold(f64::NEG_INFINITY, f64::max);
+        if mx == f64::NEG_INFINITY {
+            continue;
+        }
+        let z: f64 = xr[..n].iter().map(|v| (v * scale - mx).exp()).sum();
+        for j in 0..n {
+            yr[j] = (xr[j] * scale - mx).exp() / z;
+        }
+    }
+    y
+}
+
+#[test]
+fn scaled_masked_softmax_matches_the_reference_and_finite_differences() {
+    for (tq, tk) in [(4, 4), (3, 6), (6, 2), (1, 1)] {
+        for causal in [false, true] {
+            let x = randn(&[2, 3, tq, tk], 160, DType::F64);
+            let y = x.scaled_masked_softmax(0.7, causal).unwrap();
+            let want = masked_softmax_ref(&vals(&x), tq, tk, 0.7, causal);
+            assert_close(&vals(&y), &want, 1e-13, 1e-14);
+            let yh = x
+                .to_dtype(DType::F16)
+                .unwrap()
+                .scaled_masked_softmax(0.7, causal)
+                .unwrap();
+            assert_eq!(yh.dtype(), DType::F16);
+            assert_close(&vals(&yh), &want, 2e-3, 1e-3);
+            check_gradients(&[x], |t| t[0].scaled_masked_softmax(0.7, causal));
+        }
+    }
+    // Masked entries are exactly 0, in the output and in the gradient, whatever the input there.
+    let x = t64(&[1.0, f64::NAN, 2.0, 3.0], &[2, 2]).to_variable();
+    let y = x.scaled_masked_softmax(1.0, true).unwrap();
+    let yv = vals(&y);
+    assert_eq!(yv[0], 1.0);
+    assert_eq!(yv[1], 0.0);
+    let g = t64(&[1.0, f64::INFINITY, 0.5, 0.25], &[2, 2]);
+    y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+    let gx = vals(&x.grad().unwrap());
+    assert_eq!(gx[1], 0.0);
+    assert!(gx.iter().all(|v| v.is_finite()));
+}

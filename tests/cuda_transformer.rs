@@ -440,3 +440,239 @@ fn dropout_draws_the_cpus_masks_from_the_same_state() {
         }
     }
 }
+
+/// A looser bound for the attention paths, whose scores and probabilities are rounded to the
+/// half type between kernels on both devices (a rounding that may fall either way).
+fn attn_tol(d: DType) -> f64 {
+    match d {
+        DType::F32 => 2e-5,
+        DType::F16 => 5e-3,
+        _ => 4e-2,
+    }
+}
+
+fn check_attn(what: &str, got: &Tensor, want: &Tensor, d: DType) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let e = rel_err(&vals(got), &vals(want));
+    assert!(
+        e <= attn_tol(d),
+        "{what}: relative error {e} (bound {})",
+        attn_tol(d)
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn masked_softmax_matches_the_cpu_forward_and_backward() {
+    let dev = gpu();
+    // (batch, Tq, Tk): GPT-2's, odd sizes, a block per row, the long-row kernels.
+    for (b, tq, tk) in [
+        (24usize, 1024usize, 1024usize),
+        (3, 77, 130),
+        (2, 5, 4096),
+        (2, 3, 5000),
+        (1, 2, 40000),
+        (4, 1, 1),
+    ] {
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            for causal in [true, false] {
+                for offset in [0usize, 1] {
+                    // offset 1: a view one element into its buffer, so the rows are unaligned.
+                    let n = b * tq * tk;
+                    let base = Tensor::randn([n + offset], 0.0, 3.0, 1, DType::F32, Device::Cpu)
+                        .unwrap()
+                        .to_dtype(d)
+                        .unwrap();
+                    let g = Tensor::randn([b, tq, tk], 0.0, 1.0, 2, DType::F32, Device::Cpu)
+                        .unwrap()
+                        .to_dtype(d)
+                        .unwrap();
+                    let run = |dev: Device| {
+                        let xb = base.to_device(dev).unwrap().to_variable();
+                        let x = xb
+                            .narrow(0, offset, n)
+                            .unwrap()
+                            .reshape([b, tq, tk])
+                            .unwrap();
+                        let y = x.scaled_masked_softmax(0.125, causal).unwrap();
+                        let gd = g.to_device(dev).unwrap();
+                        y.mul(&gd).unwrap().sum_all().unwrap().backward().unwrap();
+                        let cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+                        (cpu(&y), cpu(&xb.grad().unwrap()))
+                    };
+                    let (yc, dc) = run(Device::Cpu);
+                    let (yg, dg) = run(dev);
+                    let tag = format!("{b}x{tq}x{tk} {d} causal {causal} offset {offset}");
+                    check(&format!("{tag}: y"), &yg, &yc, d);
+                    check_attn(&format!("{tag}: dx"), &dg, &dc, d);
+                }
+            }
+        }
+    }
+}
+
+/// Attention forward and backward (Σ out·g) on `dev`: the output and the gradients of q, k, v,
+/// on the host. `fused_qkv`: q, k, v are slices of one [B, T, 3, H, D] tensor.
+fn run_attention(
+    qkv: &[Tensor; 3],
+    mask: Option<&Tensor>,
+    causal: bool,
+    g: &Tensor,
+    dev: Device,
+) -> [Tensor; 4] {
+    let on = |t: &Tensor| t.to_device(dev).unwrap().to_variable();
+    let (q, k, v) = (on(&qkv[0]), on(&qkv[1]), on(&qkv[2]));
+    let m = mask.map(|m| m.to_device(dev).unwrap());
+    let o = mixprec::tensor::SdpaOptions {
+        causal,
+        mask: m.as_ref(),
+        ..Default::default()
+    };
+    let y = q.scaled_dot_product_attention(&k, &v, &o).unwrap();
+    let gd = g.to_device(dev).unwrap().to_dtype(y.dtype()).unwrap();
+    y.mul(&gd).unwrap().sum_all().unwrap().backward().unwrap();
+    let cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+    [
+        cpu(&y),
+        cpu(&q.grad().unwrap()),
+        cpu(&k.grad().unwrap()),
+        cpu(&v.grad().unwrap()),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_math_path_matches_the_cpu() {
+    let dev = gpu();
+    // (B, H, Tq, Tk, D, causal, mask): GPT-2's shape, and an odd one with and without a mask.
+    let cases = [
+        (2usize, 12usize, 1024usize, 1024usize, 64usize, true, false),
+        (2, 3, 77, 130, 40, false, false),
+        (2, 3, 77, 130, 40, true, true),
+    ];
+    for (b, h, tq, tk, hd, causal, with_mask) in cases {
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            let r = |shape: [usize; 4], seed: u64| {
+                Tensor::randn(shape, 0.0, 1.0, seed, DType::F32, Device::Cpu)
+                    .unwrap()
+                    .to_dtype(d)
+                    .unwrap()
+            };
+            let qkv = [
+                r([b, h, tq, hd], 1),
+                r([b, h, tk, hd], 2),
+                r([b, h, tk, hd], 3),
+            ];
+            let mask = with_mask.then(|| {
+                Tensor::randn([1, 1, tq, tk], 0.0, 1.0, 4, DType::F32, Device::Cpu).unwrap()
+            });
+            let g = Tensor::randn([b, h, tq, hd], 0.0, 1.0, 5, DType::F32, Device::Cpu).unwrap();
+            let want = run_attention(&qkv, mask.as_ref(), causal, &g, Device::Cpu);
+            let got = run_attention(&qkv, mask.as_ref(), causal, &g, dev);
+            let tag = format!("{b}x{h}x{tq}x{tk}x{hd} {d} causal {causal} mask {with_mask}");
+            for (what, (a, c)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+                check_attn(&format!("{tag}: {what}"), a, c, d);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_math_path_reads_fused_qkv_views_and_reads_nothing_back() {
+    let dev = gpu();
+    let (b, t, h, hd) = (2usize, 128usize, 4usize, 64usize);
+    for d in [DType::BF16, DType::F16] {
+        let qkv = Tensor::randn([b, t, 3, h, hd], 0.0, 1.0, 9, DType::F32, Device::Cpu)
+            .unwrap()
+            .to_dtype(d)
+            .unwrap();
+        let g = Tensor::randn([b, h, t, hd], 0.0, 1.0, 10, DType::F32, Device::Cpu).unwrap();
+        let run = |dev: Device| {
+            let x = qkv.to_device(dev).unwrap().to_variable();
+            let part = |i: usize| {
+                x.narrow(2, i, 1)
+                    .unwrap()
+                    .squeeze(2)
+                    .unwrap()
+                    .permute(&[0, 2, 1, 3])
+                    .unwrap()
+            };
+            let o = mixprec::tensor::SdpaOptions {
+                causal: true,
+                ..Default::default()
+            };
+            let y = part(0)
+                .scaled_dot_product_attention(&part(1), &part(2), &o)
+                .unwrap();
+            let gd = g.to_device(dev).unwrap().to_dtype(d).unwrap();
+            y.mul(&gd).unwrap().sum_all().unwrap().backward().unwrap();
+            let cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+            (cpu(&y), cpu(&x.grad().unwrap()))
+        };
+        let (yc, dc) = run(Device::Cpu);
+        let (yg, dg) = run(dev);
+        check_attn(&format!("{d} fused-qkv out"), &yg, &yc, d);
+        check_attn(&format!("{d} fused-qkv dqkv"), &dg, &dc, d);
+    }
+    // The forward and backward themselves read nothing back to the host.
+    let q = Tensor::randn([2, 4, 256, 64], 0.0, 1.0, 11, DType::BF16, dev).unwrap();
+    let k = Tensor::randn([2, 4, 256, 64], 0.0, 1.0, 12, DType::BF16, dev).unwrap();
+    let v = Tensor::randn([2, 4, 256, 64], 0.0, 1.0, 13, DType::BF16, dev).unwrap();
+    let gen = mixprec::DropoutGenerator::new(5, dev).unwrap();
+    let o = mixprec::tensor::SdpaOptions {
+        causal: true,
+        dropout_p: 0.1,
+        generator: Some(&gen),
+        ..Default::default()
+    };
+    let step = || {
+        let qv = q.detach().to_variable();
+        let y = qv.scaled_dot_product_attention(&k, &v, &o).unwrap();
+        y.sum_all().unwrap().backward().unwrap();
+    };
+    step();
+    let before = host_sync_count();
+    step();
+    assert_eq!(host_sync_count(), before, "attention read the device");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_attention_is_refused_until_built_and_then_matches_the_cpu() {
+    let dev = gpu();
+    let o = mixprec::tensor::SdpaOptions {
+        causal: true,
+        ..Default::default()
+    };
+    for d in [DType::F16, DType::BF16] {
+        let r = |seed: u64| {
+            Tensor::randn([2, 4, 100, 64], 0.0, 1.0, seed, DType::F32, Device::Cpu)
+                .unwrap()
+                .to_dtype(d)
+                .unwrap()
+        };
+        let (q, k, v) = (r(1), r(2), r(3));
+        let on = |t: &Tensor| t.to_device(dev).unwrap();
+        let got = on(&q).scaled_dot_product_attention_fused(&on(&k), &on(&v), &o);
+        if !mixprec::backend::cuda::flash_attention_available() {
+            assert!(
+                got.is_err(),
+                "the fused slot refuses until the kernel is built"
+            );
+            assert_eq!(
+                on(&q).attention_path(&on(&k), &on(&v), &o),
+                mixprec::tensor::AttentionPath::Math
+            );
+            continue;
+        }
+        let want = q.scaled_dot_product_attention_fused(&k, &v, &o).unwrap();
+        check_attn(
+            &format!("{d} fused out"),
+            &got.unwrap().to_device(Device::Cpu).unwrap(),
+            &want,
+            d,
+        );
+    }
+}

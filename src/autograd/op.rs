@@ -10,6 +10,7 @@
 //! dispatch in [`Op::backward`], and its formula to its family's module.
 
 mod activation;
+mod attention;
 mod batch_norm;
 mod cast;
 mod conv;
@@ -26,7 +27,7 @@ mod view;
 
 use crate::backend::{
     Activation, AdaptivePoolParams, BatchNormParams, BinaryOp, Conv2dParams, DropoutParams,
-    EmbeddingParams, MatmulDims, Pool2dParams, UnaryOp,
+    EmbeddingParams, MaskedSoftmaxParams, MatmulDims, Pool2dParams, UnaryOp,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device, Shape, Tensor};
@@ -157,6 +158,13 @@ pub(crate) enum Op {
     },
     /// The fused cross-entropy (what the backward reads: `tensor/cross_entropy.rs`).
     CrossEntropy(Box<crate::tensor::cross_entropy::CrossEntropyNode>),
+    /// The scaled, causal-masked softmax of attention's math path, from its saved output.
+    MaskedSoftmax {
+        y: Tensor,
+        p: MaskedSoftmaxParams,
+    },
+    /// Fused scaled-dot-product attention (what the backward reads: `tensor/attention.rs`).
+    Sdpa(Box<crate::tensor::attention::SdpaNode>),
     /// A user-defined function (`autograd::custom_function`).
     Custom(Box<super::hooks::CustomOp>),
 }
@@ -194,6 +202,8 @@ impl Op {
             Op::Embedding { .. } => "embedding",
             Op::Dropout { .. } => "dropout",
             Op::CrossEntropy(_) => "cross_entropy",
+            Op::MaskedSoftmax { .. } => "scaled_masked_softmax",
+            Op::Sdpa(_) => "scaled_dot_product_attention",
             Op::Custom(f) => f.name,
         }
     }
@@ -240,6 +250,7 @@ impl Op {
             Op::Embedding { .. } => embedding::backward(self, g, w),
             Op::Dropout { .. } => dropout::backward(self, g, w),
             Op::CrossEntropy(_) => cross_entropy::backward(self, g, w),
+            Op::MaskedSoftmax { .. } | Op::Sdpa(_) => attention::backward(self, g, w),
             Op::Custom(f) => f.backward(g, needs),
         }
     }

@@ -12,6 +12,8 @@
 
 use super::autocast::{self, OpKind};
 use super::{DType, Device, DropoutGenerator, Shape, Tensor};
+use crate::autograd::Op;
+use crate::backend::{MaskedSoftmaxParams, SdpaKeyValue, SdpaParams, SdpaSaved};
 use crate::error::{Error, Result};
 
 const OP: &str = "scaled_dot_product_attention";
@@ -139,18 +141,67 @@ impl Tensor {
         Tensor::matmul_raw(&probs, v, false, false, &out)
     }
 
-    /// The fused path on checked inputs.
+    /// The fused path on checked inputs: q, k, v as they are where their last dim is dense
+    /// (strided views of a fused QKV projection pass without a copy).
     fn sdpa_fused_checked(
         &self,
-        _k: &Tensor,
-        _v: &Tensor,
-        _opts: &SdpaOptions,
-        _d: &Dims,
+        k: &Tensor,
+        v: &Tensor,
+        opts: &SdpaOptions,
+        d: &Dims,
     ) -> Result<Tensor> {
-        Err(Error::Unsupported {
-            op: OP,
-            detail: "fused attention is not built yet".into(),
-        })
+        let p = SdpaParams {
+            batch: d.batch,
+            heads: d.heads,
+            seq_q: d.seq_q,
+            seq_k: d.seq_k,
+            head_dim: d.head_dim,
+            head_dim_v: d.head_dim_v,
+            causal: opts.causal,
+            scale: d.scale,
+        };
+        let (q, k, v) = (fused_operand(self)?, fused_operand(k)?, fused_operand(v)?);
+        let (o, lse) = {
+            let (qs, ks, vs) = (q.storage(), k.storage(), v.storage());
+            let (ql, kl, vl) = (q.layout(), k.layout(), v.layout());
+            let kv = SdpaKeyValue {
+                k: (&*ks, &*kl),
+                v: (&*vs, &*vl),
+            };
+            qs.sdpa_forward(&ql, kv, &p)?
+        };
+        let lse = Tensor::from_storage(lse, Shape::new(vec![p.batch, p.heads, p.seq_q]));
+        let shape = Shape::new(vec![p.batch, p.heads, p.seq_q, p.head_dim_v]);
+        Ok(Tensor::from_op_with_output(o, shape, &[&q, &k, &v], |o| {
+            Op::Sdpa(Box::new(SdpaNode {
+                q: q.detach(),
+                k: k.detach(),
+                v: v.detach(),
+                o,
+                lse,
+                p,
+            }))
+        }))
+    }
+
+    /// The fused path whatever [`Tensor::attention_path`] would choose (on the CPU: its
+    /// reference implementation), for tests that compare the two paths. Masks and dropout are
+    /// refused, as the fused kernels refuse them.
+    #[doc(hidden)]
+    pub fn scaled_dot_product_attention_fused(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        opts: &SdpaOptions,
+    ) -> Result<Tensor> {
+        let d = check(self, k, v, opts)?;
+        if opts.mask.is_some() || opts.dropout_p > 0.0 {
+            return Err(Error::Unsupported {
+                op: OP,
+                detail: "the fused path takes no additive mask and no dropout".into(),
+            });
+        }
+        self.sdpa_fused_checked(k, v, opts, &d)
     }
 
     /// `softmax(scale·x)` over the last dim with, when `causal`, entry `j > i` of each trailing
@@ -171,26 +222,91 @@ impl Tensor {
             return Err(Error::invalid_arg(op, "scale", scale, "a finite value"));
         }
         let r = self.rank();
-        let (tq, tk) = (self.dims()[r - 2], self.dims()[r - 1]);
-        let acc = if self.dtype() == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
+        let p = MaskedSoftmaxParams {
+            batch: self.dims()[..r - 2].iter().product(),
+            seq_q: self.dims()[r - 2],
+            seq_k: self.dims()[r - 1],
+            scale,
+            causal,
         };
-        let mut s = self.to_dtype(acc)?.affine(scale, 0.0)?;
-        if causal {
-            let mut m = vec![0.0f64; tq * tk];
-            for i in 0..tq {
-                for j in (i + 1).min(tk)..tk {
-                    m[i * tk + j] = f64::NEG_INFINITY;
-                }
-            }
-            let m = Tensor::from_vec(m, [tq, tk], Device::Cpu)?
-                .to_dtype(acc)?
-                .to_device(self.device())?;
-            s = s.add(&m)?;
-        }
-        s.softmax(-1)?.to_dtype(self.dtype())
+        let x = self.contiguous()?;
+        let y = x.storage().masked_softmax(&x.layout(), &p)?;
+        Ok(Tensor::from_op_with_output(
+            y,
+            self.shape().clone(),
+            &[self],
+            |y| Op::MaskedSoftmax { y, p },
+        ))
+    }
+
+    /// The masked softmax's backward: the output's gradient (`self`) through the saved output.
+    pub(crate) fn masked_softmax_backward(
+        &self,
+        y: &Tensor,
+        p: &MaskedSoftmaxParams,
+    ) -> Result<Tensor> {
+        let g = self.contiguous()?;
+        let s = g
+            .storage()
+            .masked_softmax_backward(&g.layout(), &y.storage(), &y.layout(), p)?;
+        Ok(Tensor::from_storage(s, y.shape().clone()))
+    }
+
+    /// The fused path's backward: dq, dk, dv from dO (`self`) and what the forward saved.
+    pub(crate) fn sdpa_backward(&self, n: &SdpaNode) -> Result<(Tensor, Tensor, Tensor)> {
+        let g = fused_operand(self)?;
+        let (dq, dk, dv) = {
+            let gs = g.storage();
+            let (qs, ks, vs, os, ls) = (
+                n.q.storage(),
+                n.k.storage(),
+                n.v.storage(),
+                n.o.storage(),
+                n.lse.storage(),
+            );
+            let (ql, kl, vl, ol, ll) = (
+                n.q.layout(),
+                n.k.layout(),
+                n.v.layout(),
+                n.o.layout(),
+                n.lse.layout(),
+            );
+            let saved = SdpaSaved {
+                q: (&*qs, &*ql),
+                k: (&*ks, &*kl),
+                v: (&*vs, &*vl),
+                o: (&*os, &*ol),
+                lse: (&*ls, &*ll),
+            };
+            gs.sdpa_backward(&g.layout(), saved, &n.p)?
+        };
+        Ok((
+            Tensor::from_storage(dq, n.q.shape().clone()),
+            Tensor::from_storage(dk, n.k.shape().clone()),
+            Tensor::from_storage(dv, n.v.shape().clone()),
+        ))
+    }
+}
+
+/// What the fused path's backward reads: the forward's q, k, v (as it read them), its output
+/// and the rows' log-sum-exps.
+#[derive(Debug)]
+pub(crate) struct SdpaNode {
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) o: Tensor,
+    pub(crate) lse: Tensor,
+    pub(crate) p: SdpaParams,
+}
+
+/// An operand of the fused kernels: as it is when its last dim is dense, else a contiguous copy.
+fn fused_operand(t: &Tensor) -> Result<Tensor> {
+    let l = t.layout();
+    if l.dims().last() == Some(&1) || l.strides().last() == Some(&1) {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
     }
 }
 

@@ -11,7 +11,7 @@
 //! - every op checks its operands and returns an `Error` naming them; none panics on user input.
 
 mod activation;
-mod attention;
+pub(crate) mod attention;
 pub mod autocast;
 mod batch_norm;
 mod cast;

@@ -65,7 +65,9 @@ plain!(
     Activation,
     EmbeddingParams,
     DropoutParams,
-    CrossEntropyParams
+    CrossEntropyParams,
+    MaskedSoftmaxParams,
+    SdpaParams
 );
 
 impl<T: Plain + ?Sized> Plain for &T {}
@@ -179,6 +181,8 @@ lower_operands! {
     BatchNormGradOperands { x, y, mean, invstd }
     BatchNormGradSums { weight, sums, count }
     CrossEntropyBackwardOperands { logits, targets, lse }
+    SdpaKeyValue { k, v }
+    SdpaSaved { q, k, v, o, lse }
 }
 
 impl<T: Lower> Lower for NormSaved<T> {
@@ -568,7 +572,18 @@ backend_ops! {
         l: &Layout,
         o: CrossEntropyBackwardOperands<'_, Self>,
         p: &CrossEntropyParams,
-    ) -> Self;
+    ) -> Self;,
+    // attention
+    ["masked_softmax", format!("{}x{}x{}", p.batch, p.seq_q, p.seq_k)]
+    fn masked_softmax(&self, l: &Layout, p: &MaskedSoftmaxParams) -> Self;
+    ["masked_softmax_backward", format!("{}x{}x{}", p.batch, p.seq_q, p.seq_k)]
+    fn masked_softmax_backward(&self, l: &Layout, y: &Self, yl: &Layout, p: &MaskedSoftmaxParams)
+        -> Self;
+    ["sdpa_forward", format!("{p:?}")]
+    fn sdpa_forward(&self, l: &Layout, kv: SdpaKeyValue<'_, Self>, p: &SdpaParams) -> (Self, Self);
+    ["sdpa_backward", format!("{p:?}")]
+    fn sdpa_backward(&self, l: &Layout, saved: SdpaSaved<'_, Self>, p: &SdpaParams)
+        -> (Self, Self, Self);
 }
 
 fn bn_detail(p: &BatchNormParams) -> String {

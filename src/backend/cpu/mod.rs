@@ -8,6 +8,7 @@
 
 mod activation;
 pub(crate) mod alloc;
+mod attention;
 mod batch_norm;
 mod cast;
 mod conv;

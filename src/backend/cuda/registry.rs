@@ -80,6 +80,7 @@ kernel_families! {
     Dropout => "dropout", 4;
     FlashAttention => "flash_attention", 30;
     CrossEntropy => "cross_entropy", 4;
+    Attention => "attention", 8;
 }
 
 /// The families, longest to compile first.

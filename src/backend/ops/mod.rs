@@ -4,6 +4,7 @@
 //! an op family").
 
 mod activation;
+mod attention;
 mod batch_norm;
 mod conv;
 mod cross_entropy;
@@ -18,6 +19,7 @@ mod reduce;
 mod softmax;
 
 pub use activation::*;
+pub use attention::*;
 pub use batch_norm::*;
 pub use conv::*;
 pub use cross_entropy::*;
