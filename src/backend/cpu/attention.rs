@@ -186,6 +186,9 @@ pub fn sdpa_forward<T: Elem>(x: &Qkv<'_, T>, p: &SdpaParams) -> (Vec<T>, Vec<T::
     (o, lse)
 }
 
+/// One (batch, head)'s slices of dq, dk and dv.
+type GradChunks<'a, A> = ((&'a mut [A], &'a mut [A]), &'a mut [A]);
+
 /// Fused attention's backward per (batch, head) from dO, O and the log-sum-exps: dq, dk, dv.
 pub fn sdpa_backward<T: Elem>(
     x: &Qkv<'_, T>,
@@ -201,7 +204,7 @@ pub fn sdpa_backward<T: Elem>(
     let mut dq = vec![zero; bh * tq * d];
     let mut dk = vec![zero; bh * tk * d];
     let mut dvv = vec![zero; bh * tk * dv];
-    let body = |(h, ((gq, gk), gv)): (usize, ((&mut [T::Acc], &mut [T::Acc]), &mut [T::Acc]))| {
+    let body = |(h, ((gq, gk), gv)): (usize, GradChunks<'_, T::Acc>)| {
         let (q, k, v) = (
             &x.q[h * tq * d..][..tq * d],
             &x.k[h * tk * d..][..tk * d],

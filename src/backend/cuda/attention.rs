@@ -47,7 +47,7 @@ fn plan(
 ) -> Plan {
     let rows = p.rows();
     let pack = 16 / dtype.size_in_bytes();
-    let aligned = ptrs.iter().all(|a| a % 16 == 0) && p.seq_k % pack == 0;
+    let aligned = ptrs.iter().all(|a| a.is_multiple_of(16)) && p.seq_k.is_multiple_of(pack);
     let v = if aligned { pack } else { 1 };
     if p.seq_k <= 32 * VALS_PER_THREAD {
         let per_block = (WARP_TEAM_BLOCK / 32) as usize;
