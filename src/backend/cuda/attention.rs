@@ -180,3 +180,73 @@ impl AttentionOps for CudaStorage {
         Err(not_built("sdpa_backward"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::DType;
+
+    fn p(batch: usize, seq_q: usize, seq_k: usize) -> MaskedSoftmaxParams {
+        MaskedSoftmaxParams {
+            batch,
+            seq_q,
+            seq_k,
+            scale: 0.125,
+            causal: true,
+        }
+    }
+
+    #[test]
+    fn the_plan_keeps_each_row_in_one_teams_registers() {
+        // GPT-2's rows: a warp each, 16-byte packs, four warps a block.
+        let pl = plan(
+            "masked_softmax",
+            "f16",
+            DType::F16,
+            &p(24, 1024, 1024),
+            &[0, 4096],
+        );
+        assert_eq!(pl.name, "masked_softmax_f16_v8");
+        assert_eq!(pl.block_team, Some(0));
+        assert_eq!((pl.grid.blocks, pl.grid.threads), (24 * 1024 / 4, 128));
+        // Unaligned rows (a view at an odd offset, or a row length off the pack) read singly.
+        let pl = plan(
+            "masked_softmax",
+            "f16",
+            DType::F16,
+            &p(1, 4, 1024),
+            &[2, 4096],
+        );
+        assert_eq!(pl.name, "masked_softmax_f16_v1");
+        let pl = plan("masked_softmax", "f32", DType::F32, &p(1, 4, 130), &[0, 0]);
+        assert_eq!(pl.name, "masked_softmax_f32_v1");
+        // Longer rows: a block each, enough threads for 32 values apiece.
+        let pl = plan(
+            "masked_softmax",
+            "bf16",
+            DType::BF16,
+            &p(2, 8, 4096),
+            &[0, 0],
+        );
+        assert_eq!(pl.block_team, Some(1));
+        assert_eq!((pl.grid.blocks, pl.grid.threads), (16, 128));
+        let pl = plan(
+            "masked_softmax",
+            "f32",
+            DType::F32,
+            &p(1, 1, 32 * 1024),
+            &[0, 0],
+        );
+        assert_eq!((pl.block_team, pl.grid.threads), (Some(1), 1024));
+        // Past a block's registers: the long-row kernels.
+        let pl = plan(
+            "masked_softmax",
+            "f32",
+            DType::F32,
+            &p(1, 3, 32 * 1024 + 1),
+            &[0, 0],
+        );
+        assert_eq!(pl.name, "masked_softmax_long_f32");
+        assert_eq!(pl.block_team, None);
+    }
+}
