@@ -640,39 +640,60 @@ fn attention_math_path_reads_fused_qkv_views_and_reads_nothing_back() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn fused_attention_is_refused_until_built_and_then_matches_the_cpu() {
+fn fused_attention_matches_the_cpu_reference_forward_and_backward() {
     let dev = gpu();
-    let o = mixprec::tensor::SdpaOptions {
-        causal: true,
-        ..Default::default()
-    };
-    for d in [DType::F16, DType::BF16] {
-        let r = |seed: u64| {
-            Tensor::randn([2, 4, 100, 64], 0.0, 1.0, seed, DType::F32, Device::Cpu)
+    // (B, T, H, D, causal): GPT-2's shape, an odd length, head size 128.
+    for (b, t, h, hd, causal) in [
+        (2usize, 1024usize, 12usize, 64usize, true),
+        (2, 77, 3, 64, false),
+        (1, 130, 2, 128, true),
+    ] {
+        for d in [DType::F16, DType::BF16] {
+            // q, k, v as slices of one fused projection [B, T, 3, H, D], as GPT-2 makes them.
+            let qkv = Tensor::randn([b, t, 3, h, hd], 0.0, 1.0, 21, DType::F32, Device::Cpu)
                 .unwrap()
                 .to_dtype(d)
-                .unwrap()
-        };
-        let (q, k, v) = (r(1), r(2), r(3));
-        let on = |t: &Tensor| t.to_device(dev).unwrap();
-        let got = on(&q).scaled_dot_product_attention_fused(&on(&k), &on(&v), &o);
-        if !mixprec::backend::cuda::flash_attention_available() {
-            assert!(
-                got.is_err(),
-                "the fused slot refuses until the kernel is built"
-            );
-            assert_eq!(
-                on(&q).attention_path(&on(&k), &on(&v), &o),
-                mixprec::tensor::AttentionPath::Math
-            );
-            continue;
+                .unwrap();
+            let g = Tensor::randn([b, h, t, hd], 0.0, 1.0, 22, DType::F32, Device::Cpu).unwrap();
+            let run = |dev: Device, fused: bool| {
+                let x = qkv.to_device(dev).unwrap().to_variable();
+                let part = |i: usize| {
+                    x.narrow(2, i, 1)
+                        .unwrap()
+                        .squeeze(2)
+                        .unwrap()
+                        .permute(&[0, 2, 1, 3])
+                        .unwrap()
+                };
+                let o = mixprec::tensor::SdpaOptions {
+                    causal,
+                    ..Default::default()
+                };
+                let (q, k, v) = (part(0), part(1), part(2));
+                if dev != Device::Cpu {
+                    let path = q.attention_path(&k, &v, &o);
+                    let on = mixprec::backend::cuda::flash_attention_available();
+                    assert_eq!(path == mixprec::tensor::AttentionPath::Fused, on);
+                }
+                let y = if fused {
+                    q.scaled_dot_product_attention_fused(&k, &v, &o).unwrap()
+                } else {
+                    q.scaled_dot_product_attention(&k, &v, &o).unwrap()
+                };
+                let gd = g.to_device(dev).unwrap().to_dtype(d).unwrap();
+                y.mul(&gd).unwrap().sum_all().unwrap().backward().unwrap();
+                let cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+                (cpu(&y), cpu(&x.grad().unwrap()))
+            };
+            let (yc, dc) = run(Device::Cpu, true);
+            let (yg, dg) = run(dev, true);
+            let tag = format!("{b}x{t}x{h}x{hd} {d} causal {causal}");
+            check_attn(&format!("{tag}: fused out"), &yg, &yc, d);
+            check_attn(&format!("{tag}: fused dqkv"), &dg, &dc, d);
+            // And the fused path against the GPU's math path.
+            let (ym, dm) = run(dev, false);
+            check_attn(&format!("{tag}: fused vs math out"), &yg, &ym, d);
+            check_attn(&format!("{tag}: fused vs math dqkv"), &dg, &dm, d);
         }
-        let want = q.scaled_dot_product_attention_fused(&k, &v, &o).unwrap();
-        check_attn(
-            &format!("{d} fused out"),
-            &got.unwrap().to_device(Device::Cpu).unwrap(),
-            &want,
-            d,
-        );
     }
 }

@@ -13,7 +13,7 @@
 use super::autocast::{self, OpKind};
 use super::{DType, Device, DropoutGenerator, Shape, Tensor};
 use crate::autograd::Op;
-use crate::backend::{MaskedSoftmaxParams, SdpaKeyValue, SdpaParams, SdpaSaved};
+use crate::backend::{bthd_as_bhtd, MaskedSoftmaxParams, SdpaKeyValue, SdpaParams, SdpaSaved};
 use crate::error::{Error, Result};
 
 const OP: &str = "scaled_dot_product_attention";
@@ -100,11 +100,13 @@ impl Tensor {
             Some(half) if self.dtype().is_float() => half,
             _ => self.dtype(),
         };
+        // The fused kernels take one head size for q, k and v.
         let ok = self.rank() == 4
             && k.rank() == 4
             && v.rank() == 4
             && k.dtype() == self.dtype()
-            && v.dtype() == self.dtype();
+            && v.dtype() == self.dtype()
+            && v.dims()[3] == self.dims()[3];
         if ok && fused_supported(self.device(), dtype, self.dims()[3], opts) {
             AttentionPath::Fused
         } else {
@@ -171,8 +173,8 @@ impl Tensor {
             qs.sdpa_forward(&ql, kv, &p)?
         };
         let lse = Tensor::from_storage(lse, Shape::new(vec![p.batch, p.heads, p.seq_q]));
-        let shape = Shape::new(vec![p.batch, p.heads, p.seq_q, p.head_dim_v]);
-        Ok(Tensor::from_op_with_output(o, shape, &[&q, &k, &v], |o| {
+        let layout = bthd_as_bhtd(p.batch, p.heads, p.seq_q, p.head_dim_v);
+        Ok(Tensor::from_op_with_output(o, layout, &[&q, &k, &v], |o| {
             Op::Sdpa(Box::new(SdpaNode {
                 q: q.detach(),
                 k: k.detach(),
@@ -280,10 +282,11 @@ impl Tensor {
             };
             gs.sdpa_backward(&g.layout(), saved, &n.p)?
         };
+        let p = &n.p;
         Ok((
-            Tensor::from_storage(dq, n.q.shape().clone()),
-            Tensor::from_storage(dk, n.k.shape().clone()),
-            Tensor::from_storage(dv, n.v.shape().clone()),
+            Tensor::from_storage(dq, bthd_as_bhtd(p.batch, p.heads, p.seq_q, p.head_dim)),
+            Tensor::from_storage(dk, bthd_as_bhtd(p.batch, p.heads, p.seq_k, p.head_dim)),
+            Tensor::from_storage(dv, bthd_as_bhtd(p.batch, p.heads, p.seq_k, p.head_dim_v)),
         ))
     }
 }

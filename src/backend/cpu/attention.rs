@@ -183,7 +183,22 @@ pub fn sdpa_forward<T: Elem>(x: &Qkv<'_, T>, p: &SdpaParams) -> (Vec<T>, Vec<T::
         .zip(lse.par_chunks_mut(tq))
         .enumerate()
         .for_each(body);
-    (o, lse)
+    (to_bthd(o, p.batch, p.heads, tq, dv), lse)
+}
+
+/// A row-major `[B, H, T, D]` buffer reordered to `[B, T, H, D]` (the fused outputs' layout).
+fn to_bthd<T: Copy>(x: Vec<T>, b: usize, h: usize, t: usize, d: usize) -> Vec<T> {
+    let mut out = x.clone();
+    for bi in 0..b {
+        for hi in 0..h {
+            for ti in 0..t {
+                let src = ((bi * h + hi) * t + ti) * d;
+                let dst = ((bi * t + ti) * h + hi) * d;
+                out[dst..dst + d].copy_from_slice(&x[src..src + d]);
+            }
+        }
+    }
+    out
 }
 
 /// One (batch, head)'s slices of dq, dk and dv.
@@ -249,8 +264,16 @@ pub fn sdpa_backward<T: Elem>(
             .enumerate()
             .for_each(body);
     }
-    let round = |v: Vec<T::Acc>| v.into_iter().map(T::from_acc).collect::<Vec<T>>();
-    (round(dq), round(dk), round(dvv))
+    let round = |v: Vec<T::Acc>, t: usize, w: usize| {
+        to_bthd(
+            v.into_iter().map(T::from_acc).collect::<Vec<T>>(),
+            p.batch,
+            p.heads,
+            t,
+            w,
+        )
+    };
+    (round(dq, tq, d), round(dk, tk, d), round(dvv, tk, dv))
 }
 
 /// An operand's values in row-major order.

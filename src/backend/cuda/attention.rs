@@ -1,9 +1,12 @@
 //! The attention family on CUDA: the scaled, causal-masked softmax (`kernels/attention.cu`) on
-//! contiguous rows, a warp or a block per row holding the row in registers, and the slot of the
-//! fused (flash) attention kernels, refused until they are built in
-//! ([`flash_attention_available`]).
+//! contiguous rows, a warp or a block per row holding the row in registers, and the fused path
+//! through the flash-attention kernels (`flash_attention.rs`), which the tensor layer chooses
+//! only while [`flash_attention_available`] says so.
 
 use super::common::{float_sfx, same_dtype};
+use super::flash_attention::{
+    flash_backward, flash_forward, FlashDims, FlashGrads, FlashInputs, FlashView,
+};
 use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
@@ -12,8 +15,10 @@ use crate::backend::{AttentionOps, MaskedSoftmaxParams, SdpaKeyValue, SdpaParams
 use crate::base::error::{Error, Result};
 use crate::base::Layout;
 
-/// Whether the fused (flash) attention kernels are built into this process: the one switch
-/// [`crate::tensor::fused_supported`] reads. Off until the kernels are wired in.
+/// Whether `scaled_dot_product_attention` takes the fused (flash) kernels where they apply: the
+/// one switch [`crate::tensor::fused_supported`] reads. Off until the kernels have passed
+/// tests/cuda_transformer.rs's comparison with the CPU; `scaled_dot_product_attention_fused`
+/// runs them either way.
 pub fn flash_attention_available() -> bool {
     false
 }
@@ -139,11 +144,47 @@ pub(crate) fn masked_softmax_backward(
     Ok(out)
 }
 
-/// The refusal of the fused kernels' slot while they are not built in.
-fn not_built(op: &'static str) -> Error {
-    Error::Unsupported {
-        op,
-        detail: "fused attention is not built yet".into(),
+/// The fused kernels' problem of a call (they take one head size for q, k and v).
+fn flash_dims(op: &'static str, p: &SdpaParams) -> Result<FlashDims> {
+    if p.head_dim_v != p.head_dim {
+        return Err(Error::Unsupported {
+            op,
+            detail: format!(
+                "the fused kernels take v's head size equal to q's and k's ({} vs {})",
+                p.head_dim_v, p.head_dim
+            ),
+        });
+    }
+    Ok(FlashDims {
+        batch: p.batch,
+        heads: p.heads,
+        seq_q: p.seq_q,
+        seq_k: p.seq_k,
+        head_dim: p.head_dim,
+        causal: p.causal,
+        scale: p.scale as f32,
+    })
+}
+
+/// An operand as the fused kernels read it: `None` where its layout fits them as it is, else a
+/// contiguous copy (and its layout).
+fn fitted(s: &CudaStorage, l: &Layout) -> Result<Option<(CudaStorage, Layout)>> {
+    if FlashView::fits_bhtd(l) {
+        return Ok(None);
+    }
+    let c = Layout::contiguous(l.shape().clone());
+    Ok(Some((s.copy_strided(l, &c)?, c)))
+}
+
+/// The view of an operand, or of its fitted copy.
+fn view<'a>(
+    s: &'a CudaStorage,
+    l: &'a Layout,
+    copy: &'a Option<(CudaStorage, Layout)>,
+) -> Result<FlashView<'a>> {
+    match copy {
+        Some((c, cl)) => FlashView::from_bhtd(c, cl),
+        None => FlashView::from_bhtd(s, l),
     }
 }
 
@@ -164,20 +205,42 @@ impl AttentionOps for CudaStorage {
 
     fn sdpa_forward(
         &self,
-        _l: &Layout,
-        _kv: SdpaKeyValue<'_, Self>,
-        _p: &SdpaParams,
+        l: &Layout,
+        kv: SdpaKeyValue<'_, Self>,
+        p: &SdpaParams,
     ) -> Result<(Self, Self)> {
-        Err(not_built("sdpa_forward"))
+        let d = flash_dims("sdpa_forward", p)?;
+        let ((k, kl), (v, vl)) = (kv.k, kv.v);
+        let (qc, kc, vc) = (fitted(self, l)?, fitted(k, kl)?, fitted(v, vl)?);
+        let inp = FlashInputs {
+            q: view(self, l, &qc)?,
+            k: view(k, kl, &kc)?,
+            v: view(v, vl, &vc)?,
+        };
+        let out = flash_forward(&inp, &d)?;
+        Ok((out.o, out.lse))
     }
 
     fn sdpa_backward(
         &self,
-        _l: &Layout,
-        _saved: SdpaSaved<'_, Self>,
-        _p: &SdpaParams,
+        l: &Layout,
+        saved: SdpaSaved<'_, Self>,
+        p: &SdpaParams,
     ) -> Result<(Self, Self, Self)> {
-        Err(not_built("sdpa_backward"))
+        let d = flash_dims("sdpa_backward", p)?;
+        let ((q, ql), (k, kl), (v, vl), (o, ol)) = (saved.q, saved.k, saved.v, saved.o);
+        let (qc, kc, vc) = (fitted(q, ql)?, fitted(k, kl)?, fitted(v, vl)?);
+        let (oc, gc) = (fitted(o, ol)?, fitted(self, l)?);
+        let g = FlashGrads {
+            q: view(q, ql, &qc)?,
+            k: view(k, kl, &kc)?,
+            v: view(v, vl, &vc)?,
+            o: view(o, ol, &oc)?,
+            lse: saved.lse.0,
+            grad_out: view(self, l, &gc)?,
+        };
+        let r = flash_backward(&g, &d)?;
+        Ok((r.dq, r.dk, r.dv))
     }
 }
 

@@ -9,7 +9,9 @@
 //! Fused attention: q `[B, H, Tq, D]`, k `[B, H, Tk, D]`, v `[B, H, Tk, Dv]`, O and dO
 //! `[B, H, Tq, Dv]`, each a 4-D layout of any strides whose last dim has stride 1 (slices of a
 //! fused QKV projection pass as they are); the log-sum-exps `[B, H, Tq]` contiguous, in the
-//! accumulation type (f32; f64 for f64). Outputs are contiguous, in the inputs' dtype.
+//! accumulation type (f32; f64 for f64). O, dq, dk and dv come back in the inputs' dtype as
+//! contiguous `[B, T, H, D]` buffers (the flash kernels' layout: heads merge with a reshape);
+//! [`bthd_as_bhtd`] presents one as the `[B, H, T, D]` tensor it is.
 
 use crate::backend::BackendStorage;
 use crate::base::error::Result;
@@ -101,4 +103,13 @@ pub trait AttentionOps: BackendStorage {
 /// The layout of the log-sum-exps of a call.
 pub fn sdpa_lse_layout(p: &SdpaParams) -> Layout {
     Layout::contiguous(Shape::new(vec![p.batch, p.heads, p.seq_q]))
+}
+
+/// The `[B, H, T, D]` layout of a contiguous `[B, T, H, D]` buffer (the fused path's outputs).
+pub fn bthd_as_bhtd(batch: usize, heads: usize, seq: usize, dim: usize) -> Layout {
+    Layout::new(
+        Shape::new(vec![batch, heads, seq, dim]),
+        vec![seq * heads * dim, dim, heads * dim, 1],
+        0,
+    )
 }
