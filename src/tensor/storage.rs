@@ -572,7 +572,8 @@ backend_ops! {
         l: &Layout,
         o: CrossEntropyBackwardOperands<'_, Self>,
         p: &CrossEntropyParams,
-    ) -> Self;,
+    ) -> Self;
+
     // attention
     ["masked_softmax", format!("{}x{}x{}", p.batch, p.seq_q, p.seq_k)]
     fn masked_softmax(&self, l: &Layout, p: &MaskedSoftmaxParams) -> Self;
