@@ -393,10 +393,10 @@ fn fused_path_is_refused_where_unsupported() {
         ..o
     };
     assert!(!fused_supported(cuda, DType::BF16, 128, &with_dropout));
-    // Until the kernel is built in, nothing takes the fused path.
+    // Where the kernels run (a CUDA device of compute capability 8.0+), the fused path.
     assert_eq!(
         fused_supported(cuda, DType::BF16, 128, &o),
-        mixprec::backend::cuda::flash_attention_available()
+        mixprec::backend::cuda::flash_attention_available(0)
     );
 }
 
@@ -625,4 +625,37 @@ fn scaled_masked_softmax_matches_the_reference_and_finite_differences() {
     let gx = vals(&x.grad().unwrap());
     assert_eq!(gx[1], 0.0);
     assert!(gx.iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn packed_projection_is_the_three_slices() {
+    let (b, t, h, d) = (2usize, 9usize, 3usize, 4usize);
+    let qkv = Tensor::randn([b, t, 3, h, d], 0.0, 1.0, 5, DType::F64, Device::Cpu)
+        .unwrap()
+        .to_variable();
+    let o = SdpaOptions {
+        causal: true,
+        ..Default::default()
+    };
+    let y = qkv.scaled_dot_product_attention_packed(&o).unwrap();
+    let part = |i: usize| {
+        qkv.narrow(2, i, 1)
+            .unwrap()
+            .squeeze(2)
+            .unwrap()
+            .permute(&[0, 2, 1, 3])
+            .unwrap()
+    };
+    let want = part(0)
+        .scaled_dot_product_attention(&part(1), &part(2), &o)
+        .unwrap();
+    assert_eq!(y.dims(), [b, h, t, d]);
+    assert_eq!(y.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    // Not a packed projection: an error, not a panic.
+    let flat = Tensor::zeros([b, t, 2, h, d], DType::F64, Device::Cpu).unwrap();
+    assert!(flat.scaled_dot_product_attention_packed(&o).is_err());
+    assert!(Tensor::zeros([b, t, 3], DType::F64, Device::Cpu)
+        .unwrap()
+        .scaled_dot_product_attention_packed(&o)
+        .is_err());
 }

@@ -672,7 +672,7 @@ fn fused_attention_matches_the_cpu_reference_forward_and_backward() {
                 let (q, k, v) = (part(0), part(1), part(2));
                 if dev != Device::Cpu {
                     let path = q.attention_path(&k, &v, &o);
-                    let on = mixprec::backend::cuda::flash_attention_available();
+                    let on = mixprec::backend::cuda::flash_attention_available(0);
                     assert_eq!(path == mixprec::tensor::AttentionPath::Fused, on);
                 }
                 let y = if fused {
@@ -695,5 +695,58 @@ fn fused_attention_matches_the_cpu_reference_forward_and_backward() {
             check_attn(&format!("{tag}: fused vs math out"), &yg, &ym, d);
             check_attn(&format!("{tag}: fused vs math dqkv"), &dg, &dm, d);
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn packed_qkv_attention_equals_the_three_slices() {
+    let dev = gpu();
+    let (b, t, h, d) = (2usize, 200usize, 4usize, 64usize);
+    for dt in [DType::F16, DType::BF16] {
+        let qkv = Tensor::randn([b, t, 3, h, d], 0.0, 1.0, 31, DType::F32, Device::Cpu)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap()
+            .to_device(dev)
+            .unwrap();
+        let g = Tensor::randn([b, h, t, d], 0.0, 1.0, 32, DType::F32, Device::Cpu)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap()
+            .to_device(dev)
+            .unwrap();
+        let o = mixprec::tensor::SdpaOptions {
+            causal: true,
+            ..Default::default()
+        };
+        let run = |packed: bool| {
+            let x = qkv.detach().to_variable();
+            let y = if packed {
+                x.scaled_dot_product_attention_packed(&o).unwrap()
+            } else {
+                let part = |i: usize| {
+                    x.narrow(2, i, 1)
+                        .unwrap()
+                        .squeeze(2)
+                        .unwrap()
+                        .permute(&[0, 2, 1, 3])
+                        .unwrap()
+                };
+                part(0)
+                    .scaled_dot_product_attention(&part(1), &part(2), &o)
+                    .unwrap()
+            };
+            y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            (
+                vals(&y.to_device(Device::Cpu).unwrap()),
+                vals(&x.grad().unwrap().to_device(Device::Cpu).unwrap()),
+            )
+        };
+        let (y1, g1) = run(true);
+        let (y2, g2) = run(false);
+        // The same kernels on the same values: equal bit for bit.
+        assert_eq!(y1, y2, "{dt}: output");
+        assert_eq!(g1, g2, "{dt}: the projection's gradient");
     }
 }

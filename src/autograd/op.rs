@@ -165,6 +165,8 @@ pub(crate) enum Op {
     },
     /// Fused scaled-dot-product attention (what the backward reads: `tensor/attention.rs`).
     Sdpa(Box<crate::tensor::attention::SdpaNode>),
+    /// The same over one packed `[B, T, 3, H, D]` projection (one input, one gradient).
+    SdpaPacked(Box<crate::tensor::attention::SdpaNode>),
     /// A user-defined function (`autograd::custom_function`).
     Custom(Box<super::hooks::CustomOp>),
 }
@@ -203,7 +205,7 @@ impl Op {
             Op::Dropout { .. } => "dropout",
             Op::CrossEntropy(_) => "cross_entropy",
             Op::MaskedSoftmax { .. } => "scaled_masked_softmax",
-            Op::Sdpa(_) => "scaled_dot_product_attention",
+            Op::Sdpa(_) | Op::SdpaPacked(_) => "scaled_dot_product_attention",
             Op::Custom(f) => f.name,
         }
     }
@@ -250,7 +252,9 @@ impl Op {
             Op::Embedding { .. } => embedding::backward(self, g, w),
             Op::Dropout { .. } => dropout::backward(self, g, w),
             Op::CrossEntropy(_) => cross_entropy::backward(self, g, w),
-            Op::MaskedSoftmax { .. } | Op::Sdpa(_) => attention::backward(self, g, w),
+            Op::MaskedSoftmax { .. } | Op::Sdpa(_) | Op::SdpaPacked(_) => {
+                attention::backward(self, g, w)
+            }
             Op::Custom(f) => f.backward(g, needs),
         }
     }

@@ -170,9 +170,6 @@ impl Module for CausalSelfAttention {
         let (b, t) = btc("CausalSelfAttention", x, c)?;
         let (h, d) = (self.n_head, c / self.n_head);
         let qkv = self.c_attn.forward(x)?.reshape(vec![b, t, 3, h, d])?;
-        // [B, T, H, D] views → [B, H, T, D].
-        let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3]);
-        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
         let training = self.training.get();
         let (dropout_p, generator) = match &self.attn_dropout {
             Some((p, g)) if training => (*p, Some(g)),
@@ -184,7 +181,9 @@ impl Module for CausalSelfAttention {
             generator,
             ..Default::default()
         };
-        let y = q.scaled_dot_product_attention(&k, &v, &opts)?;
+        // q, k, v are read where they lie in the projection; on the fused path their
+        // gradients come back as one [B, T, 3, H, D] tensor.
+        let y = qkv.scaled_dot_product_attention_packed(&opts)?;
         // Heads merged back: [B, H, T, D] → [B, T, H·D].
         let y = y.permute(&[0, 2, 1, 3])?.reshape(vec![b, t, c])?;
         self.resid_dropout

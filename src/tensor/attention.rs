@@ -45,14 +45,16 @@ pub enum AttentionPath {
 
 /// Whether the fused path takes a call on `device` in `dtype` with this head size and these
 /// options: CUDA, f16/bf16, head_dim 64 or 128, no additive mask, no dropout, and the fused
-/// kernel built into this process ([`crate::backend::cuda::flash_attention_available`]).
+/// kernels available on the device ([`crate::backend::cuda::flash_attention_available`]).
 pub fn fused_supported(device: Device, dtype: DType, head_dim: usize, opts: &SdpaOptions) -> bool {
-    matches!(device, Device::Cuda(_))
-        && dtype.is_half()
+    let Device::Cuda(ordinal) = device else {
+        return false;
+    };
+    dtype.is_half()
         && matches!(head_dim, 64 | 128)
         && opts.mask.is_none()
         && opts.dropout_p == 0.0
-        && crate::backend::cuda::flash_attention_available()
+        && crate::backend::cuda::flash_attention_available(ordinal)
 }
 
 /// The checked sizes and scale of a call.
@@ -152,28 +154,8 @@ impl Tensor {
         opts: &SdpaOptions,
         d: &Dims,
     ) -> Result<Tensor> {
-        let p = SdpaParams {
-            batch: d.batch,
-            heads: d.heads,
-            seq_q: d.seq_q,
-            seq_k: d.seq_k,
-            head_dim: d.head_dim,
-            head_dim_v: d.head_dim_v,
-            causal: opts.causal,
-            scale: d.scale,
-        };
         let (q, k, v) = (fused_operand(self)?, fused_operand(k)?, fused_operand(v)?);
-        let (o, lse) = {
-            let (qs, ks, vs) = (q.storage(), k.storage(), v.storage());
-            let (ql, kl, vl) = (q.layout(), k.layout(), v.layout());
-            let kv = SdpaKeyValue {
-                k: (&*ks, &*kl),
-                v: (&*vs, &*vl),
-            };
-            qs.sdpa_forward(&ql, kv, &p)?
-        };
-        let lse = Tensor::from_storage(lse, Shape::new(vec![p.batch, p.heads, p.seq_q]));
-        let layout = bthd_as_bhtd(p.batch, p.heads, p.seq_q, p.head_dim_v);
+        let (o, layout, lse, p) = fused_forward(&q, &k, &v, opts, d)?;
         Ok(Tensor::from_op_with_output(o, layout, &[&q, &k, &v], |o| {
             Op::Sdpa(Box::new(SdpaNode {
                 q: q.detach(),
@@ -184,6 +166,50 @@ impl Tensor {
                 p,
             }))
         }))
+    }
+
+    /// Attention over one fused QKV projection `self` `[B, T, 3, H, D]` (q, k, v in that order
+    /// along dim 2, GPT-2's `c_attn` output viewed so): the same as taking the three slices,
+    /// permuting each to `[B, H, T, D]` and calling [`Tensor::scaled_dot_product_attention`].
+    /// On the fused path it is one autograd node over the projection, whose backward writes
+    /// dq, dk, dv into one `[B, T, 3, H, D]` gradient: three slices would each scatter into a
+    /// zeroed projection-sized gradient, summed after.
+    pub fn scaled_dot_product_attention_packed(&self, opts: &SdpaOptions) -> Result<Tensor> {
+        if let Some(x) = autocast::inputs1(OpKind::Attention, self)? {
+            return x.scaled_dot_product_attention_packed(opts);
+        }
+        if self.rank() != 5 || self.dims()[2] != 3 {
+            return Err(Error::invalid_shape(
+                OP,
+                self.shape(),
+                "a packed projection must be [batch, seq, 3, heads, head_dim]",
+            ));
+        }
+        let slices = |t: &Tensor| -> Result<(Tensor, Tensor, Tensor)> {
+            let part = |i: usize| t.narrow(2, i, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3]);
+            Ok((part(0)?, part(1)?, part(2)?))
+        };
+        let (q, k, v) = slices(self)?;
+        if q.attention_path(&k, &v, opts) != AttentionPath::Fused {
+            return q.scaled_dot_product_attention(&k, &v, opts);
+        }
+        let d = check(&q, &k, &v, opts)?;
+        // The kernels read the slices where they lie; the graph sees one op on `self`.
+        let (q, k, v) = slices(&self.detach())?;
+        let (q, k, v) = (fused_operand(&q)?, fused_operand(&k)?, fused_operand(&v)?);
+        let (o, layout, lse, p) = fused_forward(&q, &k, &v, opts, &d)?;
+        Ok(Tensor::from_op_with_output(o, layout, &[self], |o| {
+            Op::SdpaPacked(Box::new(SdpaNode { q, k, v, o, lse, p }))
+        }))
+    }
+
+    /// The packed node's backward: dq, dk, dv side by side as `[B, T, 3, H, D]`.
+    pub(crate) fn sdpa_backward_packed(&self, n: &SdpaNode) -> Result<Tensor> {
+        let (dq, dk, dv) = self.sdpa_backward(n)?;
+        // Each is a [B, H, T, D] view of a dense [B, T, H, D] buffer: back to that, with a
+        // unit dim for the stack.
+        let bthd = |t: Tensor| t.permute(&[0, 2, 1, 3])?.unsqueeze(2);
+        Tensor::cat(&[&bthd(dq)?, &bthd(dk)?, &bthd(dv)?], 2)
     }
 
     /// The fused path whatever [`Tensor::attention_path`] would choose (on the CPU: its
@@ -301,6 +327,44 @@ pub(crate) struct SdpaNode {
     pub(crate) o: Tensor,
     pub(crate) lse: Tensor,
     pub(crate) p: SdpaParams,
+}
+
+/// The fused kernels' forward on q, k, v: the output's storage and `[B, H, T, Dv]` layout (a
+/// view of a dense `[B, T, H, Dv]` buffer), the rows' log-sum-exps and the sizes.
+fn fused_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &SdpaOptions,
+    d: &Dims,
+) -> Result<(
+    crate::tensor::storage::Storage,
+    crate::base::Layout,
+    Tensor,
+    SdpaParams,
+)> {
+    let p = SdpaParams {
+        batch: d.batch,
+        heads: d.heads,
+        seq_q: d.seq_q,
+        seq_k: d.seq_k,
+        head_dim: d.head_dim,
+        head_dim_v: d.head_dim_v,
+        causal: opts.causal,
+        scale: d.scale,
+    };
+    let (o, lse) = {
+        let (qs, ks, vs) = (q.storage(), k.storage(), v.storage());
+        let (ql, kl, vl) = (q.layout(), k.layout(), v.layout());
+        let kv = SdpaKeyValue {
+            k: (&*ks, &*kl),
+            v: (&*vs, &*vl),
+        };
+        qs.sdpa_forward(&ql, kv, &p)?
+    };
+    let lse = Tensor::from_storage(lse, Shape::new(vec![p.batch, p.heads, p.seq_q]));
+    let layout = bthd_as_bhtd(p.batch, p.heads, p.seq_q, p.head_dim_v);
+    Ok((o, layout, lse, p))
 }
 
 /// An operand of the fused kernels: as it is when its last dim is dense, else a contiguous copy.

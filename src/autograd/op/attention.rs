@@ -19,6 +19,7 @@ pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Op
                 w.need(2).then_some(dv),
             ])
         }
+        Op::SdpaPacked(n) => w.one(|| g.sdpa_backward_packed(n)),
         _ => Err(op.misrouted("attention")),
     }
 }

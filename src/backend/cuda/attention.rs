@@ -15,12 +15,16 @@ use crate::backend::{AttentionOps, MaskedSoftmaxParams, SdpaKeyValue, SdpaParams
 use crate::base::error::{Error, Result};
 use crate::base::Layout;
 
-/// Whether `scaled_dot_product_attention` takes the fused (flash) kernels where they apply: the
-/// one switch [`crate::tensor::fused_supported`] reads. Off until the kernels have passed
-/// tests/cuda_transformer.rs's comparison with the CPU; `scaled_dot_product_attention_fused`
-/// runs them either way.
-pub fn flash_attention_available() -> bool {
-    false
+/// Whether `scaled_dot_product_attention` takes the fused (flash) kernels on device `ordinal`
+/// where they apply: the one switch [`crate::tensor::fused_supported`] reads. The kernels need
+/// tensor-core `mma.sync` (compute capability 8.0 or newer); `MIXPREC_FLASH_ATTENTION=0` turns
+/// the fused path off (every call then takes the math path). A device that does not open gives
+/// false. `scaled_dot_product_attention_fused` runs the kernels whatever this says.
+pub fn flash_attention_available(ordinal: usize) -> bool {
+    if std::env::var("MIXPREC_FLASH_ATTENTION").is_ok_and(|v| v == "0") {
+        return false;
+    }
+    super::device(ordinal).is_ok_and(|d| d.compute_capability().0 >= 8)
 }
 
 /// Values a thread keeps in registers (`MS_VALS` in attention.cu).
