@@ -405,7 +405,11 @@ impl<C: GroupConfig> Core<C> {
         let configs = saved
             .param_groups
             .iter()
-            .map(|g| config(&g.hyperparams))
+            .map(|g| {
+                let mut h = g.hyperparams.clone();
+                h.remove(INITIAL_LR);
+                config(&h)
+            })
             .collect::<Result<Vec<_>>>()?;
         // States saved before base learning rates were kept have none: the current bases stay.
         let mut base_lrs = self.base_lrs.clone();
