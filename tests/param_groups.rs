@@ -104,8 +104,8 @@ fn two_adamw_groups_match_a_hand_computed_step() {
         let want: Vec<f64> = (0..init[i].len())
             .map(|k| {
                 let (mut w, mut m, mut v) = (f64::from(init[i][k]), 0.0, 0.0);
-                for t in 0..steps as usize {
-                    let g = f64::from(grads[i][t][k]);
+                for (t, step_grads) in grads[i].iter().enumerate() {
+                    let g = f64::from(step_grads[k]);
                     w *= 1.0 - c.lr * c.weight_decay;
                     m = b1 * m + (1.0 - b1) * g;
                     v = b2 * v + (1.0 - b2) * g * g;
@@ -121,10 +121,6 @@ fn two_adamw_groups_match_a_hand_computed_step() {
                 (f64::from(got) - want).abs() <= 1e-6 * (1.0 + want.abs()),
                 "parameter {i} element {k}: {got} against {want}"
             );
-        }
-        if i >= 2 {
-            // No decay in the second group: the same values with weight decay on differ.
-            assert_eq!(c.weight_decay, 0.0);
         }
     }
 }

@@ -37,7 +37,7 @@
 //! ```
 //!
 //! `amp::initialize` makes the lists active for the process and undoes them when it activates
-//! another policy (see [`crate::amp::autocast`]).
+//! another policy (see [`mod@crate::amp::autocast`]).
 //!
 //! Code builds the same with [`Policy::opt_level`] and the builder methods; every rule is checked
 //! by [`Policy::validate`] (which `amp::initialize` calls), so a policy built in code is held to
