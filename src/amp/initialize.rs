@@ -226,9 +226,19 @@ fn log_policy(policy: &Policy, props: &Properties) {
         log::Level::Debug
     };
     if policy.verbosity > 0 {
+        let moved: Vec<String> = policy
+            .op_classes
+            .iter()
+            .map(|(op, class)| format!("{op} {class:?}"))
+            .collect();
+        let moved = if moved.is_empty() {
+            String::new()
+        } else {
+            format!("; ops moved: {}", moved.join(", "))
+        };
         log::log!(
             level,
-            "amp: {} from {}: {props}",
+            "amp: {} from {}: {props}{moved}",
             policy.opt_level,
             policy.source
         );
