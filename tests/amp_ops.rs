@@ -151,6 +151,8 @@ fn an_op_in_two_lists_or_lists_without_autocast_are_errors() {
     assert!(e.contains("ops.promote") && e.contains("exp"), "{e}");
     let p = Policy::opt_level(OptLevel::O3).with_half_function(OpKind::Softmax);
     assert!(p.validate().is_err());
+    let p = Policy::opt_level(OptLevel::O1).with_op_class(OpKind::Softmax, OpClass::Fp32Math);
+    assert!(p.validate().unwrap_err().to_string().contains("softmax"));
     // Every list parses, in the order of the file.
     let p = Policy::from_toml_str(
         "opt_level = \"O1\"\n[ops]\nhalf = [\"softmax\"]\nfloat = [\"matmul\", \"gelu\"]\npromote = [\"cat\"]\npassthrough = [\"sum\"]\n",

@@ -541,6 +541,13 @@ impl Policy {
             ));
         }
         for (i, &(op, class)) in self.op_classes.iter().enumerate() {
+            if !OP_LISTS.iter().any(|(_, c)| *c == class) {
+                return Err(self.err(
+                    "ops",
+                    format!("{op} in {class:?}"),
+                    "half, float, promote or passthrough (an op's own F32 math is its own)",
+                ));
+            }
             if let Some(&(_, before)) = self.op_classes[..i].iter().find(|(k, _)| *k == op) {
                 return Err(self.err(
                     &format!("ops.{}", list_of(class)),
