@@ -23,9 +23,15 @@
 //! The cache is cleared when a loss is scaled and when backward runs. Other inputs are cast fresh.
 //!
 //! Users classify their own ops with [`register_op`] and cast their inputs with [`cast_inputs`].
+//! They move the crate's own ops (the [`OpKind`]s) to another class with apex's
+//! [`register_half_function`] / [`register_float_function`] / [`register_promote_function`], or
+//! with a policy's `[ops]` lists, which `amp::initialize` makes active (replacing the lists of
+//! the policy activated before) and which win over the code's for the ops they name. Both are
+//! process-wide, as apex's are; [`class_for`] is the class an op runs in now.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::RwLock;
 
 use crate::error::{Error, Result};
@@ -92,7 +98,7 @@ struct AmpHook;
 
 impl AutocastHook for AmpHook {
     fn cast_inputs(&self, op: OpKind, half: DType, xs: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
-        cast_all(class_of(op), half, xs)
+        cast_all(class_for(op), half, xs)
     }
 
     fn invalidate_casts(&self) {
@@ -130,19 +136,102 @@ pub fn cache_len() -> usize {
     CACHE.with(|c| c.borrow().len())
 }
 
-/// The class of the op named `op`: a user registration, else the crate's own ([`class_of`]).
-/// Unknown names pass through.
+/// The class of the op named `op`: a user registration, else the crate's own as it is now
+/// ([`class_for`]). Unknown names pass through.
 pub fn op_class(op: &str) -> OpClass {
     if let Ok(g) = USER_OPS.read() {
         if let Some(c) = g.as_ref().and_then(|m| m.get(op)) {
             return *c;
         }
     }
-    OpKind::from_name(op).map_or(OpClass::Passthrough, class_of)
+    OpKind::from_name(op).map_or(OpClass::Passthrough, class_for)
 }
 
-/// Registers the class of a user op `name` (re-registering replaces the class). The crate's own
-/// ops keep theirs: naming one of [`OpKind::ALL`] is an error.
+/// Classes of the crate's own ops moved by users (apex's `register_*_function`): from code and
+/// from the active policy's `[ops]` lists. Read by every op inside a scope, so a flag says
+/// whether there are any before the lock is taken.
+#[derive(Default)]
+struct Overrides {
+    /// From [`register_function`] and its apex-named forms; kept until
+    /// [`clear_registered_functions`].
+    code: HashMap<OpKind, OpClass>,
+    /// The `[ops]` lists of the policy `amp::initialize` last activated (replaced by the next).
+    policy: HashMap<OpKind, OpClass>,
+}
+
+static OVERRIDES: RwLock<Option<Overrides>> = RwLock::new(None);
+static ANY_OVERRIDE: AtomicBool = AtomicBool::new(false);
+
+fn with_overrides(f: impl FnOnce(&mut Overrides)) {
+    let mut g = OVERRIDES.write().unwrap_or_else(|e| e.into_inner());
+    let o = g.get_or_insert_with(Overrides::default);
+    f(o);
+    ANY_OVERRIDE.store(
+        !(o.code.is_empty() && o.policy.is_empty()),
+        Ordering::Release,
+    );
+}
+
+/// The class `op` runs in now: the active policy's `[ops]` lists first, then the classes
+/// registered in code, then the crate's table ([`class_of`]).
+pub fn class_for(op: OpKind) -> OpClass {
+    if ANY_OVERRIDE.load(Ordering::Acquire) {
+        let g = OVERRIDES.read().unwrap_or_else(|e| e.into_inner());
+        if let Some(o) = g.as_ref() {
+            if let Some(&c) = o.policy.get(&op).or_else(|| o.code.get(&op)) {
+                return c;
+            }
+        }
+    }
+    class_of(op)
+}
+
+/// Moves the crate's op `op` to `class` under O1 for this process, until
+/// [`clear_registered_functions`] (a policy's `[ops]` lists take precedence while active).
+pub fn register_function(op: OpKind, class: OpClass) {
+    with_overrides(|o| {
+        o.code.insert(op, class);
+    });
+}
+
+/// apex's `amp.register_half_function`: `op` casts its floating inputs to the half type.
+pub fn register_half_function(op: OpKind) {
+    register_function(op, OpClass::Half)
+}
+
+/// apex's `amp.register_float_function`: `op` casts its half inputs to F32.
+pub fn register_float_function(op: OpKind) {
+    register_function(op, OpClass::Fp32)
+}
+
+/// apex's `amp.register_promote_function`: `op` casts its inputs to the widest input type.
+pub fn register_promote_function(op: OpKind) {
+    register_function(op, OpClass::Promote)
+}
+
+/// Drops every class registered in code (the policy's lists stay).
+pub fn clear_registered_functions() {
+    with_overrides(|o| o.code.clear());
+}
+
+/// Makes `lists` the active policy's op classes, replacing the previous policy's (what
+/// `amp::initialize` does with [`Policy::op_classes`](super::Policy::op_classes)).
+pub(crate) fn set_policy_classes(lists: &[(OpKind, OpClass)]) {
+    with_overrides(|o| o.policy = lists.iter().copied().collect());
+}
+
+/// Every op whose class differs from the crate's table now, with its class, in [`OpKind::ALL`]
+/// order.
+pub fn moved_ops() -> Vec<(OpKind, OpClass)> {
+    OpKind::ALL
+        .iter()
+        .map(|&k| (k, class_for(k)))
+        .filter(|&(k, c)| c != class_of(k))
+        .collect()
+}
+
+/// Registers the class of a user op `name` (re-registering replaces the class). Naming one of
+/// the crate's ops ([`OpKind::ALL`]) is an error: move those with [`register_function`].
 pub fn register_op(name: &str, class: OpClass) -> Result<()> {
     if name.is_empty() || OpKind::from_name(name).is_some() {
         return Err(Error::invalid_arg(

@@ -7,6 +7,9 @@
 //!   type and its output to FP32; each step updates the masters and rewrites the half weights.
 //! - O3: the model is cast to half (BatchNorm too unless the policy keeps it FP32), no masters.
 //!
+//! Initializing activates the policy's `[ops]` lists (autocast classes of the crate's ops) for
+//! the process, replacing those of the policy activated before.
+//!
 //! The wrapped model's `state_dict` is FP32 at every level (at O2 it holds the masters, so a
 //! restore continues bitwise); the wrapped optimizer's state adds the scalers'.
 
@@ -64,6 +67,8 @@ pub fn initialize_many<M: Module, O: Optimizer>(
     // Every check before anything changes.
     let checked = validate(&models, &optimizers, &props)?;
     log_policy(&policy, &props);
+    // The policy's `[ops]` lists replace the previous policy's (none: the crate's classes).
+    super::autocast::set_policy_classes(&policy.op_classes);
     let masters = cast(&models, &mut optimizers, &props)?;
     let shared = shared_scalers(&policy, &props, checked.device)?;
     let models = models
@@ -221,9 +226,19 @@ fn log_policy(policy: &Policy, props: &Properties) {
         log::Level::Debug
     };
     if policy.verbosity > 0 {
+        let moved: Vec<String> = policy
+            .op_classes
+            .iter()
+            .map(|(op, class)| format!("{op} {class:?}"))
+            .collect();
+        let moved = if moved.is_empty() {
+            String::new()
+        } else {
+            format!("; ops moved: {}", moved.join(", "))
+        };
         log::log!(
             level,
-            "amp: {} from {}: {props}",
+            "amp: {} from {}: {props}{moved}",
             policy.opt_level,
             policy.source
         );

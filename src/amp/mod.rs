@@ -30,7 +30,10 @@ pub mod policy;
 mod registry;
 pub mod scaler;
 
-pub use autocast::{autocast, AutocastGuard, OpClass};
+pub use autocast::{
+    autocast, class_for, clear_registered_functions, register_float_function, register_function,
+    register_half_function, register_promote_function, AutocastGuard, OpClass, OpKind,
+};
 pub use captured_step::{CapturedStep, StepStats};
 pub use initialize::{
     initialize, initialize_many, scale_loss, scale_loss_id, scale_loss_many, AmpModel,

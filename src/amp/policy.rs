@@ -22,6 +22,23 @@
 //! scale_window = 1000
 //! ```
 //!
+//! At O1 the `[ops]` table moves the crate's ops between autocast classes (apex's
+//! `register_half_function` / `register_float_function` / `register_promote_function`), by the
+//! names of [`OpKind`] (an unknown name is an error listing the known ones; an op in two lists
+//! is an error):
+//!
+//! ```toml
+//! opt_level = "O1"
+//! [ops]
+//! half = ["softmax"]     # compute in the half type
+//! float = ["matmul"]     # compute in F32
+//! promote = []           # the widest input type
+//! passthrough = []       # the inputs' own types
+//! ```
+//!
+//! `amp::initialize` makes the lists active for the process and undoes them when it activates
+//! another policy (see [`mod@crate::amp::autocast`]).
+//!
 //! Code builds the same with [`Policy::opt_level`] and the builder methods; every rule is checked
 //! by [`Policy::validate`] (which `amp::initialize` calls), so a policy built in code is held to
 //! the same rules as a file.
@@ -30,8 +47,10 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use super::autocast::OpClass;
 use crate::config_toml::ConfigText;
 use crate::error::{fmt_number, Error, Result};
+use crate::tensor::autocast::OpKind;
 use crate::tensor::DType;
 
 /// apex's optimisation levels.
@@ -170,6 +189,9 @@ pub struct Policy {
     pub verbosity: u8,
     /// Steps between scaler reports (0: never). A report reads the scaler state to the host.
     pub report_interval: u64,
+    /// The `[ops]` lists: crate ops moved to another autocast class while this policy is
+    /// active (O1 only), in the order given.
+    pub op_classes: Vec<(OpKind, OpClass)>,
     /// Where the policy came from, for error messages (`<code>` or the file's path).
     pub source: String,
 }
@@ -199,7 +221,49 @@ pub const POLICY_KEYS: &[(&str, &str)] = &[
     ("num_losses", "an integer >= 1"),
     ("verbosity", "0, 1 or 2"),
     ("report_interval", "an integer >= 0 (steps; 0: never)"),
+    (
+        "ops",
+        "a table of op-name lists `half`, `float`, `promote`, `passthrough` (at O1 only)",
+    ),
+    (
+        "ops.half",
+        "a list of op names (see the [ops] errors for the known ones)",
+    ),
+    (
+        "ops.float",
+        "a list of op names (see the [ops] errors for the known ones)",
+    ),
+    (
+        "ops.promote",
+        "a list of op names (see the [ops] errors for the known ones)",
+    ),
+    (
+        "ops.passthrough",
+        "a list of op names (see the [ops] errors for the known ones)",
+    ),
 ];
+
+/// The `[ops]` lists of a policy file and the class each moves its ops to.
+const OP_LISTS: [(&str, OpClass); 4] = [
+    ("half", OpClass::Half),
+    ("float", OpClass::Fp32),
+    ("promote", OpClass::Promote),
+    ("passthrough", OpClass::Passthrough),
+];
+
+/// The `[ops]` list of `class`.
+fn list_of(class: OpClass) -> &'static str {
+    OP_LISTS
+        .iter()
+        .find(|(_, c)| *c == class)
+        .map_or("?", |(l, _)| l)
+}
+
+/// What an op list admits: the known op names.
+fn known_ops() -> String {
+    let names: Vec<&str> = OpKind::ALL.iter().map(|k| k.name()).collect();
+    format!("op names of the crate: {}", names.join(", "))
+}
 
 /// The policy files of `configs/` compiled into the library, by name (the file name without
 /// `.toml`); [`Policy::builtin`] parses one.
@@ -238,6 +302,7 @@ impl Policy {
             num_losses: 1,
             verbosity: 1,
             report_interval: 100,
+            op_classes: Vec::new(),
             source: CODE.to_string(),
         }
     }
@@ -303,6 +368,28 @@ impl Policy {
     pub fn with_report_interval(mut self, steps: u64) -> Self {
         self.report_interval = steps;
         self
+    }
+
+    /// Moves the crate's op `op` to `class` while this policy is active (O1; an `[ops]` list
+    /// entry of a policy file).
+    pub fn with_op_class(mut self, op: OpKind, class: OpClass) -> Self {
+        self.op_classes.push((op, class));
+        self
+    }
+
+    /// `op` computes in the half type (`[ops] half`).
+    pub fn with_half_function(self, op: OpKind) -> Self {
+        self.with_op_class(op, OpClass::Half)
+    }
+
+    /// `op` computes in F32 (`[ops] float`).
+    pub fn with_float_function(self, op: OpKind) -> Self {
+        self.with_op_class(op, OpClass::Fp32)
+    }
+
+    /// `op` computes in its widest input type (`[ops] promote`).
+    pub fn with_promote_function(self, op: OpKind) -> Self {
+        self.with_op_class(op, OpClass::Promote)
     }
 
     // ---- resolution and rules ---------------------------------------------------------------
@@ -434,6 +521,43 @@ impl Policy {
                 self.verbosity,
                 allowed("verbosity").unwrap_or(""),
             ));
+        }
+        self.validate_op_classes()
+    }
+
+    /// The `[ops]` rules: lists only where autocast runs, each op in one list.
+    fn validate_op_classes(&self) -> Result<()> {
+        let Some(&(first, class)) = self.op_classes.first() else {
+            return Ok(());
+        };
+        if !self.autocast.unwrap_or(self.opt_level == OptLevel::O1) {
+            return Err(self.err(
+                &format!("ops.{}", list_of(class)),
+                format!("[\"{first}\"]"),
+                format!(
+                    "op lists only with autocast, at opt_level O1 (this policy is {})",
+                    self.opt_level
+                ),
+            ));
+        }
+        for (i, &(op, class)) in self.op_classes.iter().enumerate() {
+            if !OP_LISTS.iter().any(|(_, c)| *c == class) {
+                return Err(self.err(
+                    "ops",
+                    format!("{op} in {class:?}"),
+                    "half, float, promote or passthrough (an op's own F32 math is its own)",
+                ));
+            }
+            if let Some(&(_, before)) = self.op_classes[..i].iter().find(|(k, _)| *k == op) {
+                return Err(self.err(
+                    &format!("ops.{}", list_of(class)),
+                    format!("\"{op}\""),
+                    format!(
+                        "each op in one list (`{op}` is also in ops.{})",
+                        list_of(before)
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -592,6 +716,21 @@ impl Policy {
             report_interval
         );
         p.min_loss_scale = f.min_loss_scale;
+        if let Some(ops) = &f.ops {
+            for (list, class) in OP_LISTS {
+                for name in ops.list(list) {
+                    let op = OpKind::from_name(name).ok_or_else(|| {
+                        doc.locate(Error::config(
+                            file,
+                            format!("ops.{list}"),
+                            format!("{name:?}"),
+                            format!("`{name}` is not an op; {}", known_ops()),
+                        ))
+                    })?;
+                    p.op_classes.push((op, class));
+                }
+            }
+        }
         p.validate().map_err(|e| match e {
             // Name the key as the file spells it.
             Error::Config {
@@ -635,6 +774,29 @@ struct PolicyFile {
     num_losses: Option<usize>,
     verbosity: Option<u8>,
     report_interval: Option<u64>,
+    ops: Option<OpsFile>,
+}
+/// A policy file's `[ops]` table: op names by the class they move to.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OpsFile {
+    half: Option<Vec<String>>,
+    float: Option<Vec<String>>,
+    promote: Option<Vec<String>>,
+    passthrough: Option<Vec<String>>,
+}
+
+impl OpsFile {
+    /// The names of list `list` (one of [`OP_LISTS`]).
+    fn list(&self, list: &str) -> &[String] {
+        let l = match list {
+            "half" => &self.half,
+            "float" => &self.float,
+            "promote" => &self.promote,
+            _ => &self.passthrough,
+        };
+        l.as_deref().unwrap_or(&[])
+    }
 }
 
 /// `loss_scale = "dynamic"` or a number (an integer is a number too).

@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use super::master::MasterWeights;
 use super::{
-    check_groups, match_layout, owned_copy, GradScaling, GroupState, OptimizerState, ParamGroup,
+    check_groups, match_layout, owned_copy, GradScaling, GroupConfig, GroupState, OptimizerState,
+    ParamGroup,
 };
 use crate::backend::{MtArray, MtKernel, MtList};
 use crate::error::{Error, Result};
@@ -20,6 +21,8 @@ use crate::tensor::{DType, Device, Shape, Tensor};
 
 pub(crate) const STEP: &str = "step";
 pub(crate) const MASTER: &str = "master_param";
+/// A group's base learning rate in saved hyperparameters (PyTorch's schedulers' key).
+pub(crate) const INITIAL_LR: &str = "initial_lr";
 
 /// A parameter taking part in a step: its index in the group and its gradient.
 pub(crate) struct Active {
@@ -42,12 +45,15 @@ pub(crate) struct Core<C> {
     /// last written to it (a write is skipped when nothing changed).
     hyper: Vec<(Tensor, Vec<f32>)>,
     hyper_of: fn(&C) -> Vec<f32>,
+    /// Per group: the base learning rate a schedule scales (see [`super::LrSchedule::apply`]):
+    /// the group's lr at construction, from `set_config`, or restored; `set_lr` leaves it.
+    pub base_lrs: Vec<f64>,
     /// Bumped by every change a captured step cannot follow through device memory (a new
     /// config, a restored state, masters): see `Optimizer::generation`.
     pub generation: u64,
 }
 
-impl<C> Core<C> {
+impl<C: GroupConfig> Core<C> {
     pub fn new(
         op: &'static str,
         groups: Vec<ParamGroup<C>>,
@@ -84,6 +90,7 @@ impl<C> Core<C> {
             multi_tensor::write_words(op, &t, &words)?;
             hyper.push((t, words));
         }
+        let base_lrs = groups.iter().map(|g| g.config.lr()).collect();
         Ok(Core {
             op,
             groups,
@@ -93,6 +100,7 @@ impl<C> Core<C> {
             masters: None,
             hyper,
             hyper_of,
+            base_lrs,
             generation: 0,
         })
     }
@@ -117,6 +125,8 @@ impl<C> Core<C> {
             self.groups[group].config = old;
             return Err(e);
         }
+        // A new config is a new base for schedules.
+        self.base_lrs[group] = self.groups[group].config.lr();
         self.generation += 1;
         Ok(())
     }
@@ -366,9 +376,11 @@ impl<C> Core<C> {
                 ids.push(pos);
                 pos += 1;
             }
+            let mut hyperparams = hyper(&g.config);
+            hyperparams.insert(INITIAL_LR.to_string(), self.base_lrs[gi]);
             param_groups.push(GroupState {
                 params: ids,
-                hyperparams: hyper(&g.config),
+                hyperparams,
             });
         }
         Ok(OptimizerState {
@@ -393,8 +405,20 @@ impl<C> Core<C> {
         let configs = saved
             .param_groups
             .iter()
-            .map(|g| config(&g.hyperparams))
+            .map(|g| {
+                let mut h = g.hyperparams.clone();
+                h.remove(INITIAL_LR);
+                config(&h)
+            })
             .collect::<Result<Vec<_>>>()?;
+        // States saved before base learning rates were kept have none: the current bases stay.
+        let mut base_lrs = self.base_lrs.clone();
+        for (gi, g) in saved.param_groups.iter().enumerate() {
+            if let Some(&b) = g.hyperparams.get(INITIAL_LR) {
+                in_range(op, INITIAL_LR, b, 0.0, f64::MAX, false)?;
+                base_lrs[gi] = b;
+            }
+        }
         // (group, idx) of each position.
         let mut where_ = BTreeMap::new();
         for (gi, g) in saved.param_groups.iter().enumerate() {
@@ -520,6 +544,7 @@ impl<C> Core<C> {
         }
         self.state = state;
         self.steps = new_steps;
+        self.base_lrs = base_lrs;
         self.generation += 1;
         Ok(scalars)
     }
@@ -581,6 +606,13 @@ macro_rules! config_methods {
             Self::with_groups(vec![ParamGroup::new(params, config)])
         }
 
+        /// One group per group of `groups` (in order), each with `config`, except that the
+        /// [`ParamGroups::NO_DECAY`](super::ParamGroups::NO_DECAY) group has no weight decay
+        /// (see [`ParamGroups::with_config`](super::ParamGroups::with_config)).
+        pub fn with_param_groups(groups: &super::ParamGroups, config: $config) -> Result<Self> {
+            Self::with_groups(groups.with_config(config))
+        }
+
         pub fn groups(&self) -> &[ParamGroup<$config>] {
             &self.core.groups
         }
@@ -606,11 +638,19 @@ macro_rules! delegate_optimizer {
             self.core
                 .groups
                 .iter()
-                .map(|g| super::GroupView {
-                    params: &g.params,
-                    hyperparams: g.config.to_hyperparams(),
+                .zip(&self.core.base_lrs)
+                .map(|(g, &base)| {
+                    let mut hyperparams = g.config.to_hyperparams();
+                    hyperparams.insert(super::fused::INITIAL_LR.to_string(), base);
+                    super::GroupView {
+                        params: &g.params,
+                        hyperparams,
+                    }
                 })
                 .collect()
+        }
+        fn base_lrs(&self) -> Vec<f64> {
+            self.core.base_lrs.clone()
         }
         fn lr(&self) -> f64 {
             self.core.groups.first().map_or(0.0, |g| g.config.lr)
@@ -641,7 +681,11 @@ pub(crate) use delegate_optimizer;
 
 /// Reads hyperparameter `k` of a saved group (error naming the op, the key and the keys).
 pub(crate) fn hp(op: &'static str, h: &super::Hyperparams, keys: &[&str], k: &str) -> Result<f64> {
-    if let Some(u) = h.keys().find(|u| !keys.contains(&u.as_str())) {
+    // The base learning rate is the optimizer's, not the config's (see `Core::base_lrs`).
+    if let Some(u) = h
+        .keys()
+        .find(|u| !keys.contains(&u.as_str()) && u.as_str() != INITIAL_LR)
+    {
         return Err(Error::invalid_arg(
             op,
             "param_groups",

@@ -12,6 +12,7 @@ pub mod fused_adam;
 pub mod fused_lamb;
 pub mod fused_novograd;
 pub mod fused_sgd;
+pub mod groups;
 mod master;
 pub mod schedule;
 pub mod sgd;
@@ -27,6 +28,7 @@ pub use fused_adam::{AdamConfig, FusedAdam};
 pub use fused_lamb::{FusedLamb, LambConfig};
 pub use fused_novograd::{FusedNovoGrad, NovoGradConfig, NovoGradNorm};
 pub use fused_sgd::FusedSgd;
+pub use groups::{decays_by_default, GroupConfig, NamedGroup, ParamGroups};
 pub use master::MasterWeights;
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
@@ -118,6 +120,17 @@ pub trait Optimizer {
     /// The learning rate of the first group.
     fn lr(&self) -> f64;
 
+    /// Each group's base learning rate, what [`LrSchedule::apply`] scales: the fused
+    /// optimizers' is the group's lr when built or last given by `set_config` or a restored
+    /// state (saved as the group's `initial_lr`); `set_lr` does not change it. By default each
+    /// group's current `lr`.
+    fn base_lrs(&self) -> Vec<f64> {
+        self.param_groups()
+            .iter()
+            .map(|g| g.hyperparams.get("lr").copied().unwrap_or(0.0))
+            .collect()
+    }
+
     /// Sets the learning rate of `group`; an error names the group or the value when invalid.
     fn set_lr(&mut self, group: usize, lr: f64) -> Result<()>;
 
@@ -173,6 +186,9 @@ impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
     }
     fn lr(&self) -> f64 {
         (**self).lr()
+    }
+    fn base_lrs(&self) -> Vec<f64> {
+        (**self).base_lrs()
     }
     fn set_lr(&mut self, group: usize, lr: f64) -> Result<()> {
         (**self).set_lr(group, lr)

@@ -1,6 +1,13 @@
 //! Learning-rate schedules: pure functions of the host step index. [`LrSchedule::apply`] sets
-//! every group's lr on the host; the fused kernels take lr as a launch argument, so a schedule
-//! costs no device work and no sync.
+//! every group's lr on the host (the fused kernels read it from the group's device
+//! hyperparameter block, so a captured step follows); a schedule costs one small write per group
+//! whose lr changed and no sync.
+//!
+//! With several groups, the schedule's values are those of the *reference group* (the first
+//! whose base lr is not 0, else the first) and every group keeps its ratio to it: group g gets
+//! `lr_at(step) · base_g / base_ref`, PyTorch's `LambdaLR` with the factor
+//! `lr_at(step) / base_ref`. A group whose base lr equals the reference's gets `lr_at(step)`
+//! exactly, so one group (or groups of one base lr) behave as before groups existed.
 
 use super::Optimizer;
 use crate::error::{Error, Result};
@@ -162,10 +169,24 @@ impl LrSchedule {
         Ok(lr)
     }
 
-    /// Sets every group's lr to the schedule's value at `step`.
+    /// Sets each group's lr for `step`: the schedule's value scaled by the group's base lr over
+    /// the reference group's (see the module docs); returns the schedule's value.
     pub fn apply(&self, opt: &mut dyn Optimizer, step: u64) -> Result<f64> {
         let lr = self.lr_at(step)?;
-        opt.set_lr_all(lr)?;
+        let bases = opt.base_lrs();
+        let reference = bases
+            .iter()
+            .copied()
+            .find(|&b| b != 0.0)
+            .unwrap_or_default();
+        for (g, &base) in bases.iter().enumerate() {
+            let group_lr = if base == reference {
+                lr
+            } else {
+                lr * (base / reference)
+            };
+            opt.set_lr(g, group_lr)?;
+        }
         Ok(lr)
     }
 }

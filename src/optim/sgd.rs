@@ -96,7 +96,11 @@ impl SgdConfig {
             "weight_decay",
             "wd_after_momentum",
         ];
-        if let Some(k) = h.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        // The base learning rate is the optimizer's, not the config's (`initial_lr`).
+        if let Some(k) = h
+            .keys()
+            .find(|k| !KEYS.contains(&k.as_str()) && k.as_str() != super::fused::INITIAL_LR)
+        {
             return Err(Error::invalid_arg(
                 OP,
                 "param_groups",
