@@ -26,7 +26,7 @@ use crate::data::{
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
 use crate::nn::{generate, Gpt, GptConfig, Module, SampleConfig, GPT2_VOCAB};
-use crate::optim::{AdamConfig, FusedAdam, LrSchedule, ParamGroup};
+use crate::optim::{AdamConfig, FusedAdam, LrSchedule, ParamGroups};
 use crate::tensor::{DType, Device, Tensor};
 
 /// The job's settings (flags and TOML keys by the same names). `None` means "chosen for the
@@ -298,33 +298,21 @@ struct Extra {
     history: Vec<EpochRecord>,
 }
 
-/// Decay on matrices only: biases, norms (1-D) and the embeddings (`wte`, `wpe`) take none
-/// (GPT-2's and nanoGPT's rule).
-fn decays(name: &str, t: &Tensor) -> bool {
-    t.rank() >= 2 && !name.ends_with("wte.weight") && !name.ends_with("wpe.weight")
-}
-
+/// AdamW in two groups by GPT-2's rule (`ParamGroups::weight_decay_split`): decay on the
+/// matrices, none on biases, norms and the embeddings.
 fn optimizer(model: &Gpt, r: &GptRecipe) -> Result<FusedAdam> {
-    let cfg = |wd: f64| AdamConfig {
-        lr: r.lr,
-        betas: (0.9, 0.95),
-        eps: 1e-8,
-        weight_decay: wd,
-        adam_w_mode: true,
-        ..Default::default()
-    };
-    let (mut decay, mut no_decay) = (Vec::new(), Vec::new());
-    for (name, t) in model.named_parameters() {
-        if decays(&name, &t) {
-            decay.push(t)
-        } else {
-            no_decay.push(t)
-        }
-    }
-    FusedAdam::with_groups(vec![
-        ParamGroup::new(decay, cfg(r.weight_decay)),
-        ParamGroup::new(no_decay, cfg(0.0)),
-    ])
+    let groups = ParamGroups::weight_decay_split(model.named_parameters())?;
+    FusedAdam::with_param_groups(
+        &groups,
+        AdamConfig {
+            lr: r.lr,
+            betas: (0.9, 0.95),
+            eps: 1e-8,
+            weight_decay: r.weight_decay,
+            adam_w_mode: true,
+            ..Default::default()
+        },
+    )
 }
 
 fn loaders(r: &GptRecipe, out: &Path, world: (usize, usize)) -> Result<(TokenLoader, TokenLoader)> {
