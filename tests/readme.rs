@@ -121,10 +121,11 @@ fn flags(text: &str) -> BTreeSet<String> {
     out
 }
 
-/// The long flags of `train_resnet`: its `Cli` struct's fields after `#[arg(long ...)]`, with
-/// clap's naming (`batch_size` → `--batch-size`), and clap's own.
-fn train_resnet_flags() -> BTreeSet<String> {
-    let src = read("examples/train_resnet.rs");
+/// The long flags of a job (`examples/train_resnet.rs`, `examples/train_gpt.rs`): its `Cli`
+/// struct's fields after `#[arg(long ...)]`, with clap's naming (`batch_size` →
+/// `--batch-size`), and clap's own.
+fn job_flags(example: &str) -> BTreeSet<String> {
+    let src = read(example);
     let mut out: BTreeSet<String> = ["--help", "--version"].map(String::from).into();
     let mut lines = src.lines();
     while let Some(line) = lines.next() {
@@ -138,10 +139,7 @@ fn train_resnet_flags() -> BTreeSet<String> {
             out.insert(format!("--{}", name.replace('_', "-")));
         }
     }
-    assert!(
-        out.contains("--batch-size"),
-        "train_resnet's flags not found"
-    );
+    assert!(out.contains("--batch-size"), "{example}'s flags not found");
     out
 }
 
@@ -186,7 +184,8 @@ const OTHER_PROGRAMS: &[(&str, &[&str])] = &[
 
 #[test]
 fn every_flag_in_the_readme_is_a_real_one() {
-    let mut known = train_resnet_flags();
+    let mut known = job_flags("examples/train_resnet.rs");
+    known.extend(job_flags("examples/train_gpt.rs"));
     known.extend(gpu_stage_flags());
     for (_, fs) in OTHER_PROGRAMS {
         known.extend(fs.iter().map(|f| f.to_string()));
@@ -204,7 +203,7 @@ fn every_flag_in_the_readme_is_a_real_one() {
         .collect();
     assert!(
         unknown.is_empty(),
-        "README.md names flags that neither train_resnet, scripts/gpu-stage nor the listed \
+        "README.md names flags that neither train_resnet, train_gpt, scripts/gpu-stage nor the listed \
          programs take: {unknown:?}"
     );
 }
