@@ -750,3 +750,45 @@ fn packed_qkv_attention_equals_the_three_slices() {
         assert_eq!(g1, g2, "{dt}: the projection's gradient");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_with_bias_epilogues_matches_the_cpu_forward_and_backward() {
+    // The bias in cuBLASLt's epilogue and its gradient in the weight-gradient product: GPT-2's
+    // shapes (rows a multiple of 8), odd ones (where the heuristic may refuse an epilogue and the
+    // plain path runs), and an input read at an odd element offset (an unaligned pointer).
+    let dev = gpu();
+    let shapes = [(64, 96, 288), (33, 7, 13), (128, 3072, 768), (5, 1, 1)];
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        for (i, &(rows, inf, outf)) in shapes.iter().enumerate() {
+            let seed = 40 + i as u64;
+            let x_all = Tensor::randn([rows + 1, inf], 0.0, 1.0, seed, d, Device::Cpu).unwrap();
+            let x = x_all.narrow(0, 0, rows).unwrap();
+            let w = Tensor::randn([outf, inf], 0.0, 0.2, seed + 100, d, Device::Cpu).unwrap();
+            let b = Tensor::randn([outf], 0.0, 1.0, seed + 200, d, Device::Cpu).unwrap();
+            let g = Tensor::randn([rows, outf], 0.0, 1.0, seed + 300, d, Device::Cpu).unwrap();
+            let run = |dev: Device| {
+                let x = x.to_device(dev).unwrap().to_variable();
+                let w = w.to_device(dev).unwrap().to_variable();
+                let b = b.to_device(dev).unwrap().to_variable();
+                let y = x.linear(&w, Some(&b)).unwrap();
+                let loss = y.mul(&g.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+                loss.backward().unwrap();
+                [y, x.grad().unwrap(), w.grad().unwrap(), b.grad().unwrap()]
+            };
+            let (want, got) = (run(Device::Cpu), run(dev));
+            for (name, (g, w)) in ["y", "dx", "dw", "db"].iter().zip(got.iter().zip(&want)) {
+                check(&format!("linear {d} {rows}x{inf}->{outf} {name}"), g, w, d);
+            }
+            // Rows 1.. of the wider tensor: a contiguous view at an element offset of `inf`,
+            // an unaligned pointer when `inf` is odd.
+            let shifted = |dev: Device| {
+                let x = x_all.to_device(dev).unwrap().narrow(0, 1, rows).unwrap();
+                let (w, b) = (w.to_device(dev).unwrap(), b.to_device(dev).unwrap());
+                x.linear(&w, Some(&b)).unwrap()
+            };
+            let what = format!("linear {d} {rows}x{inf}->{outf} at an offset");
+            check(&what, &shifted(dev), &shifted(Device::Cpu), d);
+        }
+    }
+}

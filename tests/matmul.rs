@@ -237,3 +237,40 @@ fn empty_inner_dim_in_folded_and_linear_products() {
     assert_eq!(y.dims(), [2, 3, 4]);
     assert_eq!(y.to_vec::<f32>().unwrap(), [2.0; 24]);
 }
+
+#[test]
+fn linear_in_half_adds_the_bias_before_the_one_rounding() {
+    // The bias joins the f32 product (cuBLASLt's epilogue does the same): the half result is the
+    // f32 result rounded once, not the product rounded and then the sum rounded again.
+    for dt in [DType::F16, DType::BF16] {
+        let x = randn(&[6, 5, 24], 21, DType::F32).to_dtype(dt).unwrap();
+        let w = randn(&[9, 24], 22, DType::F32).to_dtype(dt).unwrap();
+        let b = randn(&[9], 23, DType::F32).to_dtype(dt).unwrap();
+        let up = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let want = up(&x).linear(&up(&w), Some(&up(&b))).unwrap();
+        let y = x.linear(&w, Some(&b)).unwrap();
+        assert_eq!(y.dtype(), dt);
+        assert_eq!(vals(&y), vals(&want.to_dtype(dt).unwrap()), "{dt}");
+    }
+}
+
+#[test]
+fn linear_bias_gradient_alone_and_with_the_weight() {
+    // A frozen weight: only x and b want gradients; db is the column sum of dy.
+    let x = var(&[7, 4], 24);
+    let w = randn(&[3, 4], 25, DType::F64);
+    let b = var(&[3], 26);
+    let g = randn(&[7, 3], 27, DType::F64);
+    let y = x.linear(&w, Some(&b)).unwrap();
+    y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+    let gv = vals(&g);
+    let db: Vec<f64> = (0..3).map(|j| (0..7).map(|r| gv[r * 3 + j]).sum()).collect();
+    assert_close(&vals(&b.grad().unwrap()), &db, 1e-12, 1e-12);
+    assert!(w.grad().is_none());
+    let dx = matmul_ref(&gv, &vals(&w), 1, 7, 3, 4, false);
+    assert_close(&vals(&x.grad().unwrap()), &dx, 1e-12, 1e-12);
+    // Mixed dtypes (an f32 bias on f64 activations) take the promoting path and still work.
+    let b32 = randn(&[3], 28, DType::F32);
+    let y = x.detach().linear(&w, Some(&b32)).unwrap();
+    assert_eq!(y.dtype(), DType::F64);
+}

@@ -100,6 +100,11 @@ pub(crate) enum Op {
         rhs: Tensor,
         dims: MatmulDims,
     },
+    /// `x·wᵀ + b` in one product (inputs x, w, b).
+    Linear {
+        x: Tensor,
+        w: Tensor,
+    },
     /// `x` is kept when the weight needs a gradient, `w` when the input does.
     Conv2d {
         x: Option<Tensor>,
@@ -191,6 +196,7 @@ impl Op {
             Op::Cat { .. } => "cat",
             Op::Gather { .. } => "gather",
             Op::Matmul { .. } => "matmul",
+            Op::Linear { .. } => "linear",
             Op::Conv2d { .. } => "conv2d",
             Op::BatchNorm { p, .. } if p.residual => "batch_norm_add_relu",
             Op::BatchNorm { p, .. } if p.relu => "batch_norm_relu",
@@ -241,6 +247,7 @@ impl Op {
             | Op::Cat { .. }
             | Op::Gather { .. } => view::backward(self, g, w),
             Op::Matmul { .. } => matmul::backward(self, g, w),
+            Op::Linear { .. } => matmul::linear_backward(self, g, w),
             Op::Conv2d { .. } => conv::backward(self, g, w),
             Op::BatchNorm { .. } => batch_norm::backward(self, g, w),
             Op::MaxPool2d { .. } | Op::AvgPool2d { .. } | Op::AdaptiveAvgPool2d { .. } => {

@@ -58,21 +58,66 @@ impl Tensor {
         let inf = weight.dims()[1];
         let rows = self.dims()[..self.rank() - 1].iter().product();
         let x2 = self.reshape(vec![rows, inf])?;
-        let mut y = x2.mm(weight, false, true)?;
-        if let Some(b) = bias {
-            if b.dims() != [weight.dims()[0]] {
-                return Err(Error::shape_mismatch(
-                    "linear",
-                    weight.shape(),
-                    b.shape(),
-                    "bias must be [out]",
-                ));
+        let y = match bias {
+            None => x2.mm(weight, false, true)?,
+            Some(b) => {
+                if b.dims() != [weight.dims()[0]] {
+                    return Err(Error::shape_mismatch(
+                        "linear",
+                        weight.shape(),
+                        b.shape(),
+                        "bias must be [out]",
+                    ));
+                }
+                if b.dtype() == x2.dtype() {
+                    x2.mm_bias(weight, b)?
+                } else {
+                    // Mixed dtypes promote as `add` does.
+                    x2.mm(weight, false, true)?.add(b)?
+                }
             }
-            y = y.add(b)?;
-        }
+        };
         let mut dims = self.dims().to_vec();
         *dims.last_mut().expect("rank >= 1") = weight.dims()[0];
         y.reshape(dims)
+    }
+
+    /// `self · wᵀ + b` as one op (`self` `[rows, in]`, `w` `[out, in]`, `b` `[out]`): the bias
+    /// joins the product's epilogue, and its gradient the weight gradient's.
+    fn mm_bias(&self, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+        self.same_device("linear", w)?;
+        self.same_device("linear", b)?;
+        self.float_only("linear")?;
+        let (dims, shape) = matmul_dims(self.shape(), w.shape(), false, true)?;
+        super::check_size("linear", &shape, self.dtype())?;
+        let (x, wc, bc) = (self.contiguous()?, w.contiguous()?, b.contiguous()?);
+        let s = x.storage().linear_bias(
+            &x.layout(),
+            &wc.storage(),
+            &wc.layout(),
+            &bc.storage(),
+            &bc.layout(),
+            &dims,
+        )?;
+        Ok(Tensor::from_op(s, shape, &[self, w, b], || Op::Linear {
+            x: x.detach(),
+            w: wc.detach(),
+        }))
+    }
+
+    /// A linear layer's weight and bias gradients from its output gradient `self` (`[rows,
+    /// out]`) and input `x` (`[rows, in]`), in one product (not recorded).
+    pub(crate) fn linear_weight_grad(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (g, x) = (self.contiguous()?, x.contiguous()?);
+        let (dims, shape) = matmul_dims(g.shape(), x.shape(), true, false)?;
+        let (dw, db) = g
+            .storage()
+            .linear_weight_grad(&g.layout(), &x.storage(), &x.layout(), &dims)?;
+        let out = Shape::new(vec![dims.m]);
+        Ok((
+            Tensor::from_storage(dw, super::Layout::contiguous(shape)),
+            Tensor::from_storage(db, super::Layout::contiguous(out)),
+        ))
     }
 
     /// `op(self)·op(rhs)` where `op` transposes the last two dims when asked; batch dims equal.

@@ -460,6 +460,19 @@ backend_ops! {
     // matmul, conv
     ["matmul", format!("{dims:?}")]
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Self;
+    ["linear", format!("{dims:?}")]
+    fn linear_bias(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        bias: &Self,
+        bl: &Layout,
+        dims: &MatmulDims,
+    ) -> Self;
+    ["linear_weight_grad", format!("{dims:?}")]
+    fn linear_weight_grad(&self, l: &Layout, x: &Self, xl: &Layout, dims: &MatmulDims)
+        -> (Self, Self);
     ["conv2d", conv_detail(p)]
     fn conv2d(&self, l: &Layout, w: &Self, wl: &Layout, p: &Conv2dParams) -> Self;
     ["conv2d_backward_input", conv_detail(p)]

@@ -23,3 +23,23 @@ pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Op
     };
     Ok(vec![w.maybe(0, ga)?, w.maybe(1, gb)?])
 }
+
+/// Backward of `y = x·wᵀ + b`: `dx = dy·w`, and `dw = dyᵀ·x` with `db = Σ_rows dy` from the
+/// same product.
+pub(super) fn linear_backward(
+    op: &Op,
+    g: &Tensor,
+    w: &mut Wanted<'_>,
+) -> Result<Vec<Option<Tensor>>> {
+    let Op::Linear { x, w: weight } = op else {
+        return Err(op.misrouted("linear"));
+    };
+    let gx = w.maybe(0, || Tensor::matmul_raw(g, weight, false, false, x.shape()))?;
+    let (gw, gb) = if w.need(1) || w.need(2) {
+        let (gw, gb) = g.linear_weight_grad(x)?;
+        (w.need(1).then_some(gw), w.need(2).then_some(gb))
+    } else {
+        (None, None)
+    };
+    Ok(vec![gx, gw, gb])
+}

@@ -4,13 +4,18 @@
 use gemm::Parallelism;
 
 use super::Elem;
-use super::{alloc, map_float2, CpuStorage};
+use super::{alloc, map_float, map_float2, CpuStorage};
 use crate::backend::MatmulDims;
 use crate::backend::{BackendStorage, MatmulOps};
-use crate::base::error::Result;
+use crate::base::error::{Error, Result};
 use crate::base::Layout;
 
 pub fn matmul<T: Elem>(a: &[T], b: &[T], d: &MatmulDims) -> Vec<T> {
+    matmul_acc(a, b, d).into_iter().map(T::from_acc).collect()
+}
+
+/// The product in the accumulation type, before rounding.
+fn matmul_acc<T: Elem>(a: &[T], b: &[T], d: &MatmulDims) -> Vec<T::Acc> {
     let wa: Vec<T::Acc> = a.iter().map(|v| v.to_acc()).collect();
     let wb: Vec<T::Acc> = b.iter().map(|v| v.to_acc()).collect();
     let mut out = vec![T::Acc::default(); d.batch * d.m * d.n];
@@ -62,7 +67,29 @@ pub fn matmul<T: Elem>(a: &[T], b: &[T], d: &MatmulDims) -> Vec<T> {
             );
         }
     }
+    out
+}
+
+/// `a·op(w)` plus `bias[j]` on every row, added before the one rounding.
+fn linear_bias<T: Elem>(a: &[T], w: &[T], bias: &[T], d: &MatmulDims) -> Vec<T> {
+    let mut out = matmul_acc(a, w, d);
+    for row in out.chunks_mut(d.n.max(1)) {
+        for (o, &b) in row.iter_mut().zip(bias) {
+            *o += b.to_acc();
+        }
+    }
     out.into_iter().map(T::from_acc).collect()
+}
+
+/// Column sums of a `rows × cols` matrix, in the accumulation type.
+fn column_sums<T: Elem>(g: &[T], cols: usize) -> Vec<T> {
+    let mut acc = vec![T::Acc::default(); cols];
+    for row in g.chunks(cols.max(1)) {
+        for (a, &v) in acc.iter_mut().zip(row) {
+            *a += v.to_acc();
+        }
+    }
+    acc.into_iter().map(T::from_acc).collect()
 }
 
 impl MatmulOps for CpuStorage {
@@ -71,5 +98,48 @@ impl MatmulOps for CpuStorage {
         alloc::probe_output("matmul", elems, self.dtype())?;
         let (a, b) = (self.span(l), rhs.span(rl));
         Ok(map_float2!(&*a, &*b, "matmul", |a, b| matmul(a, b, dims)))
+    }
+
+    fn linear_bias(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        bias: &Self,
+        bl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<Self> {
+        let elems = dims.m.saturating_mul(dims.n);
+        alloc::probe_output("linear", elems, self.dtype())?;
+        let (a, w, b) = (self.span(l), w.span(wl), bias.span(bl));
+        use CpuStorage as S;
+        Ok(match (&*a, &*w, &*b) {
+            (S::F16(a), S::F16(w), S::F16(b)) => S::F16(linear_bias(a, w, b, dims)),
+            (S::BF16(a), S::BF16(w), S::BF16(b)) => S::BF16(linear_bias(a, w, b, dims)),
+            (S::F32(a), S::F32(w), S::F32(b)) => S::F32(linear_bias(a, w, b, dims)),
+            (S::F64(a), S::F64(w), S::F64(b)) => S::F64(linear_bias(a, w, b, dims)),
+            (a, w, b) => {
+                let other = if a.dtype() != w.dtype() { w } else { b };
+                return Err(Error::DTypeMismatch {
+                    op: "linear",
+                    lhs: a.dtype(),
+                    rhs: other.dtype(),
+                });
+            }
+        })
+    }
+
+    fn linear_weight_grad(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<(Self, Self)> {
+        alloc::probe_output("linear_backward", dims.m.saturating_mul(dims.n), self.dtype())?;
+        let (g, x) = (self.span(l), x.span(xl));
+        let dw = map_float2!(&*g, &*x, "linear_backward", |g, x| matmul(g, x, dims));
+        let db = map_float!(&*g, "linear_backward", |g| column_sums(g, dims.m));
+        Ok((dw, db))
     }
 }

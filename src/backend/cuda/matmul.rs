@@ -18,7 +18,10 @@ use super::storage::CudaStorage;
 use crate::backend::MatmulOps;
 use crate::backend::{BackendStorage, MatmulDims};
 use crate::base::error::{Error, Result};
-use crate::base::{DType, Layout};
+use crate::backend::{BinaryOp, ReduceOp};
+use crate::base::{DType, Layout, Shape};
+
+use super::matmul_lt::LtEpilogue;
 
 /// cuBLAS's recommended workspace for Hopper (32 MiB; 4 MiB before).
 fn workspace_bytes(arch: (i32, i32)) -> usize {
@@ -226,7 +229,76 @@ pub(crate) fn matmul(
     Ok(out)
 }
 
+/// Checks that `v` (at `l`) holds `len` elements of `dtype` (a linear layer's bias vector).
+fn vector_ptr(op: &'static str, v: &CudaStorage, l: &Layout, dtype: DType, len: usize) -> Result<u64> {
+    if v.dtype() != dtype {
+        return Err(Error::DTypeMismatch {
+            op,
+            lhs: dtype,
+            rhs: v.dtype(),
+        });
+    }
+    if l.elem_count() != len || !l.is_contiguous() {
+        return Err(Error::invalid_arg(
+            op,
+            "bias",
+            format!("{:?}", l.dims()),
+            format!("a contiguous vector of {len}"),
+        ));
+    }
+    v.ptr_at(l)
+}
+
 impl MatmulOps for CudaStorage {
+    fn linear_bias(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        bias: &Self,
+        bl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<Self> {
+        let pv = vector_ptr("linear", bias, bl, self.dtype(), dims.n)?;
+        let need = (dims.m * dims.k, dims.k * dims.n);
+        if self.len() < need.0 || w.len() < need.1 || w.dtype() != self.dtype() {
+            // The plain product reports what is wrong.
+            return matmul(self, l, w, wl, dims);
+        }
+        let out = CudaStorage::alloc(&self.dev, self.dtype(), dims.m * dims.n)?;
+        let ptrs = (self.ptr_at(l)?, w.ptr_at(wl)?, pv);
+        if super::matmul_lt::linear_product(&out, ptrs, dims, LtEpilogue::Bias)? {
+            return Ok(out);
+        }
+        // No cuBLASLt algorithm: the product, then the bias along the rows.
+        let y = matmul(self, l, w, wl, dims)?;
+        let rows = Layout::contiguous(Shape::new(vec![dims.m, dims.n]));
+        let along = Layout::new(rows.shape().clone(), vec![0, 1], bl.offset());
+        super::elementwise::binary(&y, &rows, bias, &along, BinaryOp::Add, &rows)
+    }
+
+    fn linear_weight_grad(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<(Self, Self)> {
+        // `self` is the output gradient, [k rows, m outputs].
+        if self.len() >= dims.m * dims.k && x.len() >= dims.k * dims.n && x.dtype() == self.dtype()
+        {
+            let dw = CudaStorage::alloc(&self.dev, self.dtype(), dims.m * dims.n)?;
+            let db = CudaStorage::alloc(&self.dev, self.dtype(), dims.m)?;
+            let ptrs = (self.ptr_at(l)?, x.ptr_at(xl)?, db.ptr());
+            if super::matmul_lt::linear_product(&dw, ptrs, dims, LtEpilogue::BiasGrad)? {
+                return Ok((dw, db));
+            }
+        }
+        let dw = matmul(self, l, x, xl, dims)?;
+        let db = super::reduce::reduce(self, l, ReduceOp::Sum, 0)?;
+        Ok((dw, db))
+    }
+
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self> {
         matmul(self, l, rhs, rl, dims)
     }

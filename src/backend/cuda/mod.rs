@@ -45,6 +45,7 @@ mod launch;
 mod layer_norm;
 mod layout;
 mod matmul;
+mod matmul_lt;
 pub(crate) mod multi_tensor;
 mod pinned;
 mod pool;

@@ -22,4 +22,28 @@ pub struct MatmulDims {
 /// (Batched) matrix products (contiguous layouts).
 pub trait MatmulOps: BackendStorage {
     fn matmul(&self, l: &Layout, rhs: &Self, rl: &Layout, dims: &MatmulDims) -> Result<Self>;
+
+    /// `self · op(w) + bias` for one (unbatched) product whose `n` columns each get `bias[j]`
+    /// (a linear layer's `x·Wᵀ + b`); the bias is added to the f32 product before it is rounded,
+    /// as cuBLASLt's bias epilogue does.
+    fn linear_bias(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        bias: &Self,
+        bl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<Self>;
+
+    /// A linear layer's parameter gradients from its output gradient `self` (`[rows, out]`) and
+    /// input `x` (`[rows, in]`): `dW = selfᵀ · x` (`dims` describes that product: `m` = out,
+    /// `n` = in, `k` = rows, `trans_a`) and `db[j] = Σ_rows self[r, j]`, both summed in f32.
+    fn linear_weight_grad(
+        &self,
+        l: &Layout,
+        x: &Self,
+        xl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<(Self, Self)>;
 }
