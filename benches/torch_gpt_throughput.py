@@ -3,6 +3,7 @@ per process, one JSON line with the same fields.
 
     python3 benches/torch_gpt_throughput.py [--model gpt2|gpt2-medium] [--mode bf16|fp16|fp32]
         [--compile] [--attention flash|math] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5]
+        [--profile]
 
 The model is GPT-2 as nanoGPT and Hugging Face build it (pre-norm blocks, fused QKV, GELU-tanh,
 head tied to the token embedding, vocabulary padded to 50304, GPT-2's init); the step is
@@ -28,6 +29,7 @@ ap.add_argument("--batch", type=int, default=16)
 ap.add_argument("--seq", type=int, default=1024)
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--warmup", type=int, default=5)
+ap.add_argument("--profile", action="store_true", help="after timing, print the kernel table of 3 steps")
 args = ap.parse_args()
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -142,6 +144,47 @@ def main():
         "peak_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20),
         "skipped": skipped, "loss_first": round(loss_first, 4), "loss_last": round(float(loss), 4),
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}), flush=True)
+    if args.profile:
+        profile_kernels(step, 3)
+
+
+def kernel_group(name):
+    """What a kernel's time is spent on, from its name (a diagnostic grouping)."""
+    n = name.lower()
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+        return "matmul"
+    if any(k in n for k in ("flash", "fmha", "attention")):
+        return "attention"
+    if "adam" in n or "multi_tensor" in n or "foreach" in n:
+        return "optimizer"
+    if "triton" in n:
+        return "fused (triton)"
+    if "norm" in n:
+        return "layer norm"
+    if "softmax" in n or "cross_entropy" in n or "nll" in n:
+        return "cross-entropy"
+    return "other"
+
+
+def profile_kernels(step, steps):
+    """The PyTorch profiler's kernel table per step: by group, then the 30 largest kernels."""
+    from torch.profiler import profile, ProfilerActivity
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / steps, e.count // steps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    groups = {}
+    for name, ms, _ in rows:
+        g = kernel_group(name)
+        groups[g] = groups.get(g, 0.0) + ms
+    print(json.dumps({"profile": "groups", "ms_per_step": {g: round(v, 2) for g, v in
+                      sorted(groups.items(), key=lambda kv: -kv[1])},
+                      "total_ms": round(sum(groups.values()), 2)}), flush=True)
+    for name, ms, count in sorted(rows, key=lambda r: -r[1])[:30]:
+        print(f"  {ms:8.3f} ms  x{count:<4} {kernel_group(name):14} {name[:110]}", flush=True)
 
 
 main()
