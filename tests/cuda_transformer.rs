@@ -161,6 +161,8 @@ fn norms_match_the_cpu_forward_and_backward() {
         (1usize, 1usize),
         (7, 33),
         (1024, 768),
+        (5, 1000),
+        (9, 1024),
         (64, 5000),
         (3000, 64),
     ] {
