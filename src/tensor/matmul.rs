@@ -110,9 +110,9 @@ impl Tensor {
     pub(crate) fn linear_weight_grad(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let (g, x) = (self.contiguous()?, x.contiguous()?);
         let (dims, shape) = matmul_dims(g.shape(), x.shape(), true, false)?;
-        let (dw, db) = g
-            .storage()
-            .linear_weight_grad(&g.layout(), &x.storage(), &x.layout(), &dims)?;
+        let (dw, db) =
+            g.storage()
+                .linear_weight_grad(&g.layout(), &x.storage(), &x.layout(), &dims)?;
         let out = Shape::new(vec![dims.m]);
         Ok((
             Tensor::from_storage(dw, super::Layout::contiguous(shape)),

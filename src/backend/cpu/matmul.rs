@@ -136,7 +136,11 @@ impl MatmulOps for CpuStorage {
         xl: &Layout,
         dims: &MatmulDims,
     ) -> Result<(Self, Self)> {
-        alloc::probe_output("linear_backward", dims.m.saturating_mul(dims.n), self.dtype())?;
+        alloc::probe_output(
+            "linear_backward",
+            dims.m.saturating_mul(dims.n),
+            self.dtype(),
+        )?;
         let (g, x) = (self.span(l), x.span(xl));
         let dw = map_float2!(&*g, &*x, "linear_backward", |g, x| matmul(g, x, dims));
         let db = map_float!(&*g, "linear_backward", |g| column_sums(g, dims.m));

@@ -17,8 +17,8 @@ use super::device::{allow_tf32, cuda_err, CudaDevice};
 use super::storage::CudaStorage;
 use crate::backend::MatmulOps;
 use crate::backend::{BackendStorage, MatmulDims};
-use crate::base::error::{Error, Result};
 use crate::backend::{BinaryOp, ReduceOp};
+use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout, Shape};
 
 use super::matmul_lt::LtEpilogue;
@@ -230,7 +230,13 @@ pub(crate) fn matmul(
 }
 
 /// Checks that `v` (at `l`) holds `len` elements of `dtype` (a linear layer's bias vector).
-fn vector_ptr(op: &'static str, v: &CudaStorage, l: &Layout, dtype: DType, len: usize) -> Result<u64> {
+fn vector_ptr(
+    op: &'static str,
+    v: &CudaStorage,
+    l: &Layout,
+    dtype: DType,
+    len: usize,
+) -> Result<u64> {
     if v.dtype() != dtype {
         return Err(Error::DTypeMismatch {
             op,

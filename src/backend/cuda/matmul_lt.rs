@@ -110,7 +110,9 @@ fn new_lt(dev: &Arc<CudaDevice>) -> Result<Lt> {
         .map_err(|e| cuda_err("binding the context", e))?;
     let mut handle = std::ptr::null_mut();
     // SAFETY: `handle` receives a new handle.
-    lt_err("cublasLtCreate", unsafe { lsys::cublasLtCreate(&mut handle) })?;
+    lt_err("cublasLtCreate", unsafe {
+        lsys::cublasLtCreate(&mut handle)
+    })?;
     // SAFETY: cuBLASLt owns the workspace contents.
     let workspace = unsafe { dev.stream.alloc::<u8>(WORKSPACE_BYTES) }
         .map_err(|e| cuda_err("allocating the cuBLASLt workspace", e))?;
@@ -151,7 +153,12 @@ fn set_desc<V>(desc: lsys::cublasLtMatmulDesc_t, attr: DescAttr, v: &V) -> Resul
     })
 }
 
-fn layout(dt: lsys::cudaDataType_t, rows: usize, cols: usize, ld: usize) -> Result<lsys::cublasLtMatrixLayout_t> {
+fn layout(
+    dt: lsys::cudaDataType_t,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+) -> Result<lsys::cublasLtMatrixLayout_t> {
     let mut l = std::ptr::null_mut();
     // SAFETY: `l` receives a new layout.
     lt_err("creating a matrix layout", unsafe {
@@ -176,7 +183,7 @@ fn make_plan(handle: lsys::cublasLtHandle_t, key: &PlanKey) -> Result<Option<Pla
     let op = |t: bool| if t { 1i32 } else { 0i32 };
     let (first_rows, first_cols) = if trans_b { (k, n) } else { (n, k) };
     let (second_rows, second_cols) = if trans_a { (m, k) } else { (k, m) };
-    let plan = Plan {
+    let mut plan = Plan {
         desc,
         a: layout(dt, first_rows, first_cols, first_rows)?,
         b: layout(dt, second_rows, second_cols, second_rows)?,
@@ -231,17 +238,38 @@ fn make_plan(handle: lsys::cublasLtHandle_t, key: &PlanKey) -> Result<Option<Pla
         )?;
         let (aa, ab, ad) = key.align;
         // Our B is cuBLASLt's A, our A its B.
-        set_pref(PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, ab.into())?;
-        set_pref(PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, aa.into())?;
-        set_pref(PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ad.into())?;
-        set_pref(PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ad.into())?;
+        set_pref(
+            PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            ab.into(),
+        )?;
+        set_pref(
+            PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            aa.into(),
+        )?;
+        set_pref(
+            PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            ad.into(),
+        )?;
+        set_pref(
+            PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ad.into(),
+        )?;
         // SAFETY: zeroed bytes are a valid result slot for the heuristic to fill.
         let mut result: lsys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
         let mut count = 0i32;
         // SAFETY: live descriptors; one result slot.
         let st = unsafe {
             lsys::cublasLtMatmulAlgoGetHeuristic(
-                handle, desc, plan.a, plan.b, plan.d, plan.d, pref, 1, &mut result, &mut count,
+                handle,
+                desc,
+                plan.a,
+                plan.b,
+                plan.d,
+                plan.d,
+                pref,
+                1,
+                &mut result,
+                &mut count,
             )
         };
         Ok::<_, Error>(
@@ -253,10 +281,11 @@ fn make_plan(handle: lsys::cublasLtHandle_t, key: &PlanKey) -> Result<Option<Pla
     })();
     // SAFETY: created above, destroyed once.
     unsafe { lsys::cublasLtMatmulPreferenceDestroy(pref) };
-    Ok(found?.map(|r| Plan {
-        algo: r.algo,
-        workspace: r.workspaceSize,
-        ..plan
+    // (The plan itself is kept, not copied: its drop destroys the descriptors.)
+    Ok(found?.map(|r| {
+        plan.algo = r.algo;
+        plan.workspace = r.workspaceSize;
+        plan
     }))
 }
 
@@ -311,7 +340,7 @@ pub(crate) fn linear_product(
     // SAFETY: the pointers are live buffers of this device holding the m×k, k×n and m×n
     // matrices the plan's layouts describe (the callers checked the sizes) and the vector of
     // the epilogue's length; alpha and beta live on this frame for the call.
-    lt_err(&format!("cublasLtMatmul {dtype} {d:?} {epilogue:?}"), unsafe {
+    let st = unsafe {
         lsys::cublasLtMatmul(
             lt.handle,
             plan.desc,
@@ -330,6 +359,13 @@ pub(crate) fn linear_product(
             plan.workspace,
             dev.stream.cu_stream() as lsys::cudaStream_t,
         )
-    })?;
+    };
+    if st == lsys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED {
+        // The heuristic's algorithm refused at launch: remember the case as having none, and
+        // let the caller take the plain path (nothing was written).
+        lt.plans.insert(key, None);
+        return Ok(false);
+    }
+    lt_err(&format!("cublasLtMatmul {dtype} {d:?} {epilogue:?}"), st)?;
     Ok(true)
 }
