@@ -54,13 +54,21 @@ fn main() -> Result<()> {
             .find(|(n, _)| n == name)
             .map(|(_, t)| t.clone())
             .ok_or_else(|| {
-                Error::invalid_arg("hf_gpt2_roundtrip", "logits.safetensors", name, "input_ids and logits")
+                Error::invalid_arg(
+                    "hf_gpt2_roundtrip",
+                    "logits.safetensors",
+                    name,
+                    "input_ids and logits",
+                )
             })
     };
     let (ids, want) = (get("input_ids")?, get("logits")?);
     let got = mixprec::with_no_grad(|| model.forward(&ids.to_device(dev)?))?;
     let vocab = want.dims()[2];
-    let got = got.narrow(2, 0, vocab)?.to_dtype(DType::F32)?.to_vec::<f32>()?;
+    let got = got
+        .narrow(2, 0, vocab)?
+        .to_dtype(DType::F32)?
+        .to_vec::<f32>()?;
     let want = want.to_vec::<f32>()?;
     let (mut max_abs, mut num, mut den) = (0f64, 0f64, 0f64);
     for (g, w) in got.iter().zip(&want) {

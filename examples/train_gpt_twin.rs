@@ -28,7 +28,12 @@ fn write_u16(path: &Path, tokens: &[i64]) -> Result<()> {
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let run = std::path::PathBuf::from(args.next().ok_or_else(|| {
-        Error::invalid_arg("train_gpt_twin", "RUN", "nothing", "a train_gpt run directory")
+        Error::invalid_arg(
+            "train_gpt_twin",
+            "RUN",
+            "nothing",
+            "a train_gpt run directory",
+        )
     })?);
     let dev = match args.next().as_deref() {
         Some("cuda") => Device::cuda(0)?,

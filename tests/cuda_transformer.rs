@@ -774,7 +774,11 @@ fn linear_with_bias_epilogues_matches_the_cpu_forward_and_backward() {
                 let w = w.to_device(dev).unwrap().to_variable();
                 let b = b.to_device(dev).unwrap().to_variable();
                 let y = x.linear(&w, Some(&b)).unwrap();
-                let loss = y.mul(&g.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+                let loss = y
+                    .mul(&g.to_device(dev).unwrap())
+                    .unwrap()
+                    .sum_all()
+                    .unwrap();
                 loss.backward().unwrap();
                 [y, x.grad().unwrap(), w.grad().unwrap(), b.grad().unwrap()]
             };

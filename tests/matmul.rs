@@ -264,7 +264,9 @@ fn linear_bias_gradient_alone_and_with_the_weight() {
     let y = x.linear(&w, Some(&b)).unwrap();
     y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
     let gv = vals(&g);
-    let db: Vec<f64> = (0..3).map(|j| (0..7).map(|r| gv[r * 3 + j]).sum()).collect();
+    let db: Vec<f64> = (0..3)
+        .map(|j| (0..7).map(|r| gv[r * 3 + j]).sum())
+        .collect();
     assert_close(&vals(&b.grad().unwrap()), &db, 1e-12, 1e-12);
     assert!(w.grad().is_none());
     let dx = matmul_ref(&gv, &vals(&w), 1, 7, 3, 4, false);
