@@ -756,7 +756,8 @@ fn packed_qkv_attention_equals_the_three_slices() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn linear_with_bias_epilogues_matches_the_cpu_forward_and_backward() {
-    // The bias in cuBLASLt's epilogue and its gradient in the weight-gradient product: GPT-2's
+    // The bias (and GELU) in cuBLASLt's epilogue and the bias gradient in the weight-gradient
+    // product (the plain and the GELU-fused linear): GPT-2's
     // shapes (rows a multiple of 8), odd ones (where the heuristic may refuse an epilogue and the
     // plain path runs), and an input read at an odd element offset (an unaligned pointer).
     let dev = gpu();
@@ -769,11 +770,15 @@ fn linear_with_bias_epilogues_matches_the_cpu_forward_and_backward() {
             let w = Tensor::randn([outf, inf], 0.0, 0.2, seed + 100, d, Device::Cpu).unwrap();
             let b = Tensor::randn([outf], 0.0, 1.0, seed + 200, d, Device::Cpu).unwrap();
             let g = Tensor::randn([rows, outf], 0.0, 1.0, seed + 300, d, Device::Cpu).unwrap();
-            let run = |dev: Device| {
+            let run = |dev: Device, gelu: bool| {
                 let x = x.to_device(dev).unwrap().to_variable();
                 let w = w.to_device(dev).unwrap().to_variable();
                 let b = b.to_device(dev).unwrap().to_variable();
-                let y = x.linear(&w, Some(&b)).unwrap();
+                let y = if gelu {
+                    x.linear_gelu_tanh(&w, &b).unwrap()
+                } else {
+                    x.linear(&w, Some(&b)).unwrap()
+                };
                 let loss = y
                     .mul(&g.to_device(dev).unwrap())
                     .unwrap()
@@ -782,9 +787,12 @@ fn linear_with_bias_epilogues_matches_the_cpu_forward_and_backward() {
                 loss.backward().unwrap();
                 [y, x.grad().unwrap(), w.grad().unwrap(), b.grad().unwrap()]
             };
-            let (want, got) = (run(Device::Cpu), run(dev));
-            for (name, (g, w)) in ["y", "dx", "dw", "db"].iter().zip(got.iter().zip(&want)) {
-                check(&format!("linear {d} {rows}x{inf}->{outf} {name}"), g, w, d);
+            for gelu in [false, true] {
+                let (want, got) = (run(Device::Cpu, gelu), run(dev, gelu));
+                let op = if gelu { "linear_gelu" } else { "linear" };
+                for (name, (g, w)) in ["y", "dx", "dw", "db"].iter().zip(got.iter().zip(&want)) {
+                    check(&format!("{op} {d} {rows}x{inf}->{outf} {name}"), g, w, d);
+                }
             }
             // Rows 1.. of the wider tensor: a contiguous view at an element offset of `inf`,
             // an unaligned pointer when `inf` is odd.

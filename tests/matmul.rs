@@ -276,3 +276,46 @@ fn linear_bias_gradient_alone_and_with_the_weight() {
     let y = x.detach().linear(&w, Some(&b32)).unwrap();
     assert_eq!(y.dtype(), DType::F64);
 }
+
+#[test]
+fn fused_linear_gelu_is_linear_then_gelu() {
+    // f64 and f32: the very same values as the two ops (no intermediate rounding to skip).
+    for dt in [DType::F64, DType::F32] {
+        let x = randn(&[2, 3, 8], 30, dt);
+        let w = randn(&[5, 8], 31, dt);
+        let b = randn(&[5], 32, dt);
+        let fused = x.linear_gelu_tanh(&w, &b).unwrap();
+        let plain = x.linear(&w, Some(&b)).unwrap().gelu_tanh().unwrap();
+        assert_eq!(fused.dims(), [2, 3, 5]);
+        assert_eq!(vals(&fused), vals(&plain), "{dt}");
+    }
+    // Half: GELU of the f32 sum, rounded once.
+    for dt in [DType::F16, DType::BF16] {
+        let x = randn(&[6, 24], 33, DType::F32).to_dtype(dt).unwrap();
+        let w = randn(&[9, 24], 34, DType::F32).to_dtype(dt).unwrap();
+        let b = randn(&[9], 35, DType::F32).to_dtype(dt).unwrap();
+        let up = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let want = up(&x)
+            .linear(&up(&w), Some(&up(&b)))
+            .unwrap()
+            .gelu_tanh()
+            .unwrap();
+        let got = x.linear_gelu_tanh(&w, &b).unwrap();
+        assert_eq!(vals(&got), vals(&want.to_dtype(dt).unwrap()), "{dt}");
+    }
+    gradcheck(&[var(&[5, 4], 36), var(&[3, 4], 37), var(&[3], 38)], |x| {
+        x[0].linear_gelu_tanh(&x[1], &x[2])
+    });
+    gradcheck(
+        &[var(&[2, 3, 4], 39), var(&[3, 4], 40), var(&[3], 41)],
+        |x| x[0].linear_gelu_tanh(&x[1], &x[2]),
+    );
+    // A shape mismatch is the linear's error.
+    let e = randn(&[2, 4], 42, DType::F64)
+        .linear_gelu_tanh(
+            &randn(&[3, 5], 43, DType::F64),
+            &randn(&[3], 44, DType::F64),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("linear"), "{e}");
+}

@@ -105,6 +105,12 @@ pub(crate) enum Op {
         x: Tensor,
         w: Tensor,
     },
+    /// `gelu_tanh(x·wᵀ + b)` in one product, `pre` the pre-activation (inputs x, w, b).
+    LinearGelu {
+        x: Tensor,
+        w: Tensor,
+        pre: Tensor,
+    },
     /// `x` is kept when the weight needs a gradient, `w` when the input does.
     Conv2d {
         x: Option<Tensor>,
@@ -197,6 +203,7 @@ impl Op {
             Op::Gather { .. } => "gather",
             Op::Matmul { .. } => "matmul",
             Op::Linear { .. } => "linear",
+            Op::LinearGelu { .. } => "linear_gelu",
             Op::Conv2d { .. } => "conv2d",
             Op::BatchNorm { p, .. } if p.residual => "batch_norm_add_relu",
             Op::BatchNorm { p, .. } if p.relu => "batch_norm_relu",
@@ -247,7 +254,7 @@ impl Op {
             | Op::Cat { .. }
             | Op::Gather { .. } => view::backward(self, g, w),
             Op::Matmul { .. } => matmul::backward(self, g, w),
-            Op::Linear { .. } => matmul::linear_backward(self, g, w),
+            Op::Linear { .. } | Op::LinearGelu { .. } => matmul::linear_backward(self, g, w),
             Op::Conv2d { .. } => conv::backward(self, g, w),
             Op::BatchNorm { .. } => batch_norm::backward(self, g, w),
             Op::MaxPool2d { .. } | Op::AvgPool2d { .. } | Op::AdaptiveAvgPool2d { .. } => {

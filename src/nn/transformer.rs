@@ -225,7 +225,11 @@ impl Mlp {
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         btc("Mlp", x, self.c_fc.in_features())?;
-        let h = self.c_fc.forward(x)?.gelu_tanh()?;
+        // With a bias, the activation joins the product's epilogue (one op).
+        let h = match &self.c_fc.bias {
+            Some(b) => x.linear_gelu_tanh(&self.c_fc.weight, b)?,
+            None => self.c_fc.forward(x)?.gelu_tanh()?,
+        };
         self.dropout
             .forward(self.c_proj.forward(&h)?, self.training.get())
     }

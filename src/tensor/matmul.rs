@@ -82,6 +82,53 @@ impl Tensor {
         y.reshape(dims)
     }
 
+    /// `gelu_tanh(x·Wᵀ + b)` (GPT-2's MLP up-projection) as one op: on the GPU the bias and the
+    /// activation run in cuBLASLt's epilogue, which also keeps the pre-activation for the
+    /// backward. The same values as `x.linear(w, Some(b))?.gelu_tanh()` but for the one
+    /// rounding of the pre-activation the fused form skips.
+    pub fn linear_gelu_tanh(&self, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+        if let Some((x, w, b)) = autocast::inputs3(OpKind::Linear, self, weight, Some(bias))? {
+            let b = b.as_ref().unwrap_or(bias);
+            return x.linear_gelu_tanh(&w, b);
+        }
+        let fused = weight.rank() == 2
+            && self.rank() >= 1
+            && bias.dims() == [weight.dims()[0]]
+            && self.dtype() == weight.dtype()
+            && bias.dtype() == self.dtype()
+            && self.dims()[self.rank() - 1] == weight.dims()[1];
+        if !fused {
+            // The unfused ops say what is wrong, or promote mixed dtypes.
+            return self.linear(weight, Some(bias))?.gelu_tanh();
+        }
+        self.same_device("linear", weight)?;
+        self.same_device("linear", bias)?;
+        self.float_only("linear")?;
+        let inf = weight.dims()[1];
+        let rows = self.dims()[..self.rank() - 1].iter().product();
+        let x2 = self.reshape(vec![rows, inf])?;
+        let (dims, shape) = matmul_dims(x2.shape(), weight.shape(), false, true)?;
+        super::check_size("linear", &shape, self.dtype())?;
+        let (x, wc, bc) = (x2.contiguous()?, weight.contiguous()?, bias.contiguous()?);
+        let (s, pre) = x.storage().linear_bias_gelu(
+            &x.layout(),
+            &wc.storage(),
+            &wc.layout(),
+            &bc.storage(),
+            &bc.layout(),
+            &dims,
+        )?;
+        let pre = Tensor::from_storage(pre, super::Layout::contiguous(shape.clone()));
+        let y = Tensor::from_op(s, shape, &[&x2, weight, bias], || Op::LinearGelu {
+            x: x.detach(),
+            w: wc.detach(),
+            pre,
+        });
+        let mut out = self.dims().to_vec();
+        *out.last_mut().expect("rank >= 1") = weight.dims()[0];
+        y.reshape(out)
+    }
+
     /// `self · wᵀ + b` as one op (`self` `[rows, in]`, `w` `[out, in]`, `b` `[out]`): the bias
     /// joins the product's epilogue, and its gradient the weight gradient's.
     fn mm_bias(&self, w: &Tensor, b: &Tensor) -> Result<Tensor> {

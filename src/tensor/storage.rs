@@ -470,6 +470,16 @@ backend_ops! {
         bl: &Layout,
         dims: &MatmulDims,
     ) -> Self;
+    ["linear_gelu", format!("{dims:?}")]
+    fn linear_bias_gelu(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        bias: &Self,
+        bl: &Layout,
+        dims: &MatmulDims,
+    ) -> (Self, Self);
     ["linear_weight_grad", format!("{dims:?}")]
     fn linear_weight_grad(&self, l: &Layout, x: &Self, xl: &Layout, dims: &MatmulDims)
         -> (Self, Self);

@@ -1,6 +1,7 @@
 //! Backward of the matrix product C = op(A)·op(B): the four cases of d(op(A)·op(B)).
 
 use super::{Op, Wanted};
+use crate::backend::Activation;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -25,14 +26,20 @@ pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Op
 }
 
 /// Backward of `y = x·wᵀ + b`: `dx = dy·w`, and `dw = dyᵀ·x` with `db = Σ_rows dy` from the
-/// same product.
+/// same product; for `gelu_tanh(x·wᵀ + b)` first `dy ← dy·gelu'(pre)`.
 pub(super) fn linear_backward(
     op: &Op,
     g: &Tensor,
     w: &mut Wanted<'_>,
 ) -> Result<Vec<Option<Tensor>>> {
-    let Op::Linear { x, w: weight } = op else {
-        return Err(op.misrouted("linear"));
+    let gelu_grad;
+    let (x, weight, g) = match op {
+        Op::Linear { x, w } => (x, w, g),
+        Op::LinearGelu { x, w, pre } => {
+            gelu_grad = g.activation_backward(pre, Activation::GeluTanh)?;
+            (x, w, &gelu_grad)
+        }
+        _ => return Err(op.misrouted("linear")),
     };
     let gx = w.maybe(0, || Tensor::matmul_raw(g, weight, false, false, x.shape()))?;
     let (gw, gb) = if w.need(1) || w.need(2) {

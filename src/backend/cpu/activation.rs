@@ -87,6 +87,11 @@ fn slope<A: Float + FromPrimitive>(act: Activation, k: &Consts<A>, x: A) -> A {
     }
 }
 
+/// GELU's tanh form of one value in the accumulation type (the linear layer's fused epilogue).
+pub(super) fn gelu_tanh<A: Float + FromPrimitive>(x: A) -> A {
+    value(Activation::GeluTanh, &Consts::new(), x)
+}
+
 pub fn forward<T: Elem>(x: &[T], act: Activation) -> Vec<T> {
     let k = Consts::<T::Acc>::new();
     map(x, |v| value(act, &k, v))

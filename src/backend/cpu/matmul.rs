@@ -81,6 +81,21 @@ fn linear_bias<T: Elem>(a: &[T], w: &[T], bias: &[T], d: &MatmulDims) -> Vec<T> 
     out.into_iter().map(T::from_acc).collect()
 }
 
+/// [`linear_bias`] and then GELU (tanh) of the unrounded sum: `(gelu(p), p)`.
+fn linear_bias_gelu<T: Elem>(a: &[T], w: &[T], bias: &[T], d: &MatmulDims) -> (Vec<T>, Vec<T>) {
+    let mut pre = matmul_acc(a, w, d);
+    for row in pre.chunks_mut(d.n.max(1)) {
+        for (o, &b) in row.iter_mut().zip(bias) {
+            *o += b.to_acc();
+        }
+    }
+    let out = pre
+        .iter()
+        .map(|&p| T::from_acc(super::activation::gelu_tanh(p)))
+        .collect();
+    (out, pre.into_iter().map(T::from_acc).collect())
+}
+
 /// Column sums of a `rows × cols` matrix, in the accumulation type.
 fn column_sums<T: Elem>(g: &[T], cols: usize) -> Vec<T> {
     let mut acc = vec![T::Acc::default(); cols];
@@ -118,6 +133,41 @@ impl MatmulOps for CpuStorage {
             (S::BF16(a), S::BF16(w), S::BF16(b)) => S::BF16(linear_bias(a, w, b, dims)),
             (S::F32(a), S::F32(w), S::F32(b)) => S::F32(linear_bias(a, w, b, dims)),
             (S::F64(a), S::F64(w), S::F64(b)) => S::F64(linear_bias(a, w, b, dims)),
+            (a, w, b) => {
+                let other = if a.dtype() != w.dtype() { w } else { b };
+                return Err(Error::DTypeMismatch {
+                    op: "linear",
+                    lhs: a.dtype(),
+                    rhs: other.dtype(),
+                });
+            }
+        })
+    }
+
+    fn linear_bias_gelu(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        bias: &Self,
+        bl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<(Self, Self)> {
+        let elems = dims.m.saturating_mul(dims.n);
+        alloc::probe_output("linear", elems, self.dtype())?;
+        let (a, w, b) = (self.span(l), w.span(wl), bias.span(bl));
+        use CpuStorage as S;
+        fn pair<T>(
+            s: fn(Vec<T>) -> CpuStorage,
+            (y, p): (Vec<T>, Vec<T>),
+        ) -> (CpuStorage, CpuStorage) {
+            (s(y), s(p))
+        }
+        Ok(match (&*a, &*w, &*b) {
+            (S::F16(a), S::F16(w), S::F16(b)) => pair(S::F16, linear_bias_gelu(a, w, b, dims)),
+            (S::BF16(a), S::BF16(w), S::BF16(b)) => pair(S::BF16, linear_bias_gelu(a, w, b, dims)),
+            (S::F32(a), S::F32(w), S::F32(b)) => pair(S::F32, linear_bias_gelu(a, w, b, dims)),
+            (S::F64(a), S::F64(w), S::F64(b)) => pair(S::F64, linear_bias_gelu(a, w, b, dims)),
             (a, w, b) => {
                 let other = if a.dtype() != w.dtype() { w } else { b };
                 return Err(Error::DTypeMismatch {

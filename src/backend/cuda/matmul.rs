@@ -16,8 +16,8 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::device::{allow_tf32, cuda_err, CudaDevice};
 use super::storage::CudaStorage;
 use crate::backend::MatmulOps;
+use crate::backend::{Activation, BinaryOp, ReduceOp};
 use crate::backend::{BackendStorage, MatmulDims};
-use crate::backend::{BinaryOp, ReduceOp};
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout, Shape};
 
@@ -273,7 +273,7 @@ impl MatmulOps for CudaStorage {
         }
         let out = CudaStorage::alloc(&self.dev, self.dtype(), dims.m * dims.n)?;
         let ptrs = (self.ptr_at(l)?, w.ptr_at(wl)?, pv);
-        if super::matmul_lt::linear_product(&out, ptrs, dims, LtEpilogue::Bias)? {
+        if super::matmul_lt::linear_product(&out, ptrs, None, dims, LtEpilogue::Bias)? {
             return Ok(out);
         }
         // No cuBLASLt algorithm: the product, then the bias along the rows.
@@ -281,6 +281,33 @@ impl MatmulOps for CudaStorage {
         let rows = Layout::contiguous(Shape::new(vec![dims.m, dims.n]));
         let along = Layout::new(rows.shape().clone(), vec![0, 1], bl.offset());
         super::elementwise::binary(&y, &rows, bias, &along, BinaryOp::Add, &rows)
+    }
+
+    fn linear_bias_gelu(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        bias: &Self,
+        bl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<(Self, Self)> {
+        let pv = vector_ptr("linear", bias, bl, self.dtype(), dims.n)?;
+        let fits = self.len() >= dims.m * dims.k && w.len() >= dims.k * dims.n;
+        if fits && w.dtype() == self.dtype() {
+            let out = CudaStorage::alloc(&self.dev, self.dtype(), dims.m * dims.n)?;
+            let pre = CudaStorage::alloc(&self.dev, self.dtype(), dims.m * dims.n)?;
+            let ptrs = (self.ptr_at(l)?, w.ptr_at(wl)?, pv);
+            let ep = LtEpilogue::GeluAuxBias;
+            if super::matmul_lt::linear_product(&out, ptrs, Some(&pre), dims, ep)? {
+                return Ok((out, pre));
+            }
+        }
+        // No cuBLASLt algorithm: the biased product, then the activation kernel.
+        let pre = self.linear_bias(l, w, wl, bias, bl, dims)?;
+        let rows = Layout::contiguous(Shape::new(vec![dims.m, dims.n]));
+        let out = super::activation::activation(&pre, &rows, Activation::GeluTanh)?;
+        Ok((out, pre))
     }
 
     fn linear_weight_grad(
@@ -296,7 +323,7 @@ impl MatmulOps for CudaStorage {
             let dw = CudaStorage::alloc(&self.dev, self.dtype(), dims.m * dims.n)?;
             let db = CudaStorage::alloc(&self.dev, self.dtype(), dims.m)?;
             let ptrs = (self.ptr_at(l)?, x.ptr_at(xl)?, db.ptr());
-            if super::matmul_lt::linear_product(&dw, ptrs, dims, LtEpilogue::BiasGrad)? {
+            if super::matmul_lt::linear_product(&dw, ptrs, None, dims, LtEpilogue::BiasGrad)? {
                 return Ok((dw, db));
             }
         }

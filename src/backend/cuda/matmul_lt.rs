@@ -33,6 +33,8 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 pub(crate) enum LtEpilogue {
     /// `D = op(A)·op(B) + bias` (the bias indexed by the output's column, row-major).
     Bias,
+    /// `D = gelu_tanh(op(A)·op(B) + bias)`, the pre-activation written to the aux matrix.
+    GeluAuxBias,
     /// `D = op(A)·op(B)`, and the bias gradient `Σ_k` of the second row-major operand.
     BiasGrad,
 }
@@ -200,8 +202,17 @@ fn make_plan(handle: lsys::cublasLtHandle_t, key: &PlanKey) -> Result<Option<Pla
         // Σ over k of cuBLASLt's second operand (our A, the output gradient), one per column of
         // its D: the column sums of the row-major gradient.
         LtEpilogue::BiasGrad => Epilogue::CUBLASLT_EPILOGUE_BGRADB,
+        LtEpilogue::GeluAuxBias => Epilogue::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
     };
     set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+    if key.epilogue == LtEpilogue::GeluAuxBias {
+        // The aux matrix is laid out as D.
+        set_desc(
+            desc,
+            DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+            &(n as i64),
+        )?;
+    }
     let mut pref = std::ptr::null_mut();
     // SAFETY: `pref` receives a new preference, destroyed below.
     lt_err("creating a preference", unsafe {
@@ -290,15 +301,21 @@ fn make_plan(handle: lsys::cublasLtHandle_t, key: &PlanKey) -> Result<Option<Pla
 }
 
 /// `out = op(a)·op(b)` (row-major, one product) with `epilogue` reading or writing the vector
-/// at `pv` (the bias, or the bias gradient's output), all of `out`'s dtype. `Ok(false)`:
-/// cuBLASLt has no algorithm for this case and nothing ran; the caller takes the plain path.
+/// at `pv` (the bias, or the bias gradient's output) and, for GELU, writing the pre-activation
+/// to `aux` (laid out as `out`), all of `out`'s dtype. `Ok(false)`: cuBLASLt has no algorithm
+/// for this case and nothing ran; the caller takes the plain path.
 pub(crate) fn linear_product(
     out: &CudaStorage,
     (pa, pb, pv): (u64, u64, u64),
+    aux: Option<&CudaStorage>,
     d: &MatmulDims,
     epilogue: LtEpilogue,
 ) -> Result<bool> {
-    let plain = d.batch != 1 || d.m == 0 || d.n == 0 || d.k == 0;
+    let mut plain = d.batch != 1 || d.m == 0 || d.n == 0 || d.k == 0;
+    if epilogue == LtEpilogue::GeluAuxBias {
+        // The aux matrix's leading dimension must be a multiple of 8.
+        plain |= d.n % 8 != 0 || aux.is_none_or(|a| alignment(a.ptr()) < 16);
+    }
     // The epilogue reads and writes the vector with wide accesses.
     if plain || alignment(pv) < 16 || super::side_stream::is_beside(out.dev.ordinal) {
         return Ok(false);
@@ -332,6 +349,14 @@ pub(crate) fn linear_product(
     };
     let vp = pv as *const c_void;
     set_desc(plan.desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vp)?;
+    if let Some(aux) = aux {
+        let ap = aux.ptr() as *mut c_void;
+        set_desc(
+            plan.desc,
+            DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+            &ap,
+        )?;
+    }
     let ws = lt.workspace.device_ptr(&dev.stream).0 as *mut c_void;
     let (alpha, beta) = (1.0f32, 0.0f32);
     dev.ctx

@@ -36,6 +36,19 @@ pub trait MatmulOps: BackendStorage {
         dims: &MatmulDims,
     ) -> Result<Self>;
 
+    /// [`MatmulOps::linear_bias`] then GELU's tanh form, as cuBLASLt's GELU_AUX_BIAS epilogue:
+    /// `(gelu_tanh(p), p)` with `p = self · op(w) + bias` (GELU taken of the f32 sum, `p` kept
+    /// rounded for the backward).
+    fn linear_bias_gelu(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        bias: &Self,
+        bl: &Layout,
+        dims: &MatmulDims,
+    ) -> Result<(Self, Self)>;
+
     /// A linear layer's parameter gradients from its output gradient `self` (`[rows, out]`) and
     /// input `x` (`[rows, in]`): `dW = selfᵀ · x` (`dims` describes that product: `m` = out,
     /// `n` = in, `k` = rows, `trans_a`) and `db[j] = Σ_rows self[r, j]`, both summed in f32.
