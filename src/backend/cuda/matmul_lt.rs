@@ -314,7 +314,7 @@ pub(crate) fn linear_product(
     let mut plain = d.batch != 1 || d.m == 0 || d.n == 0 || d.k == 0;
     if epilogue == LtEpilogue::GeluAuxBias {
         // The aux matrix's leading dimension must be a multiple of 8.
-        plain |= d.n % 8 != 0 || aux.is_none_or(|a| alignment(a.ptr()) < 16);
+        plain |= !d.n.is_multiple_of(8) || aux.is_none_or(|a| alignment(a.ptr()) < 16);
     }
     // The epilogue reads and writes the vector with wide accesses.
     if plain || alignment(pv) < 16 || super::side_stream::is_beside(out.dev.ordinal) {
@@ -333,13 +333,13 @@ pub(crate) fn linear_product(
         tf32: allow_tf32(),
     };
     let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-    if !reg.contains_key(&dev.ordinal) {
-        let lt = super::probe::no_panic("creating the cuBLASLt handle", || new_lt(&dev))?;
-        reg.insert(dev.ordinal, lt);
-    }
-    let lt = reg
-        .get_mut(&dev.ordinal)
-        .ok_or_else(|| Error::Cuda("cuBLASLt handle".into()))?;
+    let lt = match reg.entry(dev.ordinal) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(super::probe::no_panic(
+            "creating the cuBLASLt handle",
+            || new_lt(&dev),
+        )?),
+    };
     if !lt.plans.contains_key(&key) {
         let plan = make_plan(lt.handle, &key)?;
         lt.plans.insert(key, plan);
