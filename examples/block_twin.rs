@@ -224,7 +224,9 @@ fn twin_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<()> {
         let g = p.grad().ok_or_else(|| {
             Error::invalid_arg("block_twin", "gradient", name.clone(), "one per parameter")
         })?;
-        *param_dtypes.entry(format!("{:?}", p.dtype())).or_insert(0usize) += 1;
+        *param_dtypes
+            .entry(format!("{:?}", p.dtype()))
+            .or_insert(0usize) += 1;
         out.push((
             format!("grad.{name}"),
             g.to_dtype(DType::F32)?.mul_scalar(1.0 / scale)?,
@@ -255,7 +257,12 @@ fn twin_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<()> {
 }
 
 /// One plain eager step: what a user's training loop does.
-fn eager_step(m: &amp::AmpModel<Gpt>, opt: &mut amp::AmpOptimizer<FusedAdam>, x: &Tensor, y: &Tensor) -> Result<f64> {
+fn eager_step(
+    m: &amp::AmpModel<Gpt>,
+    opt: &mut amp::AmpOptimizer<FusedAdam>,
+    x: &Tensor,
+    y: &Tensor,
+) -> Result<f64> {
     opt.zero_grad()?;
     let loss = m.scope(|g| g.loss(x, y))?;
     opt.backward(&loss)?;
@@ -267,11 +274,19 @@ fn eager_step(m: &amp::AmpModel<Gpt>, opt: &mut amp::AmpOptimizer<FusedAdam>, x:
 /// largest absolute difference, the first differing name).
 fn bitwise(a: &Amp, b: &Amp) -> Result<(usize, usize, f64, String)> {
     let mut pairs: Vec<(String, Tensor, Tensor)> = Vec::new();
-    let (pa, pb) = (a.0.inner().named_parameters(), b.0.inner().named_parameters());
+    let (pa, pb) = (
+        a.0.inner().named_parameters(),
+        b.0.inner().named_parameters(),
+    );
     for ((name, ta), (_, tb)) in pa.into_iter().zip(pb) {
         pairs.push((name, ta, tb));
     }
-    for (i, (ta, tb)) in a.1.master_params().into_iter().zip(b.1.master_params()).enumerate() {
+    for (i, (ta, tb)) in
+        a.1.master_params()
+            .into_iter()
+            .zip(b.1.master_params())
+            .enumerate()
+    {
         pairs.push((format!("master[{i}]"), ta, tb));
     }
     let (mut differ, mut worst, mut first) = (0usize, 0.0f64, String::new());

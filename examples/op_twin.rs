@@ -48,7 +48,11 @@ const OPS: &[&str] = &[
     "cross_entropy",
 ];
 
-const DTYPES: [(&str, DType); 3] = [("f32", DType::F32), ("f16", DType::F16), ("bf16", DType::BF16)];
+const DTYPES: [(&str, DType); 3] = [
+    ("f32", DType::F32),
+    ("f16", DType::F16),
+    ("bf16", DType::BF16),
+];
 
 /// The f32 bound on the relative L2 error: 2^-14 = 1024·u, u = 2^-24.
 const F32_BOUND: f64 = 1.0 / 16384.0;
@@ -197,7 +201,12 @@ impl OpFile {
 fn forward(op: &str, i: &BTreeMap<String, Tensor>) -> Result<(Vec<(String, Tensor)>, String)> {
     let g = |k: &str| {
         i.get(k).ok_or_else(|| {
-            Error::invalid_arg("op_twin", "inputs", format!("no `{k}` for {op}"), "the op's inputs")
+            Error::invalid_arg(
+                "op_twin",
+                "inputs",
+                format!("no `{k}` for {op}"),
+                "the op's inputs",
+            )
         })
     };
     let last = |t: &Tensor| t.dims().last().copied().unwrap_or(1);
@@ -222,7 +231,11 @@ fn forward(op: &str, i: &BTreeMap<String, Tensor>) -> Result<(Vec<(String, Tenso
         "sdpa_causal" | "sdpa" | "sdpa_mask" => {
             let opts = SdpaOptions {
                 causal: op == "sdpa_causal",
-                mask: if op == "sdpa_mask" { Some(g("mask")?) } else { None },
+                mask: if op == "sdpa_mask" {
+                    Some(g("mask")?)
+                } else {
+                    None
+                },
                 ..Default::default()
             };
             let (q, k, v) = (g("q")?, g("k")?, g("v")?);
@@ -238,14 +251,7 @@ fn forward(op: &str, i: &BTreeMap<String, Tensor>) -> Result<(Vec<(String, Tenso
             let loss = cross_entropy_with(g("logits")?, g("targets")?, cfg)?;
             return Ok((vec![("loss".into(), loss)], path));
         }
-        other => {
-            return Err(Error::invalid_arg(
-                "op_twin",
-                "op",
-                other,
-                OPS.join(", "),
-            ))
-        }
+        other => return Err(Error::invalid_arg("op_twin", "op", other, OPS.join(", "))),
     };
     Ok((vec![("y".into(), y)], path))
 }
@@ -332,9 +338,9 @@ fn dropout_rows(name: &'static str, dt: DType, dims: &[usize], dev: Device) -> R
         let (a, b) = (a.to_vec_f64()?, b.to_vec_f64()?);
         Ok(a.iter().zip(&b).all(|(u, v)| u.to_bits() == v.to_bits()))
     };
-    let g0 = x.grad().ok_or_else(|| {
-        Error::invalid_arg(op, "x", "no gradient at p = 0", "a gradient")
-    })?;
+    let g0 = x
+        .grad()
+        .ok_or_else(|| Error::invalid_arg(op, "x", "no gradient at p = 0", "a gradient"))?;
     let id = same(&y0, &x)? && same(&g0, &gy)?;
     rows.push(check(
         "p=0 identity",
@@ -349,10 +355,15 @@ fn dropout_rows(name: &'static str, dt: DType, dims: &[usize], dev: Device) -> R
     let p = 0.1;
     let y = x.dropout(p, &gen)?;
     y.mul(&gy)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
-    let g = x.grad().ok_or_else(|| {
-        Error::invalid_arg(op, "x", "no gradient at p = 0.1", "a gradient")
-    })?;
-    let (xv, yv, gv, gyv) = (x.to_vec_f64()?, y.to_vec_f64()?, g.to_vec_f64()?, gy.to_vec_f64()?);
+    let g = x
+        .grad()
+        .ok_or_else(|| Error::invalid_arg(op, "x", "no gradient at p = 0.1", "a gradient"))?;
+    let (xv, yv, gv, gyv) = (
+        x.to_vec_f64()?,
+        y.to_vec_f64()?,
+        g.to_vec_f64()?,
+        gy.to_vec_f64()?,
+    );
     let n = xv.len() as f64;
     let kept = yv.iter().filter(|v| **v != 0.0).count() as f64;
     let sigma = (p * (1.0 - p) / n).sqrt();
@@ -490,8 +501,8 @@ fn print_table(rows: &[Row], dev: Device) {
     println!();
     println!("per-op twin on {dev:?}: relative L2 error against torch's f64 reference");
     println!(
-        "{:<14} {:<5} {:<20} {:>10} {:>10} {:>7}  {:<6} {}",
-        "op", "dtype", "quantity", "ours", "torch", "ratio", "", "criterion / note"
+        "{:<14} {:<5} {:<20} {:>10} {:>10} {:>7}  {:<6} criterion / note",
+        "op", "dtype", "quantity", "ours", "torch", "ratio", ""
     );
     let e = |v: f64| {
         if v.is_nan() {
