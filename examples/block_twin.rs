@@ -24,9 +24,12 @@
 //!    scatter instead of atomics) and `MIXPREC_FLASH_ATTENTION=0` (the flash backward adds dQ
 //!    with f32 atomics in an order that changes from run to run, and the determinism switch
 //!    does not route around it, so attention takes the math path: batched products and the
-//!    fused masked softmax, no atomics). The cross-entropy's kept-row count is an atomic sum of
+//!    fused masked softmax, no atomics); this part runs in a child process of its own (the
+//!    example runs itself with `--no-twin`), so that both switches hold from its first op. The
+//!    cross-entropy's kept-row count is an atomic sum of
 //!    ones, exact in any order. On the CPU the "captured" model runs `CapturedStep::eager`.
 //!
+//! `--keep-flash` runs the captured part with flash attention left on (a diagnostic).
 //! `--small`: 2 layers, 2 heads, d 64, context 32, vocabulary 128, batch 2 x 32 (a CPU run).
 //! `--no-capture` / `--no-twin` skip a part. Exit status 1 when a level fails to run or a
 //! bitwise comparison fails.
@@ -50,6 +53,8 @@ struct Args {
     steps: usize,
     twin: bool,
     capture: bool,
+    /// The captured part with flash attention left on (a diagnostic: does it stay bitwise?).
+    keep_flash: bool,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -57,11 +62,13 @@ fn parse_args() -> std::result::Result<Args, String> {
     let mut dir = None;
     let mut device = None;
     let (mut small, mut steps, mut twin, mut capture) = (false, 3usize, true, true);
+    let mut keep_flash = false;
     while let Some(a) = it.next() {
         match a.as_str() {
             "--small" => small = true,
             "--no-twin" => twin = false,
             "--no-capture" => capture = false,
+            "--keep-flash" => keep_flash = true,
             "--steps" => {
                 let v = it.next().ok_or("--steps needs a value")?;
                 steps = v
@@ -87,6 +94,7 @@ fn parse_args() -> std::result::Result<Args, String> {
         steps,
         twin,
         capture,
+        keep_flash,
     })
 }
 
@@ -311,8 +319,9 @@ fn bitwise(a: &Amp, b: &Amp) -> Result<(usize, usize, f64, String)> {
 
 /// The captured step against the eager one (and the eager control) at `level`.
 fn captured_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<bool> {
-    let (cfg, _, _) = config(args.small);
+    let (cfg, b, t) = config(args.small);
     let dev = args.device;
+    let path = attention_path(&cfg, level, b, t, dev);
     let mut eager = make(cfg, level, true, &dev)?;
     let mut control = make(cfg, level, true, &dev)?;
     let mut cap = make(cfg, level, true, &dev)?;
@@ -342,6 +351,8 @@ fn captured_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<bo
         "part": "captured",
         "level": level,
         "steps": args.steps,
+        "attention": path,
+        "deterministic": mixprec::backend::cuda::deterministic(),
         "eager_losses": losses,
         "captured_stats": format!("{stats:?}"),
         "tensors": n,
@@ -358,6 +369,14 @@ fn captured_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<bo
 }
 
 fn run(args: &Args) -> Result<bool> {
+    if args.capture && !args.twin {
+        // The switches that make the step repeatable bit for bit (see the module docs), set
+        // before the first op.
+        if !args.keep_flash {
+            std::env::set_var("MIXPREC_FLASH_ATTENTION", "0");
+        }
+        mixprec::backend::cuda::set_deterministic(true);
+    }
     std::fs::create_dir_all(&args.dir)
         .map_err(|e| Error::io(format!("creating {}", args.dir.display()), e))?;
     let (cfg, b, t) = config(args.small);
@@ -388,14 +407,36 @@ fn run(args: &Args) -> Result<bool> {
             }
         }
     }
-    if args.capture {
-        // The switches that make the step repeatable bit for bit (see the module docs).
-        mixprec::backend::cuda::set_deterministic(true);
-        std::env::set_var("MIXPREC_FLASH_ATTENTION", "0");
+    if args.capture && args.twin {
+        // The bitwise part in a process of its own, its switches set before its first op (a
+        // cached flash-availability answer from the twin part cannot leak into it).
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::io("finding this executable to run the captured part", e))?;
+        let mut cmd = std::process::Command::new(exe);
+        cmd.arg(&args.dir)
+            .arg(if dev.is_cuda() { "cuda" } else { "cpu" })
+            .args(["--no-twin", "--steps", &args.steps.to_string()]);
+        if args.small {
+            cmd.arg("--small");
+        }
+        if args.keep_flash {
+            cmd.arg("--keep-flash");
+        }
+        let status = cmd
+            .status()
+            .map_err(|e| Error::io("running the captured part", e))?;
+        ok &= status.success();
+    } else if args.capture {
+        let attention = if args.keep_flash {
+            "flash attention LEFT ON (--keep-flash, a diagnostic: its dQ backward adds with f32 \
+             atomics, so even the eager control may differ)"
+        } else {
+            "flash attention off (MIXPREC_FLASH_ATTENTION=0: its dQ backward adds with f32 \
+             atomics), attention on the math path"
+        };
         println!(
             "captured vs eager: deterministic mode on (embedding backward: ordered scatter, no \
-             atomics); flash attention off (MIXPREC_FLASH_ATTENTION=0: its dQ backward adds with \
-             f32 atomics), attention on the math path; {} steps, 1 eager warm-up then capture{}",
+             atomics); {attention}; {} steps, 1 eager warm-up then capture{}",
             args.steps,
             if dev.is_cuda() {
                 ""
