@@ -377,10 +377,12 @@ fn dropout_rows(name: &'static str, dt: DType, dims: &[usize], dev: Device) -> R
     ));
     // The dtype's unit roundoff: kept values are x/(1 − p) rounded once (twice the unit for the
     // scale's own rounding in f32).
-    let u = match dt {
-        DType::F16 => 2f64.powi(-11),
-        DType::BF16 => 2f64.powi(-8),
-        _ => 2f64.powi(-24),
+    // Relative to the smallest normal value at least: below it (f16's subnormals) the dtype
+    // keeps fewer digits.
+    let (u, tiny) = match dt {
+        DType::F16 => (2f64.powi(-11), 2f64.powi(-14)),
+        DType::BF16 => (2f64.powi(-8), 2f64.powi(-126)),
+        _ => (2f64.powi(-24), 2f64.powi(-126)),
     };
     let bound = 2.0 * u;
     let (mut worst_y, mut worst_g, mut mask_ok) = (0.0f64, 0.0f64, true);
@@ -392,20 +394,16 @@ fn dropout_rows(name: &'static str, dt: DType, dims: &[usize], dev: Device) -> R
         }
         mask_ok &= gv[i] != 0.0 || gyv[i] == 0.0;
         let want = xv[i] / (1.0 - p);
-        if want != 0.0 {
-            worst_y = worst_y.max(((yv[i] - want) / want).abs());
-        }
+        worst_y = worst_y.max((yv[i] - want).abs() / want.abs().max(tiny));
         let want_g = gyv[i] / (1.0 - p);
-        if want_g != 0.0 {
-            worst_g = worst_g.max(((gv[i] - want_g) / want_g).abs());
-        }
+        worst_g = worst_g.max((gv[i] - want_g).abs() / want_g.abs().max(tiny));
     }
     rows.push(check(
         "kept y = x/(1-p)",
         worst_y <= bound,
         worst_y,
         "max rel dev <= 2u",
-        format!("u = {u:.1e}"),
+        format!("u = {u:.1e}, relative to max(|value|, smallest normal)"),
     ));
     rows.push(check(
         "kept dx = dy/(1-p)",
