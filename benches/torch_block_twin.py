@@ -68,7 +68,7 @@ def run(w, x, y, heads, layers, level, scale, dev):
         elif level.startswith("O2") and ".ln_" not in k:
             v = v.to(half)
         p[k] = v.detach().requires_grad_(True)
-    with torch.autocast(dev, dtype=half or torch.float32, enabled=level.startswith(("O1", "O2"))):
+    with torch.autocast(dev, dtype=half or torch.bfloat16, enabled=level.startswith(("O1", "O2"))):
         logits, loss = forward(p, x, y, heads, layers)
     (loss * scale).backward()
     grads = {k: (v.grad.double() / scale) for k, v in p.items()}
