@@ -119,18 +119,24 @@ impl Tensor {
     /// The math path on checked inputs.
     fn sdpa_math(&self, k: &Tensor, v: &Tensor, opts: &SdpaOptions, d: &Dims) -> Result<Tensor> {
         let scores = Shape::new(vec![d.batch, d.heads, d.seq_q, d.seq_k]);
-        // QKᵀ: k passed transposed to the product.
-        let s = Tensor::matmul_raw(self, k, false, true, &scores)?;
         let probs = match opts.mask {
-            None => s.scaled_masked_softmax(d.scale, opts.causal)?,
+            None => {
+                // QKᵀ: k passed transposed to the product.
+                let s = Tensor::matmul_raw(self, k, false, true, &scores)?;
+                s.scaled_masked_softmax(d.scale, opts.causal)?
+            }
             Some(m) => {
-                // The mask is added in the accumulation type, and the softmax reads that sum.
+                // The scores, the mask and the softmax in the accumulation type: fused kernels
+                // (PyTorch's for a masked call) keep them so, and half scores rounded before
+                // the mask were measurably further from the exact result than theirs. Only the
+                // probabilities are rounded, for the product with V (as in the fused kernels).
                 let acc = if self.dtype() == DType::F64 {
                     DType::F64
                 } else {
                     DType::F32
                 };
-                s.to_dtype(acc)?
+                let (qa, ka) = (self.to_dtype(acc)?, k.to_dtype(acc)?);
+                Tensor::matmul_raw(&qa, &ka, false, true, &scores)?
                     .affine(d.scale, 0.0)?
                     .add(m)?
                     .scaled_masked_softmax(1.0, opts.causal)?
