@@ -119,36 +119,31 @@ impl Tensor {
     /// The math path on checked inputs.
     fn sdpa_math(&self, k: &Tensor, v: &Tensor, opts: &SdpaOptions, d: &Dims) -> Result<Tensor> {
         let scores = Shape::new(vec![d.batch, d.heads, d.seq_q, d.seq_k]);
-        let probs = match opts.mask {
-            None => {
-                // QKᵀ: k passed transposed to the product.
-                let s = Tensor::matmul_raw(self, k, false, true, &scores)?;
-                s.scaled_masked_softmax(d.scale, opts.causal)?
-            }
-            Some(m) => {
-                // The scores, the mask and the softmax in the accumulation type: fused kernels
-                // (PyTorch's for a masked call) keep them so, and half scores rounded before
-                // the mask were measurably further from the exact result than theirs. Only the
-                // probabilities are rounded, for the product with V (as in the fused kernels).
-                let acc = if self.dtype() == DType::F64 {
-                    DType::F64
-                } else {
-                    DType::F32
-                };
-                let (qa, ka) = (self.to_dtype(acc)?, k.to_dtype(acc)?);
-                Tensor::matmul_raw(&qa, &ka, false, true, &scores)?
-                    .affine(d.scale, 0.0)?
-                    .add(m)?
-                    .scaled_masked_softmax(1.0, opts.causal)?
-                    .to_dtype(self.dtype())?
-            }
-        };
-        let probs = match (opts.dropout_p > 0.0, opts.generator) {
-            (true, Some(g)) => probs.dropout(opts.dropout_p, g)?,
-            _ => probs,
-        };
         let out = Shape::new(vec![d.batch, d.heads, d.seq_q, d.head_dim_v]);
-        Tensor::matmul_raw(&probs, v, false, false, &out)
+        let dropout = |p: Tensor| match (opts.dropout_p > 0.0, opts.generator) {
+            (true, Some(g)) => p.dropout(opts.dropout_p, g),
+            _ => Ok(p),
+        };
+        let Some(m) = opts.mask else {
+            // QKᵀ: k passed transposed to the product.
+            let s = Tensor::matmul_raw(self, k, false, true, &scores)?;
+            let probs = dropout(s.scaled_masked_softmax(d.scale, opts.causal)?)?;
+            return Tensor::matmul_raw(&probs, v, false, false, &out);
+        };
+        // With a mask, the whole computation in the accumulation type, rounded once at the end:
+        // PyTorch runs a masked call in a fused kernel that keeps scores and probabilities in
+        // f32, and half scores or probabilities were measurably further from the exact result.
+        let acc = if self.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let (qa, ka, va) = (self.to_dtype(acc)?, k.to_dtype(acc)?, v.to_dtype(acc)?);
+        let probs = Tensor::matmul_raw(&qa, &ka, false, true, &scores)?
+            .affine(d.scale, 0.0)?
+            .add(m)?
+            .scaled_masked_softmax(1.0, opts.causal)?;
+        Tensor::matmul_raw(&dropout(probs)?, &va, false, false, &out)?.to_dtype(self.dtype())
     }
 
     /// The fused path on checked inputs: q, k, v as they are where their last dim is dense
