@@ -227,7 +227,10 @@ pub(crate) fn set_loss_scale(scale: &Tensor) {
 }
 
 fn loss_scale() -> Option<f64> {
-    let t = LOSS_SCALE.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
+    let t = LOSS_SCALE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()?;
     t.item().ok()
 }
 

@@ -47,7 +47,7 @@ fn forward_names_the_op_that_made_the_nan() -> Result<()> {
     let _on = on();
     let x = vec1(vec![1.0, -1.0, 4.0])?;
     let y = x.mul_scalar(2.0)?.log()?; // log(-2): NaN
-    // The finding is returned by the next op on this thread.
+                                       // The finding is returned by the next op on this thread.
     let msg = expect_anomaly(y.sum_all());
     let r = anomaly::last_report().expect("a report");
     assert_eq!(r.phase, Phase::Forward);
@@ -72,7 +72,11 @@ fn forward_division_by_zero_in_a_custom_chain_and_check() -> Result<()> {
     // Nothing follows: `check` returns it.
     let msg = expect_anomaly(anomaly::check());
     let r = anomaly::last_report().expect("a report");
-    assert_eq!((r.op, r.module.as_str(), r.inf), ("div", "head", 1), "{msg}");
+    assert_eq!(
+        (r.op, r.module.as_str(), r.inf),
+        ("div", "head", 1),
+        "{msg}"
+    );
     assert!(msg.contains("in module `head`"), "{msg}");
     anomaly::check()?;
     drop(q);
@@ -99,7 +103,11 @@ fn forward_names_the_module_of_a_weight_set_to_inf() -> Result<()> {
     assert_eq!(r.phase, Phase::Forward);
     assert_eq!(r.module, "2", "{msg}");
     assert_eq!(r.op, "matmul", "{msg}");
-    assert_eq!(r.inputs, vec![1], "the weight is the matmul's input 1: {msg}");
+    assert_eq!(
+        r.inputs,
+        vec![1],
+        "the weight is the matmul's input 1: {msg}"
+    );
     assert!(msg.contains("already held non-finite"), "{msg}");
     Ok(())
 }
@@ -163,7 +171,11 @@ fn resnet_paths_name_the_block_and_layer() -> Result<()> {
     let x = Tensor::randn(vec![2, 3, 8, 8], 0.0, 1.0, 1, DType::F32, CPU)?;
     let msg = expect_anomaly(model.forward(&x));
     let r = anomaly::last_report().expect("a report");
-    assert_eq!((r.op, r.module.as_str()), ("conv2d", "layer2.0.conv2"), "{msg}");
+    assert_eq!(
+        (r.op, r.module.as_str()),
+        ("conv2d", "layer2.0.conv2"),
+        "{msg}"
+    );
     Ok(())
 }
 

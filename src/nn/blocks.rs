@@ -2,11 +2,11 @@
 //! v1.5 form: the stride sits on the 3x3 conv). Convolutions have no bias and are initialised
 //! with torchvision's `kaiming_normal_(mode='fan_out', nonlinearity='relu')`.
 
-use crate::anomaly::in_module;
 use super::batch_norm::BatchNorm2d;
 use super::conv::Conv2d;
 use super::init;
 use super::module::{Module, TrainingFlag};
+use crate::anomaly::in_module;
 use crate::error::{Error, Result};
 use crate::tensor::random::SeedStream;
 use crate::tensor::{Conv2dConfig, Device, Tensor};

@@ -7,13 +7,13 @@
 //! Stage `i` has `blocks[i]` blocks of width `widths[i]` (output `widths[i]·expansion`); the
 //! first stage keeps the resolution, every later one halves it with a stride-2 first block.
 
-use crate::anomaly::in_module;
 use super::batch_norm::BatchNorm2d;
 use super::blocks::{conv_kxk, BasicBlock, BlockKind, Bottleneck};
 use super::conv::Conv2d;
 use super::linear::Linear;
 use super::module::{Module, TrainingFlag};
 use super::pool::{AdaptiveAvgPool2d, MaxPool2d};
+use crate::anomaly::in_module;
 use crate::error::{Error, Result};
 use crate::tensor::random::SeedStream;
 use crate::tensor::{Device, Tensor};

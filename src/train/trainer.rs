@@ -276,6 +276,10 @@ impl Job {
             )),
             None => {}
         }
+        if cfg.detect_anomaly {
+            crate::anomaly::detect(true);
+            say("anomaly mode: every op's output and gradient is checked (a host read per op; the step runs eagerly)".into());
+        }
         let (device, device_note) = ranks.device(&cfg.device)?;
         ranks.join(device)?;
         say(format!("device: {device}{device_note}"));
@@ -464,7 +468,7 @@ impl Job {
         opt: &'a mut Opt,
         body: impl FnMut(&Tensor, &Tensor) -> Result<Tensor> + 'a,
     ) -> Result<Step<'a>> {
-        if self.cfg.cuda_graph && self.device.is_cuda() {
+        if self.cfg.cuda_graph && self.device.is_cuda() && !self.cfg.detect_anomaly {
             self.say(format!(
                 "step: captured into a CUDA graph after 2 warm-up steps{} (--no-cuda-graph: eager)",
                 if self.world > 1 {
