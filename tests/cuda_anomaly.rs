@@ -36,7 +36,9 @@ fn anomaly_on_the_gpu_names_the_op_and_refuses_a_capture() -> Result<()> {
         let _ = x.mul_scalar(2.0)?;
         anomaly::check()
     });
-    let e = r.err().expect("a capture with anomaly mode on fails");
+    let Err(e) = r else {
+        panic!("a capture with anomaly mode on fails");
+    };
     assert!(e.to_string().contains("anomaly mode"), "{e}");
     anomaly::clear();
     Ok(())
