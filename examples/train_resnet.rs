@@ -117,6 +117,11 @@ struct Cli {
     /// the config key `deterministic = true` does the same).
     #[arg(long)]
     deterministic: bool,
+    /// Stop at the first op whose output or gradient is non-finite, naming it, its module, its
+    /// dtype and shape and the loss scale (slow: a debugging mode; the config key
+    /// `detect_anomaly = true` does the same).
+    #[arg(long)]
+    detect_anomaly: bool,
     /// Stop after this many epochs (the schedule still spans --epochs): an interrupted run.
     #[arg(long, value_name = "N")]
     stop_after: Option<usize>,
@@ -286,6 +291,10 @@ impl Cli {
         if self.deterministic {
             c.deterministic = true;
             given.push(("--deterministic", "deterministic"));
+        }
+        if self.detect_anomaly {
+            c.detect_anomaly = true;
+            given.push(("--detect-anomaly", "detect_anomaly"));
         }
         if self.skip_bad_files {
             c.data.skip_bad_files = true;

@@ -15,6 +15,7 @@
 //!   metrics files (indicatif, png); implies `images`.
 
 pub mod amp;
+pub mod anomaly;
 pub mod autograd;
 pub mod backend;
 pub mod base;

@@ -133,6 +133,9 @@ impl LossScaler {
             LossScale::Static(v) => (false, v),
         };
         let zero = || Tensor::scalar(0.0, DType::F32, device);
+        let scale = Tensor::scalar(init, DType::F32, device)?;
+        // Anomaly reports give the scale of the scaler last made or used.
+        crate::anomaly::set_loss_scale(&scale);
         Ok(LossScaler {
             rule: ScaleRule {
                 growth: policy.growth_factor,
@@ -151,7 +154,7 @@ impl LossScaler {
                 dynamic,
                 report_interval: policy.report_interval,
                 verbosity: policy.verbosity,
-                scale: Tensor::scalar(init, DType::F32, device)?,
+                scale,
                 unskipped: zero()?,
                 skipped_total: zero()?,
                 counters: Mutex::new((0, 0)),
@@ -181,6 +184,9 @@ impl LossScaler {
     /// gradients. Drops autocast's cast cache, as apex does when a loss is scaled.
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         autocast::clear_cache();
+        if crate::anomaly::is_enabled() {
+            crate::anomaly::set_loss_scale(&self.host.scale);
+        }
         let _s = autocast::suspend();
         if loss.elem_count() != 1 {
             return Err(Error::invalid_shape(

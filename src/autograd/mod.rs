@@ -79,6 +79,8 @@ pub(crate) struct Node {
     dtype: DType,
     /// Gradient hooks of the tensor the node made (autograd::hooks), allocated at the first.
     hooks: std::sync::OnceLock<Box<Hooks>>,
+    /// The module path the op ran in, kept in anomaly mode only (`crate::anomaly`).
+    module: Option<Box<str>>,
 }
 
 /// Where an input's gradient goes: the node that computed it, or the variable itself.
@@ -116,6 +118,7 @@ impl Node {
             edges,
             dtype,
             hooks: std::sync::OnceLock::new(),
+            module: crate::anomaly::node_module(),
         }))
     }
 
@@ -262,6 +265,14 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
             "the tensor does not depend on any variable that requires grad (was it computed under no_grad?)".into(),
         ));
     }
+    // Anomaly mode: a forward finding not yet returned comes first; the pass's own ops are not
+    // forward ops, and each formula's gradients are checked in `walk`.
+    let _quiet = if crate::anomaly::is_enabled() {
+        crate::anomaly::check()?;
+        Some(crate::anomaly::quiet())
+    } else {
+        None
+    };
     // Backward computes in the types it is given, and parameters change after it: autocast's
     // cast cache is dropped (apex clears it when the loss is scaled) and autocast suspended.
     crate::tensor::autocast::invalidate_casts();
@@ -366,10 +377,17 @@ fn walk(
             r
         };
         drop(g);
+        let anomaly = crate::anomaly::is_enabled();
         for (i, (edge, gi)) in node.edges.iter().zip(input_grads).enumerate() {
             let (Some(edge), Some(gi)) = (edge, gi) else {
                 continue;
             };
+            if anomaly {
+                if beside.contains(&i) {
+                    pending.join()?;
+                }
+                crate::anomaly::check_backward(node.name, node.module.as_deref(), i, &gi)?;
+            }
             let (key, dtype) = match edge {
                 Edge::Node(n) => (n.key(), n.dtype),
                 Edge::Leaf(t) => (Key::Leaf(t.id()), t.dtype()),

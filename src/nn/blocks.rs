@@ -6,6 +6,7 @@ use super::batch_norm::BatchNorm2d;
 use super::conv::Conv2d;
 use super::init;
 use super::module::{Module, TrainingFlag};
+use crate::anomaly::in_module;
 use crate::error::{Error, Result};
 use crate::tensor::random::SeedStream;
 use crate::tensor::{Conv2dConfig, Device, Tensor};
@@ -106,7 +107,8 @@ impl Downsample {
 
 impl Module for Downsample {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.bn.forward(&self.conv.forward(x)?)
+        let y = in_module("0", || self.conv.forward(x))?;
+        in_module("1", || self.bn.forward(&y))
     }
 
     fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
@@ -183,23 +185,25 @@ impl BasicBlock {
 /// `relu(bn(out) + shortcut(x))` in one fused op, the shortcut being `x` itself or the
 /// downsample branch.
 fn bn_add_shortcut(
-    bn: &BatchNorm2d,
+    (bn, bn_name): (&BatchNorm2d, &'static str),
     out: &Tensor,
     x: &Tensor,
     downsample: Option<&Downsample>,
 ) -> Result<Tensor> {
     let identity = match downsample {
-        Some(d) => d.forward(x)?,
+        Some(d) => in_module("downsample", || d.forward(x))?,
         None => x.clone(),
     };
-    bn.forward_add_relu(out, &identity)
+    in_module(bn_name, || bn.forward_add_relu(out, &identity))
 }
 
 impl Module for BasicBlock {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let out = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
-        let out = self.conv2.forward(&out)?;
-        bn_add_shortcut(&self.bn2, &out, x, self.downsample.as_ref())
+        // Each child runs in its scope for anomaly mode's module paths (`crate::anomaly`).
+        let out = in_module("conv1", || self.conv1.forward(x))?;
+        let out = in_module("bn1", || self.bn1.forward_relu(&out))?;
+        let out = in_module("conv2", || self.conv2.forward(&out))?;
+        bn_add_shortcut((&self.bn2, "bn2"), &out, x, self.downsample.as_ref())
     }
 
     fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {
@@ -269,10 +273,12 @@ impl Bottleneck {
 
 impl Module for Bottleneck {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let out = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
-        let out = self.bn2.forward_relu(&self.conv2.forward(&out)?)?;
-        let out = self.conv3.forward(&out)?;
-        bn_add_shortcut(&self.bn3, &out, x, self.downsample.as_ref())
+        let out = in_module("conv1", || self.conv1.forward(x))?;
+        let out = in_module("bn1", || self.bn1.forward_relu(&out))?;
+        let out = in_module("conv2", || self.conv2.forward(&out))?;
+        let out = in_module("bn2", || self.bn2.forward_relu(&out))?;
+        let out = in_module("conv3", || self.conv3.forward(&out))?;
+        bn_add_shortcut((&self.bn3, "bn3"), &out, x, self.downsample.as_ref())
     }
 
     fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {

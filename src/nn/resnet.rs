@@ -13,6 +13,7 @@ use super::conv::Conv2d;
 use super::linear::Linear;
 use super::module::{Module, TrainingFlag};
 use super::pool::{AdaptiveAvgPool2d, MaxPool2d};
+use crate::anomaly::in_module;
 use crate::error::{Error, Result};
 use crate::tensor::random::SeedStream;
 use crate::tensor::{Device, Tensor};
@@ -143,7 +144,8 @@ pub struct Stage {
 impl Module for Stage {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut y = x.clone();
-        for b in &self.blocks {
+        for (i, b) in self.blocks.iter().enumerate() {
+            let _scope = crate::anomaly::module_index(i);
             y = b.forward(&y)?;
         }
         Ok(y)
@@ -283,15 +285,18 @@ impl Module for ResNet {
                 format!("input must be [n, {}, h, w]", self.config.in_channels),
             ));
         }
-        let mut y = self.bn1.forward_relu(&self.conv1.forward(x)?)?;
+        // Each child runs in its scope for anomaly mode's module paths (`crate::anomaly`).
+        let y = in_module("conv1", || self.conv1.forward(x))?;
+        let mut y = in_module("bn1", || self.bn1.forward_relu(&y))?;
         if let Some(mp) = &self.maxpool {
-            y = mp.forward(&y)?;
+            y = in_module("maxpool", || mp.forward(&y))?;
         }
-        for l in &self.layers {
+        for (i, l) in self.layers.iter().enumerate() {
+            let _scope = crate::anomaly::module_scope_with(|| format!("layer{}", i + 1));
             y = l.forward(&y)?;
         }
-        let y = self.avgpool.forward(&y)?.flatten(1, -1)?;
-        self.fc.forward(&y)
+        let y = in_module("avgpool", || self.avgpool.forward(&y))?.flatten(1, -1)?;
+        in_module("fc", || self.fc.forward(&y))
     }
 
     fn visit_children(&self, f: &mut dyn FnMut(&str, &dyn Module)) {

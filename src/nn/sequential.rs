@@ -61,7 +61,8 @@ impl FromIterator<Box<dyn Module>> for Sequential {
 impl Module for Sequential {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut y = x.clone();
-        for l in &self.layers {
+        for (i, l) in self.layers.iter().enumerate() {
+            let _scope = crate::anomaly::module_index(i);
             y = l.forward(&y)?;
         }
         Ok(y)

@@ -169,8 +169,8 @@ impl Tensor {
             DType::F32
         };
         if !cfg.training {
-            let y = self.batch_norm_eval(weight, bias, running_mean, running_var, cfg.eps, acc)?;
-            return self.batch_norm_then(y, epi);
+            let stats = (running_mean, running_var);
+            return self.batch_norm_eval(epi, (weight, bias), stats, cfg.eps, acc);
         }
         // The CUDA fused kernels cover f16/bf16/f32; a residual of another dtype promotes.
         let fusable = (self.device().is_cpu() || self.dtype() != DType::F64)
@@ -252,26 +252,56 @@ impl Tensor {
         y.to_memory_format(keep)
     }
 
+    /// Eval mode: `(x − running_mean)·invstd·weight + bias` computed in the statistics' type
+    /// (`acc`) and rounded once to the input's, as PyTorch's eval batch norm does for a half
+    /// input (f32 math, f32 parameters). Folding the map into a half scale and shift would round
+    /// three more times (scale, shift, the product) and give a half ResNet's logits several
+    /// times the error. Without a gradient to record this is the backend's one-pass kernel
+    /// (SyncBatchNorm's elementwise piece, with the fused epilogue); with one, the same map
+    /// and epilogue composed from recorded ops in `acc`.
     fn batch_norm_eval(
         &self,
-        weight: &Tensor,
-        bias: &Tensor,
-        rm: &Tensor,
-        rv: &Tensor,
+        epi: Epilogue<'_>,
+        (weight, bias): (&Tensor, &Tensor),
+        (rm, rv): (&Tensor, &Tensor),
         eps: f64,
         acc: DType,
     ) -> Result<Tensor> {
         let c = self.dims()[1];
+        let (rm, rv) = (rm.detach().to_dtype(acc)?, rv.detach().to_dtype(acc)?);
+        let invstd = rv.add_scalar(eps)?.powf(-0.5)?;
+        let mut inputs = vec![self, weight, bias];
+        inputs.extend(epi.residual);
+        let fusable = (self.device().is_cpu() || self.dtype() != DType::F64)
+            && epi.residual.is_none_or(|r| r.dtype() == self.dtype());
+        if fusable && !crate::autograd::records(&inputs) {
+            let n = self.dims()[0];
+            let (run, keep) = self.op_formats(None);
+            let p = BatchNormParams {
+                n,
+                c,
+                spatial: self.elem_count() / (n * c).max(1),
+                eps,
+                momentum: 0.0,
+                format: run,
+                residual: epi.residual.is_some(),
+                relu: epi.relu,
+            };
+            let (w, b) = (weight.detach().to_dtype(acc)?, bias.detach().to_dtype(acc)?);
+            let y = self.batch_norm_elemt(epi.residual, &w, &b, &rm, &invstd, &p)?;
+            return y.to_memory_format(keep);
+        }
         let mut bshape = vec![1; self.rank()];
         bshape[1] = c;
-        let (rm, rv) = (rm.detach().to_dtype(acc)?, rv.detach().to_dtype(acc)?);
-        let scale = weight
-            .to_dtype(acc)?
-            .mul(&rv.add_scalar(eps)?.powf(-0.5)?)?;
+        let scale = weight.to_dtype(acc)?.mul(&invstd)?;
         let shift = bias.to_dtype(acc)?.sub(&rm.mul(&scale)?)?;
-        let scale = scale.to_dtype(self.dtype())?.reshape(bshape.clone())?;
-        let shift = shift.to_dtype(self.dtype())?.reshape(bshape)?;
-        self.mul(&scale)?.add(&shift)
+        let (scale, shift) = (scale.reshape(bshape.clone())?, shift.reshape(bshape)?);
+        let y = self.to_dtype(acc)?.mul(&scale)?.add(&shift)?;
+        if epi.residual.is_none_or(|r| r.dtype() == self.dtype()) {
+            // The epilogue in `acc` too (a residual promotes into it): still one rounding.
+            return self.batch_norm_then(y, epi)?.to_dtype(self.dtype());
+        }
+        self.batch_norm_then(y.to_dtype(self.dtype())?, epi)
     }
 }
 

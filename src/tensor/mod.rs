@@ -159,6 +159,9 @@ impl Tensor {
         inputs: &[&Tensor],
         op: impl FnOnce() -> Op,
     ) -> Tensor {
+        if crate::anomaly::is_enabled() {
+            return Self::from_op_checked(storage, layout.into(), inputs, |_| op());
+        }
         let node = Node::record(inputs, storage.dtype(), op);
         Self::build(Arc::new(RwLock::new(storage)), layout.into(), node, false)
     }
@@ -172,12 +175,43 @@ impl Tensor {
         op: impl FnOnce(Tensor) -> Op,
     ) -> Tensor {
         let layout = layout.into();
+        if crate::anomaly::is_enabled() {
+            return Self::from_op_checked(storage, layout, inputs, op);
+        }
         let dtype = storage.dtype();
         let storage = Arc::new(RwLock::new(storage));
         let node = Node::record(inputs, dtype, || {
             op(Self::build(storage.clone(), layout.clone(), None, false))
         });
         Self::build(storage, layout, node, false)
+    }
+
+    /// [`Tensor::from_op_with_output`] in anomaly mode: the output is checked for non-finite
+    /// values under the op's name (`crate::anomaly`), which is known by building the op, so it
+    /// is built even when nothing records.
+    fn from_op_checked(
+        storage: Storage,
+        layout: Layout,
+        inputs: &[&Tensor],
+        op: impl FnOnce(Tensor) -> Op,
+    ) -> Tensor {
+        let dtype = storage.dtype();
+        let storage = Arc::new(RwLock::new(storage));
+        let output = || Self::build(storage.clone(), layout.clone(), None, false);
+        let mut name = "";
+        let node = if autograd::records(inputs) {
+            Node::record(inputs, dtype, || {
+                let op = op(output());
+                name = op.name();
+                op
+            })
+        } else {
+            name = op(output()).name();
+            None
+        };
+        let t = Self::build(storage, layout, node, false);
+        crate::anomaly::check_forward(&t, name, inputs);
+        t
     }
 
     /// A view: a handle sharing this tensor's buffer with another `layout`, whose node is `op`

@@ -307,6 +307,9 @@ macro_rules! backend_ops {
             $(#[$meta])*
             pub fn $f(&self $(, $a: $t)*) -> Result<$r> {
                 let op: &'static str = $name;
+                if crate::anomaly::is_enabled() {
+                    crate::anomaly::before_op()?;
+                }
                 let _timer = match self {
                     Storage::Cuda(c) => Some(OpTimer::start(c.device(), op, || {
                         format!("{} {}", c.dtype(), op_detail!(self $(, $detail)?))
@@ -384,6 +387,9 @@ impl Storage {
 
     /// A host copy of the buffer.
     pub fn to_cpu(&self) -> Result<CpuStorage> {
+        if crate::anomaly::is_enabled() {
+            crate::anomaly::before_op()?;
+        }
         match self {
             Storage::Cpu(s) => Ok(s.clone()),
             Storage::Cuda(s) => s.to_cpu(),

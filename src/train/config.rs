@@ -128,6 +128,10 @@ pub struct RunConfig {
     /// reduces with atomics); true turns it on for the rest of the process. No effect on the
     /// CPU, which is always deterministic.
     pub deterministic: bool,
+    /// Anomaly mode (`crate::anomaly`): stop with an error naming the first op and module whose
+    /// output or gradient is non-finite. A debugging mode: one host read per op, the step runs
+    /// eagerly (no CUDA graph).
+    pub detect_anomaly: bool,
     /// Stop with an error when this many consecutive steps were skipped for a non-finite loss
     /// or non-finite gradients (a diverged run); 0 = never stop.
     pub divergence_steps: u64,
@@ -215,6 +219,7 @@ impl Default for RunConfig {
             label_smoothing: 0.0,
             cuda_graph: true,
             deterministic: false,
+            detect_anomaly: false,
             divergence_steps: 100,
             model: ModelConfig::default(),
             data: DataConfig::default(),
@@ -262,6 +267,10 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "deterministic",
         "true or false (on a GPU: only convolution algorithms that are bitwise reproducible)",
+    ),
+    (
+        "detect_anomaly",
+        "true or false (stop at the first op whose output or gradient is non-finite)",
     ),
     (
         "divergence_steps",

@@ -128,6 +128,9 @@ struct Job {
     /// The newest checkpoint from before any trouble (named when the run diverges).
     last_good: Option<(PathBuf, usize)>,
     watch: DivergenceWatch,
+    /// The scaler's skipped total at the start of this epoch (or at the resumed step): the
+    /// metrics give each epoch's own count.
+    skipped_before: u64,
     end_epoch: usize,
     started: Instant,
     /// Held for the whole run (rank 0).
@@ -276,6 +279,10 @@ impl Job {
             )),
             None => {}
         }
+        if cfg.detect_anomaly {
+            crate::anomaly::detect(true);
+            say("anomaly mode: every op's output and gradient is checked (a host read per op; the step runs eagerly)".into());
+        }
         let (device, device_note) = ranks.device(&cfg.device)?;
         ranks.join(device)?;
         say(format!("device: {device}{device_note}"));
@@ -334,6 +341,7 @@ impl Job {
                 ..Default::default()
             },
             watch: DivergenceWatch::new(cfg.divergence_steps, 0, 0),
+            skipped_before: 0,
             cfg,
             ranks,
             main,
@@ -409,6 +417,7 @@ impl Job {
         self.last_good = Some((found.path.clone(), at.epoch));
         let s = opt.stats()?.first().map_or(0, |s| s.skipped_total);
         self.watch = DivergenceWatch::new(self.cfg.divergence_steps, at.step, s);
+        self.skipped_before = s;
         if self.main {
             if let Some(p) = restore_snapshots(&self.cfg, found, &at, &say)? {
                 self.written.push(relative(&self.cfg.out, &p));
@@ -464,7 +473,7 @@ impl Job {
         opt: &'a mut Opt,
         body: impl FnMut(&Tensor, &Tensor) -> Result<Tensor> + 'a,
     ) -> Result<Step<'a>> {
-        if self.cfg.cuda_graph && self.device.is_cuda() {
+        if self.cfg.cuda_graph && self.device.is_cuda() && !self.cfg.detect_anomaly {
             self.say(format!(
                 "step: captured into a CUDA graph after 2 warm-up steps{} (--no-cuda-graph: eager)",
                 if self.world > 1 {
@@ -582,8 +591,9 @@ impl Job {
             images_per_s: (images * self.world) as f64 / train_seconds,
             epoch_seconds: epoch_start.elapsed().as_secs_f64(),
             loss_scale: scaler.scale,
-            skipped_steps: scaler.skipped_total,
+            skipped_steps: scaler.skipped_total.saturating_sub(self.skipped_before),
         };
+        self.skipped_before = scaler.skipped_total;
         self.say(format!(
             "epoch {:>3}/{}  train loss {:.4}  test loss {:.4}  test accuracy {:.2}%  {:.0} images/s  lr {:.4}  loss scale {}  skipped {}  ({:.1} s)",
             record.epoch,
