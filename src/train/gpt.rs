@@ -369,6 +369,42 @@ fn loaders(r: &GptRecipe, out: &Path, world: (usize, usize)) -> Result<(TokenLoa
     Ok((train, val))
 }
 
+/// The GPT wrapped for data parallelism (`run_gpt` under a launcher).
+pub type GptDdp = DistributedDataParallel<Arc<AmpModel<Gpt>>>;
+
+/// The body of the training step ([`amp::CapturedStep`]'s) for a step of `k` micro-batches: a
+/// micro-batch's loss divided by `k` (the step's gradients are the mean over its micro-batches).
+/// Through `ddp` when given, where all micro-batches of a step but the last run under
+/// `no_sync`: the gradients add up locally, and only their totals are averaged over the ranks
+/// (the step calls the body `k` times in order, as `CapturedStep` does).
+pub fn step_body<'a>(
+    model: &'a AmpModel<Gpt>,
+    ddp: Option<&'a GptDdp>,
+    k: usize,
+) -> impl FnMut(&Tensor, &Tensor) -> Result<Tensor> + 'a {
+    let mut micro = 0;
+    let mut no_sync: Option<NoSyncGuard<'a>> = None;
+    move |x: &Tensor, y: &Tensor| {
+        let l = match ddp {
+            Some(d) => {
+                if micro + 1 < k {
+                    no_sync.get_or_insert_with(|| d.no_sync());
+                } else {
+                    no_sync = None;
+                }
+                micro = (micro + 1) % k.max(1);
+                d.forward_with(|m| m.scope(|g| g.loss(x, y)))?
+            }
+            None => model.scope(|m| m.loss(x, y))?,
+        };
+        if k <= 1 {
+            Ok(l)
+        } else {
+            l.mul_scalar(1.0 / k as f64)
+        }
+    }
+}
+
 /// The mean loss over `n` val batches (from the start of the val split each time).
 fn evaluate<M: Module>(
     model: &AmpModel<M>,
@@ -568,29 +604,7 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
     };
     let tok = Gpt2Tokenizer::new();
     let k = recipe.grad_accum;
-    // Which micro-batch of the step the body computes: all but the last run under `no_sync`, so
-    // the gradients add up locally and only their totals are averaged over the ranks.
-    let mut micro = 0;
-    let mut no_sync: Option<NoSyncGuard<'_>> = None;
-    let body = |x: &Tensor, y: &Tensor| {
-        let l = match &ddp {
-            Some(d) => {
-                if micro + 1 < k {
-                    no_sync.get_or_insert_with(|| d.no_sync());
-                } else {
-                    no_sync = None;
-                }
-                micro = (micro + 1) % k;
-                d.forward_with(|m| m.scope(|g| g.loss(x, y)))?
-            }
-            None => model.scope(|m| m.loss(x, y))?,
-        };
-        if k == 1 {
-            Ok(l)
-        } else {
-            l.mul_scalar(1.0 / k as f64)
-        }
-    };
+    let body = step_body(&model, ddp.as_ref(), k);
     let val_loss = |x: &Tensor, y: &Tensor| model.scope(|m| m.loss(x, y));
     let mut stepper = if recipe.captured {
         amp::CapturedStep::new(&*model, &mut opt, body)?
