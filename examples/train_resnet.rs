@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
 use mixprec::error::fmt_number;
-use mixprec::train::distributed::{launched, parse_nproc, spawn_ranks, Nproc};
 use mixprec::train::config::{allowed, OPTIMIZERS, OPT_LEVELS, SCHEDULES};
+use mixprec::train::distributed::{launched, parse_nproc, spawn_ranks, Nproc};
 use mixprec::train::progress::ProgressMode;
 use mixprec::train::run_dir::CHECKPOINT_DIR;
 use mixprec::train::trainer::checkpoint_config;
@@ -647,14 +647,19 @@ mod tests {
         // A run stopped by SIGTERM exits as one the signal ended.
         assert_eq!(stop_status(15), 143);
         assert_eq!(stop_status(2), 130);
-        let none = gpu_processes("train_resnet", Ok(0)).unwrap_err().to_string();
+        let none = gpu_processes("train_resnet", Ok(0))
+            .unwrap_err()
+            .to_string();
         assert!(
             none.contains("CUDA sees no GPU") && none.contains("give a number"),
             "{none}"
         );
-        let why = gpu_processes("train_resnet", Err(Error::Cuda("libcuda.so.1 not found".into())))
-            .unwrap_err()
-            .to_string();
+        let why = gpu_processes(
+            "train_resnet",
+            Err(Error::Cuda("libcuda.so.1 not found".into())),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(why.contains("libcuda.so.1 not found"), "{why}");
     }
 

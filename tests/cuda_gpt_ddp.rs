@@ -74,7 +74,8 @@ fn gpt_steps(
     let (model, mut opt) = amp::initialize(model, opt, policy).unwrap();
     opt.clip_grad_norm(Some(1.0)).unwrap();
     let model = Arc::new(model);
-    let ddp = group.map(|g| DistributedDataParallel::new(model.clone(), g, DdpConfig::default()).unwrap());
+    let ddp = group
+        .map(|g| DistributedDataParallel::new(model.clone(), g, DdpConfig::default()).unwrap());
     let body = step_body(&model, ddp.as_ref(), k);
     let mut step = match ddp {
         Some(_) => CapturedStep::new(&*model, &mut opt, body),
@@ -110,7 +111,10 @@ fn normwise(got: &[(String, Tensor)], want: &[(String, Tensor)]) -> (f64, String
         assert_eq!(n, m);
         let (g, w) = (g.to_vec_f64().unwrap(), w.to_vec_f64().unwrap());
         let scale = w.iter().fold(0.0f64, |a, v| a.max(v.abs())).max(1e-12);
-        let d = g.iter().zip(&w).fold(0.0f64, |a, (x, y)| a.max((x - y).abs()));
+        let d = g
+            .iter()
+            .zip(&w)
+            .fold(0.0f64, |a, (x, y)| a.max((x - y).abs()));
         if d / scale > worst.0 || d.is_nan() {
             worst = (d / scale, n.clone());
         }
@@ -217,10 +221,15 @@ fn train_gpt_on_several_gpus_keeps_the_ranks_equal() {
     let mut cfg = LaunchConfig::new(
         n,
         std::env::current_exe().unwrap(),
-        ["gpt_rank_entry", "--exact", "--include-ignored", "--nocapture"]
-            .iter()
-            .map(Into::into)
-            .collect(),
+        [
+            "gpt_rank_entry",
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+        ]
+        .iter()
+        .map(Into::into)
+        .collect(),
     );
     cfg.env = vec![
         ("MIXPREC_TEST_OUT".into(), out.display().to_string()),
@@ -252,7 +261,15 @@ fn train_gpt_on_several_gpus_keeps_the_ranks_equal() {
     let v: Vec<f64> = summary.split(' ').map(|x| x.parse().unwrap()).collect();
     assert_eq!(v[0] as usize, n);
     let csv = std::fs::read_to_string(out.join("run/metrics.csv")).unwrap();
-    let first: f64 = csv.lines().nth(1).unwrap().split(',').nth(2).unwrap().parse().unwrap();
+    let first: f64 = csv
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(v[1] < first, "the train loss fell: {first} then {}", v[1]);
     println!(
         "{n} ranks: train loss {first:.3} then {:.3}, {:.0} tokens/s in all",

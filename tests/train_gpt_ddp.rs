@@ -33,12 +33,7 @@ fn rank_entry() {
     let rank = LaunchEnv::from_env().expect("launcher variables").rank;
     let r = match role.as_str() {
         "train_gpt" => worker(&out, rank),
-        other => Err(Error::invalid_arg(
-            "rank_entry",
-            "role",
-            other,
-            "train_gpt",
-        )),
+        other => Err(Error::invalid_arg("rank_entry", "role", other, "train_gpt")),
     };
     match r {
         Ok(()) => std::process::exit(0),
@@ -252,7 +247,9 @@ fn matches_one_process(name: &str, n: usize, batch: usize, accum: usize) {
     .unwrap();
     assert_eq!(one.world_size, 1);
     let (err, at) = max_abs_diff(&got, &one.state);
-    eprintln!("{n} ranks x batch {batch} (accum {accum}) vs one process: max |Δparam| {err:.3e} ({at})");
+    eprintln!(
+        "{n} ranks x batch {batch} (accum {accum}) vs one process: max |Δparam| {err:.3e} ({at})"
+    );
     // The gradients agree within f32 rounding (the ranks' mean sums in another order); AdamW's
     // m / sqrt(v) magnifies that for entries whose gradient is itself at rounding level (an
     // update of up to lr = 3e-3 a step, in either direction): measured 6e-6 (2 ranks), 4e-5
@@ -271,12 +268,28 @@ fn matches_one_process(name: &str, n: usize, batch: usize, accum: usize) {
     assert!(train < 10.0 && val < 10.0, "train {train}, val {val}");
     // Rank 0 alone wrote the run's files; the others' losses are the same means.
     let run = ranks.run_dir();
-    for f in ["metrics.csv", "model.safetensors", "checkpoints/last.safetensors"] {
+    for f in [
+        "metrics.csv",
+        "model.safetensors",
+        "checkpoints/last.safetensors",
+    ] {
         assert!(run.join(f).is_file(), "{f}");
     }
     let csv = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
-    assert_eq!(csv.lines().count(), 3, "a header and one row per round:\n{csv}");
-    let first: f64 = csv.lines().nth(1).unwrap().split(',').nth(2).unwrap().parse().unwrap();
+    assert_eq!(
+        csv.lines().count(),
+        3,
+        "a header and one row per round:\n{csv}"
+    );
+    let first: f64 = csv
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(train < first, "the train loss fell: {first} then {train}");
     for r in 1..n {
         let (_, _, _, t, v) = ranks.summary(r);
@@ -319,7 +332,10 @@ fn a_two_rank_run_resumes_on_two_ranks_only() {
     );
     let (a, b) = (assert_ranks_equal(&straight), assert_ranks_equal(&resumed));
     assert_eq!(max_abs_diff(&a, &b).0, 0.0);
-    assert_eq!(straight.summary(0).3.to_bits(), resumed.summary(0).3.to_bits());
+    assert_eq!(
+        straight.summary(0).3.to_bits(),
+        resumed.summary(0).3.to_bits()
+    );
 
     let mut o = options(&split.join("run"));
     o.resume = Some(last);

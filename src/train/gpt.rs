@@ -25,18 +25,18 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use super::distributed::Ranks;
 use super::metrics::{EpochRecord, MetricsWriter};
 use super::plot::plot_history;
 use super::progress::{EpochProgress, ProgressMode};
-use super::distributed::Ranks;
 use super::run_dir::{RunDir, Use, CHECKPOINT_DIR};
 use crate::amp::{self, AmpModel, OptLevel, Policy};
-use crate::distributed::{DdpConfig, DistributedDataParallel, NoSyncGuard};
 use crate::data::token_corpus::bundled_corpus_dir;
 use crate::data::{
     prepare_token_shards, CorpusOptions, Gpt2Tokenizer, TokenLoader, TokenLoaderConfig,
     TokenLoaderState, TokenSplit,
 };
+use crate::distributed::{DdpConfig, DistributedDataParallel, NoSyncGuard};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
 use crate::nn::{generate, Gpt, GptConfig, Module, SampleConfig, StateDict, GPT2_VOCAB};
@@ -672,7 +672,11 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         let skipped_total: u64 = stats.iter().map(|s| s.skipped_total).sum();
         let scale = stats.first().map_or(1.0, |s| s.scale);
         let mfu = peak
-            .map(|p| format!(", MFU {:.0}%", 100.0 * flops_per_token * last_rate / p))
+            // Per GPU: the rate counts every rank's tokens.
+            .map(|p| {
+                let util = flops_per_token * last_rate / (p * world as f64);
+                format!(", MFU {:.0}%", 100.0 * util)
+            })
             .unwrap_or_default();
         println!(
             "step {step}/{}: train loss {last_train:.4}, val loss {last_val:.4}, lr {lr:.2e}, {} tokens/s{mfu}, loss scale {scale}",
