@@ -7,6 +7,8 @@
 //! - they equal one process's trained on the same global batch (`batch_size` × ranks), within
 //!   f32 rounding as AdamW carries it (the ranks' average sums in another order), with gradient
 //!   accumulation too (where all micro-batches but the last skip the averaging: `no_sync`);
+//! - the job's step body (`train::gpt::step_body`) through DDP leaves the first micro-batch's
+//!   gradients local and averages only the step's totals;
 //! - the loss falls, rank 0 alone writes the run's files, and the losses it reports are the
 //!   single process's;
 //! - a run stopped and resumed on as many ranks ends where the straight run did; a checkpoint of
@@ -33,7 +35,13 @@ fn rank_entry() {
     let rank = LaunchEnv::from_env().expect("launcher variables").rank;
     let r = match role.as_str() {
         "train_gpt" => worker(&out, rank),
-        other => Err(Error::invalid_arg("rank_entry", "role", other, "train_gpt")),
+        "no_sync" => worker_no_sync(&out, rank),
+        other => Err(Error::invalid_arg(
+            "rank_entry",
+            "role",
+            other,
+            "train_gpt or no_sync",
+        )),
     };
     match r {
         Ok(()) => std::process::exit(0),
@@ -71,6 +79,53 @@ fn worker(out: &Path, rank: usize) -> Result<()> {
     mixprec::io::safetensors::write(
         &out.join(format!("rank{rank}.safetensors")),
         &s.state,
+        &Default::default(),
+    )
+}
+
+/// `train::gpt::step_body` through DDP with 2 micro-batches a step, driven by hand: the
+/// gradients after the first micro-batch's backward are this rank's own (`no_sync`), after the
+/// second the mean over the ranks of the totals. Saves both.
+fn worker_no_sync(out: &Path, rank: usize) -> Result<()> {
+    use mixprec::amp::{self, OptLevel, Policy};
+    use mixprec::distributed::{Backend, DdpConfig, DistributedDataParallel, GroupOptions};
+    use mixprec::nn::{Gpt, GptConfig, Module};
+    use mixprec::optim::{Sgd, SgdConfig};
+    use mixprec::train::gpt::step_body;
+    let env = LaunchEnv::from_env()?;
+    let group = mixprec::distributed::ProcessGroup::new(&env, &GroupOptions::new(Backend::Cpu))?;
+    let mut cfg = GptConfig::named("tiny")?;
+    cfg.vocab_size = GptConfig::padded_vocab(100);
+    cfg.n_layer = 1;
+    cfg.block_size = 8;
+    let model = Gpt::new(cfg, 3, &Device::Cpu)?;
+    let opt = Sgd::new(model.parameters(), SgdConfig::default())?;
+    let (model, _opt) = amp::initialize(model, opt, Policy::opt_level(OptLevel::O0))?;
+    let model = std::sync::Arc::new(model);
+    let ddp = DistributedDataParallel::new(model.clone(), &group, DdpConfig::default())?;
+    let mut body = step_body(&model, Some(&ddp), 2);
+    let ids = |seed: u64| -> Result<Tensor> {
+        let v: Vec<i64> = (0..16)
+            .map(|i| ((i as u64 * 7 + seed * 13) % 97) as i64)
+            .collect();
+        Tensor::from_vec(v, vec![2, 8], Device::Cpu)
+    };
+    let grads = |tag: &str| -> Vec<(String, Tensor)> {
+        model
+            .named_parameters()
+            .into_iter()
+            .filter_map(|(n, p)| p.grad().map(|g| (format!("{tag}.{n}"), g.detach())))
+            .collect()
+    };
+    let mut saved = Vec::new();
+    for micro in 0..2u64 {
+        let seed = 10 * micro + rank as u64;
+        body(&ids(seed)?, &ids(seed + 100)?)?.backward()?;
+        saved.extend(grads(&format!("after{micro}")));
+    }
+    mixprec::io::safetensors::write(
+        &out.join(format!("rank{rank}.safetensors")),
+        &saved,
         &Default::default(),
     )
 }
@@ -148,6 +203,12 @@ impl Ranks {
 fn launch_ranks(dir: &Path, n: usize, cfg: &GptRunConfig, env: &[(&str, String)]) -> Ranks {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), serde_json::to_string(cfg).unwrap()).unwrap();
+    launch_role("train_gpt", dir, n, env)
+}
+
+/// Launches `n` ranks of `role` writing into `dir`.
+fn launch_role(role: &str, dir: &Path, n: usize, env: &[(&str, String)]) -> Ranks {
+    std::fs::create_dir_all(dir).unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut lc = LaunchConfig::new(
         n,
@@ -158,7 +219,7 @@ fn launch_ranks(dir: &Path, n: usize, cfg: &GptRunConfig, env: &[(&str, String)]
             .collect(),
     );
     lc.env = vec![
-        (ROLE.into(), "train_gpt".into()),
+        (ROLE.into(), role.into()),
         (OUT.into(), dir.display().to_string()),
         ("MIXPREC_DIST_TIMEOUT".into(), "60".into()),
     ];
@@ -310,6 +371,33 @@ fn two_ranks_accumulating_gradients_train_as_one_process() {
 #[test]
 fn three_ranks_train_as_one_process_on_the_global_batch() {
     matches_one_process("gpt-ddp3", 3, 1, 1);
+}
+
+/// With gradient accumulation through DDP, the step body averages only the step's totals: after
+/// the first micro-batch each rank holds its own gradients, after the last every rank holds the
+/// same, the mean of the ranks' sums.
+#[test]
+fn accumulating_through_ddp_averages_only_the_totals() {
+    let tmp = scratch("gpt-ddp-no-sync");
+    let run = launch_role("no_sync", &tmp, 2, &[]);
+    let (a, b) = (run.state(0), run.state(1));
+    let get = |v: &[(String, Tensor)], name: &str| -> Vec<f64> {
+        values(&v.iter().find(|(n, _)| n == name).unwrap().1)
+    };
+    let mut checked = 0;
+    for (name, _) in a.iter().filter(|(n, _)| n.starts_with("after0.")) {
+        let last = name.replacen("after0.", "after1.", 1);
+        let (a0, b0) = (get(&a, name), get(&b, name));
+        let (a1, b1) = (get(&a, &last), get(&b, &last));
+        assert_ne!(
+            a0, b0,
+            "{name}: the first micro-batch's gradients stayed local"
+        );
+        let same = a1.iter().zip(&b1).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{last}: the ranks hold the same averaged totals");
+        checked += 1;
+    }
+    assert!(checked > 5, "{checked} gradients compared");
 }
 
 /// Stopped after 3 steps and resumed on 2 ranks, the run ends bit for bit where the straight
