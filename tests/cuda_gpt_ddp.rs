@@ -217,7 +217,7 @@ fn train_gpt_on_several_gpus_keeps_the_ranks_equal() {
     std::fs::create_dir_all(out.join("text")).unwrap();
     let text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to \
                 suffer the slings and arrows of outrageous fortune.\n";
-    std::fs::write(out.join("text/hamlet.txt"), text.repeat(200)).unwrap();
+    std::fs::write(out.join("text/hamlet.txt"), text.repeat(500)).unwrap();
     let mut cfg = LaunchConfig::new(
         n,
         std::env::current_exe().unwrap(),
