@@ -5,7 +5,14 @@
 //! ```text
 //! bench-gpt_throughput [--model gpt2|gpt2-medium|...] [--mode o0|o1-bf16|o1-f16|o2-bf16|o2-f16]
 //!                      [--captured] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5] [--profile]
+//!                      [--nproc-per-node N]
 //! ```
+//!
+//! Several GPUs: `--nproc-per-node N` starts the bench N times, one rank per GPU (as
+//! `train_gpt --nproc-per-node` does; torchrun's variables work too), each on its own batch of
+//! `--batch` sequences, the model wrapped in `DistributedDataParallel` over NCCL (PyTorch's
+//! twin: `torchrun ... torch_gpt_throughput.py --ddp`). Rank 0 alone prints, with `world`, and
+//! `tokens_per_s` counting every rank's tokens (over the slowest rank's time).
 //!
 //! The step is the PyTorch twin's: forward, cross-entropy over the padded 50304-token vocabulary,
 //! the scaled backward, clipping at norm 1.0, fused AdamW (lr 6e-4, betas 0.9/0.95, weight decay
@@ -20,9 +27,14 @@ mod common;
 use std::time::Instant;
 
 use mixprec::backend::cuda::{self, device};
+use mixprec::distributed::{
+    Backend, DdpConfig, DistributedDataParallel, GroupOptions, LaunchEnv, ProcessGroup,
+};
 use mixprec::nn::{Gpt, GptConfig, Module, GPT2_VOCAB};
 use mixprec::optim::{AdamConfig, FusedAdam};
 use mixprec::tensor::{AttentionPath, SdpaOptions};
+use mixprec::train::distributed::{launched, spawn_ranks};
+use mixprec::train::gpt::step_body;
 use mixprec::{amp, DType, Device, Tensor};
 
 struct Args {
@@ -34,9 +46,10 @@ struct Args {
     steps: usize,
     warmup: usize,
     profile: bool,
+    nproc: Option<usize>,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
     let mut a = Args {
         model: "gpt2".into(),
         mode: "o2-bf16".into(),
@@ -46,43 +59,41 @@ fn parse_args() -> Result<Args, String> {
         steps: 20,
         warmup: 5,
         profile: false,
+        nproc: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
-        let mut number = |what: &str| -> Result<usize, String> {
-            let v = value()?;
-            v.parse()
-                .map_err(|_| format!("{what} needs a whole number, not '{v}'"))
-        };
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--model" => a.model = value()?,
-            "--mode" => a.mode = value()?,
+            "--model" => a.model = flags.value(&flag)?,
+            "--mode" => a.mode = flags.value(&flag)?,
             "--captured" => a.captured = true,
-            "--batch" => a.batch = number("--batch")?,
-            "--seq" => a.seq = number("--seq")?,
-            "--steps" => a.steps = number("--steps")?,
-            "--warmup" => a.warmup = number("--warmup")?,
+            "--batch" => a.batch = flags.number(&flag)?,
+            "--seq" => a.seq = flags.number(&flag)?,
+            "--steps" => a.steps = flags.number(&flag)?,
+            "--warmup" => a.warmup = flags.number(&flag)?,
             "--profile" => a.profile = true,
-            "--bench" => {}
-            other => return Err(format!("unknown flag {other}")),
+            "--nproc-per-node" => a.nproc = Some(flags.number(&flag)?),
+            other => return Err(common::args::unknown(other)),
         }
     }
-    if a.batch == 0 || a.seq == 0 || a.steps == 0 {
-        return Err("--batch, --seq and --steps must be at least 1".into());
+    if a.batch == 0 || a.seq == 0 || a.steps == 0 || a.nproc == Some(0) {
+        return Err("--batch, --seq, --steps and --nproc-per-node must be at least 1".into());
     }
     Ok(a)
 }
 
 fn main() {
     let start = Instant::now();
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("gpt_throughput: {e}");
-            std::process::exit(2);
+    let args = common::args::parse_or_exit("gpt_throughput", parse_args);
+    if let (Some(n), false) = (args.nproc, launched()) {
+        // The ranks: this bench again, with the same arguments but that one.
+        match spawn_ranks("gpt_throughput", n, None) {
+            Ok(code) => std::process::exit(code.into()),
+            Err(e) => {
+                eprintln!("gpt_throughput: {e}");
+                std::process::exit(1);
+            }
         }
-    };
+    }
     common::main_with(|| run(&args, start))
 }
 
@@ -123,7 +134,20 @@ fn random_tokens(n: usize, seed: u64, dev: Device) -> mixprec::Result<Tensor> {
 }
 
 fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
-    let dev = Device::cuda(0)?;
+    // Under a launcher: one rank on cuda:LOCAL_RANK, in a group over NCCL.
+    let env = LaunchEnv::from_env()?;
+    let group = match env.is_distributed() {
+        true => Some(ProcessGroup::new(&env, &GroupOptions::new(Backend::Nccl))?),
+        false => None,
+    };
+    let (world, rank) = (env.world_size, env.rank);
+    let dev = match &group {
+        Some(g) => g.device(),
+        None => Device::cuda(0)?,
+    };
+    let Device::Cuda(ordinal) = dev else {
+        return Err(mixprec::Error::Cuda(format!("the group's device is {dev}")));
+    };
     let mut cfg = GptConfig::named(&args.model)?;
     cfg.block_size = cfg.block_size.max(args.seq);
     let model = Gpt::new(cfg, 0, &dev)?;
@@ -141,8 +165,10 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     let (model, mut opt) = amp::initialize(model, opt, policy(&args.mode)?)?;
     opt.clip_grad_norm(Some(1.0))?;
     let (b, t) = (args.batch, args.seq);
-    let x = random_tokens(b * t, 1, dev)?.reshape(vec![b, t])?;
-    let y = random_tokens(b * t, 2, dev)?.reshape(vec![b, t])?;
+    // Each rank its own batch.
+    let seed = 2 * rank as u64;
+    let x = random_tokens(b * t, seed + 1, dev)?.reshape(vec![b, t])?;
+    let y = random_tokens(b * t, seed + 2, dev)?.reshape(vec![b, t])?;
 
     // Which attention path the blocks take at this shape and dtype.
     let half = match args.mode.as_str() {
@@ -162,15 +188,25 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     );
     drop(probe);
 
-    let body = |x: &Tensor, y: &Tensor| model.scope(|m| m.loss(x, y));
+    let model = std::sync::Arc::new(model);
+    let ddp = match &group {
+        Some(g) => Some(DistributedDataParallel::new(
+            model.clone(),
+            g,
+            DdpConfig::default(),
+        )?),
+        None => None,
+    };
+    // train_gpt's step body (through DDP under a launcher).
+    let body = step_body(&model, ddp.as_ref(), 1);
     // Eager or captured, the same step object (eager: every step runs as written).
     let mut stepper = if args.captured {
-        amp::CapturedStep::new(&model, &mut opt, body)?
+        amp::CapturedStep::new(&*model, &mut opt, body)?
     } else {
-        amp::CapturedStep::eager(&model, &mut opt, body)?
+        amp::CapturedStep::eager(&*model, &mut opt, body)?
     };
     let mut step = || stepper.run(&x, &y);
-    let gpu = device(0)?;
+    let gpu = device(ordinal)?;
     let first_loss = step()?.item()?;
     let first_step_s = start.elapsed().as_secs_f64();
     // A captured step runs two eager warm-up steps, then captures: past them before timing.
@@ -178,7 +214,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         step()?;
     }
     gpu.synchronize()?;
-    cuda::reset_peak_memory(0)?;
+    cuda::reset_peak_memory(ordinal)?;
 
     if args.profile && !args.captured {
         cuda::set_op_profiling(true);
@@ -204,6 +240,10 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         }
     }
 
+    // The ranks start the timed steps together.
+    if let Some(g) = &group {
+        g.barrier()?;
+    }
     let syncs_before = cuda::host_sync_count();
     let t0 = Instant::now();
     let mut loss = None;
@@ -211,9 +251,16 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         loss = Some(step()?);
     }
     gpu.synchronize()?;
-    let wall_s = t0.elapsed().as_secs_f64();
+    let mut wall_s = t0.elapsed().as_secs_f64();
     let syncs = cuda::host_sync_count() - syncs_before - 1;
-    let mem = cuda::memory_stats(0)?;
+    if let Some(g) = &group {
+        // The run's time is its slowest rank's.
+        for bytes in g.all_gather_bytes(&wall_s.to_le_bytes())? {
+            let w = bytes.try_into().map(f64::from_le_bytes).unwrap_or(f64::NAN);
+            wall_s = wall_s.max(w);
+        }
+    }
+    let mem = cuda::memory_stats(ordinal)?;
     let stats = stepper.optimizer().stats()?;
     let skipped: u64 = stats.iter().map(|s| s.skipped_total).sum();
     let scale = stats.first().map_or(1.0, |s| s.scale);
@@ -221,13 +268,17 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         Some(l) => l.item()?,
         None => f64::NAN,
     };
+    if rank != 0 {
+        return Ok(());
+    }
     let step_s = wall_s / args.steps as f64;
-    let tokens_per_s = (b * t) as f64 / step_s;
+    let tokens_per_s = (world * b * t) as f64 / step_s;
+    // Per GPU, as PyTorch's side reports it.
     let flops = cfg.train_flops_per_token(t) * (b * t) as f64;
     let mib = |v: u64| v as f64 / (1 << 20) as f64;
     println!(
         "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"attention\": \"{:?}\", \
-         \"batch\": {b}, \"seq\": {t}, \"params\": {params}, \"steps\": {}, \"tokens_per_s\": {tokens_per_s:.0}, \
+         \"world\": {world}, \"batch\": {b}, \"seq\": {t}, \"params\": {params}, \"steps\": {}, \"tokens_per_s\": {tokens_per_s:.0}, \
          \"step_ms\": {:.2}, \"tflops\": {:.1}, \"first_step_s\": {first_step_s:.2}, \
          \"peak_alloc_mib\": {:.0}, \"peak_reserved_mib\": {:.0}, \"host_syncs_per_step\": {:.2}, \
          \"skipped\": {skipped}, \"loss_scale\": {scale}, \"loss_first\": {first_loss:.4}, \"loss_last\": {final_loss:.4}}}",

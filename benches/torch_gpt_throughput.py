@@ -4,14 +4,21 @@ per process, one JSON line with the same fields.
     python3 benches/torch_gpt_throughput.py [--model gpt2|gpt2-medium] [--mode bf16|fp16|fp32]
         [--compile] [--attention flash|math] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5]
         [--profile]
+    python3 -m torch.distributed.run --standalone --nproc_per_node=N \
+        benches/torch_gpt_throughput.py --ddp [...]
 
 The model is GPT-2 as nanoGPT and Hugging Face build it (pre-norm blocks, fused QKV, GELU-tanh,
 head tied to the token embedding, vocabulary padded to 50304, GPT-2's init); the step is
 autocast forward, cross-entropy in f32, (scaled) backward, clip 1.0, fused AdamW (lr 6e-4,
 betas 0.9/0.95, weight decay 0.1 on every parameter), GradScaler update for fp16; random tokens on
 the device; TF32 off. Skipped steps (fp16) are counted from the scale's history, read once at the
-end."""
-import argparse, json, math, time
+end.
+
+--ddp (under torchrun): one rank per GPU, each on its own batch of --batch sequences, the model in
+DistributedDataParallel(gradient_as_bucket_view=True) over NCCL (PyTorch's best eager DDP with
+bf16 autocast, flash SDPA and fused AdamW); rank 0 prints, with "world", tokens_per_s counting
+every rank's tokens over the slowest rank's time."""
+import argparse, json, math, os, time
 
 import torch
 import torch.nn as nn
@@ -30,7 +37,10 @@ ap.add_argument("--seq", type=int, default=1024)
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--warmup", type=int, default=5)
 ap.add_argument("--profile", action="store_true", help="after timing, print the kernel table of 3 steps")
+ap.add_argument("--ddp", action="store_true")
 args = ap.parse_args()
+if args.ddp and args.profile:
+    ap.error("--profile runs steps on rank 0 alone: not with --ddp")
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 start = time.perf_counter()
@@ -94,11 +104,23 @@ class Gpt(nn.Module):
 def main():
     layers, heads, d = SIZES[args.model]
     b, t = args.batch, args.seq
+    world, rank = 1, 0
+    if args.ddp:
+        import torch.distributed as dist
+        dist.init_process_group("nccl")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.manual_seed(0)
     model = Gpt(layers, heads, d, t).cuda()
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    run = torch.compile(model) if args.compile else model
+    run = model
+    if args.ddp:
+        run = nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()],
+                                                  gradient_as_bucket_view=True)
+    run = torch.compile(run) if args.compile else run
+    # Each rank its own batch.
+    torch.manual_seed(1 + rank)
     x = torch.randint(0, 50257, (b, t), device="cuda")
     y = torch.randint(0, 50257, (b, t), device="cuda")
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mode)
@@ -125,11 +147,21 @@ def main():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     scales.clear()
+    if args.ddp:
+        dist.barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    if args.ddp:
+        # The run's time is its slowest rank's.
+        walls = [None] * world
+        dist.all_gather_object(walls, wall)
+        wall = max(walls)
+        if rank != 0:
+            dist.destroy_process_group()
+            return
     # A skipped step lowers the scale that the next step uses.
     s = [float(v) for v in scales] + ([float(scaler._scale)] if scales else [])
     skipped = sum(1 for a, c in zip(s, s[1:]) if c < a)
@@ -137,8 +169,8 @@ def main():
     flops = (6 * params + 12 * layers * d * t) * b * t
     print(json.dumps({
         "side": "torch", "model": args.model, "mode": args.mode, "compile": args.compile,
-        "attention": args.attention, "batch": b, "seq": t, "params": params, "steps": args.steps,
-        "tokens_per_s": round(b * t / step_s), "step_ms": round(1e3 * step_s, 2),
+        "attention": args.attention, "world": world, "ddp": args.ddp, "batch": b, "seq": t, "params": params, "steps": args.steps,
+        "tokens_per_s": round(world * b * t / step_s), "step_ms": round(1e3 * step_s, 2),
         "tflops": round(flops / step_s / 1e12, 1), "first_step_s": round(first_step_s, 2),
         "peak_alloc_mib": round(torch.cuda.max_memory_allocated() / 2**20),
         "peak_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20),
@@ -146,6 +178,8 @@ def main():
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}), flush=True)
     if args.profile:
         profile_kernels(step, 3)
+    if args.ddp:
+        dist.destroy_process_group()
 
 
 def kernel_group(name):

@@ -42,7 +42,7 @@ struct Args {
     profile: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
     let mut a = Args {
         net: "resnet50".into(),
         mode: "o2-f16".into(),
@@ -53,21 +53,17 @@ fn parse_args() -> Result<Args, String> {
         lr: 0.001,
         profile: false,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+    while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
-            "--net" => a.net = value()?,
-            "--mode" => a.mode = value()?,
-            "--layout" => a.layout = value()?,
-            "--batch" => a.batch = Some(value()?.parse().map_err(|e| format!("--batch: {e}"))?),
-            "--steps" => a.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
-            "--warmup" => a.warmup = value()?.parse().map_err(|e| format!("--warmup: {e}"))?,
-            "--lr" => a.lr = value()?.parse().map_err(|e| format!("--lr: {e}"))?,
+            "--net" => a.net = flags.value(&flag)?,
+            "--mode" => a.mode = flags.value(&flag)?,
+            "--layout" => a.layout = flags.value(&flag)?,
+            "--batch" => a.batch = Some(flags.number(&flag)?),
+            "--steps" => a.steps = flags.number(&flag)?,
+            "--warmup" => a.warmup = flags.number(&flag)?,
+            "--lr" => a.lr = flags.number(&flag)?,
             "--profile" => a.profile = true,
-            // cargo bench passes --bench to harness-less benches.
-            "--bench" => {}
-            other => return Err(format!("unknown argument {other}")),
+            other => return Err(common::args::unknown(other)),
         }
     }
     Ok(a)
@@ -75,13 +71,7 @@ fn parse_args() -> Result<Args, String> {
 
 fn main() {
     let start = Instant::now();
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("train_throughput: {e}");
-            std::process::exit(2);
-        }
-    };
+    let args = common::args::parse_or_exit("train_throughput", parse_args);
     common::main_with(|| run(&args, start))
 }
 

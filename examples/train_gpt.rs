@@ -10,13 +10,18 @@
 //! checkpoint and the final weights (Hugging Face GPT-2 layout) under `runs/train_gpt/`.
 //! `--model gpt2` trains GPT-2 124M; `--data DIR` takes any folder of `.txt` files. A run
 //! config (`--config FILE`, TOML) holds the same keys as the flags (`batch_size = 32`).
+//!
+//! Several GPUs: `--nproc-per-node N` starts N processes (one per GPU, `cuda:0` .. `cuda:N-1`)
+//! and supervises them, data-parallel (DDP over NCCL; `--batch-size` is per process); the same
+//! binary runs unchanged under `torchrun --no-python` and `srun`.
 
 use std::path::PathBuf;
 
 use clap::Parser;
+use mixprec::train::distributed::{launched, parse_nproc, spawn_ranks, Nproc, Ranks};
 use mixprec::train::gpt::{run_gpt, GptRunConfig, GptRunOptions};
 use mixprec::train::progress::ProgressMode;
-use mixprec::{Device, Error};
+use mixprec::Error;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -36,7 +41,8 @@ struct Cli {
     /// A folder of .txt / .txt.gz files (default: the bundled Shakespeare).
     #[arg(long, value_name = "DIR")]
     data: Option<PathBuf>,
-    /// auto, cpu or cuda:N.
+    /// auto, cpu, cuda or cuda:N (with several processes: auto, cuda or cpu; each process
+    /// trains on cuda:LOCAL_RANK).
     #[arg(long, default_value = "auto")]
     device: String,
     /// Where the run's files go.
@@ -102,6 +108,14 @@ struct Cli {
     /// bar, lines or off (default: a bar on a terminal, lines otherwise).
     #[arg(long)]
     progress: Option<String>,
+    /// Data-parallel training: start N processes on this machine, one per GPU (N CPU processes
+    /// without a GPU), and supervise them; `gpu`: one per visible GPU. --batch-size is per
+    /// process.
+    #[arg(long, value_name = "N|gpu", value_parser = parse_nproc, allow_negative_numbers = true)]
+    nproc_per_node: Option<Nproc>,
+    /// The rendezvous port of --nproc-per-node (default: a free one).
+    #[arg(long, value_name = "PORT", requires = "nproc_per_node")]
+    master_port: Option<u16>,
 }
 
 fn config(cli: &Cli) -> mixprec::Result<GptRunConfig> {
@@ -150,25 +164,10 @@ fn config(cli: &Cli) -> mixprec::Result<GptRunConfig> {
     Ok(c)
 }
 
-fn device(spec: &str) -> mixprec::Result<Device> {
-    match spec {
-        "auto" => Ok(Device::cuda_if_available(0)),
-        "cpu" => Ok(Device::Cpu),
-        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(i)) => Device::cuda(i),
-            _ => Err(Error::invalid_arg(
-                "train_gpt",
-                "--device",
-                s,
-                "auto, cpu or cuda:N",
-            )),
-        },
-    }
-}
-
 fn run(cli: &Cli) -> mixprec::Result<()> {
     let config = config(cli)?;
-    let device = device(&cli.device)?;
+    // With several processes: cuda:LOCAL_RANK for `auto` and `cuda`.
+    let (device, _) = Ranks::from_env()?.device(&cli.device)?;
     let resume = match cli.resume.as_deref() {
         None => None,
         Some("auto") => {
@@ -202,6 +201,9 @@ fn run(cli: &Cli) -> mixprec::Result<()> {
             stop_after: cli.stop_after,
         },
     )?;
+    if summary.rank != 0 {
+        return Ok(());
+    }
     println!(
         "done: {} steps, train loss {:.4}, val loss {:.4}, {:.0} tokens/s; weights in {}",
         summary.steps,
@@ -213,10 +215,24 @@ fn run(cli: &Cli) -> mixprec::Result<()> {
     Ok(())
 }
 
-fn main() {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    if let Err(e) = run(&cli) {
-        eprintln!("train_gpt: {e}");
-        std::process::exit(1);
+    // Under a launcher (ours, torchrun, srun) this process is one rank: it trains.
+    let launched = launched();
+    let result = match cli.nproc_per_node {
+        Some(n) if !launched => n
+            .count("train_gpt")
+            .and_then(|n| spawn_ranks("train_gpt", n, cli.master_port)),
+        _ => run(&cli).map(|()| 0),
+    };
+    match result {
+        Ok(code) => std::process::ExitCode::from(code),
+        Err(e) => {
+            match std::env::var("RANK") {
+                Ok(r) if launched => eprintln!("train_gpt (rank {r}): {e}"),
+                _ => eprintln!("train_gpt: {e}"),
+            }
+            std::process::ExitCode::FAILURE
+        }
     }
 }

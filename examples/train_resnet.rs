@@ -22,6 +22,7 @@ use std::sync::Arc;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use mixprec::error::fmt_number;
 use mixprec::train::config::{allowed, OPTIMIZERS, OPT_LEVELS, SCHEDULES};
+use mixprec::train::distributed::{launched, parse_nproc, spawn_ranks, Nproc};
 use mixprec::train::progress::ProgressMode;
 use mixprec::train::run_dir::CHECKPOINT_DIR;
 use mixprec::train::trainer::checkpoint_config;
@@ -311,9 +312,11 @@ fn main() -> std::process::ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level)).init();
     let cli = Cli::from_arg_matches(&command().get_matches()).unwrap_or_else(|e| e.exit());
     // Under a launcher (ours, torchrun, srun) this process is one rank: it trains.
-    let launched = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
+    let launched = launched();
     let result = match cli.nproc_per_node {
-        Some(n) if !launched => n.count().and_then(|n| spawn_ranks(n, cli.master_port)),
+        Some(n) if !launched => n
+            .count("train_resnet")
+            .and_then(|n| spawn_ranks("train_resnet", n, cli.master_port)),
         // A run stopped by a signal exits as a process that signal ended (128 + it), after
         // saving and saying how to continue.
         _ => train(cli).map(|s| s.stopped.map_or(0, stop_status)),
@@ -333,84 +336,6 @@ fn main() -> std::process::ExitCode {
 /// The exit status of a process stopped by `signal`, as a shell reports it.
 fn stop_status(signal: i32) -> u8 {
     128u8.saturating_add(signal.clamp(0, 127) as u8)
-}
-
-/// `--nproc-per-node`: a number of processes, or one per visible GPU.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Nproc {
-    Count(usize),
-    Gpu,
-}
-
-fn parse_nproc(s: &str) -> Result<Nproc, String> {
-    if s == "gpu" {
-        return Ok(Nproc::Gpu);
-    }
-    match s.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(Nproc::Count(n)),
-        _ => Err(format!(
-            "`{s}`: a number of processes >= 1, or `gpu` (one per visible GPU)"
-        )),
-    }
-}
-
-impl Nproc {
-    /// The number of processes to start; `gpu` counts the GPUs this process sees.
-    fn count(self) -> mixprec::Result<usize> {
-        match self {
-            Nproc::Count(n) => Ok(n),
-            Nproc::Gpu => gpu_processes(mixprec::backend::cuda::device_count()),
-        }
-    }
-}
-
-/// `--nproc-per-node gpu` on a machine where CUDA sees `visible` GPUs (or why it sees none).
-fn gpu_processes(visible: mixprec::Result<usize>) -> mixprec::Result<usize> {
-    let why = match visible {
-        Ok(n) if n >= 1 => return Ok(n),
-        Ok(_) => "CUDA sees no GPU".to_string(),
-        Err(e) => e.to_string(),
-    };
-    Err(Error::invalid_arg(
-        "train_resnet",
-        "--nproc-per-node",
-        "gpu",
-        format!(
-            "a machine with a usable GPU ({why}); give a number to start that many CPU processes"
-        ),
-    ))
-}
-
-/// `--nproc-per-node N`: this program N times, with the same arguments but that one, as ranks
-/// 0..N of one run on this machine; the first failure ends the run, and a SIGINT / SIGTERM is
-/// forwarded to every rank (see `mixprec::distributed::launch`). Returns the exit status: 0,
-/// or 128 + the signal that stopped it.
-fn spawn_ranks(n: usize, port: Option<u16>) -> mixprec::Result<u8> {
-    use mixprec::distributed::launch::{supervise, LaunchConfig};
-    let mut args = Vec::new();
-    let mut it = std::env::args_os().skip(1);
-    while let Some(a) = it.next() {
-        let s = a.to_string_lossy();
-        if s == "--nproc-per-node" || s == "--master-port" {
-            it.next();
-        } else if !(s.starts_with("--nproc-per-node=") || s.starts_with("--master-port=")) {
-            args.push(a);
-        }
-    }
-    let exe = std::env::current_exe()
-        .map_err(|e| mixprec::Error::io("finding this program to start the ranks", e))?;
-    let mut cfg = LaunchConfig::new(n, exe, args);
-    cfg.master_port = port;
-    let launched = supervise(&cfg)?;
-    let code = launched.exit_code();
-    match launched.into_result() {
-        Ok(_) => Ok(code),
-        Err(e) if code > 128 => {
-            eprintln!("train_resnet: {e}");
-            Ok(code)
-        }
-        Err(e) => Err(e),
-    }
 }
 
 /// Whether this process is one of several ranks (a launcher's variables say so).
@@ -603,6 +528,7 @@ fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mixprec::train::distributed::gpu_processes;
 
     fn cli(args: &[&str]) -> Cli {
         let argv = std::iter::once("train_resnet").chain(args.iter().copied());
@@ -726,18 +652,23 @@ mod tests {
                 "{bad:?}: {e}"
             );
         }
-        assert_eq!(gpu_processes(Ok(4)).unwrap(), 4);
+        assert_eq!(gpu_processes("train_resnet", Ok(4)).unwrap(), 4);
         // A run stopped by SIGTERM exits as one the signal ended.
         assert_eq!(stop_status(15), 143);
         assert_eq!(stop_status(2), 130);
-        let none = gpu_processes(Ok(0)).unwrap_err().to_string();
+        let none = gpu_processes("train_resnet", Ok(0))
+            .unwrap_err()
+            .to_string();
         assert!(
             none.contains("CUDA sees no GPU") && none.contains("give a number"),
             "{none}"
         );
-        let why = gpu_processes(Err(Error::Cuda("libcuda.so.1 not found".into())))
-            .unwrap_err()
-            .to_string();
+        let why = gpu_processes(
+            "train_resnet",
+            Err(Error::Cuda("libcuda.so.1 not found".into())),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(why.contains("libcuda.so.1 not found"), "{why}");
     }
 

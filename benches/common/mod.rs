@@ -1,8 +1,10 @@
-//! The harness the GPU benchmarks share: the no-GPU skip, the timing loop and the
-//! device-to-device copy bandwidth every row is compared with.
+//! The harness the GPU benchmarks share: the command line (`args`), the no-GPU skip, the
+//! timing loop and the device-to-device copy bandwidth every row is compared with.
 
 // Each bench uses part of the harness.
 #![allow(dead_code)]
+
+pub mod args;
 
 use std::time::Instant;
 

@@ -502,8 +502,11 @@ impl<M: Module> Drop for DistributedDataParallel<M> {
     }
 }
 
-impl<M: Module> Module for DistributedDataParallel<M> {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl<M: Module> DistributedDataParallel<M> {
+    /// A training forward through `f` rather than `Module::forward`, for a model whose loss is
+    /// its own method (`Gpt::loss`): the buffers' broadcast and the reducer's arming happen
+    /// first, exactly as in [`Module::forward`], so the next backward averages the gradients.
+    pub fn forward_with<R>(&self, f: impl FnOnce(&M) -> Result<R>) -> Result<R> {
         self.group.check()?;
         if self.module.is_training() && crate::autograd::is_grad_enabled() {
             if self.cfg.broadcast_buffers && self.group.world_size() > 1 {
@@ -511,7 +514,13 @@ impl<M: Module> Module for DistributedDataParallel<M> {
             }
             self.reducer.prepare()?;
         }
-        self.module.forward(x)
+        f(&self.module)
+    }
+}
+
+impl<M: Module> Module for DistributedDataParallel<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(|m| m.forward(x))
     }
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&TensorInfo)) {
         self.module.visit(prefix, f)

@@ -117,3 +117,87 @@ impl Ranks {
         Ok(out)
     }
 }
+
+/// Whether this process runs under a launcher (ours, torchrun, srun) as one rank of a run.
+pub fn launched() -> bool {
+    std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some()
+}
+
+/// `--nproc-per-node`: a number of processes, or one per visible GPU (torchrun's `gpu`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Nproc {
+    Count(usize),
+    Gpu,
+}
+
+/// `--nproc-per-node`'s parser (for clap's `value_parser`).
+pub fn parse_nproc(s: &str) -> std::result::Result<Nproc, String> {
+    if s == "gpu" {
+        return Ok(Nproc::Gpu);
+    }
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(Nproc::Count(n)),
+        _ => Err(format!(
+            "`{s}`: a number of processes >= 1, or `gpu` (one per visible GPU)"
+        )),
+    }
+}
+
+impl Nproc {
+    /// The number of processes `job` starts; `gpu` counts the GPUs this process sees.
+    pub fn count(self, job: &'static str) -> Result<usize> {
+        match self {
+            Nproc::Count(n) => Ok(n),
+            Nproc::Gpu => gpu_processes(job, crate::backend::cuda::device_count()),
+        }
+    }
+}
+
+/// `--nproc-per-node gpu` on a machine where CUDA sees `visible` GPUs (or why it sees none).
+pub fn gpu_processes(job: &'static str, visible: Result<usize>) -> Result<usize> {
+    let why = match visible {
+        Ok(n) if n >= 1 => return Ok(n),
+        Ok(_) => "CUDA sees no GPU".to_string(),
+        Err(e) => e.to_string(),
+    };
+    Err(Error::invalid_arg(
+        job,
+        "--nproc-per-node",
+        "gpu",
+        format!(
+            "a machine with a usable GPU ({why}); give a number to start that many CPU processes"
+        ),
+    ))
+}
+
+/// `--nproc-per-node N`: this program N times, with the same arguments but that one and
+/// `--master-port`, as ranks 0..N of one run on this machine; the first failure ends the run,
+/// and a SIGINT / SIGTERM is forwarded to every rank (see `distributed::launch`). Returns the
+/// exit status: 0, or 128 + the signal that stopped it.
+pub fn spawn_ranks(job: &'static str, n: usize, port: Option<u16>) -> Result<u8> {
+    use crate::distributed::launch::{supervise, LaunchConfig};
+    let mut args = Vec::new();
+    let mut it = std::env::args_os().skip(1);
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        if s == "--nproc-per-node" || s == "--master-port" {
+            it.next();
+        } else if !(s.starts_with("--nproc-per-node=") || s.starts_with("--master-port=")) {
+            args.push(a);
+        }
+    }
+    let exe = std::env::current_exe()
+        .map_err(|e| Error::io("finding this program to start the ranks", e))?;
+    let mut cfg = LaunchConfig::new(n, exe, args);
+    cfg.master_port = port;
+    let launched = supervise(&cfg)?;
+    let code = launched.exit_code();
+    match launched.into_result() {
+        Ok(_) => Ok(code),
+        Err(e) if code > 128 => {
+            eprintln!("{job}: {e}");
+            Ok(code)
+        }
+        Err(e) => Err(e),
+    }
+}

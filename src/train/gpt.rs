@@ -7,12 +7,25 @@
 //! Between two evaluations lies one *round* (`eval_every` steps): the progress display, the
 //! metrics files (`metrics.csv`/`.jsonl`, one row per round: `epoch` is the round, `images_per_s`
 //! counts tokens, the accuracies are empty) and `checkpoints/last` follow rounds.
+//!
+//! Under a launcher (`train_gpt --nproc-per-node N`, `torchrun`, `srun`) each process is one
+//! rank (see `train::distributed`): it trains on its device, joins the process group and wraps
+//! the model in `DistributedDataParallel` (gradients averaged in buckets during backward, inside
+//! the captured step too; with gradient accumulation only a step's last micro-batch averages,
+//! the others run under `no_sync`). Each rank reads its own batches of the token stream
+//! (`batch_size` is per rank, so a step trains on `world_size` times the tokens); rank 0 alone
+//! locks the run directory, prints, writes metrics, samples text and checkpoints. The train and
+//! val losses are the means over the ranks (each evaluates `eval_batches` of its own share of
+//! the val split), tokens/s counts every rank's tokens. A checkpoint resumes at the world size
+//! that wrote it.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use super::distributed::Ranks;
 use super::metrics::{EpochRecord, MetricsWriter};
 use super::plot::plot_history;
 use super::progress::{EpochProgress, ProgressMode};
@@ -23,9 +36,10 @@ use crate::data::{
     prepare_token_shards, CorpusOptions, Gpt2Tokenizer, TokenLoader, TokenLoaderConfig,
     TokenLoaderState, TokenSplit,
 };
+use crate::distributed::{DdpConfig, DistributedDataParallel, NoSyncGuard};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
-use crate::nn::{generate, Gpt, GptConfig, Module, SampleConfig, GPT2_VOCAB};
+use crate::nn::{generate, Gpt, GptConfig, Module, SampleConfig, StateDict, GPT2_VOCAB};
 use crate::optim::{AdamConfig, FusedAdam, LrSchedule, ParamGroups};
 use crate::tensor::{DType, Device, Tensor};
 
@@ -260,6 +274,7 @@ impl GptRecipe {
         }
     }
 
+    /// One rank's tokens per optimizer step.
     fn tokens_per_step(&self) -> usize {
         self.batch_size * self.context * self.grad_accum
     }
@@ -269,6 +284,7 @@ impl GptRecipe {
 #[derive(Clone, Debug)]
 pub struct GptRunOptions {
     pub out: PathBuf,
+    /// Under a launcher: this rank's device (`Ranks::device` chooses `cuda:LOCAL_RANK`).
     pub device: Device,
     /// Continue from this checkpoint (its recipe wins over `config`).
     pub resume: Option<PathBuf>,
@@ -285,9 +301,17 @@ pub struct GptRunSummary {
     pub steps: u64,
     pub train_loss: f64,
     pub val_loss: f64,
+    /// Every rank's tokens.
     pub tokens_per_s: f64,
+    /// Rank 0's (empty on the other ranks).
     pub sample: String,
+    /// Written by rank 0.
     pub weights: PathBuf,
+    /// The processes that trained (1 without a launcher) and this one's rank.
+    pub world_size: usize,
+    pub rank: usize,
+    /// This rank's trained model (its state dict: the ranks' are equal, which tests check).
+    pub state: StateDict,
 }
 
 /// The checkpoint's free-form part.
@@ -296,6 +320,13 @@ struct Extra {
     recipe: GptRecipe,
     train_loader: TokenLoaderState,
     history: Vec<EpochRecord>,
+    /// The processes that trained (the loader's position means that many ranks' batches).
+    #[serde(default = "one")]
+    world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// AdamW in two groups by GPT-2's rule (`ParamGroups::weight_decay_split`): decay on the
@@ -315,7 +346,8 @@ fn optimizer(model: &Gpt, r: &GptRecipe) -> Result<FusedAdam> {
     )
 }
 
-fn loaders(r: &GptRecipe, out: &Path, world: (usize, usize)) -> Result<(TokenLoader, TokenLoader)> {
+/// The corpus tokenized into `out/tokens` (once: later runs reuse the shards). Rank 0's job.
+fn prepare_shards(r: &GptRecipe, out: &Path) -> Result<()> {
     let shards = out.join("tokens");
     let (manifest, reused) = prepare_token_shards(&r.data, &shards, &CorpusOptions::default())?;
     println!(
@@ -325,10 +357,52 @@ fn loaders(r: &GptRecipe, out: &Path, world: (usize, usize)) -> Result<(TokenLoa
         manifest.val_tokens,
         if reused { ", shards reused" } else { "" }
     );
+    Ok(())
+}
+
+/// Rank `world.0` of `world.1`'s train and val loaders over the prepared shards.
+fn loaders(r: &GptRecipe, out: &Path, world: (usize, usize)) -> Result<(TokenLoader, TokenLoader)> {
+    let shards = out.join("tokens");
     let cfg = TokenLoaderConfig::new(r.batch_size, r.context).ranks(world.0, world.1);
     let train = TokenLoader::open(&shards, TokenSplit::Train, cfg.shuffle(r.seed))?;
     let val = TokenLoader::open(&shards, TokenSplit::Val, cfg)?;
     Ok((train, val))
+}
+
+/// The GPT wrapped for data parallelism (`run_gpt` under a launcher).
+pub type GptDdp = DistributedDataParallel<Arc<AmpModel<Gpt>>>;
+
+/// The body of the training step ([`amp::CapturedStep`]'s) for a step of `k` micro-batches: a
+/// micro-batch's loss divided by `k` (the step's gradients are the mean over its micro-batches).
+/// Through `ddp` when given, where all micro-batches of a step but the last run under
+/// `no_sync`: the gradients add up locally, and only their totals are averaged over the ranks
+/// (the step calls the body `k` times in order, as `CapturedStep` does).
+pub fn step_body<'a>(
+    model: &'a AmpModel<Gpt>,
+    ddp: Option<&'a GptDdp>,
+    k: usize,
+) -> impl FnMut(&Tensor, &Tensor) -> Result<Tensor> + 'a {
+    let mut micro = 0;
+    let mut no_sync: Option<NoSyncGuard<'a>> = None;
+    move |x: &Tensor, y: &Tensor| {
+        let l = match ddp {
+            Some(d) => {
+                if micro + 1 < k {
+                    no_sync.get_or_insert_with(|| d.no_sync());
+                } else {
+                    no_sync = None;
+                }
+                micro = (micro + 1) % k.max(1);
+                d.forward_with(|m| m.scope(|g| g.loss(x, y)))?
+            }
+            None => model.scope(|m| m.loss(x, y))?,
+        };
+        if k <= 1 {
+            Ok(l)
+        } else {
+            l.mul_scalar(1.0 / k as f64)
+        }
+    }
 }
 
 /// The mean loss over `n` val batches (from the start of the val split each time).
@@ -397,9 +471,17 @@ fn peak_flops(dev: Device) -> Option<f64> {
     }
 }
 
-/// Runs (or continues) a GPT training job.
+/// Runs (or continues) a GPT training job; under a launcher, as one rank of a data-parallel run
+/// (see the module docs).
 pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSummary> {
     let dev = opts.device;
+    let mut ranks = Ranks::from_env()?;
+    let (main, world, rank) = (ranks.is_main(), ranks.world_size(), ranks.rank());
+    let say = |line: String| {
+        if main {
+            println!("{line}");
+        }
+    };
     let resumed = opts
         .resume
         .as_ref()
@@ -419,6 +501,23 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         }
         None => (config.resolve(dev)?, None),
     };
+    if let (Some((p, _)), Some(e)) = (&resumed, &extra) {
+        if e.world_size != world {
+            return Err(Error::invalid_arg(
+                "train_gpt",
+                "resume",
+                format!("{} (written by {} process(es))", p.display(), e.world_size),
+                format!(
+                    "a checkpoint of a run on {world} process(es), as this one: the data \
+                     position is per rank (resume with --nproc-per-node {})",
+                    e.world_size
+                ),
+            ));
+        }
+    }
+    // Every rank joins before rank 0 checks the run directory: a refusal there then ends the
+    // others through the group rather than leaving them at the rendezvous.
+    ranks.join(dev)?;
     let how = match &resumed {
         Some((p, _)) => Use::Resume {
             checkpoint: p.as_path(),
@@ -429,17 +528,30 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
             overwrite: opts.overwrite,
         },
     };
-    let dir = RunDir::open(&opts.out, how)?;
-    let out = dir.root().to_path_buf();
-    crate::io::write_atomic(&out.join("config.json"), |w| {
-        serde_json::to_writer_pretty(w, &recipe)
-            .map_err(|e| Error::invalid_arg("train_gpt", "config", e, "serialisable"))
-    })?;
-    let (mut train, mut val) = loaders(&recipe, &out, (0, 1))?;
+    // Rank 0 alone locks the run directory and writes into it: the config and the token
+    // shards, which the others read once it is done.
+    let dir = match main {
+        true => Some(RunDir::open(&opts.out, how)?),
+        false => None,
+    };
+    let out = dir
+        .as_ref()
+        .map_or_else(|| opts.out.clone(), |d| d.root().to_path_buf());
+    if main {
+        crate::io::write_atomic(&out.join("config.json"), |w| {
+            serde_json::to_writer_pretty(w, &recipe)
+                .map_err(|e| Error::invalid_arg("train_gpt", "config", e, "serialisable"))
+        })?;
+        prepare_shards(&recipe, &out)?;
+    }
+    if let Some(g) = &ranks.group {
+        g.barrier()?;
+    }
+    let (mut train, mut val) = loaders(&recipe, &out, (rank, world))?;
     let gcfg: GptConfig = recipe.gpt.into();
     let model = Gpt::new(gcfg, recipe.seed, &dev)?;
     let params = model.num_parameters();
-    println!(
+    say(format!(
         "model: {} ({} layers, {} heads, width {}, context {}): {:.1}M parameters on {dev}; {}{}",
         recipe.model,
         gcfg.n_layer,
@@ -453,9 +565,17 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         } else {
             format!(" {}", recipe.half)
         }
-    );
+    ));
+    if world > 1 {
+        say(format!(
+            "distributed: {world} processes ({:?} backend), {} tokens per step in all",
+            crate::distributed::Backend::for_device(dev),
+            super::progress::group_thousands((recipe.tokens_per_step() * world) as u64)
+        ));
+    }
     let opt = optimizer(&model, &recipe)?;
     let (model, mut opt) = amp::initialize(model, opt, recipe.policy()?)?;
+    let model = Arc::new(model);
     if recipe.clip > 0.0 {
         opt.clip_grad_norm(Some(recipe.clip))?;
     }
@@ -466,28 +586,30 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         train.set_state(e.train_loader)?;
         history = e.history.clone();
         step = ckpt.progress.step;
-        println!("resumed at step {step} of {}", recipe.steps);
+        say(format!("resumed at step {step} of {}", recipe.steps));
     }
-    let mut metrics = if history.is_empty() {
-        MetricsWriter::create(&out)?
-    } else {
-        MetricsWriter::resume(&out, &history)?
+    let mut metrics = match (main, history.is_empty()) {
+        (false, _) => None,
+        (true, true) => Some(MetricsWriter::create(&out)?),
+        (true, false) => Some(MetricsWriter::resume(&out, &history)?),
+    };
+    // After the restore: the wrap copies rank 0's model to the others (they restored the same).
+    let ddp = match &ranks.group {
+        Some(g) => Some(DistributedDataParallel::new(
+            model.clone(),
+            g,
+            DdpConfig::default(),
+        )?),
+        None => None,
     };
     let tok = Gpt2Tokenizer::new();
     let k = recipe.grad_accum;
-    let body = |x: &Tensor, y: &Tensor| {
-        let l = model.scope(|m| m.loss(x, y))?;
-        if k == 1 {
-            Ok(l)
-        } else {
-            l.mul_scalar(1.0 / k as f64)
-        }
-    };
+    let body = step_body(&model, ddp.as_ref(), k);
     let val_loss = |x: &Tensor, y: &Tensor| model.scope(|m| m.loss(x, y));
     let mut stepper = if recipe.captured {
-        amp::CapturedStep::new(&model, &mut opt, body)?
+        amp::CapturedStep::new(&*model, &mut opt, body)?
     } else {
-        amp::CapturedStep::eager(&model, &mut opt, body)?
+        amp::CapturedStep::eager(&*model, &mut opt, body)?
     }
     .micro_batches(k)?;
     let schedule = recipe.schedule();
@@ -500,11 +622,17 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
     let mut last_sample = String::new();
     let mut skipped_before: u64 = 0;
     let stop = opts.stop_after.unwrap_or(u64::MAX).min(recipe.steps);
+    let progress = if main {
+        opts.progress
+    } else {
+        ProgressMode::Off
+    };
+    let tokens_per_step = recipe.tokens_per_step() * world;
     while step < stop {
         let round = (step / recipe.eval_every) as usize + 1;
         let round_end = (round as u64 * recipe.eval_every).min(recipe.steps);
         let mut bar =
-            EpochProgress::new(round, rounds, round_end - step, opts.progress).with_unit("tokens");
+            EpochProgress::new(round, rounds, round_end - step, progress).with_unit("tokens");
         let started = Instant::now();
         let mut loss_sum: Option<Tensor> = None;
         let steps_in_round = round_end - step;
@@ -522,22 +650,33 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
                 None => l.clone(),
             });
             step += 1;
-            bar.tick(recipe.tokens_per_step());
+            bar.tick(tokens_per_step);
         }
-        let secs = started.elapsed().as_secs_f64();
-        last_rate = (recipe.tokens_per_step() as u64 * steps_in_round) as f64 / secs;
-        last_train = match loss_sum {
+        let train_mean = match loss_sum {
             Some(s) => s.item()? / steps_in_round as f64,
             None => f64::NAN,
         };
+        let secs = started.elapsed().as_secs_f64();
+        last_rate = (tokens_per_step as u64 * steps_in_round) as f64 / secs;
         bar.finish();
-        last_val = evaluate(&model, val_loss, &mut val, recipe.eval_batches, dev)?;
+        let local_val = evaluate(&model, val_loss, &mut val, recipe.eval_batches, dev)?;
+        // Every rank ran the same steps and evaluated as many batches: the means of the ranks'.
+        let sums = ranks.sum(&[train_mean, local_val])?;
+        last_train = sums[0] / world as f64;
+        last_val = sums[1] / world as f64;
+        let Some(metrics) = metrics.as_mut() else {
+            continue;
+        };
         last_sample = sample(&model, &recipe, dev, &tok, recipe.seed ^ step)?;
         let stats = stepper.optimizer().stats()?;
         let skipped_total: u64 = stats.iter().map(|s| s.skipped_total).sum();
         let scale = stats.first().map_or(1.0, |s| s.scale);
         let mfu = peak
-            .map(|p| format!(", MFU {:.0}%", 100.0 * flops_per_token * last_rate / p))
+            // Per GPU: the rate counts every rank's tokens.
+            .map(|p| {
+                let util = flops_per_token * last_rate / (p * world as f64);
+                format!(", MFU {:.0}%", 100.0 * util)
+            })
             .unwrap_or_default();
         println!(
             "step {step}/{}: train loss {last_train:.4}, val loss {last_val:.4}, lr {lr:.2e}, {} tokens/s{mfu}, loss scale {scale}",
@@ -569,6 +708,7 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
             recipe: recipe.clone(),
             train_loader: train.state(),
             history: metrics.history().to_vec(),
+            world_size: world,
         };
         let extra = serde_json::to_value(&extra)
             .map_err(|e| Error::invalid_arg("train_gpt", "checkpoint", e, "serialisable"))?;
@@ -577,13 +717,15 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
             step,
             seed: recipe.seed,
         };
-        Checkpoint::capture(&model, stepper.optimizer(), progress, extra)?
+        Checkpoint::capture(&*model, stepper.optimizer(), progress, extra)?
             .save(&out.join(CHECKPOINT_DIR).join("last.safetensors"))?;
     }
     drop(stepper);
     let weights = out.join("model.safetensors");
     let state = model.state_dict()?;
-    crate::io::hf_gpt2::save_hf_gpt2(&weights, &state, GPT2_VOCAB)?;
+    if main {
+        crate::io::hf_gpt2::save_hf_gpt2(&weights, &state, GPT2_VOCAB)?;
+    }
     drop(dir);
     Ok(GptRunSummary {
         steps: step,
@@ -592,5 +734,8 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         tokens_per_s: last_rate,
         sample: last_sample,
         weights,
+        world_size: world,
+        rank,
+        state,
     })
 }
