@@ -16,6 +16,8 @@ for r in rows:
     how = ("captured" if r.get("captured") else "eager") if r["side"] == "mixprec" else ("compile" if r.get("compile") else "eager")
     if r["side"] == "mixprec":
         how += f", {r.get('attention', '?').lower()} attention"
+        if r.get("checkpoint_activations"):
+            how += ", checkpointed"
     ratio = f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if b else "-"
     print(f"| {r['model']} | {r['side']} | {r['mode']} | {how} | {r['tokens_per_s']:,.0f} | {ratio} | {r['step_ms']:.1f} | "
           f"{r['peak_alloc_mib']:,.0f} | {r['first_step_s']:.1f} | {r.get('skipped', '-')} | {r.get('loss_last', float('nan')):.3f} |")

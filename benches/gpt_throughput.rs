@@ -5,6 +5,7 @@
 //! ```text
 //! bench-gpt_throughput [--model gpt2|gpt2-medium|...] [--mode o0|o1-bf16|o1-f16|o2-bf16|o2-f16]
 //!                      [--captured] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5] [--profile]
+//!                      [--checkpoint-activations]
 //! ```
 //!
 //! The step is the PyTorch twin's: forward, cross-entropy over the padded 50304-token vocabulary,
@@ -13,7 +14,8 @@
 //! device. `--captured` replays the step as one CUDA graph (`amp::CapturedStep`). One JSON line:
 //! tokens/s, step time, first-step time (process start to the end of the first step), peak pool
 //! memory (bytes handed to tensors: PyTorch's `max_memory_allocated`), host syncs per step,
-//! skipped steps, the final loss, the attention path taken.
+//! skipped steps, the final loss, the attention path taken. `--checkpoint-activations`
+//! checkpoints every transformer block (recomputed in backward: less memory, more time).
 
 mod common;
 
@@ -34,6 +36,7 @@ struct Args {
     steps: usize,
     warmup: usize,
     profile: bool,
+    checkpoint_activations: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -46,6 +49,7 @@ fn parse_args() -> Result<Args, String> {
         steps: 20,
         warmup: 5,
         profile: false,
+        checkpoint_activations: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -64,6 +68,7 @@ fn parse_args() -> Result<Args, String> {
             "--steps" => a.steps = number("--steps")?,
             "--warmup" => a.warmup = number("--warmup")?,
             "--profile" => a.profile = true,
+            "--checkpoint-activations" => a.checkpoint_activations = true,
             "--bench" => {}
             other => return Err(format!("unknown flag {other}")),
         }
@@ -126,7 +131,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     let dev = Device::cuda(0)?;
     let mut cfg = GptConfig::named(&args.model)?;
     cfg.block_size = cfg.block_size.max(args.seq);
-    let model = Gpt::new(cfg, 0, &dev)?;
+    let model = Gpt::new(cfg, 0, &dev)?.with_activation_checkpointing(args.checkpoint_activations);
     let params = model.num_parameters();
     let opt = FusedAdam::new(
         model.parameters(),
@@ -226,7 +231,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     let flops = cfg.train_flops_per_token(t) * (b * t) as f64;
     let mib = |v: u64| v as f64 / (1 << 20) as f64;
     println!(
-        "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"attention\": \"{:?}\", \
+        "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"checkpoint_activations\": {}, \"attention\": \"{:?}\", \
          \"batch\": {b}, \"seq\": {t}, \"params\": {params}, \"steps\": {}, \"tokens_per_s\": {tokens_per_s:.0}, \
          \"step_ms\": {:.2}, \"tflops\": {:.1}, \"first_step_s\": {first_step_s:.2}, \
          \"peak_alloc_mib\": {:.0}, \"peak_reserved_mib\": {:.0}, \"host_syncs_per_step\": {:.2}, \
@@ -234,6 +239,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         args.model,
         args.mode,
         args.captured,
+        args.checkpoint_activations,
         path,
         args.steps,
         step_s * 1e3,
