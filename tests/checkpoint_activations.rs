@@ -15,6 +15,9 @@ use mixprec::{amp, DType, Device, Tensor};
 
 const CPU: Device = Device::Cpu;
 
+/// Each parameter's name and gradient bits.
+type Grads = Vec<(String, Option<Vec<u64>>)>;
+
 fn cfg() -> GptConfig {
     GptConfig {
         n_layer: 3,
@@ -36,17 +39,25 @@ fn ids(b: usize, t: usize, seed: u64, vocab: usize) -> Tensor {
 
 /// Every value's bits (f64 holds f32, f16 and bf16 values exactly).
 fn bits(t: &Tensor) -> Vec<u64> {
-    t.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
 }
 
-fn grads_of<M: Module + ?Sized>(m: &M) -> Vec<(String, Option<Vec<u64>>)> {
+fn grads_of<M: Module + ?Sized>(m: &M) -> Grads {
     m.named_parameters()
         .into_iter()
         .map(|(n, p)| (n, p.grad().map(|g| bits(&g))))
         .collect()
 }
 
-fn assert_same(what: &str, plain: &[(String, Option<Vec<u64>>)], ck: &[(String, Option<Vec<u64>>)]) {
+fn assert_same(
+    what: &str,
+    plain: &[(String, Option<Vec<u64>>)],
+    ck: &[(String, Option<Vec<u64>>)],
+) {
     assert_eq!(plain.len(), ck.len(), "{what}: parameter count");
     // By position: a nested wrapper may name the same parameter differently.
     for ((n, a), (_, b)) in plain.iter().zip(ck) {
@@ -56,7 +67,7 @@ fn assert_same(what: &str, plain: &[(String, Option<Vec<u64>>)], ck: &[(String, 
 }
 
 /// Two iterations of a GPT's loss and backward (no optimizer): each loss and every gradient.
-fn gpt_plain_backward(checkpointed: bool) -> Vec<(u64, Vec<(String, Option<Vec<u64>>)>)> {
+fn gpt_plain_backward(checkpointed: bool) -> Vec<(u64, Grads)> {
     let m = Gpt::new(cfg(), 5, &CPU)
         .unwrap()
         .with_activation_checkpointing(checkpointed);
@@ -94,7 +105,7 @@ fn gpt_with_dropout_checkpointed_gives_the_plain_gradients_bitwise() {
 
 /// Three AMP steps of a GPT under `policy`: each loss, the model's gradients after each
 /// backward, and the parameters at the end.
-fn gpt_amp_steps(policy: &amp::Policy, checkpointed: bool) -> Vec<(u64, Vec<(String, Option<Vec<u64>>)>)> {
+fn gpt_amp_steps(policy: &amp::Policy, checkpointed: bool) -> Vec<(u64, Grads)> {
     let m = Gpt::new(cfg(), 6, &CPU)
         .unwrap()
         .with_activation_checkpointing(checkpointed);
@@ -182,7 +193,7 @@ fn loss_of(y: &Tensor) -> Tensor {
 }
 
 /// The loss bits, every parameter's gradient and the input's, of `model` on one input.
-fn run_stack(model: &dyn Module, x_grad: bool) -> (u64, Vec<(String, Option<Vec<u64>>)>, Option<Vec<u64>>) {
+fn run_stack(model: &dyn Module, x_grad: bool) -> (u64, Grads, Option<Vec<u64>>) {
     let x = input(x_grad);
     let loss = loss_of(&model.forward(&x).unwrap());
     loss.backward().unwrap();
@@ -209,7 +220,11 @@ fn nested_and_repeated_checkpoints_give_the_plain_gradients() {
         .with(block(3))
         .with(nn::checkpoint(block(4)));
     let names: Vec<String> = ck.named_parameters().into_iter().map(|(n, _)| n).collect();
-    let want: Vec<String> = plain.named_parameters().into_iter().map(|(n, _)| n).collect();
+    let want: Vec<String> = plain
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
     assert_eq!(names.len(), want.len());
     let (lp, gp, xp) = run_stack(&plain, true);
     let (lc, gc, xc) = run_stack(&ck, true);
@@ -345,7 +360,10 @@ fn misuse_is_an_error() {
     })
     .unwrap();
     let err = loss_of(&y).backward().unwrap_err().to_string();
-    assert!(err.contains("shape_shifter") && err.contains("recompute"), "{err}");
+    assert!(
+        err.contains("shape_shifter") && err.contains("recompute"),
+        "{err}"
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 
     // An error inside the recompute is the backward's error.

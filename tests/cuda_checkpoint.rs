@@ -39,7 +39,11 @@ fn ids(b: usize, t: usize, seed: u64, vocab: usize, dev: Device) -> Tensor {
 }
 
 fn bits(t: &Tensor) -> Vec<u64> {
-    t.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect()
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
 }
 
 struct Run {
@@ -70,12 +74,7 @@ fn run(dropout: f64, policy: &str, checkpointed: bool, captured: bool) -> Run {
     let (model, mut opt) = amp::initialize(m, opt, amp::Policy::builtin(policy).unwrap()).unwrap();
     opt.clip_grad_norm(Some(1.0)).unwrap();
     let batches: Vec<(Tensor, Tensor)> = (0..3)
-        .map(|i| {
-            (
-                ids(4, 64, 10 + i, 256, dev),
-                ids(4, 64, 20 + i, 256, dev),
-            )
-        })
+        .map(|i| (ids(4, 64, 10 + i, 256, dev), ids(4, 64, 20 + i, 256, dev)))
         .collect();
     let mut losses = Vec::new();
     let (x, y) = &batches[0];

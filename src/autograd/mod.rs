@@ -5,8 +5,9 @@
 //! input's node (or variable). `backward` walks the nodes once in reverse topological order,
 //! sums the gradients reaching each, releases each node's saved tensors once used (unless the
 //! graph is retained), and adds the totals to the variables' `grad` (so gradients accumulate
-//! across backward calls until `zero_grad`). The backward pass itself records nothing: there are
-//! no higher-order gradients.
+//! across backward calls until `zero_grad`). The backward pass itself records nothing (there are
+//! no higher-order gradients), but for a checkpoint's recompute (`checkpoint.rs`), whose graph it
+//! walks and releases at once.
 //!
 //! Small convolution weight gradients run beside the main stream of a CUDA device (`beside.rs`);
 //! the engine joins the streams before anything reads them.
@@ -23,8 +24,8 @@ use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-pub(crate) use hooks::Hooks;
 pub use checkpoint::{checkpoint, checkpoint_arc, CheckpointFn};
+pub(crate) use hooks::Hooks;
 pub use hooks::{custom_function, queue_callback, HookId};
 pub(crate) use op::Op;
 
@@ -287,7 +288,13 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
         return scope.finish();
     };
     let mut pending = Deferred::default();
-    let walked = walk(root_node, seed, retain_graph, &mut pending, &mut Collect::default());
+    let walked = walk(
+        root_node,
+        seed,
+        retain_graph,
+        &mut pending,
+        &mut Collect::default(),
+    );
     // The variables reached before an error keep their gradients, as when each was added at once.
     let flushed = pending.flush();
     walked?;

@@ -2,7 +2,8 @@
 //! offset are a tensor on the device of the values, read and advanced there, so the CPU and the
 //! GPU draw the same mask from the same state, a captured step draws a new mask on every replay,
 //! and nothing is read on the host. The backward applies the forward's mask again (its saved
-//! state), storing no mask.
+//! state), storing no mask. A checkpoint's recompute draws at the states its forward drew at
+//! (`dropout_replay.rs`).
 
 use super::{dropout_replay, Device, Shape, Tensor};
 use crate::autograd::Op;
