@@ -14,7 +14,8 @@ base = {(r["model"], half(r), world(r)): r for r in rows
 
 def how(r):
     if r["side"] == "mixprec":
-        return ("captured" if r.get("captured") else "eager") + f", {r.get('attention', '?').lower()} attention"
+        h = ("captured" if r.get("captured") else "eager") + f", {r.get('attention', '?').lower()} attention"
+        return h + (", checkpointed" if r.get("checkpoint_activations") else "")
     return "compile" if r.get("compile") else "eager"
 
 

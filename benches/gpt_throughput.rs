@@ -5,7 +5,7 @@
 //! ```text
 //! bench-gpt_throughput [--model gpt2|gpt2-medium|...] [--mode o0|o1-bf16|o1-f16|o2-bf16|o2-f16]
 //!                      [--captured] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5] [--profile]
-//!                      [--nproc-per-node N]
+//!                      [--nproc-per-node N] [--checkpoint-activations]
 //! ```
 //!
 //! Several GPUs: `--nproc-per-node N` starts the bench N times, one rank per GPU (as
@@ -20,7 +20,8 @@
 //! device. `--captured` replays the step as one CUDA graph (`amp::CapturedStep`). One JSON line:
 //! tokens/s, step time, first-step time (process start to the end of the first step), peak pool
 //! memory (bytes handed to tensors: PyTorch's `max_memory_allocated`), host syncs per step,
-//! skipped steps, the final loss, the attention path taken.
+//! skipped steps, the final loss, the attention path taken. `--checkpoint-activations`
+//! checkpoints every transformer block (recomputed in backward: less memory, more time).
 
 mod common;
 
@@ -47,6 +48,7 @@ struct Args {
     warmup: usize,
     profile: bool,
     nproc: Option<usize>,
+    checkpoint_activations: bool,
 }
 
 fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
@@ -60,6 +62,7 @@ fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
         warmup: 5,
         profile: false,
         nproc: None,
+        checkpoint_activations: false,
     };
     while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
@@ -72,6 +75,7 @@ fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
             "--warmup" => a.warmup = flags.number(&flag)?,
             "--profile" => a.profile = true,
             "--nproc-per-node" => a.nproc = Some(flags.number(&flag)?),
+            "--checkpoint-activations" => a.checkpoint_activations = true,
             other => return Err(common::args::unknown(other)),
         }
     }
@@ -150,7 +154,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     };
     let mut cfg = GptConfig::named(&args.model)?;
     cfg.block_size = cfg.block_size.max(args.seq);
-    let model = Gpt::new(cfg, 0, &dev)?;
+    let model = Gpt::new(cfg, 0, &dev)?.with_activation_checkpointing(args.checkpoint_activations);
     let params = model.num_parameters();
     let opt = FusedAdam::new(
         model.parameters(),
@@ -277,7 +281,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     let flops = cfg.train_flops_per_token(t) * (b * t) as f64;
     let mib = |v: u64| v as f64 / (1 << 20) as f64;
     println!(
-        "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"attention\": \"{:?}\", \
+        "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"checkpoint_activations\": {}, \"attention\": \"{:?}\", \
          \"world\": {world}, \"batch\": {b}, \"seq\": {t}, \"params\": {params}, \"steps\": {}, \"tokens_per_s\": {tokens_per_s:.0}, \
          \"step_ms\": {:.2}, \"tflops\": {:.1}, \"first_step_s\": {first_step_s:.2}, \
          \"peak_alloc_mib\": {:.0}, \"peak_reserved_mib\": {:.0}, \"host_syncs_per_step\": {:.2}, \
@@ -285,6 +289,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         args.model,
         args.mode,
         args.captured,
+        args.checkpoint_activations,
         path,
         args.steps,
         step_s * 1e3,

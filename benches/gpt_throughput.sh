@@ -10,7 +10,8 @@
 # on N GPUs, --batch per GPU: mixprec through `--nproc-per-node N` (DDP over NCCL, eager and
 # captured), PyTorch through torchrun with --ddp (DDP, gradient_as_bucket_view=True); tokens/s
 # then count every GPU's tokens, and the table shows each N-GPU row against its one-GPU row.
-# The JSON lines go to $OUT/gpt.jsonl.
+# With $CHECKPOINT=1 mixprec also runs eager and captured with every block checkpointed
+# (--checkpoint-activations), beside the plain rows. The JSON lines go to $OUT/gpt.jsonl.
 set -u
 cd "$(dirname "$0")/.."
 models=${1:-"gpt2"}
@@ -43,6 +44,10 @@ torchn() {
 for model in $models; do for mode in $modes; do
   ours --model $model --mode $mode
   ours --model $model --mode $mode --captured
+  if [ "${CHECKPOINT:-0}" = 1 ]; then
+    ours --model $model --mode $mode --checkpoint-activations
+    ours --model $model --mode $mode --captured --checkpoint-activations
+  fi
   torch1 --model $model --mode ${twin[$mode]}
   if [ "${COMPILE:-0}" = 1 ]; then
     torch1 --model $model --mode ${twin[$mode]} --compile

@@ -102,6 +102,9 @@ struct Cli {
     /// Capture the step into a CUDA graph: true or false (GPU default: true).
     #[arg(long)]
     captured: Option<bool>,
+    /// Checkpoint every transformer block (recompute it in backward): true or false (false).
+    #[arg(long)]
+    checkpoint_activations: Option<bool>,
     /// Stop after N steps (at the next evaluation), resumable with --resume auto.
     #[arg(long, value_name = "N")]
     stop_after: Option<u64>,
@@ -159,7 +162,8 @@ fn config(cli: &Cli) -> mixprec::Result<GptRunConfig> {
         temperature,
         top_k,
         seed,
-        captured
+        captured,
+        checkpoint_activations
     );
     Ok(c)
 }

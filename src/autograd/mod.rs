@@ -5,8 +5,9 @@
 //! input's node (or variable). `backward` walks the nodes once in reverse topological order,
 //! sums the gradients reaching each, releases each node's saved tensors once used (unless the
 //! graph is retained), and adds the totals to the variables' `grad` (so gradients accumulate
-//! across backward calls until `zero_grad`). The backward pass itself records nothing: there are
-//! no higher-order gradients.
+//! across backward calls until `zero_grad`). The backward pass itself records nothing (there are
+//! no higher-order gradients), but for a checkpoint's recompute (`checkpoint.rs`), whose graph it
+//! walks and releases at once.
 //!
 //! Small convolution weight gradients run beside the main stream of a CUDA device (`beside.rs`);
 //! the engine joins the streams before anything reads them.
@@ -15,6 +16,7 @@
 //! copy — never because the graph passes through it (PyTorch's rule).
 
 mod beside;
+mod checkpoint;
 pub mod hooks;
 mod op;
 
@@ -22,6 +24,7 @@ use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
+pub use checkpoint::{checkpoint, checkpoint_arc, CheckpointFn};
 pub(crate) use hooks::Hooks;
 pub use hooks::{custom_function, queue_callback, HookId};
 pub(crate) use op::Op;
@@ -57,6 +60,14 @@ impl Drop for NoGradGuard {
 
 pub fn no_grad() -> NoGradGuard {
     let prev = GRAD_ENABLED.with(|g| g.replace(false));
+    NoGradGuard { prev }
+}
+
+/// Enables graph recording on this thread until the guard drops (PyTorch's
+/// `torch.enable_grad()`): inside `no_grad`, or inside a backward pass (a checkpoint's
+/// recompute).
+pub fn enable_grad() -> NoGradGuard {
+    let prev = GRAD_ENABLED.with(|g| g.replace(true));
     NoGradGuard { prev }
 }
 
@@ -288,7 +299,13 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
         return scope.finish();
     };
     let mut pending = Deferred::default();
-    let walked = walk(root_node, seed, retain_graph, &mut pending);
+    let walked = walk(
+        root_node,
+        seed,
+        retain_graph,
+        &mut pending,
+        &mut Collect::default(),
+    );
     // The variables reached before an error keep their gradients, as when each was added at once.
     let flushed = pending.flush();
     walked?;
@@ -296,13 +313,53 @@ pub(crate) fn backward(root: &Tensor, retain_graph: bool) -> Result<()> {
     scope.finish()
 }
 
+/// Variables whose gradients a pass returns instead of accumulating (`grads_of`).
+#[derive(Default)]
+struct Collect {
+    wanted: HashSet<TensorId>,
+    found: HashMap<TensorId, Tensor>,
+}
+
+/// The gradients of `root` seeded with `seed` for the variables `wanted`, inside a running
+/// backward pass (a checkpoint's recompute): computed as the pass would but returned, in
+/// `wanted`'s order, rather than accumulated (their hooks do not run: the caller hands them to
+/// the pass, which does that). Other variables reached accumulate as in `backward`. The graph
+/// under `root` is released as it is walked.
+pub(crate) fn grads_of(
+    root: Tensor,
+    seed: Tensor,
+    wanted: &[TensorId],
+) -> Result<Vec<Option<Tensor>>> {
+    let mut collect = Collect {
+        wanted: wanted.iter().copied().collect(),
+        found: HashMap::new(),
+    };
+    match root.node().cloned() {
+        Some(node) => {
+            drop(root);
+            let mut pending = Deferred::default();
+            let walked = walk(node, seed, false, &mut pending, &mut collect);
+            let flushed = pending.flush();
+            walked?;
+            flushed?;
+        }
+        // The function returned a variable as it is.
+        None => {
+            collect.found.insert(root.id(), seed);
+        }
+    }
+    Ok(wanted.iter().map(|id| collect.found.remove(id)).collect())
+}
+
 /// The pass itself: each node's formula in reverse topological order from `root_node`, whose
-/// gradient is `seed`; the variables' adds into their own buffers are left in `pending`.
+/// gradient is `seed`; the variables' adds into their own buffers are left in `pending`, the
+/// gradients of `collect`'s variables in it.
 fn walk(
     root_node: Arc<Node>,
     seed: Tensor,
     retain_graph: bool,
     pending: &mut Deferred,
+    collect: &mut Collect,
 ) -> Result<()> {
     let order = topo_order(&root_node);
     let mut grads: HashMap<Key, Tensor> = HashMap::new();
@@ -314,6 +371,13 @@ fn walk(
         };
         let from_side = pending.from_side.remove(&v.key());
         let node = match v {
+            Vertex::Leaf(t) if collect.wanted.contains(&t.id()) => {
+                if from_side {
+                    pending.join()?;
+                }
+                collect.found.insert(t.id(), g);
+                continue;
+            }
             Vertex::Leaf(t) => {
                 // Read now: a variable frozen after recording gets nothing.
                 if t.requires_grad() {
@@ -366,8 +430,8 @@ fn walk(
                     node.name
                 ))
             })?;
-            if matches!(op, Op::Custom(_)) {
-                // A user's backward may read gradients.
+            if matches!(op, Op::Custom(_) | Op::Checkpoint(_)) {
+                // A user's backward (a recompute) may read gradients.
                 pending.flush()?;
             }
             let r = op.backward(&g, &needs, &may_beside, &mut beside)?;

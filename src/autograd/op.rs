@@ -180,6 +180,8 @@ pub(crate) enum Op {
     SdpaPacked(Box<crate::tensor::attention::SdpaNode>),
     /// A user-defined function (`autograd::custom_function`).
     Custom(Box<super::hooks::CustomOp>),
+    /// A checkpointed function, recomputed in backward (`autograd::checkpoint`).
+    Checkpoint(Box<super::checkpoint::CheckpointOp>),
 }
 
 impl Op {
@@ -220,6 +222,7 @@ impl Op {
             Op::MaskedSoftmax { .. } => "scaled_masked_softmax",
             Op::Sdpa(_) | Op::SdpaPacked(_) => "scaled_dot_product_attention",
             Op::Custom(f) => f.name,
+            Op::Checkpoint(c) => c.name(),
         }
     }
 
@@ -270,6 +273,7 @@ impl Op {
                 attention::backward(self, g, w)
             }
             Op::Custom(f) => f.backward(g, needs),
+            Op::Checkpoint(c) => c.backward(g, needs),
         }
     }
 

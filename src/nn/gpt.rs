@@ -7,6 +7,9 @@
 //! Any size by [`GptConfig`]; GPT-2's init: N(0, 0.02) for weights and embeddings, the residual
 //! projections (`attn.c_proj`, `mlp.c_proj`) scaled by 1/sqrt(2·n_layer), zero biases, unit norms.
 
+use std::sync::Arc;
+
+use super::checkpoint::checkpointed_forward;
 use super::embedding::Embedding;
 use super::layer_norm::LayerNorm;
 use super::loss::{cross_entropy_with, CrossEntropyConfig};
@@ -123,8 +126,11 @@ impl GptConfig {
 pub struct GptBody {
     pub wte: Embedding,
     pub wpe: Embedding,
-    pub h: Vec<TransformerBlock>,
+    /// Shared, so that a checkpointed block's recompute can hold it.
+    pub h: Vec<Arc<TransformerBlock>>,
     pub ln_f: LayerNorm,
+    /// Checkpoint every block (`nn::checkpoint`): keep only each block's input for backward.
+    pub checkpoint_activations: bool,
 }
 
 impl Module for GptBody {
@@ -136,7 +142,11 @@ impl Module for GptBody {
         let pos = self.wpe.weight.narrow(0, 0, t)?;
         x = x.add(&pos)?;
         for b in &self.h {
-            x = b.forward(&x)?;
+            x = if self.checkpoint_activations {
+                checkpointed_forward(b, &x)?
+            } else {
+                b.forward(&x)?
+            };
         }
         self.ln_f.forward(&x)
     }
@@ -145,7 +155,7 @@ impl Module for GptBody {
         f("wte", &self.wte);
         f("wpe", &self.wpe);
         for (i, b) in self.h.iter().enumerate() {
-            f(&format!("h.{i}"), b);
+            f(&format!("h.{i}"), &**b);
         }
         f("ln_f", &self.ln_f);
     }
@@ -173,7 +183,7 @@ impl Gpt {
         let wpe = table(config.block_size, seeds.next_seed())?;
         let block = config.block();
         let h = (0..config.n_layer)
-            .map(|_| TransformerBlock::new(&block, seeds.next_seed(), device))
+            .map(|_| TransformerBlock::new(&block, seeds.next_seed(), device).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
         Ok(Gpt {
             config,
@@ -182,8 +192,16 @@ impl Gpt {
                 wpe,
                 h,
                 ln_f: LayerNorm::new(&[c], device)?,
+                checkpoint_activations: false,
             },
         })
+    }
+
+    /// This model with every transformer block checkpointed (`on`) or not: activation memory
+    /// for about one more forward pass of compute, gradients bitwise the same.
+    pub fn with_activation_checkpointing(mut self, on: bool) -> Gpt {
+        self.transformer.checkpoint_activations = on;
+        self
     }
 
     fn check_ids(&self, op: &'static str, idx: &Tensor) -> Result<()> {

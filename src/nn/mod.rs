@@ -5,6 +5,7 @@
 pub mod activation;
 pub mod batch_norm;
 pub mod blocks;
+pub mod checkpoint;
 pub mod conv;
 pub mod dropout;
 pub mod embedding;
@@ -24,6 +25,7 @@ pub mod transformer;
 pub use activation::{Gelu, ReLU, SiLU};
 pub use batch_norm::{BatchNorm2d, BatchNormTraining, Epilogue};
 pub use blocks::{BasicBlock, BlockKind, Bottleneck, Downsample};
+pub use checkpoint::{checkpoint, checkpointed_forward, Checkpoint};
 pub use conv::Conv2d;
 pub use dropout::Dropout;
 pub use embedding::Embedding;

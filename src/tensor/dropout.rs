@@ -2,9 +2,10 @@
 //! offset are a tensor on the device of the values, read and advanced there, so the CPU and the
 //! GPU draw the same mask from the same state, a captured step draws a new mask on every replay,
 //! and nothing is read on the host. The backward applies the forward's mask again (its saved
-//! state), storing no mask.
+//! state), storing no mask. A checkpoint's recompute draws at the states its forward drew at
+//! (`dropout_replay.rs`).
 
-use super::{Device, Shape, Tensor};
+use super::{dropout_replay, Device, Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::DropoutParams;
 use crate::error::{Error, Result};
@@ -63,10 +64,17 @@ impl Tensor {
         };
         // Row-major values: value i of the draw is logical element i on every device.
         let x = self.contiguous()?;
-        let (y, saved) = x
-            .storage()
-            .dropout(&x.layout(), &mut gen.state.storage_mut(), &dp)?;
+        // A checkpoint's recompute draws at the state its forward drew at, leaving `gen` alone.
+        let (y, saved) = match dropout_replay::next_state(&dp, self.device())? {
+            Some(at) => x
+                .storage()
+                .dropout(&x.layout(), &mut at.storage_mut(), &dp)?,
+            None => x
+                .storage()
+                .dropout(&x.layout(), &mut gen.state.storage_mut(), &dp)?,
+        };
         let saved = Tensor::from_storage(saved, Shape::new(vec![2]));
+        dropout_replay::note(&saved, &dp);
         Ok(Tensor::from_op(y, self.shape().clone(), &[self], || {
             Op::Dropout {
                 state: saved,

@@ -20,6 +20,7 @@ mod conv;
 pub(crate) mod cross_entropy;
 mod device;
 mod dropout;
+pub(crate) mod dropout_replay;
 mod elementwise;
 mod embedding;
 mod in_place;
