@@ -11,6 +11,10 @@ use mixprec::optim::{AdamConfig, FusedAdam};
 use mixprec::tensor::SdpaOptions;
 use mixprec::{DType, Device, Tensor};
 
+/// The tests capture CUDA graphs: one at a time (another thread's launches during a capture
+/// make it fail).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn gpu() -> Device {
     // The ordered embedding backward: its default atomics would make even two plain runs differ.
     mixprec::backend::cuda::set_deterministic(true);
@@ -164,6 +168,7 @@ fn same(what: &str, plain: &Run, ck: &Run) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_attention_gpt_checkpointed_is_bitwise_the_plain_one() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dev = gpu();
     let probe = Tensor::zeros(vec![4, 2, 64, 64], DType::BF16, dev).unwrap();
     let path = probe.attention_path(
@@ -192,6 +197,7 @@ fn flash_attention_gpt_checkpointed_is_bitwise_the_plain_one() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpt_with_dropout_checkpointed_is_bitwise_the_plain_one() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for captured in [false, true] {
         for policy in ["O2_bf16", "O0"] {
             let what = format!("dropout, {policy}, captured {captured}");
