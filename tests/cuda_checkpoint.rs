@@ -152,7 +152,10 @@ fn same_or_within_noise(what: &str, plain: &Run, control: &Run, ck: &Run) {
     };
     let (noise, got) = (dist(plain, control), dist(plain, ck));
     println!("{what}: two plain runs differ (loss by {noise:.2e}); checkpointed by {got:.2e}");
-    assert!(got <= 4.0 * noise.max(1e-6), "{what}: {got:e} against run-to-run {noise:e}");
+    assert!(
+        got <= 4.0 * noise.max(1e-6),
+        "{what}: {got:e} against run-to-run {noise:e}"
+    );
 }
 
 fn same(what: &str, plain: &Run, ck: &Run) {
