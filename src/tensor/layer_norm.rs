@@ -8,7 +8,7 @@
 use super::autocast::{self, OpKind};
 use super::{DType, Shape, Tensor};
 use crate::autograd::Op;
-use crate::backend::{LayerNormParams, NormKind};
+use crate::backend::{LayerNormParams, NormAffine, NormKind};
 use crate::error::{Error, Result};
 
 /// What the backward of a norm reads (the node's saved tensors).
@@ -85,9 +85,11 @@ impl Tensor {
                 w.as_ref().map(|t| t.layout()),
                 b.as_ref().map(|t| t.layout()),
             );
-            let warg = ws.as_deref().zip(wl.as_deref());
-            let barg = bs.as_deref().zip(bl.as_deref());
-            xs.layer_norm(&x.layout(), warg, barg, &p)?
+            let affine = NormAffine {
+                weight: ws.as_deref().zip(wl.as_deref()),
+                bias: bs.as_deref().zip(bl.as_deref()),
+            };
+            xs.layer_norm(&x.layout(), affine, &p)?
         };
         let stats = Shape::new(vec![p.rows]);
         let mean = Tensor::from_storage(saved.mean, stats.clone());

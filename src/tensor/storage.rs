@@ -181,6 +181,8 @@ lower_operands! {
     BatchNormGradOperands { x, y, mean, invstd }
     BatchNormGradSums { weight, sums, count }
     CrossEntropyBackwardOperands { logits, targets, lse }
+    NormAffine { weight, bias }
+    NormBackwardOperands { x, saved, weight }
     SdpaKeyValue { k, v }
     SdpaSaved { q, k, v, o, lse }
 }
@@ -557,21 +559,13 @@ backend_ops! {
 
     // layer norm, RMS norm
     [p.kind.name(), format!("{}x{}", p.rows, p.cols)]
-    fn layer_norm(
-        &self,
-        l: &Layout,
-        weight: Option<(&Self, &Layout)>,
-        bias: Option<(&Self, &Layout)>,
-        p: &LayerNormParams,
-    ) -> (Self, NormSaved<Self>);
+    fn layer_norm(&self, l: &Layout, affine: NormAffine<'_, Self>, p: &LayerNormParams)
+        -> (Self, NormSaved<Self>);
     ["layer_norm_backward", format!("{}x{}", p.norm.rows, p.norm.cols)]
     fn layer_norm_backward(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        saved: NormSaved<&Self>,
-        weight: Option<(&Self, &Layout)>,
+        o: NormBackwardOperands<'_, Self>,
         p: &NormBackwardParams,
     ) -> NormGrads<Self>;
 

@@ -2,7 +2,9 @@
 //! backend call, keeping those that are needed.
 
 use super::{Op, Wanted};
-use crate::backend::{NormBackwardParams, NormParamGrads, NormSaved};
+use crate::backend::{
+    norm_stats_layout, NormBackwardOperands, NormBackwardParams, NormParamGrads, NormSaved,
+};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -28,12 +30,16 @@ pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Op
         let (ms, rs) = (n.mean.storage(), n.rstd.storage());
         let ws = n.weight.as_ref().map(|t| t.storage());
         let wl = n.weight.as_ref().map(|t| t.layout());
-        let warg = ws.as_deref().zip(wl.as_deref());
-        let saved = NormSaved {
-            mean: &*ms,
-            rstd: &*rs,
+        let (xl, sl) = (n.x.layout(), norm_stats_layout(n.p.rows));
+        let o = NormBackwardOperands {
+            x: (&*xs, &*xl),
+            saved: NormSaved {
+                mean: (&*ms, &sl),
+                rstd: (&*rs, &sl),
+            },
+            weight: ws.as_deref().zip(wl.as_deref()),
         };
-        gs.layer_norm_backward(&g.layout(), &xs, &n.x.layout(), saved, warg, &bp)?
+        gs.layer_norm_backward(&g.layout(), o, &bp)?
     };
     let mut out = vec![w
         .need(0)

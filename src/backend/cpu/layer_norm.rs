@@ -13,8 +13,8 @@ use rayon::prelude::*;
 use super::{CpuStorage, Elem, PAR_THRESHOLD};
 use crate::backend::BackendStorage;
 use crate::backend::{
-    norm_stats_layout, LayerNormOps, LayerNormParams, NormBackwardInputs, NormBackwardParams,
-    NormGrads, NormInputs, NormKind, NormParamGrads, NormSaved,
+    LayerNormOps, LayerNormParams, NormAffine, NormBackwardOperands, NormBackwardParams, NormGrads,
+    NormKind, NormOperand, NormParamGrads, NormSaved,
 };
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout};
@@ -212,13 +212,14 @@ fn mixed(op: &'static str, x: &CpuStorage, w: &CpuStorage) -> Error {
 /// The dispatch of [`forward`] over the storages' dtypes: `(x, weight)` of
 /// (f16|bf16, same|f32), (f32, f32), (f64, f64).
 pub fn layer_norm(
-    inp: &NormInputs<'_, CpuStorage>,
+    x: NormOperand<'_, CpuStorage>,
+    a: &NormAffine<'_, CpuStorage>,
     p: &LayerNormParams,
 ) -> Result<(CpuStorage, NormSaved<CpuStorage>)> {
     let op = p.kind.name();
-    let x = values(inp.x.0, inp.x.1);
-    let w = inp.weight.map(|(s, l)| values(s, l));
-    let b = inp.bias.map(|(s, l)| values(s, l));
+    let x = values(x.0, x.1);
+    let w = a.weight.map(|(s, l)| values(s, l));
+    let b = a.bias.map(|(s, l)| values(s, l));
     let wdt = w.as_deref().or(b.as_deref()).map(|s| s.dtype());
     if let (Some(w), Some(b)) = (w.as_deref(), b.as_deref()) {
         if w.dtype() != b.dtype() {
@@ -272,16 +273,18 @@ pub fn layer_norm(
 /// The dispatch of [`backward`]: the gradient and input share a dtype; statistics are f32
 /// (f64 for f64); the weight as in [`layer_norm`].
 pub fn layer_norm_backward(
-    inp: &NormBackwardInputs<'_, CpuStorage>,
-    p: &LayerNormParams,
+    g: NormOperand<'_, CpuStorage>,
+    o: &NormBackwardOperands<'_, CpuStorage>,
+    bp: &NormBackwardParams,
 ) -> Result<NormGrads<CpuStorage>> {
+    let p = &bp.norm;
     let op = "layer_norm_backward";
-    let g = values(inp.grad.0, inp.grad.1);
-    let x = values(inp.x.0, inp.x.1);
-    let mean = values(inp.saved.mean.0, inp.saved.mean.1);
-    let rstd = values(inp.saved.rstd.0, inp.saved.rstd.1);
-    let w = inp.weight.map(|(s, l)| values(s, l));
-    let wdt = inp.param_dtype;
+    let g = values(g.0, g.1);
+    let x = values(o.x.0, o.x.1);
+    let mean = values(o.saved.mean.0, o.saved.mean.1);
+    let rstd = values(o.saved.rstd.0, o.saved.rstd.1);
+    let w = o.weight.map(|(s, l)| values(s, l));
+    let wdt = bp.param_dtype;
     if let (Some(ws), Some(d)) = (w.as_deref(), wdt) {
         if ws.dtype() != d {
             return Err(Error::DTypeMismatch {
@@ -305,7 +308,7 @@ pub fn layer_norm_backward(
                 _ => None,
             };
             let st = Stats { mean: m, rstd: r };
-            let (dx, dw, db) = backward($gv, $xv, st, wv, inp.want, p);
+            let (dx, dw, db) = backward($gv, $xv, st, wv, bp.want, p);
             NormGrads {
                 input: CpuStorage::$xs(dx),
                 weight: dw.map(CpuStorage::$wvar),
@@ -355,37 +358,19 @@ impl LayerNormOps for CpuStorage {
     fn layer_norm(
         &self,
         l: &Layout,
-        weight: Option<(&Self, &Layout)>,
-        bias: Option<(&Self, &Layout)>,
+        affine: NormAffine<'_, Self>,
         p: &LayerNormParams,
     ) -> Result<(Self, NormSaved<Self>)> {
-        let inp = NormInputs {
-            x: (self, l),
-            weight,
-            bias,
-        };
-        layer_norm(&inp, p)
+        layer_norm((self, l), &affine, p)
     }
 
     fn layer_norm_backward(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        saved: NormSaved<&Self>,
-        weight: Option<(&Self, &Layout)>,
+        o: NormBackwardOperands<'_, Self>,
         p: &NormBackwardParams,
     ) -> Result<NormGrads<Self>> {
-        let sl = norm_stats_layout(p.norm.rows);
-        let inp = NormBackwardInputs {
-            grad: (self, l),
-            x: (x, xl),
-            saved: saved.map(|s| (s, &sl)),
-            weight,
-            param_dtype: p.param_dtype,
-            want: p.want,
-        };
-        layer_norm_backward(&inp, &p.norm)
+        layer_norm_backward((self, l), &o, p)
     }
 }
 

@@ -8,8 +8,8 @@ use super::registry::Family;
 use super::storage::CudaStorage;
 use crate::backend::BackendStorage;
 use crate::backend::{
-    norm_stats_layout, LayerNormOps, LayerNormParams, NormBackwardInputs, NormBackwardParams,
-    NormGrads, NormInputs, NormKind, NormSaved,
+    LayerNormOps, LayerNormParams, NormAffine, NormBackwardOperands, NormBackwardParams, NormGrads,
+    NormKind, NormOperand, NormSaved,
 };
 use crate::base::error::{Error, Result};
 use crate::base::{DType, Layout};
@@ -35,24 +35,21 @@ fn row_grid(x: &CudaStorage, rows: usize) -> Grid {
 }
 
 pub(crate) fn layer_norm(
-    inp: &NormInputs<'_, CudaStorage>,
+    x: NormOperand<'_, CudaStorage>,
+    a: &NormAffine<'_, CudaStorage>,
     p: &LayerNormParams,
 ) -> Result<(CudaStorage, NormSaved<CudaStorage>)> {
     let op = p.kind.name();
-    let (x, lx) = inp.x;
+    let (x, lx) = x;
     let s = float_sfx(op, x.dtype())?;
-    let wdt = inp.weight.or(inp.bias).map(|(w, _)| w.dtype());
-    if let (Some((w, _)), Some((b, _))) = (inp.weight, inp.bias) {
+    let wdt = a.weight.or(a.bias).map(|(w, _)| w.dtype());
+    if let (Some((w, _)), Some((b, _))) = (a.weight, a.bias) {
         same_dtype(op, w, b)?;
     }
     let ws = param_sfx(op, x.dtype(), wdt)?;
     let px = x.ptr_at(lx)?;
-    let pw = inp
-        .weight
-        .map(|(w, l)| w.ptr_at(l))
-        .transpose()?
-        .unwrap_or(0);
-    let pb = inp.bias.map(|(b, l)| b.ptr_at(l)).transpose()?.unwrap_or(0);
+    let pw = a.weight.map(|(w, l)| w.ptr_at(l)).transpose()?.unwrap_or(0);
+    let pb = a.bias.map(|(b, l)| b.ptr_at(l)).transpose()?.unwrap_or(0);
     let acc = acc_dtype(x.dtype());
     let y = CudaStorage::alloc(&x.dev, x.dtype(), p.rows * p.cols)?;
     let mean = CudaStorage::alloc(&x.dev, acc, p.rows)?;
@@ -66,15 +63,17 @@ pub(crate) fn layer_norm(
 }
 
 pub(crate) fn layer_norm_backward(
-    inp: &NormBackwardInputs<'_, CudaStorage>,
-    p: &LayerNormParams,
+    g: NormOperand<'_, CudaStorage>,
+    o: &NormBackwardOperands<'_, CudaStorage>,
+    bp: &NormBackwardParams,
 ) -> Result<NormGrads<CudaStorage>> {
+    let p = &bp.norm;
     let op = "layer_norm_backward";
-    let ((g, lg), (x, lx)) = (inp.grad, inp.x);
+    let ((g, lg), (x, lx)) = (g, o.x);
     let s = float_sfx(op, g.dtype())?;
     same_dtype(op, g, x)?;
     let acc = acc_dtype(x.dtype());
-    for (st, _) in [inp.saved.mean, inp.saved.rstd] {
+    for (st, _) in [o.saved.mean, o.saved.rstd] {
         if st.dtype() != acc {
             return Err(Error::UnsupportedDType {
                 op,
@@ -83,7 +82,7 @@ pub(crate) fn layer_norm_backward(
             });
         }
     }
-    if let (Some((w, _)), Some(d)) = (inp.weight, inp.param_dtype) {
+    if let (Some((w, _)), Some(d)) = (o.weight, bp.param_dtype) {
         if w.dtype() != d {
             return Err(Error::DTypeMismatch {
                 op,
@@ -92,25 +91,21 @@ pub(crate) fn layer_norm_backward(
             });
         }
     }
-    let ws = param_sfx(op, x.dtype(), inp.param_dtype)?;
+    let ws = param_sfx(op, x.dtype(), bp.param_dtype)?;
     let (pg, px) = (g.ptr_at(lg)?, x.ptr_at(lx)?);
     let (pm, pr) = (
-        inp.saved.mean.0.ptr_at(inp.saved.mean.1)?,
-        inp.saved.rstd.0.ptr_at(inp.saved.rstd.1)?,
+        o.saved.mean.0.ptr_at(o.saved.mean.1)?,
+        o.saved.rstd.0.ptr_at(o.saved.rstd.1)?,
     );
-    let pw = inp
-        .weight
-        .map(|(w, l)| w.ptr_at(l))
-        .transpose()?
-        .unwrap_or(0);
+    let pw = o.weight.map(|(w, l)| w.ptr_at(l)).transpose()?.unwrap_or(0);
     let (rows, cols) = (p.rows, p.cols);
     let dx = CudaStorage::alloc(&g.dev, g.dtype(), rows * cols)?;
     if rows > 0 {
         launch!(g.dev, Family::LayerNorm, format!("layer_norm_backward_{s}_{ws}"), row_grid(g, rows);
             rows as u64, cols as u64, (p.kind == NormKind::Rms) as i32, pg, px, pm, pr, pw, dx.ptr());
     }
-    let want = inp.want;
-    let pdt = match inp.param_dtype {
+    let want = bp.want;
+    let pdt = match bp.param_dtype {
         Some(d) if want.weight || want.bias => d,
         _ => {
             return Ok(NormGrads {
@@ -159,36 +154,18 @@ impl LayerNormOps for CudaStorage {
     fn layer_norm(
         &self,
         l: &Layout,
-        weight: Option<(&Self, &Layout)>,
-        bias: Option<(&Self, &Layout)>,
+        affine: NormAffine<'_, Self>,
         p: &LayerNormParams,
     ) -> Result<(Self, NormSaved<Self>)> {
-        let inp = NormInputs {
-            x: (self, l),
-            weight,
-            bias,
-        };
-        layer_norm(&inp, p)
+        layer_norm((self, l), &affine, p)
     }
 
     fn layer_norm_backward(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        saved: NormSaved<&Self>,
-        weight: Option<(&Self, &Layout)>,
+        o: NormBackwardOperands<'_, Self>,
         p: &NormBackwardParams,
     ) -> Result<NormGrads<Self>> {
-        let sl = norm_stats_layout(p.norm.rows);
-        let inp = NormBackwardInputs {
-            grad: (self, l),
-            x: (x, xl),
-            saved: saved.map(|s| (s, &sl)),
-            weight,
-            param_dtype: p.param_dtype,
-            want: p.want,
-        };
-        layer_norm_backward(&inp, &p.norm)
+        layer_norm_backward((self, l), &o, p)
     }
 }

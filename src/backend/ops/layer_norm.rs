@@ -80,8 +80,7 @@ pub trait LayerNormOps: BackendStorage {
     fn layer_norm(
         &self,
         l: &Layout,
-        weight: Option<(&Self, &Layout)>,
-        bias: Option<(&Self, &Layout)>,
+        affine: NormAffine<'_, Self>,
         p: &LayerNormParams,
     ) -> Result<(Self, NormSaved<Self>)>;
 
@@ -90,10 +89,7 @@ pub trait LayerNormOps: BackendStorage {
     fn layer_norm_backward(
         &self,
         l: &Layout,
-        x: &Self,
-        xl: &Layout,
-        saved: NormSaved<&Self>,
-        weight: Option<(&Self, &Layout)>,
+        o: NormBackwardOperands<'_, Self>,
         p: &NormBackwardParams,
     ) -> Result<NormGrads<Self>>;
 }
@@ -116,10 +112,9 @@ impl<S> NormSaved<S> {
 /// A storage and its layout.
 pub type NormOperand<'a, S> = (&'a S, &'a Layout);
 
-/// The forward's operands: the input and the optional affine parameters (of the input's dtype,
-/// or f32 for a half input; both of one dtype).
-pub struct NormInputs<'a, S> {
-    pub x: NormOperand<'a, S>,
+/// The forward's operands besides the input: the optional affine parameters (of the input's
+/// dtype, or f32 for a half input; both of one dtype).
+pub struct NormAffine<'a, S> {
     pub weight: Option<NormOperand<'a, S>>,
     pub bias: Option<NormOperand<'a, S>>,
 }
@@ -131,14 +126,11 @@ pub struct NormParamGrads {
     pub bias: bool,
 }
 
-/// The backward's operands: the output's gradient, the forward's input (both contiguous, one
-/// dtype), its saved statistics, the weight when the forward had one, and the parameters'
-/// dtype (the weight's, else the bias's: their gradients' dtype).
-pub struct NormBackwardInputs<'a, S> {
-    pub grad: NormOperand<'a, S>,
+/// The backward's operands besides the output's gradient: the forward's input (contiguous, of
+/// the gradient's dtype), its saved statistics (laid out as [`norm_stats_layout`]) and the
+/// weight when the forward had one.
+pub struct NormBackwardOperands<'a, S> {
     pub x: NormOperand<'a, S>,
     pub saved: NormSaved<NormOperand<'a, S>>,
     pub weight: Option<NormOperand<'a, S>>,
-    pub param_dtype: Option<DType>,
-    pub want: NormParamGrads,
 }
