@@ -19,9 +19,12 @@ use crate::base::Layout;
 /// where they apply: the one switch [`crate::tensor::fused_supported`] reads. The kernels need
 /// tensor-core `mma.sync` (compute capability 8.0 or newer); `MIXPREC_FLASH_ATTENTION=0` turns
 /// the fused path off (every call then takes the math path). A device that does not open gives
-/// false. `scaled_dot_product_attention_fused` runs the kernels whatever this says.
+/// false. `scaled_dot_product_attention_fused` runs the kernels whatever this says. The variable
+/// is read once, at the first call (every attention call asks), so set it before the first op.
 pub fn flash_attention_available(ordinal: usize) -> bool {
-    if std::env::var("MIXPREC_FLASH_ATTENTION").is_ok_and(|v| v == "0") {
+    static TURNED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *TURNED_OFF.get_or_init(|| std::env::var("MIXPREC_FLASH_ATTENTION").is_ok_and(|v| v == "0"))
+    {
         return false;
     }
     super::device(ordinal).is_ok_and(|d| d.compute_capability().0 >= 8)
