@@ -11,37 +11,18 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use mixprec::io;
-use mixprec::train::progress::ProgressMode;
-use mixprec::train::{run, Resume, RunConfig, RunOptions};
+use mixprec::train::{run, RunConfig};
+
+#[path = "common/train_run.rs"]
+mod train_run;
+use train_run::{auto, options, small_cpu_run};
 
 const CHILD_DIR: &str = "MIXPREC_CRASH_CHILD_DIR";
 
 /// Short epochs (4 steps, a small test set), so that saves (two a epoch) are a good part of
 /// the time and kills often land in one.
 fn config(out: PathBuf) -> RunConfig {
-    let mut c = RunConfig {
-        epochs: 8,
-        device: "cpu".into(),
-        out,
-        ..Default::default()
-    };
-    c.model.blocks = vec![1, 1];
-    c.model.widths = vec![4, 8];
-    c.data.dir = "bundled".into();
-    c.data.batch_size = 64;
-    c.data.train_limit = 256;
-    c.data.test_limit = 100;
-    c.data.augment = true;
-    c.amp.opt_level = "O2".into();
-    c
-}
-
-fn auto() -> RunOptions {
-    RunOptions {
-        resume: Some(Resume::Auto),
-        progress: Some(ProgressMode::Off),
-        ..Default::default()
-    }
+    small_cpu_run(out, 8)
 }
 
 /// The process that gets killed (run by the test below; does nothing on its own).
@@ -81,14 +62,7 @@ fn kill_9_at_random_moments_then_resume_auto_is_exact() {
     let root = std::env::temp_dir().join(format!("mixprec-crash-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let t = Instant::now();
-    let full = run(
-        &config(root.join("full")),
-        &RunOptions {
-            progress: Some(ProgressMode::Off),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let full = run(&config(root.join("full")), &options(None, None)).unwrap();
     // Each child starts where the last one was killed: kill it within about three epochs of
     // its start (a process start and the data load take a few hundred milliseconds), so that
     // the run takes several kills, some before the first checkpoint, some inside saves.

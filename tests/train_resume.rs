@@ -8,9 +8,12 @@ use std::path::{Path, PathBuf};
 
 use mixprec::data::{BadFiles, DataLoader, ImageFolder, ImageTransform};
 use mixprec::io::checkpoint::Checkpoint;
-use mixprec::train::progress::ProgressMode;
 use mixprec::train::trainer::checkpoint_config;
-use mixprec::train::{auto_checkpoint, run, Resume, RunConfig, RunOptions, RunSummary};
+use mixprec::train::{auto_checkpoint, run, Resume, RunConfig, RunSummary};
+
+#[path = "common/train_run.rs"]
+mod train_run;
+use train_run::{options, small_cpu_run};
 
 fn tempdir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("mixprec-resume-{name}-{}", std::process::id()));
@@ -21,29 +24,10 @@ fn tempdir(name: &str) -> PathBuf {
 
 /// 4 steps an epoch, a small test set.
 fn quick(out: PathBuf, epochs: usize) -> RunConfig {
-    let mut c = RunConfig {
-        epochs,
-        device: "cpu".into(),
-        out,
-        ..Default::default()
-    };
-    c.model.blocks = vec![1, 1];
-    c.model.widths = vec![4, 8];
-    c.data.dir = "bundled".into();
-    c.data.batch_size = 64;
-    c.data.train_limit = 256;
-    c.data.test_limit = 100;
+    let mut c = small_cpu_run(out, epochs);
+    c.data.augment = false;
     c.amp.opt_level = "O0".into();
     c
-}
-
-fn opts(resume: Option<Resume>, stop_after: Option<usize>) -> RunOptions {
-    RunOptions {
-        resume,
-        stop_after,
-        progress: Some(ProgressMode::Off),
-        ..Default::default()
-    }
 }
 
 fn flip_a_data_byte(p: &Path) {
@@ -78,9 +62,9 @@ fn assert_same_losses(a: &RunSummary, b: &RunSummary) {
 #[test]
 fn resume_auto_falls_back_past_damaged_checkpoints_naming_each_once() {
     let dir = tempdir("damaged");
-    let full = run(&quick(dir.join("full"), 4), &opts(None, None)).unwrap();
+    let full = run(&quick(dir.join("full"), 4), &options(None, None)).unwrap();
     let cfg = quick(dir.join("run"), 4);
-    run(&cfg, &opts(Some(Resume::Auto), Some(3))).unwrap();
+    run(&cfg, &options(Some(Resume::Auto), Some(3))).unwrap();
     let ckpt = cfg.out.join("checkpoints");
     flip_a_data_byte(&ckpt.join("last.safetensors"));
     flip_a_data_byte(&ckpt.join("epoch-003.safetensors"));
@@ -102,7 +86,7 @@ fn resume_auto_falls_back_past_damaged_checkpoints_naming_each_once() {
     assert_eq!(named.len(), 2, "{named:?}");
     assert!(named.contains(&ckpt.join("last.safetensors")), "{named:?}");
 
-    let resumed = run(&cfg, &opts(Some(Resume::Auto), None)).unwrap();
+    let resumed = run(&cfg, &options(Some(Resume::Auto), None)).unwrap();
     assert_eq!(resumed.history.len(), 4);
     assert_same_losses(&full, &resumed);
     // The damaged files were replaced by the run's own saves.
@@ -118,13 +102,13 @@ fn resume_auto_falls_back_past_damaged_checkpoints_naming_each_once() {
 fn a_snapshot_cut_short_by_a_kill_is_written_again() {
     let dir = tempdir("snapshot");
     let cfg = quick(dir.join("run"), 3);
-    run(&cfg, &opts(Some(Resume::Auto), Some(2))).unwrap();
+    run(&cfg, &options(Some(Resume::Auto), Some(2))).unwrap();
     let ckpt = cfg.out.join("checkpoints");
     let kept = ckpt.join("epoch-002.safetensors");
     let want = Checkpoint::load(&kept).unwrap();
     std::fs::remove_file(&kept).unwrap();
     std::fs::remove_file(ckpt.join("epoch-001.safetensors")).unwrap();
-    let s = run(&cfg, &opts(Some(Resume::Auto), Some(2))).unwrap();
+    let s = run(&cfg, &options(Some(Resume::Auto), Some(2))).unwrap();
     assert!(
         s.written
             .contains(&"checkpoints/epoch-002.safetensors".into()),
@@ -148,7 +132,7 @@ fn the_record_keeps_the_device_given() {
     let dir = tempdir("device");
     let mut cfg = quick(dir.join("run"), 1);
     cfg.device = "auto".into();
-    let s = run(&cfg, &opts(None, None)).unwrap();
+    let s = run(&cfg, &options(None, None)).unwrap();
     let recorded = RunConfig::from_toml_file(cfg.out.join("config.toml")).unwrap();
     assert_eq!(recorded.device, "auto");
     let last = Checkpoint::load(s.last_checkpoint.as_ref().unwrap()).unwrap();
@@ -215,13 +199,13 @@ fn a_bad_image_is_reported_with_the_flag_even_in_the_dropped_batch() {
     cfg.data.grayscale = true;
     // One step: a schedule that needs no warm-up.
     cfg.schedule.kind = "constant".into();
-    let msg = run(&cfg, &opts(None, None)).unwrap_err().to_string();
+    let msg = run(&cfg, &options(None, None)).unwrap_err().to_string();
     assert!(
         msg.contains("bad.png") && msg.contains("--skip-bad-files"),
         "{msg}"
     );
     cfg.data.skip_bad_files = true;
     cfg.out = dir.join("skipping");
-    let s = run(&cfg, &opts(None, None)).unwrap();
+    let s = run(&cfg, &options(None, None)).unwrap();
     assert_eq!(s.history.len(), 1);
 }

@@ -14,8 +14,11 @@ use std::time::{Duration, Instant};
 use mixprec::distributed::launch::{supervise, LaunchConfig};
 use mixprec::io::checkpoint::Checkpoint;
 use mixprec::train::metrics::read_jsonl;
-use mixprec::train::progress::ProgressMode;
-use mixprec::train::{run, Resume, RunConfig, RunOptions};
+use mixprec::train::{run, RunConfig};
+
+#[path = "common/train_run.rs"]
+mod train_run;
+use train_run::{auto, small_cpu_run};
 
 const DIR: &str = "MIXPREC_STOP_DIR";
 const NPROC: &str = "MIXPREC_STOP_NPROC";
@@ -23,29 +26,11 @@ const PIDS: &str = "MIXPREC_STOP_PIDS";
 
 /// Long enough epochs (32 steps of one process) that a signal usually lands inside one.
 fn config(out: PathBuf) -> RunConfig {
-    let mut c = RunConfig {
-        epochs: 5,
-        device: "cpu".into(),
-        out,
-        ..Default::default()
-    };
-    c.model.blocks = vec![1, 1];
-    c.model.widths = vec![4, 8];
-    c.data.dir = "bundled".into();
+    let mut c = small_cpu_run(out, 5);
     c.data.batch_size = 16;
     c.data.train_limit = 512;
     c.data.test_limit = 64;
-    c.data.augment = true;
-    c.amp.opt_level = "O2".into();
     c
-}
-
-fn auto() -> RunOptions {
-    RunOptions {
-        resume: Some(Resume::Auto),
-        progress: Some(ProgressMode::Off),
-        ..Default::default()
-    }
 }
 
 /// One process, or one rank: trains with `--resume auto` and exits as the command line does
