@@ -389,19 +389,13 @@ impl<C: GroupConfig> Core<C> {
         })
     }
 
-    /// Checks and restores a saved state completely before changing anything: configs via
-    /// `config`, buffers named `names` (missing ones zero), `step`, masters, and optimizer
-    /// specific per-parameter scalars (`scalar_names`, returned per group as `[n]` host vectors).
-    #[allow(clippy::type_complexity)]
-    pub fn load_state_dict(
-        &mut self,
+    /// The saved groups' configs (through `config`, without their `initial_lr`) and base
+    /// learning rates, checked; nothing is changed yet.
+    fn saved_configs(
+        &self,
         saved: &OptimizerState,
-        names: &[&str],
-        scalar_names: &[&str],
         config: impl Fn(&super::Hyperparams) -> Result<C>,
-    ) -> Result<Vec<BTreeMap<String, Vec<f32>>>> {
-        let op = self.op;
-        let map = match_layout(op, &self.groups, saved)?;
+    ) -> Result<(Vec<C>, Vec<f64>)> {
         let configs = saved
             .param_groups
             .iter()
@@ -415,10 +409,27 @@ impl<C: GroupConfig> Core<C> {
         let mut base_lrs = self.base_lrs.clone();
         for (gi, g) in saved.param_groups.iter().enumerate() {
             if let Some(&b) = g.hyperparams.get(INITIAL_LR) {
-                in_range(op, INITIAL_LR, b, 0.0, f64::MAX, false)?;
+                in_range(self.op, INITIAL_LR, b, 0.0, f64::MAX, false)?;
                 base_lrs[gi] = b;
             }
         }
+        Ok((configs, base_lrs))
+    }
+
+    /// Checks and restores a saved state completely before changing anything: configs via
+    /// `config`, buffers named `names` (missing ones zero), `step`, masters, and optimizer
+    /// specific per-parameter scalars (`scalar_names`, returned per group as `[n]` host vectors).
+    #[allow(clippy::type_complexity)]
+    pub fn load_state_dict(
+        &mut self,
+        saved: &OptimizerState,
+        names: &[&str],
+        scalar_names: &[&str],
+        config: impl Fn(&super::Hyperparams) -> Result<C>,
+    ) -> Result<Vec<BTreeMap<String, Vec<f32>>>> {
+        let op = self.op;
+        let map = match_layout(op, &self.groups, saved)?;
+        let (configs, base_lrs) = self.saved_configs(saved, config)?;
         // (group, idx) of each position.
         let mut where_ = BTreeMap::new();
         for (gi, g) in saved.param_groups.iter().enumerate() {
