@@ -269,6 +269,60 @@ fn every_kernel_family_compiles() {
     }
 }
 
+/// After `compile_all` (what the trainer runs before its first timed step), the first AMP steps
+/// of a ResNet and of a GPT load no kernel module: every family is there, and nothing reaches the
+/// driver some other way inside a step.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn after_compile_all_the_first_step_loads_no_kernel() {
+    use mixprec::nn::{self, Gpt, GptConfig, Module};
+    use mixprec::optim::{AdamConfig, FusedAdam, FusedSgd, SgdConfig};
+    gpu();
+    let dev = mixprec::backend::cuda::device(0).unwrap();
+    let before = dev.module_loads();
+    let loaded = dev.compile_all().unwrap();
+    let families = mixprec::backend::cuda::kernel_families().len();
+    assert_eq!(dev.module_loads(), families, "every family loaded");
+    assert_eq!(
+        loaded,
+        families - before,
+        "compile_all reports what it loaded"
+    );
+    assert_eq!(dev.compile_all().unwrap(), 0, "a second call loads nothing");
+
+    let cuda = Device::Cuda(0);
+    let policy = || mixprec::amp::Policy::builtin("O2").unwrap();
+    let model = nn::resnet::ResNet::cifar_style(&[1, 1, 1, 1], 1, 10, &cuda).unwrap();
+    let opt = FusedSgd::new(model.parameters(), SgdConfig::default()).unwrap();
+    let (model, mut opt) = mixprec::amp::initialize(model, opt, policy()).unwrap();
+    let x = Tensor::randn(vec![4, 1, 28, 28], 0.0, 1.0, 1, DType::F32, cuda).unwrap();
+    let y = Tensor::from_vec(vec![0i64, 3, 7, 9], vec![4], cuda).unwrap();
+    let loss = nn::loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+    opt.zero_grad().unwrap();
+    opt.backward(&loss).unwrap();
+    opt.step().unwrap();
+
+    let gpt = Gpt::new(GptConfig::named("tiny").unwrap(), 0, &cuda).unwrap();
+    let opt = FusedAdam::new(gpt.parameters(), AdamConfig::default()).unwrap();
+    let (gpt, mut opt) = mixprec::amp::initialize(gpt, opt, policy()).unwrap();
+    let ids = Tensor::from_vec(
+        (0..2 * 32).map(|i| i % 97).collect::<Vec<i64>>(),
+        vec![2, 32],
+        cuda,
+    )
+    .unwrap();
+    let loss = gpt.scope(|m| m.loss(&ids, &ids)).unwrap();
+    opt.zero_grad().unwrap();
+    opt.backward(&loss).unwrap();
+    opt.step().unwrap();
+    assert!(loss.item().unwrap().is_finite());
+    assert_eq!(
+        dev.module_loads(),
+        families,
+        "a kernel module was loaded inside the first steps, after compile_all"
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn round_trip_and_fill() {

@@ -296,7 +296,8 @@ impl Job {
             // Every kernel family now (from the disk cache, or compiled side by side), before
             // the data workers start: compiling at first use competed with the decode threads
             // inside the first epoch.
-            crate::backend::cuda::device(n)?.compile_all()?;
+            let loaded = crate::backend::cuda::device(n)?.compile_all()?;
+            log::debug!("cuda:{n}: {loaded} kernel families loaded before the first step");
         }
         let data = super::data::build(cfg, device, Some((ranks.rank(), world)))?;
         say(format!("data: {}", data.description));

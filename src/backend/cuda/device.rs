@@ -4,7 +4,7 @@
 //! first use and kept for the life of the process.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cudarc::driver::sys as cu;
@@ -88,6 +88,9 @@ pub struct CudaDevice {
     /// The most shared memory one block may ask for (after raising its dynamic limit).
     pub(crate) smem_per_block: u32,
     modules: Mutex<HashMap<Family, Arc<CudaModule>>>,
+    /// Modules loaded into this context so far: a load after [`CudaDevice::compile_all`] means a
+    /// kernel reached the driver some other way, inside a timed step or a capture.
+    module_loads: AtomicUsize,
     functions: Mutex<HashMap<(Family, String), CudaFunction>>,
     pub(crate) blas: Mutex<Option<super::matmul::Blas>>,
     pub(crate) dnn: Mutex<Option<super::conv::Dnn>>,
@@ -183,6 +186,7 @@ impl CudaDevice {
             sm_count,
             smem_per_block,
             modules: Mutex::new(HashMap::new()),
+            module_loads: AtomicUsize::new(0),
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             dnn: Mutex::new(None),
@@ -234,15 +238,24 @@ impl CudaDevice {
             .load_module(cudarc::nvrtc::Ptx::from_binary(image))
             .map_err(|e| cuda_err(&format!("loading module {}.cu", f.name()), e))?;
         mods.insert(f, m.clone());
+        self.module_loads.fetch_add(1, Ordering::Relaxed);
         Ok(m)
     }
 
     /// Compiles (or loads from the disk cache) every kernel family now, instead of at first use.
-    pub fn compile_all(&self) -> Result<()> {
+    /// Returns how many families it loaded (those not loaded before).
+    pub fn compile_all(&self) -> Result<usize> {
+        let before = self.module_loads();
         for f in Family::ALL {
             self.module(f)?;
         }
-        Ok(())
+        Ok(self.module_loads() - before)
+    }
+
+    /// How many kernel modules this device has loaded: one per family used so far, every family
+    /// after [`CudaDevice::compile_all`].
+    pub fn module_loads(&self) -> usize {
+        self.module_loads.load(Ordering::Relaxed)
     }
 
     /// Waits for all work queued on the device's stream.

@@ -85,7 +85,7 @@ pub use profile::{
     external_profiler_range, mem_get_info, memory_stats, op_profile, reset_peak_memory,
     set_op_profiling, MemoryStats, OpProfileRow,
 };
-pub use registry::compile_all_for;
+pub use registry::{compile_all_for, kernel_families};
 pub use side_stream::{set_side_stream, side_stream_forks};
 pub use storage::CudaStorage;
 

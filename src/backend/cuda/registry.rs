@@ -83,6 +83,12 @@ kernel_families! {
     Attention => "attention", 8;
 }
 
+/// The kernel families' names (`kernels/<name>.cu`), each one module that
+/// [`CudaDevice::compile_all`](super::CudaDevice::compile_all) loads.
+pub fn kernel_families() -> Vec<&'static str> {
+    Family::ALL.iter().map(|f| f.name()).collect()
+}
+
 /// The families, longest to compile first.
 fn by_compile_time() -> Vec<Family> {
     let mut v = Family::ALL.to_vec();
