@@ -334,16 +334,22 @@ fn non_finite(t: &Tensor) -> Result<(usize, usize)> {
 
 /// Refuses a check inside a CUDA-graph capture (recorded: the capture fails).
 fn refuse_capture(t: &Tensor) -> Result<()> {
-    if !crate::graph::is_capturing() {
+    // The capture rules are the CUDA backend's own (not `crate::graph`'s, which sits above the
+    // tensor layer that calls this module).
+    use crate::backend::cuda::graph;
+    if !graph::is_capturing() {
         return Ok(());
     }
-    crate::graph::refuse_in_capture(
-        t.device(),
+    let (op, why) = (
         "anomaly mode",
         "anomaly mode reads every op's output on the host, which a CUDA graph cannot hold: turn \
          it off for the captured step (anomaly::detect(false), MIXPREC_DETECT_ANOMALY unset) or \
          run the step eagerly",
-    )
+    );
+    match t.device() {
+        crate::tensor::Device::Cuda(i) => graph::refuse(i, op, why),
+        crate::tensor::Device::Cpu => graph::refuse_host_op(op),
+    }
 }
 
 fn found(report: AnomalyReport) -> Error {
