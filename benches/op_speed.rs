@@ -5,7 +5,7 @@
 //! table. Exits quietly without a GPU.
 //!
 //! ```text
-//! bench-op_speed [--dtypes bf16,f16] [--iters 50] [--warmup 10] [--small]
+//! bench-op_speed [--dtypes bf16,f16] [--iters 50] [--warmup 10] [--small] [--profile]
 //! ```
 //!
 //! Each row times `iters` back-to-back calls after `warmup` untimed ones, with a device
@@ -13,7 +13,8 @@
 //! `(y·gy).sum()` then its backward, the input's gradient dropped before each call (PyTorch's
 //! side does the same, so the seed's multiply and sum are in both). Layer norm runs twice: its
 //! parameters in the input's dtype, and f32 (what O2 keeps, `keep_norm_fp32`). One JSON line a
-//! row.
+//! row. `--profile` prints, after each forward+backward row, the per-op device times of ten more
+//! calls (to stderr; what the row's time is spent on).
 
 mod common;
 
@@ -25,6 +26,7 @@ struct Args {
     iters: usize,
     warmup: usize,
     small: bool,
+    profile: bool,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -33,6 +35,7 @@ fn parse_args() -> std::result::Result<Args, String> {
         iters: 50,
         warmup: 10,
         small: false,
+        profile: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -52,6 +55,7 @@ fn parse_args() -> std::result::Result<Args, String> {
             "--iters" => a.iters = value()?.parse().map_err(|_| "--iters needs a number")?,
             "--warmup" => a.warmup = value()?.parse().map_err(|_| "--warmup needs a number")?,
             "--small" => a.small = true,
+            "--profile" => a.profile = true,
             "--bench" => {}
             other => return Err(format!("unknown flag {other}")),
         }
@@ -60,6 +64,30 @@ fn parse_args() -> std::result::Result<Args, String> {
         return Err("--iters must be at least 1".into());
     }
     Ok(a)
+}
+
+/// With `--profile`: ten more calls of `f` with per-op timing on, the op table to stderr.
+fn profile(a: &Args, what: &str, mut f: impl FnMut() -> Result<()>) -> Result<()> {
+    if !a.profile {
+        return Ok(());
+    }
+    use mixprec::backend::cuda;
+    cuda::set_op_profiling(true);
+    for _ in 0..10 {
+        f()?;
+    }
+    cuda::set_op_profiling(false);
+    eprintln!("{what}: device ms per call by op (10 calls)");
+    for r in cuda::op_profile()? {
+        eprintln!(
+            "  {:<24} {:>5}x {:>8.4} ms  {}",
+            r.op,
+            r.calls / 10,
+            r.total_ms / 10.0,
+            r.detail.chars().take(90).collect::<String>()
+        );
+    }
+    Ok(())
 }
 
 fn name(d: DType) -> &'static str {
@@ -131,13 +159,19 @@ fn sdpa(a: &Args, dt: DType, dev: Device) -> Result<()> {
         let _g = mixprec::no_grad();
         q.scaled_dot_product_attention(&k, &v, &opts).map(|_| ())
     })?;
-    let fwd_bwd = common::time(a.warmup, a.iters, || {
+    let step = || {
         for t in [&q, &k, &v] {
             t.zero_grad();
         }
         let y = q.scaled_dot_product_attention(&k, &v, &opts)?;
         backward(&y, &gy)
-    })?;
+    };
+    let fwd_bwd = common::time(a.warmup, a.iters, step)?;
+    profile(
+        a,
+        &format!("sdpa_causal {} forward+backward", name(dt)),
+        step,
+    )?;
     row(
         "sdpa_causal",
         dt,

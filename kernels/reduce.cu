@@ -27,6 +27,24 @@ __device__ void reduce_rows(int op, u64 outer, u64 len, const T* x, T* y) {
     }
 }
 
+// inner == 1 with few, long rows (a whole tensor's sum): a block would walk its row alone with
+// the GPU idle, so each row is cut into `splits` chunks of `chunk` elements, a block per chunk
+// writing its partial (accumulator type); `reduce_parts` folds each row's partials in order.
+template <typename T>
+__device__ void reduce_row_chunks(int op, u64 len, u64 splits, u64 chunk, const T* x,
+                                  typename Num<T>::acc* part) {
+    typedef typename Num<T>::acc A;
+    __shared__ A sh[32];
+    Red<A> r{op};
+    const u64 o = blockIdx.x / splits, s = blockIdx.x - o * splits;
+    const u64 j0 = s * chunk, j1 = j0 + chunk < len ? j0 + chunk : len;
+    const T* row = x + o * len;
+    A acc = r.init();
+    for (u64 j = j0 + threadIdx.x; j < j1; j += blockDim.x) acc = r(acc, Num<T>::to(row[j]));
+    acc = block_reduce(acc, r, r.init(), sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+
 // inner > 1: one thread per (outer, inner) lane; neighbouring threads read neighbouring elements.
 template <typename T>
 __device__ void reduce_lanes(int op, u64 outer, u64 len, u64 inner, const T* x, T* y) {
@@ -124,6 +142,10 @@ __device__ void argmax_lanes(u64 outer, u64 len, u64 inner, const T* x, i64* y) 
 #define REDUCE(N, T)                                                                                \
     extern "C" __global__ void reduce_rows_##N(int op, u64 outer, u64 len, const T* x, T* y) {      \
         reduce_rows<T>(op, outer, len, x, y);                                                       \
+    }                                                                                               \
+    extern "C" __global__ void reduce_row_chunks_##N(int op, u64 len, u64 splits, u64 chunk,        \
+                                                     const T* x, Num<T>::acc* part) {               \
+        reduce_row_chunks<T>(op, len, splits, chunk, x, part);                                      \
     }                                                                                               \
     extern "C" __global__ void reduce_lanes_##N(int op, u64 outer, u64 len, u64 inner, const T* x,  \
                                                 T* y) {                                             \

@@ -515,7 +515,10 @@ fn relu_backward_and_broadcast_to() {
 fn reduce_sum_max_min() {
     gpu();
     let splits = [
+        // Few long rows (a whole tensor's sum): chunks of a row, their partials folded after;
+        // three rows with a short last chunk.
         (1, 1_000_000, 1),
+        (3, 200_003, 1),
         (64, 1000, 1),
         (8, 100, 37),
         (3, 1, 5),

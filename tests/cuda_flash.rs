@@ -14,9 +14,11 @@
 //! from f32 sums of exact half products: |Δ| ≤ 1e-3 absolute.
 
 use mixprec::backend::cpu::CpuStorage;
+use mixprec::backend::cuda::cudnn_attention::{cudnn_backward, cudnn_forward};
 use mixprec::backend::cuda::flash_attention::{
     flash_backward, flash_forward, FlashDims, FlashGrads, FlashInputs, FlashView,
 };
+use mixprec::backend::cuda::flash_attention::{FlashInputGrads, FlashOutput};
 use mixprec::backend::cuda::{set_poison_allocations, CudaStorage};
 use mixprec::backend::BackendStorage;
 use mixprec::tensor::random;
@@ -192,7 +194,7 @@ impl MaxErr {
 
 /// Runs forward and backward for `c` in `dt` and checks the (batch, head) pairs `heads` (all
 /// when empty) against the f64 reference.
-fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
+fn check(c: Case, dt: DType, heads: &[(usize, usize)], path: Path) {
     let (b, h, tq, tk, d) = (c.b, c.h, c.tq, c.tk, c.d);
     let seed = (b * 1_000_003 + h * 1009 + tq * 31 + tk * 7 + d + c.causal as usize) as u64;
     // Q, K, V: host copies (for the reference), device buffers and views.
@@ -265,15 +267,15 @@ fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
         causal: c.causal,
         scale: 1.0 / (d as f32).sqrt(),
     };
-    let out = flash_forward(
+    let out = forward(
+        path,
         &FlashInputs {
             q: qv,
             k: kv,
             v: vv,
         },
         &dims,
-    )
-    .unwrap();
+    );
     let (dout_host, dout_buf) = randn(seed + 3, b * tq * h * d, dt);
     let bthd_q = [tq * h * d, d, h * d];
     let dout_h = Host {
@@ -281,7 +283,8 @@ fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
         offset: 0,
         strides: bthd_q,
     };
-    let grads = flash_backward(
+    let grads = backward(
+        path,
         &FlashGrads {
             q: qv,
             k: kv,
@@ -296,8 +299,7 @@ fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
             },
         },
         &dims,
-    )
-    .unwrap();
+    );
     assert_eq!(out.o.len(), b * tq * h * d);
     assert_eq!(out.lse.len(), b * h * tq);
     assert_eq!(grads.dq.len(), b * tq * h * d);
@@ -349,7 +351,7 @@ fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
     }
     let bound = 6.0 * unit(dt);
     println!(
-        "{dt} {c:?}: O {:.2e}, dQ {:.2e}, dK {:.2e}, dV {:.2e} (max err / max |ref|; bound \
+        "{path:?} {dt} {c:?}: O {:.2e}, dQ {:.2e}, dK {:.2e}, dV {:.2e} (max err / max |ref|; bound \
          {bound:.1e}), LSE {e_lse:.1e} (abs; bound 1e-3)",
         eo.rel(),
         edq.rel(),
@@ -369,6 +371,94 @@ fn check(c: Case, dt: DType, heads: &[(usize, usize)]) {
 
 const DTYPES: [DType; 2] = [DType::F16, DType::BF16];
 
+/// Which implementation runs each direction: ours (`kernels/flash_attention.cu`), cuDNN's
+/// (`cudnn_attention.rs`), or one of each way round (they save the same statistic, so either
+/// backward must take either forward's O and LSE).
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    Ours,
+    Cudnn,
+    CudnnThenOurs,
+    OursThenCudnn,
+}
+
+fn forward(path: Path, inp: &FlashInputs<'_>, dims: &FlashDims) -> FlashOutput {
+    match path {
+        Path::Ours | Path::OursThenCudnn => flash_forward(inp, dims).unwrap(),
+        Path::Cudnn | Path::CudnnThenOurs => cudnn_forward(inp, dims)
+            .unwrap()
+            .unwrap_or_else(|| panic!("cuDNN builds no forward plan for {dims:?}")),
+    }
+}
+
+fn backward(path: Path, g: &FlashGrads<'_>, dims: &FlashDims) -> FlashInputGrads {
+    match path {
+        Path::Ours | Path::CudnnThenOurs => flash_backward(g, dims).unwrap(),
+        Path::Cudnn | Path::OursThenCudnn => cudnn_backward(g, dims)
+            .unwrap()
+            .unwrap_or_else(|| panic!("cuDNN builds no backward plan for {dims:?}")),
+    }
+}
+
+/// cuDNN's fused attention against the same f64 reference as ours, on the cases above: small
+/// packed QKV (causal and not), ragged tails, Tq ≠ Tk both ways, head dim 128, GPT-2's shape;
+/// and each of its directions paired with ours.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cudnn_attention_matches_the_reference() {
+    let _gpu = gpu();
+    let case = |b, h, tq, tk, d, causal, packing| Case {
+        b,
+        h,
+        tq,
+        tk,
+        d,
+        causal,
+        packing,
+    };
+    for dt in DTYPES {
+        for causal in [false, true] {
+            check(
+                case(2, 3, 128, 128, 64, causal, Packing::Qkv),
+                dt,
+                &[],
+                Path::Cudnn,
+            );
+        }
+        check(
+            case(1, 2, 77, 77, 64, true, Packing::Qkv),
+            dt,
+            &[],
+            Path::Cudnn,
+        );
+        for (tq, tk) in [(70, 130), (150, 40)] {
+            check(
+                case(2, 1, tq, tk, 64, true, Packing::Separate),
+                dt,
+                &[],
+                Path::Cudnn,
+            );
+        }
+        check(
+            case(1, 1, 100, 300, 128, false, Packing::Separate),
+            dt,
+            &[],
+            Path::Cudnn,
+        );
+        check(
+            case(1, 2, 200, 200, 128, true, Packing::Qkv),
+            dt,
+            &[],
+            Path::Cudnn,
+        );
+        let gpt2 = case(4, 12, 1024, 1024, 64, true, Packing::Qkv);
+        let heads = [(0, 0), (1, 5), (2, 7), (3, 11)];
+        for path in [Path::Cudnn, Path::CudnnThenOurs, Path::OursThenCudnn] {
+            check(gpt2, dt, &heads, path);
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_small_packed_qkv() {
@@ -384,7 +474,7 @@ fn flash_small_packed_qkv() {
                 causal,
                 packing: Packing::Qkv,
             };
-            check(c, dt, &[]);
+            check(c, dt, &[], Path::Ours);
         }
     }
 }
@@ -404,7 +494,7 @@ fn flash_ragged_tails() {
             causal: true,
             packing: Packing::Qkv,
         };
-        check(c, dt, &[]);
+        check(c, dt, &[], Path::Ours);
         // Fewer queries than keys and the reverse, causal (top-left aligned), separate buffers.
         for (tq, tk) in [(70, 130), (150, 40)] {
             let c = Case {
@@ -416,7 +506,7 @@ fn flash_ragged_tails() {
                 causal: true,
                 packing: Packing::Separate,
             };
-            check(c, dt, &[]);
+            check(c, dt, &[], Path::Ours);
         }
     }
 }
@@ -435,7 +525,7 @@ fn flash_head_dim_128() {
             causal: false,
             packing: Packing::Separate,
         };
-        check(c, dt, &[]);
+        check(c, dt, &[], Path::Ours);
         let c = Case {
             b: 1,
             h: 2,
@@ -445,7 +535,7 @@ fn flash_head_dim_128() {
             causal: true,
             packing: Packing::Qkv,
         };
-        check(c, dt, &[]);
+        check(c, dt, &[], Path::Ours);
     }
 }
 
@@ -465,7 +555,7 @@ fn flash_gpt2_shape() {
             causal: true,
             packing: Packing::Qkv,
         };
-        check(c, dt, &heads);
+        check(c, dt, &heads, Path::Ours);
     }
 }
 
@@ -595,45 +685,46 @@ fn flash_gpt2_timing() {
             scale: 0.125,
         };
         let out = flash_forward(&inp, &dims).unwrap();
-        let bthd = [t * h * d, d, h * d];
-        let g = FlashGrads {
-            q: inp.q,
-            k: inp.k,
-            v: inp.v,
-            o: FlashView {
-                buf: &out.o,
-                offset: 0,
-                strides: bthd,
-            },
-            lse: &out.lse,
-            grad_out: FlashView {
-                buf: &dout,
-                offset: 0,
-                strides: bthd,
-            },
-        };
-        for _ in 0..3 {
-            flash_forward(&inp, &dims).unwrap();
-            flash_backward(&g, &dims).unwrap();
-        }
-        dev.synchronize().unwrap();
-        let n = 20;
-        let t0 = std::time::Instant::now();
-        for _ in 0..n {
-            flash_forward(&inp, &dims).unwrap();
-        }
-        dev.synchronize().unwrap();
-        let fwd = t0.elapsed().as_secs_f64() / n as f64;
-        let t0 = std::time::Instant::now();
-        for _ in 0..n {
-            flash_backward(&g, &dims).unwrap();
-        }
-        dev.synchronize().unwrap();
-        let bwd = t0.elapsed().as_secs_f64() / n as f64;
-        // Causal: half of the 4·B·H·T²·D forward multiply-adds; the backward does 2.5 times that.
-        let flops = 4.0 * (b * h * t * t * d) as f64 / 2.0;
-        println!(
-            "{dt} B{b} H{h} T{t} D{d} causal: forward {:.3} ms ({:.0} TFLOP/s), backward {:.3} ms \
+        for path in [Path::Ours, Path::Cudnn] {
+            let bthd = [t * h * d, d, h * d];
+            let g = FlashGrads {
+                q: inp.q,
+                k: inp.k,
+                v: inp.v,
+                o: FlashView {
+                    buf: &out.o,
+                    offset: 0,
+                    strides: bthd,
+                },
+                lse: &out.lse,
+                grad_out: FlashView {
+                    buf: &dout,
+                    offset: 0,
+                    strides: bthd,
+                },
+            };
+            for _ in 0..3 {
+                forward(path, &inp, &dims);
+                backward(path, &g, &dims);
+            }
+            dev.synchronize().unwrap();
+            let n = 20;
+            let t0 = std::time::Instant::now();
+            for _ in 0..n {
+                forward(path, &inp, &dims);
+            }
+            dev.synchronize().unwrap();
+            let fwd = t0.elapsed().as_secs_f64() / n as f64;
+            let t0 = std::time::Instant::now();
+            for _ in 0..n {
+                backward(path, &g, &dims);
+            }
+            dev.synchronize().unwrap();
+            let bwd = t0.elapsed().as_secs_f64() / n as f64;
+            // Causal: half of the 4·B·H·T²·D forward multiply-adds; the backward does 2.5 times that.
+            let flops = 4.0 * (b * h * t * t * d) as f64 / 2.0;
+            println!(
+            "{path:?} {dt} B{b} H{h} T{t} D{d} causal: forward {:.3} ms ({:.0} TFLOP/s), backward {:.3} ms \
              ({:.0} TFLOP/s), together {:.3} ms",
             fwd * 1e3,
             flops / fwd / 1e12,
@@ -641,6 +732,7 @@ fn flash_gpt2_timing() {
             2.5 * flops / bwd / 1e12,
             (fwd + bwd) * 1e3
         );
+        }
     }
     set_poison_allocations(true);
 }

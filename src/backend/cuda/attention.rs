@@ -4,6 +4,7 @@
 //! only while [`flash_attention_available`] says so.
 
 use super::common::{float_sfx, same_dtype};
+use super::cudnn_attention::{cudnn_backward, cudnn_forward};
 use super::flash_attention::{
     flash_backward, flash_forward, FlashDims, FlashGrads, FlashInputs, FlashView,
 };
@@ -224,7 +225,10 @@ impl AttentionOps for CudaStorage {
             k: view(k, kl, &kc)?,
             v: view(v, vl, &vc)?,
         };
-        let out = flash_forward(&inp, &d)?;
+        let out = match cudnn_forward(&inp, &d)? {
+            Some(out) => out,
+            None => flash_forward(&inp, &d)?,
+        };
         Ok((out.o, out.lse))
     }
 
@@ -246,7 +250,10 @@ impl AttentionOps for CudaStorage {
             lse: saved.lse.0,
             grad_out: view(self, l, &gc)?,
         };
-        let r = flash_backward(&g, &d)?;
+        let r = match cudnn_backward(&g, &d)? {
+            Some(r) => r,
+            None => flash_backward(&g, &d)?,
+        };
         Ok((r.dq, r.dk, r.dv))
     }
 }

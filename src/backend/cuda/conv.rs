@@ -86,6 +86,8 @@ pub(crate) struct Dnn {
     pub(super) rates: Rates<RateKey>,
     /// Batch norm's cuDNN descriptors and choices (`batch_norm.rs`).
     pub(super) batch_norm: super::batch_norm_choice::BnChoices,
+    /// Attention's cuDNN plans (`cudnn_attention.rs`).
+    pub(super) attention: super::cudnn_attention::AttentionPlans,
 }
 
 // SAFETY: the handle and descriptors are only used under the device's `dnn` mutex.
@@ -101,6 +103,7 @@ impl Drop for Dnn {
     fn drop(&mut self) {
         self.plans.clear();
         self.batch_norm = Default::default();
+        self.attention.clear();
         // SAFETY: created by cudnnCreate, destroyed once.
         let _ = unsafe { dnn::destroy_handle(self.handle) };
     }
@@ -347,6 +350,7 @@ impl Dnn {
             timing_runs: 0,
             rates: Rates::new(),
             batch_norm: Default::default(),
+            attention: Default::default(),
         };
         // SAFETY: live handle and stream.
         unsafe { dnn::set_stream(handle, dev.stream.cu_stream() as _) }

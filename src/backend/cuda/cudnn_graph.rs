@@ -40,7 +40,7 @@ const MODE_QUOTAS: [(Heur, usize); 3] = [
 /// Room for an engine configuration's knob choices (cuDNN 9.2 has 44 knob types).
 const MAX_KNOBS: usize = 64;
 
-fn status(what: &str, st: dsys::cudnnStatus_t) -> Result<()> {
+pub(super) fn status(what: &str, st: dsys::cudnnStatus_t) -> Result<()> {
     if st == dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
         Ok(())
     } else {
@@ -49,7 +49,7 @@ fn status(what: &str, st: dsys::cudnnStatus_t) -> Result<()> {
 }
 
 /// One backend descriptor, destroyed on drop.
-struct Desc(dsys::cudnnBackendDescriptor_t);
+pub(super) struct Desc(pub(super) dsys::cudnnBackendDescriptor_t);
 
 impl Drop for Desc {
     fn drop(&mut self) {
@@ -59,7 +59,7 @@ impl Drop for Desc {
 }
 
 impl Desc {
-    fn new(ty: D) -> Result<Desc> {
+    pub(super) fn new(ty: D) -> Result<Desc> {
         let mut d: dsys::cudnnBackendDescriptor_t = std::ptr::null_mut();
         // SAFETY: `d` receives a new descriptor.
         status(&format!("creating a {ty:?}"), unsafe {
@@ -69,7 +69,7 @@ impl Desc {
     }
 
     /// Sets attribute `name` to `values`, whose Rust type must be what `ty` names.
-    fn set<V>(&self, name: A, ty: T, values: &[V]) -> Result<()> {
+    pub(super) fn set<V>(&self, name: A, ty: T, values: &[V]) -> Result<()> {
         // SAFETY: `values` holds `len` elements of the type `ty` names (the callers below pair
         // them: i64 with INT64, descriptor handles with BACKEND_DESCRIPTOR, and so on).
         status(&format!("setting {name:?}"), unsafe {
@@ -83,16 +83,16 @@ impl Desc {
         })
     }
 
-    fn set_i64s(&self, name: A, v: &[i64]) -> Result<()> {
+    pub(super) fn set_i64s(&self, name: A, v: &[i64]) -> Result<()> {
         self.set(name, T::CUDNN_TYPE_INT64, v)
     }
 
-    fn set_descs(&self, name: A, v: &[&Desc]) -> Result<()> {
+    pub(super) fn set_descs(&self, name: A, v: &[&Desc]) -> Result<()> {
         let raw: Vec<dsys::cudnnBackendDescriptor_t> = v.iter().map(|d| d.0).collect();
         self.set(name, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &raw)
     }
 
-    fn finalize(self, what: &str) -> Result<Desc> {
+    pub(super) fn finalize(self, what: &str) -> Result<Desc> {
         // SAFETY: a live descriptor whose required attributes were set.
         status(&format!("finalizing {what}"), unsafe {
             dsys::cudnnBackendFinalize(self.0)
@@ -101,7 +101,7 @@ impl Desc {
     }
 
     /// Reads up to `out.len()` elements of attribute `name`; returns how many there were.
-    fn get<V>(&self, name: A, ty: T, out: &mut [V]) -> Result<usize> {
+    pub(super) fn get<V>(&self, name: A, ty: T, out: &mut [V]) -> Result<usize> {
         let mut n = 0i64;
         // SAFETY: `out` has room for `out.len()` elements of the type `ty` names.
         status(&format!("reading {name:?}"), unsafe {
@@ -582,7 +582,7 @@ impl GraphConv {
 }
 
 /// The engine configurations cuDNN's heuristics propose in `mode`, best first.
-fn engine_configs(graph: &Desc, mode: Heur) -> Result<Vec<Desc>> {
+pub(super) fn engine_configs(graph: &Desc, mode: Heur) -> Result<Vec<Desc>> {
     let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
     heur.set_descs(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[graph])?;
     heur.set(

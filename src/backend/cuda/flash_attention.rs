@@ -184,7 +184,7 @@ impl FlashParams {
 
 /// Checks the device, the problem's sizes and the dtype; returns the kernel-name suffix of the
 /// dtype.
-fn check_dims(d: &FlashDims, like: &CudaStorage) -> Result<&'static str> {
+pub(super) fn check_dims(d: &FlashDims, like: &CudaStorage) -> Result<&'static str> {
     let arch = like.dev.arch;
     if arch.0 < 8 {
         return Err(Error::Unsupported {
@@ -225,7 +225,7 @@ fn check_dims(d: &FlashDims, like: &CudaStorage) -> Result<&'static str> {
 
 /// Checks view `name` of `dtype` over `seq` tokens against `d` (dtype, device, alignment,
 /// bounds); returns its device address and strides for the kernel.
-fn check_view(
+pub(super) fn check_view(
     name: &'static str,
     v: &FlashView<'_>,
     seq: usize,
@@ -296,7 +296,7 @@ fn check_view(
 
 /// The element counts of the query-side and key-side `[B, T, H, D]` tensors, or an error when
 /// one does not fit an address.
-fn sizes(d: &FlashDims) -> Result<(usize, usize)> {
+pub(super) fn sizes(d: &FlashDims) -> Result<(usize, usize)> {
     let n = |t: usize| {
         d.batch
             .checked_mul(d.heads)

@@ -30,6 +30,7 @@ mod conv_plan;
 mod conv_report;
 mod conv_tune;
 mod cross_entropy;
+pub mod cudnn_attention;
 mod cudnn_batch_norm;
 mod cudnn_graph;
 mod cudnn_legacy;

@@ -19,7 +19,17 @@ pub(crate) fn reduce(x: &CudaStorage, l: &Layout, op: ReduceOp, dim: usize) -> R
         return Ok(out);
     }
     let code = op as i32;
-    if inner == 1 {
+    if let Some((splits, chunk)) = row_chunks(outer, len, inner, x.dev.sm_count as usize) {
+        let part = CudaStorage::alloc(&x.dev, acc_dtype(x.dtype()), outer * splits)?;
+        let grid = Grid {
+            blocks: (outer * splits) as u32,
+            threads: BLOCK,
+        };
+        launch!(x.dev, Family::Reduce, format!("reduce_row_chunks_{s}"), grid;
+            code, len as u64, splits as u64, chunk as u64, src, part.ptr());
+        launch!(x.dev, Family::Reduce, format!("reduce_parts_{s}"), Grid::for_items(&x.dev, outer);
+            code, outer as u64, splits as u64, 1u64, part.ptr(), out.ptr());
+    } else if inner == 1 {
         launch!(x.dev, Family::Reduce, format!("reduce_rows_{s}"), Grid::per_row(outer, BLOCK);
             code, outer as u64, len as u64, src, out.ptr());
     } else if let Some(t) = tiles(outer, len, inner, x.dev.sm_count as usize) {
@@ -41,6 +51,20 @@ pub(crate) fn reduce(x: &CudaStorage, l: &Layout, op: ReduceOp, dim: usize) -> R
             code, outer as u64, len as u64, inner as u64, src, out.ptr());
     }
     Ok(out)
+}
+
+/// How `reduce_row_chunks` cuts few long rows (`inner == 1`, fewer rows than multiprocessors,
+/// each of at least 64K elements: a block per row would walk it alone, as the sum of a whole
+/// tensor does): (splits, chunk) for about four blocks per multiprocessor, chunks of at least
+/// 8K elements.
+fn row_chunks(outer: usize, len: usize, inner: usize, sms: usize) -> Option<(usize, usize)> {
+    if inner != 1 || outer >= sms || len < 1 << 16 {
+        return None;
+    }
+    let splits = (4 * sms).div_ceil(outer).clamp(1, len / 8192);
+    let chunk = len.div_ceil(splits);
+    let splits = len.div_ceil(chunk);
+    (outer * splits <= u32::MAX as usize).then_some((splits, chunk))
 }
 
 /// How `reduce_tiles` cuts a lane reduction: tiles of 32 lanes by `chunk` rows, `splits`
