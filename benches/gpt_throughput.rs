@@ -5,7 +5,7 @@
 //! ```text
 //! bench-gpt_throughput [--model gpt2|gpt2-medium|...] [--mode o0|o1-bf16|o1-f16|o2-bf16|o2-f16]
 //!                      [--captured] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5] [--profile]
-//!                      [--nproc-per-node N] [--checkpoint-activations]
+//!                      [--nproc-per-node N] [--bucket-cap-mb MB] [--checkpoint-activations]
 //! ```
 //!
 //! Several GPUs: `--nproc-per-node N` starts the bench N times, one rank per GPU (as
@@ -48,6 +48,8 @@ struct Args {
     warmup: usize,
     profile: bool,
     nproc: Option<usize>,
+    /// DDP's gradient bucket size (PyTorch's `bucket_cap_mb`).
+    bucket_cap_mb: f64,
     checkpoint_activations: bool,
 }
 
@@ -62,6 +64,7 @@ fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
         warmup: 5,
         profile: false,
         nproc: None,
+        bucket_cap_mb: DdpConfig::default().bucket_cap_mb,
         checkpoint_activations: false,
     };
     while let Some(flag) = flags.next_flag() {
@@ -76,6 +79,12 @@ fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
             "--profile" => a.profile = true,
             "--nproc-per-node" => a.nproc = Some(flags.number(&flag)?),
             "--checkpoint-activations" => a.checkpoint_activations = true,
+            "--bucket-cap-mb" => {
+                a.bucket_cap_mb = flags
+                    .value(&flag)?
+                    .parse()
+                    .map_err(|_| "--bucket-cap-mb needs a number of MiB")?
+            }
             other => return Err(common::args::unknown(other)),
         }
     }
@@ -197,7 +206,10 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         Some(g) => Some(DistributedDataParallel::new(
             model.clone(),
             g,
-            DdpConfig::default(),
+            DdpConfig {
+                bucket_cap_mb: args.bucket_cap_mb,
+                ..DdpConfig::default()
+            },
         )?),
         None => None,
     };
