@@ -1,6 +1,6 @@
 //! Per-op speed against PyTorch (issue 42's diagnostic): layer norm forward and
 //! forward+backward at [16384, 768] and causal scaled-dot-product attention at
-//! [16, 12, 1024, 64], in bf16 and f16; `benches/torch_op_speed.py` prints the same fields for
+//! [16, 12, 1024, 64] (q, k, v views of [B, T, H, D] projections), in bf16 and f16; `benches/torch_op_speed.py` prints the same fields for
 //! `F.layer_norm` / `F.scaled_dot_product_attention` and `benches/op_speed.sh` runs both and the
 //! table. Exits quietly without a GPU.
 //!
@@ -145,8 +145,13 @@ fn sdpa(a: &Args, dt: DType, dev: Device) -> Result<()> {
     } else {
         vec![16, 12, 1024, 64]
     };
+    // q, k and v as a model holds them: [B, T, H, D] projections seen as [B, H, T, D] (PyTorch's
+    // side the same), so neither side's gradients need a change of layout.
+    let bthd = vec![shape[0], shape[2], shape[1], shape[3]];
     let input = |seed| -> Result<Tensor> {
-        Ok(Tensor::randn(shape.clone(), 0.0, 1.0, seed, dt, dev)?.to_variable())
+        Ok(Tensor::randn(bthd.clone(), 0.0, 1.0, seed, dt, dev)?
+            .permute(&[0, 2, 1, 3])?
+            .to_variable())
     };
     let (q, k, v) = (input(1)?, input(2)?, input(3)?);
     let gy = Tensor::randn(shape.clone(), 0.0, 1.0, 4, dt, dev)?;

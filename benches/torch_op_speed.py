@@ -78,7 +78,10 @@ def main():
                 print(json.dumps(dict(side="pytorch", op="layer_norm_f32_params", dtype=name,
                                       error=str(e).splitlines()[0])), flush=True)
         shape = (2, 12, 256, 64) if a.small else (16, 12, 1024, 64)
-        q, k, v = (randn(*shape, dt=dt, grad=True) for _ in range(3))
+        # q, k and v as a model holds them: [B, T, H, D] projections seen as [B, H, T, D].
+        bthd = (shape[0], shape[2], shape[1], shape[3])
+        q, k, v = (randn(*bthd, dt=dt).transpose(1, 2).detach().requires_grad_()
+                   for _ in range(3))
         gy = randn(*shape, dt=dt)
 
         def afwd():

@@ -11,7 +11,7 @@
 //! half type (the mask keeps its dtype), and the output has the inputs' dtype.
 
 use super::autocast::{self, OpKind};
-use super::{DType, Device, DropoutGenerator, Shape, Tensor};
+use super::{DType, Device, DropoutGenerator, Layout, Shape, Storage, Tensor};
 use crate::autograd::Op;
 use crate::backend::{bthd_as_bhtd, MaskedSoftmaxParams, SdpaKeyValue, SdpaParams, SdpaSaved};
 use crate::error::{Error, Result};
@@ -206,6 +206,13 @@ impl Tensor {
 
     /// The packed node's backward: dq, dk, dv side by side as `[B, T, 3, H, D]`.
     pub(crate) fn sdpa_backward_packed(&self, n: &SdpaNode) -> Result<Tensor> {
+        let p = &n.p;
+        if let Some(packed) =
+            self.sdpa_backward_with(n, |g, l, saved| g.sdpa_backward_packed(l, saved, p))?
+        {
+            let shape = vec![p.batch, p.seq_q, 3, p.heads, p.head_dim];
+            return Ok(Tensor::from_storage(packed, Shape::new(shape)));
+        }
         let (dq, dk, dv) = self.sdpa_backward(n)?;
         // Each is a [B, H, T, D] view of a dense [B, T, H, D] buffer: back to that, with a
         // unit dim for the stack.
@@ -281,35 +288,43 @@ impl Tensor {
         Ok(Tensor::from_storage(s, y.shape().clone()))
     }
 
+    /// Runs `f` on dO (`self`, made a fused operand) and what the forward saved.
+    fn sdpa_backward_with<R>(
+        &self,
+        n: &SdpaNode,
+        f: impl FnOnce(&Storage, &Layout, SdpaSaved<'_, Storage>) -> Result<R>,
+    ) -> Result<R> {
+        let g = fused_operand(self)?;
+        let gs = g.storage();
+        let (qs, ks, vs, os, ls) = (
+            n.q.storage(),
+            n.k.storage(),
+            n.v.storage(),
+            n.o.storage(),
+            n.lse.storage(),
+        );
+        let (ql, kl, vl, ol, ll) = (
+            n.q.layout(),
+            n.k.layout(),
+            n.v.layout(),
+            n.o.layout(),
+            n.lse.layout(),
+        );
+        let saved = SdpaSaved {
+            q: (&*qs, &*ql),
+            k: (&*ks, &*kl),
+            v: (&*vs, &*vl),
+            o: (&*os, &*ol),
+            lse: (&*ls, &*ll),
+        };
+        f(&gs, &g.layout(), saved)
+    }
+
     /// The fused path's backward: dq, dk, dv from dO (`self`) and what the forward saved.
     pub(crate) fn sdpa_backward(&self, n: &SdpaNode) -> Result<(Tensor, Tensor, Tensor)> {
-        let g = fused_operand(self)?;
-        let (dq, dk, dv) = {
-            let gs = g.storage();
-            let (qs, ks, vs, os, ls) = (
-                n.q.storage(),
-                n.k.storage(),
-                n.v.storage(),
-                n.o.storage(),
-                n.lse.storage(),
-            );
-            let (ql, kl, vl, ol, ll) = (
-                n.q.layout(),
-                n.k.layout(),
-                n.v.layout(),
-                n.o.layout(),
-                n.lse.layout(),
-            );
-            let saved = SdpaSaved {
-                q: (&*qs, &*ql),
-                k: (&*ks, &*kl),
-                v: (&*vs, &*vl),
-                o: (&*os, &*ol),
-                lse: (&*ls, &*ll),
-            };
-            gs.sdpa_backward(&g.layout(), saved, &n.p)?
-        };
         let p = &n.p;
+        let (dq, dk, dv) =
+            self.sdpa_backward_with(n, |g, l, saved| g.sdpa_backward(l, saved, p))?;
         Ok((
             Tensor::from_storage(dq, bthd_as_bhtd(p.batch, p.heads, p.seq_q, p.head_dim)),
             Tensor::from_storage(dk, bthd_as_bhtd(p.batch, p.heads, p.seq_k, p.head_dim)),

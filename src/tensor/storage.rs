@@ -608,6 +608,9 @@ backend_ops! {
     ["sdpa_backward", format!("{p:?}")]
     fn sdpa_backward(&self, l: &Layout, saved: SdpaSaved<'_, Self>, p: &SdpaParams)
         -> (Self, Self, Self);
+    ["sdpa_backward_packed", format!("{p:?}")]
+    fn sdpa_backward_packed(&self, l: &Layout, saved: SdpaSaved<'_, Self>, p: &SdpaParams)
+        -> Option<Self>;
 }
 
 fn bn_detail(p: &BatchNormParams) -> String {

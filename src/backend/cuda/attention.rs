@@ -4,7 +4,7 @@
 //! only while [`flash_attention_available`] says so.
 
 use super::common::{float_sfx, same_dtype};
-use super::cudnn_attention::{cudnn_backward, cudnn_forward};
+use super::cudnn_attention::{cudnn_backward, cudnn_backward_packed, cudnn_forward};
 use super::flash_attention::{
     flash_backward, flash_forward, FlashDims, FlashGrads, FlashInputs, FlashView,
 };
@@ -239,23 +239,48 @@ impl AttentionOps for CudaStorage {
         p: &SdpaParams,
     ) -> Result<(Self, Self, Self)> {
         let d = flash_dims("sdpa_backward", p)?;
-        let ((q, ql), (k, kl), (v, vl), (o, ol)) = (saved.q, saved.k, saved.v, saved.o);
-        let (qc, kc, vc) = (fitted(q, ql)?, fitted(k, kl)?, fitted(v, vl)?);
-        let (oc, gc) = (fitted(o, ol)?, fitted(self, l)?);
-        let g = FlashGrads {
-            q: view(q, ql, &qc)?,
-            k: view(k, kl, &kc)?,
-            v: view(v, vl, &vc)?,
-            o: view(o, ol, &oc)?,
-            lse: saved.lse.0,
-            grad_out: view(self, l, &gc)?,
-        };
-        let r = match cudnn_backward(&g, &d)? {
-            Some(r) => r,
-            None => flash_backward(&g, &d)?,
-        };
-        Ok((r.dq, r.dk, r.dv))
+        with_grads(self, l, saved, |g| {
+            let r = match cudnn_backward(g, &d)? {
+                Some(r) => r,
+                None => flash_backward(g, &d)?,
+            };
+            Ok((r.dq, r.dk, r.dv))
+        })
     }
+
+    fn sdpa_backward_packed(
+        &self,
+        l: &Layout,
+        saved: SdpaSaved<'_, Self>,
+        p: &SdpaParams,
+    ) -> Result<Option<Self>> {
+        let d = flash_dims("sdpa_backward_packed", p)?;
+        if d.seq_q != d.seq_k {
+            return Ok(None);
+        }
+        // Our kernels write three buffers: where cuDNN has no plan the caller packs them.
+        with_grads(self, l, saved, |g| cudnn_backward_packed(g, &d))
+    }
+}
+
+/// Runs `f` on the backward's operands as the fused kernels read them (dO is `grad_out`).
+fn with_grads<R>(
+    grad_out: &CudaStorage,
+    l: &Layout,
+    saved: SdpaSaved<'_, CudaStorage>,
+    f: impl FnOnce(&FlashGrads<'_>) -> Result<R>,
+) -> Result<R> {
+    let ((q, ql), (k, kl), (v, vl), (o, ol)) = (saved.q, saved.k, saved.v, saved.o);
+    let (qc, kc, vc) = (fitted(q, ql)?, fitted(k, kl)?, fitted(v, vl)?);
+    let (oc, gc) = (fitted(o, ol)?, fitted(grad_out, l)?);
+    f(&FlashGrads {
+        q: view(q, ql, &qc)?,
+        k: view(k, kl, &kc)?,
+        v: view(v, vl, &vc)?,
+        o: view(o, ol, &oc)?,
+        lse: saved.lse.0,
+        grad_out: view(grad_out, l, &gc)?,
+    })
 }
 
 #[cfg(test)]

@@ -92,6 +92,8 @@ pub(super) struct Key {
     dims: [usize; 5],
     causal: bool,
     strides: Vec<[i64; 3]>,
+    /// The backward's dq, dk, dv strides (separate buffers or one packed).
+    out: Option<[Dims; 3]>,
 }
 
 /// A built plan with every descriptor it refers to, or why there is none.
@@ -470,7 +472,7 @@ fn forward_graph(d: &FlashDims, io: Dt, st: &[[i64; 3]]) -> Result<OpGraph> {
 /// The backward graph: D = rowsum(dO∘O) (f32, kept in `softmax_sum`), P recomputed as
 /// exp(S·scale − stats) under the mask, dV = Pᵀ·dO, dS = P∘(dO·Vᵀ − D)·scale, dK = dSᵀ·Q,
 /// dQ = dS·K (accumulated in f32, then converted).
-fn backward_graph(d: &FlashDims, io: Dt, st: &[[i64; 3]]) -> Result<OpGraph> {
+fn backward_graph(d: &FlashDims, io: Dt, st: &[[i64; 3]], out: [Dims; 3]) -> Result<OpGraph> {
     let [b, h, sq, sk, hd] = sizes_i64(d);
     let f32_ = Dt::CUDNN_DATA_FLOAT;
     let mut g = OpGraph::new();
@@ -519,7 +521,7 @@ fn backward_graph(d: &FlashDims, io: Dt, st: &[[i64; 3]]) -> Result<OpGraph> {
     let pt = g.virt(tdims, tst, io)?;
     g.reshape(p, pt)?;
     let kdims = [b, h, sk, hd];
-    let dv = g.buffer(uid::DV, kdims, bthd_out(h, sk, hd), io)?;
+    let dv = g.buffer(uid::DV, kdims, out[2], io)?;
     g.matmul(pt, d_o, dv)?;
 
     // dS = P∘(dO·Vᵀ − D)·scale.
@@ -535,7 +537,7 @@ fn backward_graph(d: &FlashDims, io: Dt, st: &[[i64; 3]]) -> Result<OpGraph> {
     // dK = dSᵀ·Q.
     let dst = g.virt(tdims, tst, io)?;
     g.reshape(ds, dst)?;
-    let dk = g.buffer(uid::DK, kdims, bthd_out(h, sk, hd), io)?;
+    let dk = g.buffer(uid::DK, kdims, out[1], io)?;
     g.matmul(dst, q, dk)?;
 
     // dQ = dS·K, accumulated in f32 (a buffer the caller zeroes), then converted.
@@ -543,7 +545,7 @@ fn backward_graph(d: &FlashDims, io: Dt, st: &[[i64; 3]]) -> Result<OpGraph> {
     g.reshape(kt, k)?;
     let dq_accum = g.buffer(uid::DQ_ACCUM, qdims, packed(qdims), f32_)?;
     g.matmul(ds, k, dq_accum)?;
-    let dq = g.buffer(uid::DQ, qdims, bthd_out(h, sq, hd), io)?;
+    let dq = g.buffer(uid::DQ, qdims, out[0], io)?;
     g.pw(Pw::CUDNN_POINTWISE_IDENTITY, &[dq_accum], dq)?;
     Ok(g)
 }
@@ -671,6 +673,7 @@ pub fn cudnn_forward(inp: &FlashInputs<'_>, d: &FlashDims) -> Result<Option<Flas
         dims: [d.batch, d.heads, d.seq_q, d.seq_k, d.head_dim],
         causal: d.causal,
         strides: strides.clone(),
+        out: None,
     };
     let bufs = [
         (uid::Q, q),
@@ -684,8 +687,45 @@ pub fn cudnn_forward(inp: &FlashInputs<'_>, d: &FlashDims) -> Result<Option<Flas
     Ok(ran.then_some(FlashOutput { o, lse }))
 }
 
+/// Where the backward writes dq, dk and dv.
+enum GradsOut {
+    /// Three new `[B, T, H, D]` buffers.
+    Separate,
+    /// One new `[B, T, 3, H, D]` buffer (q, k and v were the slices of one such projection).
+    Packed,
+}
+
+enum Grads {
+    Separate(FlashInputGrads),
+    Packed(CudaStorage),
+}
+
 /// The backward through cuDNN: `Ok(None)` where it has no plan (the caller runs our kernels).
 pub fn cudnn_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<Option<FlashInputGrads>> {
+    Ok(match backward(g, d, GradsOut::Separate)? {
+        Some(Grads::Separate(r)) => Some(r),
+        _ => None,
+    })
+}
+
+/// The backward through cuDNN into one `[B, T, 3, H, D]` buffer (needs Tq = Tk): `Ok(None)`
+/// where it has no plan.
+pub fn cudnn_backward_packed(g: &FlashGrads<'_>, d: &FlashDims) -> Result<Option<CudaStorage>> {
+    if d.seq_q != d.seq_k {
+        return Err(Error::invalid_arg(
+            OP,
+            "seq_q",
+            d.seq_q,
+            format!("seq_k ({}) for gradients packed as one projection", d.seq_k),
+        ));
+    }
+    Ok(match backward(g, d, GradsOut::Packed)? {
+        Some(Grads::Packed(r)) => Some(r),
+        _ => None,
+    })
+}
+
+fn backward(g: &FlashGrads<'_>, d: &FlashDims, out: GradsOut) -> Result<Option<Grads>> {
     let like = g.q.buf;
     check_dims(d, like)?;
     let Some(io) = io_type(like.dtype()) else {
@@ -710,9 +750,33 @@ pub fn cudnn_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<Option<FlashI
         ));
     }
     let (dev, dt) = (&like.dev, like.dtype());
-    let dq = CudaStorage::alloc(dev, dt, n_q)?;
-    let dk = CudaStorage::alloc(dev, dt, n_k)?;
-    let dv = CudaStorage::alloc(dev, dt, n_k)?;
+    let [_, h, sq, sk, hd] = sizes_i64(d);
+    let (grads, ptrs, out_strides) = match out {
+        GradsOut::Separate => {
+            let dq = CudaStorage::alloc(dev, dt, n_q)?;
+            let dk = CudaStorage::alloc(dev, dt, n_k)?;
+            let dv = CudaStorage::alloc(dev, dt, n_k)?;
+            let ptrs = [dq.ptr(), dk.ptr(), dv.ptr()];
+            let strides = [
+                bthd_out(h, sq, hd),
+                bthd_out(h, sk, hd),
+                bthd_out(h, sk, hd),
+            ];
+            (
+                Grads::Separate(FlashInputGrads { dq, dk, dv }),
+                ptrs,
+                strides,
+            )
+        }
+        GradsOut::Packed => {
+            let buf = CudaStorage::alloc(dev, dt, 3 * n_q)?;
+            // [B, T, 3, H, D]: slice i starts i·H·D elements in.
+            let slice = (h * hd) as u64 * dt.size_in_bytes() as u64;
+            let ptrs = [buf.ptr(), buf.ptr() + slice, buf.ptr() + 2 * slice];
+            let st = [sq * 3 * h * hd, hd, 3 * h * hd, 1];
+            (Grads::Packed(buf), ptrs, [st; 3])
+        }
+    };
     // cuDNN before 9.6 adds into dQ's accumulator without clearing it first.
     let dq_accum = CudaStorage::zeroed(dev, DType::F32, n_q)?;
     let softmax_sum = CudaStorage::alloc(dev, DType::F32, rows_q)?;
@@ -723,6 +787,7 @@ pub fn cudnn_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<Option<FlashI
         dims: [d.batch, d.heads, d.seq_q, d.seq_k, d.head_dim],
         causal: d.causal,
         strides: strides.clone(),
+        out: Some(out_strides),
     };
     let bufs = [
         (uid::Q, q),
@@ -731,19 +796,14 @@ pub fn cudnn_backward(g: &FlashGrads<'_>, d: &FlashDims) -> Result<Option<FlashI
         (uid::O, o),
         (uid::DO, d_o),
         (uid::STATS, g.lse.ptr()),
-        (uid::DQ, dq.ptr()),
-        (uid::DK, dk.ptr()),
-        (uid::DV, dv.ptr()),
+        (uid::DQ, ptrs[0]),
+        (uid::DK, ptrs[1]),
+        (uid::DV, ptrs[2]),
         (uid::SOFTMAX_SUM, softmax_sum.ptr()),
         (uid::DQ_ACCUM, dq_accum.ptr()),
     ];
-    let ran = run(
-        like,
-        key,
-        || backward_graph(d, io, &strides),
-        &bufs,
-        d.scale,
-    )
-    .map_err(|e| Error::Cuda(format!("{OP} backward: {e}")))?;
-    Ok(ran.then_some(FlashInputGrads { dq, dk, dv }))
+    let graph = || backward_graph(d, io, &strides, out_strides);
+    let ran = run(like, key, graph, &bufs, d.scale)
+        .map_err(|e| Error::Cuda(format!("{OP} backward: {e}")))?;
+    Ok(ran.then_some(grads))
 }

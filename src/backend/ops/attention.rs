@@ -98,6 +98,19 @@ pub trait AttentionOps: BackendStorage {
         saved: SdpaSaved<'_, Self>,
         p: &SdpaParams,
     ) -> Result<(Self, Self, Self)>;
+
+    /// As [`AttentionOps::sdpa_backward`] for q, k and v that are the three slices of one packed
+    /// `[B, T, 3, H, D]` projection (T = Tq = Tk): their gradients side by side in one such
+    /// buffer, written in place by the backend, or `None` where it cannot (the caller then packs
+    /// `sdpa_backward`'s three buffers).
+    fn sdpa_backward_packed(
+        &self,
+        _l: &Layout,
+        _saved: SdpaSaved<'_, Self>,
+        _p: &SdpaParams,
+    ) -> Result<Option<Self>> {
+        Ok(None)
+    }
 }
 
 /// The layout of the log-sum-exps of a call.
