@@ -233,6 +233,59 @@ __device__ void ln_param_partial(u64 rows, u64 cols, u64 part_rows, const T* __r
     }
 }
 
+// The same partials for half rows whose chunks of 8 load as 16 bytes (cols a multiple of 8, at
+// most 8·LN_PV_THREADS, 16-byte aligned rows): a block of (cols/8)·lanes threads, thread
+// (lane, c) summing chunk c of rows lo + lane, lo + lane + lanes, ... in row order, then lane 0
+// adding the lanes' sums in lane order. The scalar kernel's two-byte loads left most of each
+// memory transaction unused.
+#define LN_PV_THREADS 256
+template <typename T>
+__device__ void ln_param_partial_vec(u64 rows, u64 cols, u64 part_rows, const T* __restrict__ g,
+                                     const T* __restrict__ x, const float* __restrict__ mean,
+                                     const float* __restrict__ rstd, float* __restrict__ part) {
+    __shared__ float shw[LN_PV_THREADS * 8], shb[LN_PV_THREADS * 8];
+    const u64 groups = cols / 8, lanes = blockDim.x / groups;
+    const u64 c = threadIdx.x % groups, lane = threadIdx.x / groups;
+    const u64 p = blockIdx.x;
+    const u64 lo = p * part_rows;
+    const u64 hi = lo + part_rows < rows ? lo + part_rows : rows;
+    float sw[8], sb[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) sw[k] = sb[k] = 0.f;
+    for (u64 r = lo + lane; r < hi; r += lanes) {
+        float gv[8], xv[8];
+        ln_load8(g + r * cols, c, gv);
+        ln_load8(x + r * cols, c, xv);
+        const float mu = mean[r], rs = rstd[r];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            sw[k] += gv[k] * ((xv[k] - mu) * rs);
+            sb[k] += gv[k];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        shw[threadIdx.x * 8 + k] = sw[k];
+        shb[threadIdx.x * 8 + k] = sb[k];
+    }
+    __syncthreads();
+    if (lane == 0) {
+        for (u64 l = 1; l < lanes; l++) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                sw[k] += shw[(l * groups + c) * 8 + k];
+                sb[k] += shb[(l * groups + c) * 8 + k];
+            }
+        }
+        float* pw = part + p * 2 * cols + 8 * c;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            pw[k] = sw[k];
+            pw[cols + k] = sb[k];
+        }
+    }
+}
+
 // dw[j] = Σ_p part[p][j], db[j] = Σ_p part[p][cols + j]; either may be null. A block of 256
 // threads takes 32 columns: its 8 warps each sum every 8th block's partials in block order, then
 // warp 0 adds the 8 sums in warp order (a fixed association: deterministic). One thread per
@@ -295,6 +348,14 @@ LAYER_NORM(f64, double, f64, double, double)
     }
 LAYER_NORM_PARAMS(f16, f16, float)
 LAYER_NORM_PARAMS(bf16, bf16, float)
+#define LAYER_NORM_PARAMS_VEC(N, T)                                                                \
+    extern "C" __global__ void layer_norm_param_partial_vec_##N(                                   \
+        u64 rows, u64 cols, u64 part_rows, const T* g, const T* x, const float* mean,               \
+        const float* rstd, float* part) {                                                          \
+        ln_param_partial_vec<T>(rows, cols, part_rows, g, x, mean, rstd, part);                    \
+    }
+LAYER_NORM_PARAMS_VEC(f16, f16)
+LAYER_NORM_PARAMS_VEC(bf16, bf16)
 LAYER_NORM_PARAMS(f32, float, float)
 LAYER_NORM_PARAMS(f64, double, double)
 

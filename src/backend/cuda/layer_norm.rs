@@ -29,6 +29,20 @@ fn param_sfx(op: &'static str, x: DType, w: Option<DType>) -> Result<&'static st
     }
 }
 
+/// Threads of `layer_norm_param_partial_vec` (LN_PV_THREADS in layer_norm.cu), when it applies:
+/// half rows in 16-byte chunks of 8 (cols a multiple of 8, at most 8·256, aligned rows); a
+/// block is (cols/8)·lanes threads.
+const PV_THREADS: usize = 256;
+
+fn vec_partial_threads(dt: DType, cols: usize, ptrs: [u64; 2]) -> Option<u32> {
+    let groups = cols / 8;
+    let fits = dt.is_half()
+        && cols.is_multiple_of(8)
+        && (1..=PV_THREADS).contains(&groups)
+        && ptrs.iter().all(|p| p.is_multiple_of(16));
+    fits.then(|| (groups * (PV_THREADS / groups)) as u32)
+}
+
 /// A warp per row, grid-strided.
 fn row_grid(x: &CudaStorage, rows: usize) -> Grid {
     Grid::for_items(&x.dev, rows.saturating_mul(32))
@@ -131,12 +145,21 @@ pub(crate) fn layer_norm_backward(
         let part_rows = rows.div_ceil(MAX_PARTS).max(MIN_PART_ROWS);
         let parts = rows.div_ceil(part_rows);
         let part = CudaStorage::alloc(&g.dev, acc, 2 * cols * parts)?;
-        let grid = Grid {
-            blocks: parts as u32,
-            threads: BLOCK,
-        };
-        launch!(g.dev, Family::LayerNorm, format!("layer_norm_param_partial_{s}"), grid;
-            rows as u64, cols as u64, part_rows as u64, pg, px, pm, pr, part.ptr());
+        if let Some(threads) = vec_partial_threads(g.dtype(), cols, [pg, px]) {
+            let grid = Grid {
+                blocks: parts as u32,
+                threads,
+            };
+            launch!(g.dev, Family::LayerNorm, format!("layer_norm_param_partial_vec_{s}"), grid;
+                rows as u64, cols as u64, part_rows as u64, pg, px, pm, pr, part.ptr());
+        } else {
+            let grid = Grid {
+                blocks: parts as u32,
+                threads: BLOCK,
+            };
+            launch!(g.dev, Family::LayerNorm, format!("layer_norm_param_partial_{s}"), grid;
+                rows as u64, cols as u64, part_rows as u64, pg, px, pm, pr, part.ptr());
+        }
         let ptr = |t: &Option<CudaStorage>| t.as_ref().map_or(0, |t| t.ptr());
         launch!(g.dev, Family::LayerNorm,
             format!("layer_norm_param_finalize_{}_{ws}", sfx(acc)),
