@@ -20,6 +20,8 @@ pub(crate) enum Coll {
     AllReduce(ReduceOp),
     Broadcast(usize),
     AllGather,
+    /// Reduces the input over the ranks; each rank keeps its equal share (rank order).
+    ReduceScatter(ReduceOp),
     Barrier,
 }
 

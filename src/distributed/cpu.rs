@@ -185,6 +185,7 @@ impl Header {
             Coll::Broadcast(root) => (1, root as u64),
             Coll::AllGather => (2, 0),
             Coll::Barrier => (3, 0),
+            Coll::ReduceScatter(op) => (4, op as u64),
         };
         Header {
             seq,
@@ -228,6 +229,13 @@ impl Header {
             1 => format!("broadcast(root {})", self.param),
             2 => "all_gather".into(),
             3 => "barrier".into(),
+            4 => {
+                let op = ["sum", "avg", "max", "min"]
+                    .get(self.param as usize)
+                    .copied()
+                    .unwrap_or("?");
+                format!("reduce_scatter({op})")
+            }
             _ => "an unknown collective".into(),
         };
         format!(
@@ -371,7 +379,7 @@ impl Comm {
         let dtype = job.tensor.dtype();
         match job.coll {
             Coll::Barrier => {}
-            Coll::AllGather => {
+            Coll::AllGather | Coll::ReduceScatter(_) => {
                 if let Some(out) = &job.out {
                     *out.storage_mut() = Storage::Cpu(from_bytes(dtype, &result));
                 }
@@ -463,7 +471,7 @@ impl Comm {
             parts.push(d.rest().to_vec());
         }
         let result = match coll {
-            Coll::AllReduce(op) => {
+            Coll::AllReduce(op) | Coll::ReduceScatter(op) => {
                 let want = head.numel as usize * dtype.size_in_bytes();
                 if let Some(p) = parts.iter().position(|b| b.len() != want) {
                     return Err(self.ctl.fail(
@@ -481,15 +489,26 @@ impl Comm {
             Coll::Barrier => Vec::new(),
         };
         let out = head.encode();
+        // A reduce-scatter sends each rank only its share (the group checked that the length
+        // divides by the world size).
+        let share = |p: usize| -> &[u8] {
+            match coll {
+                Coll::ReduceScatter(_) => {
+                    let len = result.len() / n;
+                    &result[p * len..(p + 1) * len]
+                }
+                _ => &result,
+            }
+        };
         for p in 1..n {
             let what = format!("sending the result of {} to rank {p}", head.describe());
             if let Some(link) = self.links.get_mut(p).and_then(|l| l.as_mut()) {
-                if let Err(e) = write_frame2(link, tag::DATA, &out, &result) {
+                if let Err(e) = write_frame2(link, tag::DATA, &out, share(p)) {
                     return Err(self.link_error(p, head.seq, e, what));
                 }
             }
         }
-        Ok(result)
+        Ok(share(0).to_vec())
     }
 
     /// A rank other than 0: send the part, receive the result.

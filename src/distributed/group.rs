@@ -314,6 +314,17 @@ impl ProcessGroup {
                         ))
                     }
                 },
+                Coll::ReduceScatter(op) => match out {
+                    Some(o) => e.reduce_scatter(seq, t, o, op)?,
+                    None => {
+                        return Err(Error::invalid_arg(
+                            "reduce_scatter",
+                            "out",
+                            "none",
+                            "an output tensor",
+                        ))
+                    }
+                },
                 Coll::Barrier => e.all_reduce(seq, t, ReduceOp::Sum)?,
             }),
         };
@@ -369,6 +380,77 @@ impl ProcessGroup {
         let seq = self.inner.ctl.next_seq()?;
         self.run(seq, Coll::AllGather, t, Some(&out))?.wait()?;
         Ok(out)
+    }
+
+    /// Checks a pair for [`ProcessGroup::reduce_scatter`] / [`ProcessGroup::all_gather_into`]:
+    /// both whole buffers on the group's device, one dtype, and `whole` holding exactly
+    /// world_size × `share`'s elements.
+    fn check_pair(&self, op: &'static str, whole: &Tensor, share: &Tensor) -> Result<()> {
+        self.check_tensor(op, whole)?;
+        self.check_tensor(op, share)?;
+        if whole.dtype() != share.dtype() {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: whole.dtype(),
+                rhs: share.dtype(),
+            });
+        }
+        let w = self.world_size();
+        if whole.elem_count() != share.elem_count() * w {
+            return Err(Error::invalid_arg(
+                op,
+                "tensors",
+                format!(
+                    "a flat buffer of {} element(s) and a share of {}",
+                    whole.elem_count(),
+                    share.elem_count()
+                ),
+                format!("the flat buffer world_size ({w}) × the share's elements"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reduces `input` (world_size × n elements) over the ranks and writes this rank's share,
+    /// elements `rank·n .. (rank+1)·n` of the result, into `output` (n elements), in place:
+    /// ZeRO's gradient reduction. Float dtypes with every op; I64 with Sum/Max/Min.
+    pub fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_async(input, output, op)?.wait()
+    }
+
+    /// [`ProcessGroup::reduce_scatter`], queued: neither tensor may be touched until
+    /// [`Work::wait`].
+    pub fn reduce_scatter_async(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Work> {
+        self.check_pair("reduce_scatter", input, output)?;
+        if input.dtype() == DType::I64 && op == ReduceOp::Avg {
+            return Err(Error::UnsupportedDType {
+                op: "reduce_scatter (avg)",
+                got: DType::I64,
+                expected: "a float dtype (an average of integers is not an integer)",
+            });
+        }
+        let seq = self.inner.ctl.next_seq()?;
+        self.run(seq, Coll::ReduceScatter(op), input, Some(output))
+    }
+
+    /// Every rank's `input` (n elements) written in rank order into `output` (world_size × n
+    /// elements), a buffer the caller keeps: no tensor is made, so the call is the same every
+    /// step (ZeRO's gather of the updated parameters).
+    pub fn all_gather_into(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.all_gather_into_async(input, output)?.wait()
+    }
+
+    /// [`ProcessGroup::all_gather_into`], queued: neither tensor may be touched until
+    /// [`Work::wait`].
+    pub fn all_gather_into_async(&self, input: &Tensor, output: &Tensor) -> Result<Work> {
+        self.check_pair("all_gather_into", output, input)?;
+        let seq = self.inner.ctl.next_seq()?;
+        self.run(seq, Coll::AllGather, input, Some(output))
     }
 
     /// Waits until every rank has reached this point (a host wait, on every backend).

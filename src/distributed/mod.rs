@@ -11,6 +11,7 @@
 //!   `collective.rs`: what they share (the reduction ops, the collectives, the backend codes);
 //! - `ddp.rs`, `reducer.rs`: `DistributedDataParallel` and its gradient buckets;
 //! - `sync_batch_norm.rs`: `SyncBatchNorm`, batch statistics over every rank;
+//! - `zero.rs`: ZeRO-sharded optimizers (state and masters split over the ranks);
 //! - `launch.rs`: spawning and supervising the rank processes of one machine.
 //!
 //! A dead or hung rank is an [`Error::Distributed`](crate::Error::Distributed) on every other
@@ -31,6 +32,7 @@ mod rendezvous;
 pub mod signals;
 pub mod sync_batch_norm;
 mod wire;
+pub mod zero;
 
 pub use collective::{Backend, ReduceOp};
 pub use ddp::{DdpConfig, DistributedDataParallel, NoSyncGuard};
@@ -38,3 +40,4 @@ pub use env::{LaunchEnv, Launcher};
 pub use group::{default_timeout, GroupOptions, ProcessGroup, Work};
 pub use reducer::ReductionStats;
 pub use sync_batch_norm::{convert_sync_batchnorm, SyncBatchNorm};
+pub use zero::{ShardableOptimizer, ShardedOptimizer, ZeroAdam, ZeroLayout, ZeroSgd};

@@ -525,6 +525,35 @@ impl NcclEngine {
         })
     }
 
+    pub(crate) fn reduce_scatter(
+        &self,
+        seq: u64,
+        t: &Tensor,
+        out: &Tensor,
+        op: ReduceOp,
+    ) -> Result<NcclWork> {
+        let (p, q, n, dt) = (Self::ptr(t)?, Self::ptr(out)?, out.elem_count(), t.dtype());
+        let what = format!(
+            "collective #{seq} (reduce_scatter {op:?} of {} {dt} element(s))",
+            t.elem_count()
+        );
+        self.enqueue(seq, what, vec![t.clone(), out.clone()], move |c, s| {
+            // SAFETY: `p` holds world_size × n elements of `dt`, `q` holds n; both stay alive
+            // with the work.
+            unsafe {
+                sys::ncclReduceScatter(
+                    p as *const _,
+                    q as *mut _,
+                    n,
+                    nccl_dtype(dt),
+                    nccl_op(op),
+                    c,
+                    s,
+                )
+            }
+        })
+    }
+
     /// Leaving the group, first half: stops the watchdog, has the issuing thread make the
     /// calls still queued, wait for this rank's collectives and finalize the communicator (NCCL
     /// flushes what it still has of them), then stops it. The group then says goodbye to its

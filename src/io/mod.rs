@@ -16,6 +16,7 @@ pub mod checkpoint;
 pub mod hf_gpt2;
 pub mod safetensors;
 pub mod weights;
+pub mod zero_checkpoint;
 
 /// For [`Checkpoint::extra`]: `mixprec::io::serde_json::json!({...})` without a dependency of
 /// your own.
