@@ -6,6 +6,7 @@
 //! bench-gpt_throughput [--model gpt2|gpt2-medium|...] [--mode o0|o1-bf16|o1-f16|o2-bf16|o2-f16]
 //!                      [--captured] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5] [--profile]
 //!                      [--nproc-per-node N] [--bucket-cap-mb MB] [--checkpoint-activations]
+//!                      [--zero]
 //! ```
 //!
 //! Several GPUs: `--nproc-per-node N` starts the bench N times, one rank per GPU (as
@@ -22,6 +23,10 @@
 //! memory (bytes handed to tensors: PyTorch's `max_memory_allocated`), host syncs per step,
 //! skipped steps, the final loss, the attention path taken. `--checkpoint-activations`
 //! checkpoints every transformer block (recomputed in backward: less memory, more time).
+//! `--zero` (with `--nproc-per-node`): the ZeRO-sharded AdamW (`distributed::ZeroAdam`,
+//! gradients reduce-scattered, state and FP32 masters 1/world per rank, clipping by the global
+//! norm inside it) instead of DDP + FusedAdam; eager only. `opt_state_mib` is the FP32 masters
+//! and moments one rank holds (12 bytes a parameter at O2, 8 without masters, /world sharded).
 
 mod common;
 
@@ -29,10 +34,10 @@ use std::time::Instant;
 
 use mixprec::backend::cuda::{self, device};
 use mixprec::distributed::{
-    Backend, DdpConfig, DistributedDataParallel, GroupOptions, LaunchEnv, ProcessGroup,
+    Backend, DdpConfig, DistributedDataParallel, GroupOptions, LaunchEnv, ProcessGroup, ZeroAdam,
 };
 use mixprec::nn::{Gpt, GptConfig, Module, GPT2_VOCAB};
-use mixprec::optim::{AdamConfig, FusedAdam};
+use mixprec::optim::{AdamConfig, FusedAdam, Optimizer};
 use mixprec::tensor::{AttentionPath, SdpaOptions};
 use mixprec::train::distributed::{launched, spawn_ranks};
 use mixprec::train::gpt::step_body;
@@ -51,6 +56,7 @@ struct Args {
     /// DDP's gradient bucket size (PyTorch's `bucket_cap_mb`).
     bucket_cap_mb: f64,
     checkpoint_activations: bool,
+    zero: bool,
 }
 
 fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
@@ -66,6 +72,7 @@ fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
         nproc: None,
         bucket_cap_mb: DdpConfig::default().bucket_cap_mb,
         checkpoint_activations: false,
+        zero: false,
     };
     while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
@@ -85,6 +92,7 @@ fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
                     .parse()
                     .map_err(|_| "--bucket-cap-mb needs a number of MiB")?
             }
+            "--zero" => a.zero = true,
             other => return Err(common::args::unknown(other)),
         }
     }
@@ -165,18 +173,49 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     cfg.block_size = cfg.block_size.max(args.seq);
     let model = Gpt::new(cfg, 0, &dev)?.with_activation_checkpointing(args.checkpoint_activations);
     let params = model.num_parameters();
-    let opt = FusedAdam::new(
-        model.parameters(),
-        AdamConfig {
-            lr: 6e-4,
-            betas: (0.9, 0.95),
-            weight_decay: 0.1,
-            adam_w_mode: true,
-            ..Default::default()
-        },
-    )?;
+    let adam = AdamConfig {
+        lr: 6e-4,
+        betas: (0.9, 0.95),
+        weight_decay: 0.1,
+        adam_w_mode: true,
+        ..Default::default()
+    };
+    let zero = match (&group, args.zero) {
+        (Some(g), true) => Some(g),
+        (None, true) => {
+            return Err(mixprec::Error::invalid_arg(
+                "gpt_throughput",
+                "--zero",
+                "without --nproc-per-node",
+                "--nproc-per-node N (ZeRO shards over the ranks)",
+            ))
+        }
+        _ => None,
+    };
+    if zero.is_some() && args.captured {
+        return Err(mixprec::Error::invalid_arg(
+            "gpt_throughput",
+            "--captured",
+            "with --zero",
+            "no --captured: the sharded step runs eagerly",
+        ));
+    }
+    let opt: Box<dyn Optimizer> = match zero {
+        Some(g) => {
+            let mut z = ZeroAdam::single(g, model.parameters(), adam)?;
+            z.clip_grad_norm(Some(1.0))?;
+            Box::new(z)
+        }
+        None => Box::new(FusedAdam::new(model.parameters(), adam)?),
+    };
+    let masters = args.mode.starts_with("o2");
     let (model, mut opt) = amp::initialize(model, opt, policy(&args.mode)?)?;
-    opt.clip_grad_norm(Some(1.0))?;
+    if zero.is_none() {
+        opt.clip_grad_norm(Some(1.0))?;
+    }
+    // FP32 masters (O2) and two moments per parameter, for this rank's share under --zero.
+    let state_bytes =
+        (if masters { 12 } else { 8 }) * params.div_ceil(if zero.is_some() { world } else { 1 });
     let (b, t) = (args.batch, args.seq);
     // Each rank its own batch.
     let seed = 2 * rank as u64;
@@ -202,7 +241,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     drop(probe);
 
     let model = std::sync::Arc::new(model);
-    let ddp = match &group {
+    let ddp = match group.as_ref().filter(|_| zero.is_none()) {
         Some(g) => Some(DistributedDataParallel::new(
             model.clone(),
             g,
@@ -293,7 +332,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     let flops = cfg.train_flops_per_token(t) * (b * t) as f64;
     let mib = |v: u64| v as f64 / (1 << 20) as f64;
     println!(
-        "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"checkpoint_activations\": {}, \"attention\": \"{:?}\", \
+        "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"checkpoint_activations\": {}, \"zero\": {}, \"opt_state_mib\": {:.0}, \"attention\": \"{:?}\", \
          \"world\": {world}, \"batch\": {b}, \"seq\": {t}, \"params\": {params}, \"steps\": {}, \"tokens_per_s\": {tokens_per_s:.0}, \
          \"step_ms\": {:.2}, \"tflops\": {:.1}, \"first_step_s\": {first_step_s:.2}, \
          \"peak_alloc_mib\": {:.0}, \"peak_reserved_mib\": {:.0}, \"host_syncs_per_step\": {:.2}, \
@@ -302,6 +341,8 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         args.mode,
         args.captured,
         args.checkpoint_activations,
+        args.zero,
+        mib(state_bytes as u64),
         path,
         args.steps,
         step_s * 1e3,

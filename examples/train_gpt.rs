@@ -105,6 +105,10 @@ struct Cli {
     /// Checkpoint every transformer block (recompute it in backward): true or false (false).
     #[arg(long)]
     checkpoint_activations: Option<bool>,
+    /// With --nproc-per-node: shard the optimizer state and FP32 masters over the processes
+    /// (ZeRO): true or false (false).
+    #[arg(long)]
+    zero: Option<bool>,
     /// Stop after N steps (at the next evaluation), resumable with --resume auto.
     #[arg(long, value_name = "N")]
     stop_after: Option<u64>,
@@ -163,7 +167,8 @@ fn config(cli: &Cli) -> mixprec::Result<GptRunConfig> {
         top_k,
         seed,
         captured,
-        checkpoint_activations
+        checkpoint_activations,
+        zero
     );
     Ok(c)
 }

@@ -224,7 +224,7 @@ pub struct ShardedOptimizer<O: ShardableOptimizer> {
     /// amp O2: the FP32 values of the parameters when masters were asked for (on the host,
     /// until the share's masters are made from them).
     masters: bool,
-    snapshot: Option<Vec<Vec<f32>>>,
+    snapshot: Option<Vec<Tensor>>,
     clip: Option<f64>,
     sharded: Option<Sharded<O>>,
     generation: u64,
@@ -379,12 +379,11 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
                 let p = flat_params[fp.index];
                 let start = a - fp.offset;
                 let value = match &self.snapshot {
-                    Some(snap) => Tensor::from_vec(
-                        snap[fp.index][start..start + (b - a)].to_vec(),
-                        [b - a],
-                        Device::Cpu,
-                    )?
-                    .to_device(self.device)?,
+                    Some(snap) => snap[fp.index]
+                        .reshape([n])?
+                        .narrow(0, start, b - a)?
+                        .to_device(self.device)?
+                        .owned()?,
                     None => p.detach().reshape([n])?.narrow(0, start, b - a)?.owned()?,
                 };
                 pieces.push(Piece {
@@ -777,7 +776,8 @@ impl<O: ShardableOptimizer> Optimizer for ShardedOptimizer<O> {
         let mut snap = Vec::new();
         for g in &self.groups {
             for p in &g.params {
-                snap.push(p.detach().to_dtype(DType::F32)?.to_vec_f32()?);
+                let v = p.detach().to_dtype(DType::F32)?.to_vec_f32()?;
+                snap.push(Tensor::from_vec(v, p.shape().clone(), Device::Cpu)?);
             }
         }
         self.snapshot = Some(snap);
@@ -791,11 +791,13 @@ impl<O: ShardableOptimizer> Optimizer for ShardedOptimizer<O> {
         None
     }
 
-    /// This rank's pieces (the masters of its share at O2); empty before the first step.
+    /// This rank's pieces (the masters of its share at O2); before the first step at O2, the
+    /// FP32 values the masters will be made from (host copies), else nothing.
     fn master_params(&self) -> Vec<Tensor> {
-        match &self.sharded {
-            Some(s) => s.pieces.iter().map(|p| p.value.clone()).collect(),
-            None => Vec::new(),
+        match (&self.sharded, &self.snapshot) {
+            (Some(s), _) => s.pieces.iter().map(|p| p.value.clone()).collect(),
+            (None, Some(snap)) => snap.clone(),
+            (None, None) => Vec::new(),
         }
     }
 

@@ -36,11 +36,11 @@ use crate::data::{
     prepare_token_shards, CorpusOptions, Gpt2Tokenizer, TokenLoader, TokenLoaderConfig,
     TokenLoaderState, TokenSplit,
 };
-use crate::distributed::{DdpConfig, DistributedDataParallel, NoSyncGuard};
+use crate::distributed::{DdpConfig, DistributedDataParallel, NoSyncGuard, ProcessGroup, ZeroAdam};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::{Checkpoint, TrainProgress};
 use crate::nn::{generate, Gpt, GptConfig, Module, SampleConfig, StateDict, GPT2_VOCAB};
-use crate::optim::{AdamConfig, FusedAdam, LrSchedule, ParamGroups};
+use crate::optim::{AdamConfig, FusedAdam, LrSchedule, Optimizer, ParamGroups};
 use crate::tensor::{DType, Device, Tensor};
 
 /// The job's settings (flags and TOML keys by the same names). `None` means "chosen for the
@@ -92,6 +92,10 @@ pub struct GptRunConfig {
     /// Checkpoint every transformer block: keep only each block's input for backward and
     /// recompute the block there (false). Same gradients, less memory, about a third more time.
     pub checkpoint_activations: Option<bool>,
+    /// Under several processes, shard the optimizer's state and FP32 masters over the ranks
+    /// (ZeRO-2: `distributed::ZeroAdam`, gradients reduce-scattered instead of DDP's all-reduce)
+    /// (false). Runs the step eagerly.
+    pub zero: Option<bool>,
 }
 
 /// [`GptRunConfig`] with every choice made.
@@ -122,6 +126,8 @@ pub struct GptRecipe {
     /// Recipes written before the key existed had none.
     #[serde(default)]
     pub checkpoint_activations: bool,
+    #[serde(default)]
+    pub zero: bool,
 }
 
 /// The model's sizes as the checkpoint records them.
@@ -231,9 +237,18 @@ impl GptRunConfig {
             temperature: self.temperature.unwrap_or(0.8),
             top_k: self.top_k.unwrap_or(200),
             seed: self.seed.unwrap_or(1337),
-            captured: self.captured.unwrap_or(gpu),
+            captured: self.captured.unwrap_or(gpu && self.zero != Some(true)),
             checkpoint_activations: self.checkpoint_activations.unwrap_or(false),
+            zero: self.zero.unwrap_or(false),
         };
+        if r.captured && r.zero {
+            return Err(Error::invalid_arg(
+                "train_gpt",
+                "captured",
+                "true with zero = true",
+                "captured = false: the sharded optimizer's step is not captured yet",
+            ));
+        }
         if r.captured && !gpu {
             return Err(Error::invalid_arg(
                 "train_gpt",
@@ -338,19 +353,31 @@ fn one() -> usize {
 
 /// AdamW in two groups by GPT-2's rule (`ParamGroups::weight_decay_split`): decay on the
 /// matrices, none on biases, norms and the embeddings.
-fn optimizer(model: &Gpt, r: &GptRecipe) -> Result<FusedAdam> {
+/// With `zero` (a group), the same groups in `ZeroAdam`, which also clips (by the global norm).
+fn optimizer(
+    model: &Gpt,
+    r: &GptRecipe,
+    zero: Option<&ProcessGroup>,
+) -> Result<Box<dyn Optimizer>> {
     let groups = ParamGroups::weight_decay_split(model.named_parameters())?;
-    FusedAdam::with_param_groups(
-        &groups,
-        AdamConfig {
-            lr: r.lr,
-            betas: (0.9, 0.95),
-            eps: 1e-8,
-            weight_decay: r.weight_decay,
-            adam_w_mode: true,
-            ..Default::default()
-        },
-    )
+    let config = AdamConfig {
+        lr: r.lr,
+        betas: (0.9, 0.95),
+        eps: 1e-8,
+        weight_decay: r.weight_decay,
+        adam_w_mode: true,
+        ..Default::default()
+    };
+    Ok(match zero {
+        Some(g) => {
+            let mut z = ZeroAdam::new(g, groups.with_config(config))?;
+            if r.clip > 0.0 {
+                z.clip_grad_norm(Some(r.clip))?;
+            }
+            Box::new(z)
+        }
+        None => Box::new(FusedAdam::with_param_groups(&groups, config)?),
+    })
 }
 
 /// The corpus tokenized into `out/tokens` (once: later runs reuse the shards). Rank 0's job.
@@ -581,10 +608,14 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
             super::progress::group_thousands((recipe.tokens_per_step() * world) as u64)
         ));
     }
-    let opt = optimizer(&model, &recipe)?;
+    let zero = match (&ranks.group, recipe.zero) {
+        (Some(g), true) => Some(g),
+        _ => None,
+    };
+    let opt = optimizer(&model, &recipe, zero)?;
     let (model, mut opt) = amp::initialize(model, opt, recipe.policy()?)?;
     let model = Arc::new(model);
-    if recipe.clip > 0.0 {
+    if recipe.clip > 0.0 && zero.is_none() {
         opt.clip_grad_norm(Some(recipe.clip))?;
     }
     let mut history = Vec::new();
@@ -602,7 +633,7 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         (true, false) => Some(MetricsWriter::resume(&out, &history)?),
     };
     // After the restore: the wrap copies rank 0's model to the others (they restored the same).
-    let ddp = match &ranks.group {
+    let ddp = match ranks.group.as_ref().filter(|_| zero.is_none()) {
         Some(g) => Some(DistributedDataParallel::new(
             model.clone(),
             g,
@@ -673,6 +704,10 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         last_train = sums[0] / world as f64;
         last_val = sums[1] / world as f64;
         let Some(metrics) = metrics.as_mut() else {
+            if zero.is_some() {
+                // Rank 0's checkpoint gathers the sharded state: a collective of every rank.
+                stepper.optimizer().state_dict()?;
+            }
             continue;
         };
         last_sample = sample(&model, &recipe, dev, &tok, recipe.seed ^ step)?;
