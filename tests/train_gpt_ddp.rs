@@ -363,6 +363,33 @@ fn two_ranks_train_as_one_process_on_the_global_batch() {
     matches_one_process("gpt-ddp2", 2, 2, 1);
 }
 
+/// `zero = true`: the ZeRO-sharded AdamW in place of DDP's all-reduce ends where DDP + the
+/// fused AdamW do (within f32 rounding: the clip's global norm sums the shares' squares in
+/// another order), and rank 0's checkpoint (the consolidated state, gathered from every rank)
+/// is written.
+#[test]
+fn two_ranks_with_the_sharded_optimizer_train_as_ddp_does() {
+    let tmp = scratch("gpt-zero2");
+    let data = tmp.join("text");
+    corpus(&data);
+    let cfg = config(&data, 2, 1, 6);
+    let ddp = launch_ranks(&tmp.join("ddp"), 2, &cfg, &[]);
+    let zero_cfg = GptRunConfig {
+        zero: Some(true),
+        ..cfg.clone()
+    };
+    let zero = launch_ranks(&tmp.join("zero"), 2, &zero_cfg, &[]);
+    let want = assert_ranks_equal(&ddp);
+    let got = assert_ranks_equal(&zero);
+    let (err, at) = max_abs_diff(&got, &want);
+    eprintln!("2 ranks, ZeRO vs DDP: max |dparam| {err:.3e} ({at})");
+    assert!(err < 5e-4, "ZeRO vs DDP: {err:e} in {at}");
+    assert!(zero
+        .run_dir()
+        .join("checkpoints/last.safetensors")
+        .is_file());
+}
+
 #[test]
 fn two_ranks_accumulating_gradients_train_as_one_process() {
     matches_one_process("gpt-ddp2-accum", 2, 2, 2);
