@@ -40,4 +40,6 @@ pub use env::{LaunchEnv, Launcher};
 pub use group::{default_timeout, GroupOptions, ProcessGroup, Work};
 pub use reducer::ReductionStats;
 pub use sync_batch_norm::{convert_sync_batchnorm, SyncBatchNorm};
-pub use zero::{ShardableOptimizer, ShardedOptimizer, ZeroAdam, ZeroLayout, ZeroSgd};
+pub use zero::{
+    ShardContext, ShardableOptimizer, ShardedOptimizer, ZeroAdam, ZeroLamb, ZeroLayout, ZeroSgd,
+};

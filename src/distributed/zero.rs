@@ -33,8 +33,9 @@ use super::group::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::multi_tensor;
 use crate::optim::{
-    AdamConfig, FusedAdam, FusedSgd, GradScaling, GroupConfig, GroupState, GroupView, Hyperparams,
-    MasterWeights, Optimizer, OptimizerState, ParamGroup, SgdConfig,
+    AdamConfig, FusedAdam, FusedLamb, FusedSgd, GradScaling, GroupConfig, GroupState, GroupView,
+    Hyperparams, LambConfig, LambNormReducer, MasterWeights, Optimizer, OptimizerState, ParamGroup,
+    SgdConfig,
 };
 use crate::tensor::{DType, Device, Tensor};
 
@@ -56,6 +57,121 @@ pub trait ShardableOptimizer: Optimizer + Sized {
     fn from_hyperparams(h: &Hyperparams) -> Result<Self::Config>;
     /// `c` with learning rate `lr`, validated.
     fn with_lr(c: &Self::Config, lr: f64) -> Result<Self::Config>;
+    /// What an optimizer whose math is not elementwise (LAMB's norms) needs to complete it over
+    /// the ranks; by default nothing.
+    fn attach(&mut self, _ctx: ShardContext) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Where the pieces of one rank sit, for [`ShardableOptimizer::attach`].
+#[derive(Clone, Debug)]
+pub struct ShardContext {
+    pub group: ProcessGroup,
+    pub device: Device,
+    /// Per group: for each of the inner optimizer's parameters (this rank's pieces, in order),
+    /// the position within the group of the parameter it is a piece of (None: padding).
+    pub pieces: Vec<Vec<Option<usize>>>,
+    /// Per group: its parameters' count.
+    pub group_sizes: Vec<usize>,
+}
+
+impl ShardableOptimizer for FusedLamb {
+    type Config = LambConfig;
+    const NAME: &'static str = "ZeroLamb";
+    fn build(groups: Vec<ParamGroup<LambConfig>>) -> Result<Self> {
+        FusedLamb::with_groups(groups)
+    }
+    fn hyperparams(c: &LambConfig) -> Hyperparams {
+        c.to_hyperparams()
+    }
+    fn from_hyperparams(h: &Hyperparams) -> Result<LambConfig> {
+        LambConfig::from_hyperparams(h)
+    }
+    fn with_lr(c: &LambConfig, lr: f64) -> Result<LambConfig> {
+        let c = LambConfig { lr, ..*c };
+        c.validate()?;
+        Ok(c)
+    }
+    fn attach(&mut self, ctx: ShardContext) -> Result<()> {
+        self.set_norm_reducer(Box::new(LambNorms::new(ctx)?));
+        Ok(())
+    }
+}
+
+/// LAMB's norms over the ranks: the global gradient norm from the shares' squared norms
+/// (summed over the ranks), and each tensor's norm from its pieces' squared norms, summed per
+/// tensor by a 0/1 matrix product (pieces × tensors, made once) and over the ranks: on the
+/// device, the same calls every step.
+struct LambNorms {
+    group: ProcessGroup,
+    /// Per group: the [pieces, tensors] 0/1 matrix (None for a group without pieces here).
+    maps: Vec<Option<Tensor>>,
+    group_sizes: Vec<usize>,
+    device: Device,
+}
+
+impl LambNorms {
+    fn new(ctx: ShardContext) -> Result<LambNorms> {
+        let mut maps = Vec::with_capacity(ctx.pieces.len());
+        for (pieces, &n) in ctx.pieces.iter().zip(&ctx.group_sizes) {
+            if pieces.is_empty() {
+                maps.push(None);
+                continue;
+            }
+            let mut m = vec![0f32; pieces.len() * n];
+            for (k, p) in pieces.iter().enumerate() {
+                if let Some(i) = p {
+                    m[k * n + i] = 1.0;
+                }
+            }
+            maps.push(Some(
+                Tensor::from_vec(m, [pieces.len(), n], Device::Cpu)?.to_device(ctx.device)?,
+            ));
+        }
+        Ok(LambNorms {
+            group: ctx.group,
+            maps,
+            group_sizes: ctx.group_sizes,
+            device: ctx.device,
+        })
+    }
+}
+
+impl LambNormReducer for LambNorms {
+    fn global_norm(&self, norm: &Tensor) -> Result<()> {
+        let sq = norm.sqr()?.owned()?;
+        self.group.all_reduce(&sq, ReduceOp::Sum)?;
+        norm.copy_in_place(&sq.sqrt()?)
+    }
+
+    fn tensor_norms(&self, norms: &[Option<&Tensor>]) -> Result<()> {
+        // Per group, each tensor's sum of its pieces' squared norms here; one all-reduce of
+        // all groups' sums.
+        let mut sums = Vec::with_capacity(self.maps.len());
+        for ((m, t), &n) in self.maps.iter().zip(norms).zip(&self.group_sizes) {
+            sums.push(match (m, t) {
+                (Some(m), Some(t)) => {
+                    let k = t.elem_count();
+                    t.sqr()?.reshape([1, k])?.matmul(m)?.reshape([n])?
+                }
+                _ => Tensor::zeros([n], DType::F32, self.device)?,
+            });
+        }
+        let refs: Vec<&Tensor> = sums.iter().collect();
+        let all = Tensor::cat(&refs, 0)?.owned()?;
+        self.group.all_reduce(&all, ReduceOp::Sum)?;
+        let mut at = 0;
+        for ((m, t), &n) in self.maps.iter().zip(norms).zip(&self.group_sizes) {
+            if let (Some(m), Some(t)) = (m, t) {
+                let total = all.narrow(0, at, n)?.reshape([1, n])?;
+                let back = total.matmul(&m.transpose(0, 1)?)?.sqrt()?;
+                t.copy_in_place(&back.reshape([t.elem_count()])?)?;
+            }
+            at += n;
+        }
+        Ok(())
+    }
 }
 
 impl ShardableOptimizer for FusedAdam {
@@ -100,6 +216,9 @@ impl ShardableOptimizer for FusedSgd {
 pub type ZeroAdam = ShardedOptimizer<FusedAdam>;
 /// SGD with ZeRO-sharded momentum.
 pub type ZeroSgd = ShardedOptimizer<FusedSgd>;
+/// LAMB with ZeRO-sharded state (apex's `DistributedFusedLAMB`): the global gradient norm and
+/// each tensor's trust ratio are computed over the whole tensors, across share boundaries.
+pub type ZeroLamb = ShardedOptimizer<FusedLamb>;
 
 /// One parameter in the flat layout.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -422,7 +541,27 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
                 ParamGroup::new(ps, g.config)
             })
             .collect();
-        let inner = O::build(inner_groups)?;
+        let mut inner = O::build(inner_groups)?;
+        // Each piece's parameter, by its position within its group.
+        let starts: Vec<usize> = layout
+            .groups
+            .iter()
+            .map(|g| g.first().copied().unwrap_or(0))
+            .collect();
+        inner.attach(ShardContext {
+            group: self.group.clone(),
+            device: self.device,
+            pieces: (0..self.groups.len())
+                .map(|gi| {
+                    pieces
+                        .iter()
+                        .filter(|p| p.group == gi)
+                        .map(|p| p.param.map(|i| i - starts[gi]))
+                        .collect()
+                })
+                .collect(),
+            group_sizes: self.groups.iter().map(|g| g.params.len()).collect(),
+        })?;
         let mut shard_grads = Vec::new();
         let mut gathered = Vec::new();
         for f in &layout.flats {

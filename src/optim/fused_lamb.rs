@@ -104,13 +104,34 @@ impl LambConfig {
     }
 }
 
-#[derive(Debug)]
+/// How a sharded LAMB (distributed's `ZeroLamb`, whose parameters are pieces of the model's)
+/// completes its norms over the ranks, on the device: each hook replaces the norms of this
+/// rank's pieces in place by the norms over the whole tensors.
+pub trait LambNormReducer: Send + Sync {
+    /// `norm`: F32 0-d, the L2 norm of this rank's gradients; becomes the global norm.
+    fn global_norm(&self, norm: &Tensor) -> Result<()>;
+    /// `norms[g]`: per group, the L2 norm of each of its parameters (F32 `[n]`; None for an
+    /// empty group); each becomes the norm of the whole tensor its piece belongs to. Called
+    /// once with ‖p‖ and once with ‖u‖, on every rank.
+    fn tensor_norms(&self, norms: &[Option<&Tensor>]) -> Result<()>;
+}
+
 pub struct FusedLamb {
     core: Core<LambConfig>,
     /// Per group: ‖p‖ and ‖u‖ per parameter (F32 `[n]`), and scratch totals.
     norms: Vec<Option<[Tensor; 2]>>,
     /// The global gradient norm and a scratch total (F32 0-d).
     gnorm: [Tensor; 2],
+    reducer: Option<Box<dyn LambNormReducer>>,
+}
+
+impl std::fmt::Debug for FusedLamb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FusedLamb")
+            .field("core", &self.core)
+            .field("sharded", &self.reducer.is_some())
+            .finish()
+    }
 }
 
 impl FusedLamb {
@@ -124,7 +145,18 @@ impl FusedLamb {
             multi_tensor::scalar_on(dev, 0.0)?,
             multi_tensor::scalar_on(dev, 0.0)?,
         ];
-        Ok(FusedLamb { core, norms, gnorm })
+        Ok(FusedLamb {
+            core,
+            norms,
+            gnorm,
+            reducer: None,
+        })
+    }
+
+    /// Makes this LAMB one rank's part of a sharded LAMB: `reducer` completes the global and
+    /// per-tensor norms over the ranks at every step.
+    pub fn set_norm_reducer(&mut self, reducer: Box<dyn LambNormReducer>) {
+        self.reducer = Some(reducer);
     }
 }
 
@@ -160,8 +192,15 @@ impl Optimizer for FusedLamb {
         let grads: Vec<&Tensor> = actives.iter().flatten().map(|a| &a.grad).collect();
         let slots: Vec<usize> = (0..grads.len()).collect();
         multi_tensor::norms_into(&grads, &slots, mult, false, None, &self.gnorm[0])?;
+        if let Some(r) = &self.reducer {
+            r.global_norm(&self.gnorm[0])?;
+        }
+        // Phase 1 and the norms of every group, then (sharded: the norms completed over the
+        // ranks) phase 2: the groups are independent, so the order across them changes nothing.
+        let mut all_rows = Vec::with_capacity(actives.len());
         for (gi, active) in actives.iter().enumerate() {
             if active.is_empty() {
+                all_rows.push(Vec::new());
                 continue;
             }
             // One set of rows for both phases (phase 2 reads `update` and writes `param`).
@@ -185,12 +224,31 @@ impl Optimizer for FusedLamb {
             let slots: Vec<usize> = active.iter().map(|a| a.idx).collect();
             multi_tensor::norms_into(&ps, &slots, None, false, Some(pn), &self.gnorm[1])?;
             multi_tensor::norms_into(&us, &slots, None, false, Some(un), &self.gnorm[1])?;
+            all_rows.push(rows);
+        }
+        if let Some(r) = &self.reducer {
+            for k in 0..2 {
+                let norms: Vec<Option<&Tensor>> = self
+                    .norms
+                    .iter()
+                    .map(|n| n.as_ref().map(|n| &n[k]))
+                    .collect();
+                r.tensor_norms(&norms)?;
+            }
+        }
+        for (gi, (active, rows)) in actives.iter().zip(&all_rows).enumerate() {
+            if active.is_empty() {
+                continue;
+            }
+            let [pn, un] = self.norms[gi]
+                .as_ref()
+                .expect("a non-empty group has norms");
             let mut sc = Scalars::default()
                 .with(MtArray::Hyper, self.core.hyper(gi))
                 .with(MtArray::ParamNorms, pn)
                 .with(MtArray::UpdateNorms, un);
             sc.set(MtArray::FoundInf, scaling.map(|s| s.found_inf));
-            multi_tensor::apply(OP, &MtKernel::LambApply, &rows, &sc)?;
+            multi_tensor::apply(OP, &MtKernel::LambApply, rows, &sc)?;
             self.core.increment(gi, active, &scaling)?;
         }
         Ok(())

@@ -25,7 +25,7 @@ use crate::tensor::{DType, Tensor};
 
 pub use clip::{clip_grad_norm, clip_grad_norm_coef, clip_grad_norm_into};
 pub use fused_adam::{AdamConfig, FusedAdam};
-pub use fused_lamb::{FusedLamb, LambConfig};
+pub use fused_lamb::{FusedLamb, LambConfig, LambNormReducer};
 pub use fused_novograd::{FusedNovoGrad, NovoGradConfig, NovoGradNorm};
 pub use fused_sgd::FusedSgd;
 pub use groups::{decays_by_default, GroupConfig, NamedGroup, ParamGroups};
