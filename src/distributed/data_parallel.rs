@@ -43,7 +43,7 @@
 //! # use mixprec::optim::{FusedSgd, SgdConfig};
 //! # use mixprec::{Device, DType, Tensor};
 //! # fn main() -> mixprec::Result<()> {
-//! let build = |dev: Device| {
+//! let build = |dev: Device| -> mixprec::Result<(ResNet, FusedSgd)> {
 //!     let model = ResNet::resnet50(1000, &dev, 0)?;
 //!     let opt = FusedSgd::new(model.parameters(), SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() })?;
 //!     Ok((model, opt))
