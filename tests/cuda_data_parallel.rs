@@ -121,7 +121,7 @@ fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
         assert_eq!(n, m);
         for (p, q) in x.to_vec_f64().unwrap().iter().zip(&y.to_vec_f64().unwrap()) {
             let d = (p - q).abs();
-            if !(d <= worst.0) {
+            if d.is_nan() || d > worst.0 {
                 worst = (d, n.clone());
             }
         }

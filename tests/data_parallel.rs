@@ -145,7 +145,7 @@ fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> (f64, String) {
         let (x, y) = (x.to_vec_f64().unwrap(), y.to_vec_f64().unwrap());
         for (p, q) in x.iter().zip(&y) {
             let d = (p - q).abs();
-            if !(d <= worst.0) {
+            if d.is_nan() || d > worst.0 {
                 worst = (d, n.clone());
             }
         }
@@ -467,6 +467,16 @@ fn a_forward_carries_the_callers_grad_mode_and_autocast() {
     };
     let e = out.sum_all().unwrap().backward().unwrap_err();
     assert!(e.to_string().contains("does not depend"), "{e}");
+    // Each replica keeps the latest forward's graph: an older output's backward is refused,
+    // the latest's still runs (the refusal failed nothing).
+    let (x, y) = batch(1, 4).unwrap();
+    let old = cross_entropy(&dp.forward(&x).unwrap(), &y).unwrap();
+    let new = cross_entropy(&dp.forward(&x).unwrap(), &y).unwrap();
+    let e = dp.backward(&old).unwrap_err();
+    assert!(e.to_string().contains("latest forward only"), "{e}");
+    dp.zero_grad().unwrap();
+    dp.backward(&new).unwrap();
+    dp.step().unwrap();
 }
 
 /// Thread A enters no_grad and an autocast scope and holds them while thread B trains a model

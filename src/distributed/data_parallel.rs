@@ -68,7 +68,7 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
 use super::data_parallel_worker::{
-    BuildReplica, CallState, Replica, ReplicaJob, ReplicaSpec, Workers,
+    BuildReplica, CallState, Replica, ReplicaJob, ReplicaSpec, SeedOf, Workers,
 };
 use super::ddp::DdpConfig;
 use crate::amp::Policy;
@@ -257,7 +257,8 @@ impl<M: Module + 'static, O: Optimizer + 'static> DataParallel<M, O> {
             ));
         }
         let sizes: Vec<usize> = chunks.iter().map(|c| c.dims()[0]).collect();
-        let call = CallState::of_this_thread();
+        let forward = self.workers().forwards.fetch_add(1, Ordering::AcqRel) + 1;
+        let call = CallState::of_this_thread(forward);
         let jobs: Vec<ReplicaJob<M, O, Tensor>> = chunks
             .into_iter()
             .map(|chunk| {
@@ -267,12 +268,12 @@ impl<M: Module + 'static, O: Optimizer + 'static> DataParallel<M, O> {
             })
             .collect();
         let outs = self.workers().run_each(jobs)?;
-        self.gather(outs, sizes, call.grad)
+        self.gather(outs, sizes, call)
     }
 
     /// The outputs on the output device, concatenated; recorded (when `grad`) as a function
     /// whose backward sends each replica its part of the gradient.
-    fn gather(&self, outs: Vec<Tensor>, sizes: Vec<usize>, grad: bool) -> Result<Tensor> {
+    fn gather(&self, outs: Vec<Tensor>, sizes: Vec<usize>, call: CallState) -> Result<Tensor> {
         let gathered = {
             let _g = crate::no_grad();
             let moved: Vec<Tensor> = outs
@@ -292,7 +293,7 @@ impl<M: Module + 'static, O: Optimizer + 'static> DataParallel<M, O> {
             let refs: Vec<&Tensor> = moved.iter().collect();
             Tensor::cat(&refs, 0)?
         };
-        if !grad {
+        if !call.grad {
             return Ok(gathered);
         }
         // The gather's input in this thread's graph: a leaf that only makes the loss need a
@@ -313,14 +314,18 @@ impl<M: Module + 'static, O: Optimizer + 'static> DataParallel<M, O> {
                             .into(),
                     )
                 })?;
-                let prescaled = workers.loss_scaled.load(Ordering::Acquire);
+                let seed = SeedOf {
+                    forward: call.forward,
+                    replicas,
+                    prescaled: workers.loss_scaled.load(Ordering::Acquire),
+                };
                 let mut jobs: Vec<ReplicaJob<M, O, ()>> = Vec::with_capacity(replicas);
                 let mut at = 0;
                 for &len in &sizes {
                     let gi = g.narrow(0, at, len)?;
                     at += len;
                     jobs.push(Box::new(move |r: &mut Replica<M, O>| {
-                        r.backward_from(&gi, replicas, prescaled)
+                        r.backward_from(&gi, seed)
                     }));
                 }
                 workers.run_each(jobs)?;

@@ -7,7 +7,7 @@
 //! recording, CUDA capture state and side streams), its optimizer. The caller only sends
 //! closures and receives their results, so the model and optimizer need not be `Send`.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -32,8 +32,9 @@ pub struct Replica<M: Module, O: Optimizer> {
     device: Device,
     model: DistributedDataParallel<AmpModel<M>>,
     opt: AmpOptimizer<O>,
-    /// The output of this step's forward, kept (with its graph) for the backward.
-    output: Option<Tensor>,
+    /// The output of the latest recorded forward (its number, the output with its graph), kept
+    /// for the backward.
+    output: Option<(u64, Tensor)>,
 }
 
 impl<M: Module, O: Optimizer> Replica<M, O> {
@@ -69,18 +70,27 @@ impl<M: Module, O: Optimizer> Replica<M, O> {
     /// run through the model with the caller's grad mode and autocast scope. Returns the output
     /// detached (the graph stays here, for [`Replica::backward_from`]).
     pub(crate) fn forward_chunk(&mut self, x: &Tensor, call: CallState) -> Result<Tensor> {
+        self.output = None;
+        // Before the model's first collective (the buffers' broadcast): the other replicas
+        // would wait there for this one, so its failure fails them too, at once.
+        let x = x.to_device(self.device).map_err(|e| {
+            let group = self.model.group();
+            let _ = group.abort(
+                Some(group.rank()),
+                format!("DataParallel: replica {}'s input: {e}", self.index),
+            );
+            e
+        })?;
         let _grad = if call.grad {
             crate::autograd::enable_grad()
         } else {
             crate::autograd::no_grad()
         };
         let _autocast = call.autocast.map(crate::tensor::autocast::enter);
-        self.output = None;
-        let x = x.to_device(self.device)?;
         let out = self.model.forward(&x)?;
         let detached = out.detach();
         if call.grad && out.requires_grad() {
-            self.output = Some(out);
+            self.output = Some((call.forward, out));
         }
         Ok(detached)
     }
@@ -94,13 +104,10 @@ impl<M: Module, O: Optimizer> Replica<M, O> {
     /// the gathered output. (Powers of two: the factors are exact.) Its end-of-backward
     /// averaging comes before the optimizer's overflow check, so every replica checks the same
     /// gradients.
-    pub(crate) fn backward_from(
-        &mut self,
-        grad: &Tensor,
-        replicas: usize,
-        prescaled: bool,
-    ) -> Result<()> {
-        let r = self.backward_inner(grad, replicas, prescaled);
+    pub(crate) fn backward_from(&mut self, grad: &Tensor, seed: SeedOf) -> Result<()> {
+        // A misuse every replica finds alike (no collective started yet): an error, no more.
+        let out = self.output_of(seed.forward)?;
+        let r = self.backward_seeded(out, grad, seed);
         if let Err(e) = &r {
             // The other replicas may be waiting for this one's buckets: they fail at once.
             if !matches!(e, Error::Distributed { .. }) {
@@ -117,25 +124,38 @@ impl<M: Module, O: Optimizer> Replica<M, O> {
         r
     }
 
-    fn backward_inner(&mut self, grad: &Tensor, replicas: usize, prescaled: bool) -> Result<()> {
-        let _grad = crate::autograd::enable_grad();
-        let out = self.output.take().ok_or_else(|| {
-            Error::Backward(format!(
+    /// The kept output of forward `forward` (taken: one backward per forward).
+    fn output_of(&mut self, forward: u64) -> Result<Tensor> {
+        match self.output.take() {
+            Some((n, out)) if n == forward => Ok(out),
+            Some((n, out)) => {
+                self.output = Some((n, out));
+                Err(Error::Backward(format!(
+                    "DataParallel: backward through the output of forward {forward}, but \
+                     replica {} keeps the graph of the latest forward only ({n})",
+                    self.index
+                )))
+            }
+            None => Err(Error::Backward(format!(
                 "DataParallel: replica {} has no forward output to run backward from (a second \
                  backward of one forward, or a forward run without recording)",
                 self.index
-            ))
-        })?;
-        let mut seed = grad
+            ))),
+        }
+    }
+
+    fn backward_seeded(&mut self, out: Tensor, grad: &Tensor, seed: SeedOf) -> Result<()> {
+        let _grad = crate::autograd::enable_grad();
+        let mut s = grad
             .to_device(self.device)?
             .to_dtype(DType::F32)?
-            .affine(replicas as f64, 0.0)?;
-        if prescaled {
+            .affine(seed.replicas as f64, 0.0)?;
+        if seed.prescaled {
             if let Some(scale) = self.loss_scale() {
-                seed = seed.div(&scale)?;
+                s = s.div(&scale)?;
             }
         }
-        let surrogate = out.to_dtype(DType::F32)?.mul(&seed)?.sum_all()?;
+        let surrogate = out.to_dtype(DType::F32)?.mul(&s)?.sum_all()?;
         self.opt.backward(&surrogate)
     }
 }
@@ -147,19 +167,31 @@ impl<M: Module, O: Optimizer> Replica<M, O> {
     }
 }
 
+/// What a replica's backward is seeded from besides its gradient: which forward it belongs to,
+/// the number of replicas, and whether the gradient carries the loss scale.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SeedOf {
+    pub(crate) forward: u64,
+    pub(crate) replicas: usize,
+    pub(crate) prescaled: bool,
+}
+
 /// The caller's per-thread state that a forward carries to the worker threads (PyTorch's
 /// `parallel_apply` carries grad mode and autocast the same way).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CallState {
     pub(crate) grad: bool,
     pub(crate) autocast: Option<DType>,
+    /// The forward's number (a backward must come from the latest one).
+    pub(crate) forward: u64,
 }
 
 impl CallState {
-    pub(crate) fn of_this_thread() -> CallState {
+    pub(crate) fn of_this_thread(forward: u64) -> CallState {
         CallState {
             grad: crate::autograd::is_grad_enabled(),
             autocast: crate::tensor::autocast::active(),
+            forward,
         }
     }
 }
@@ -177,7 +209,12 @@ pub(crate) struct Workers<M: Module, O: Optimizer> {
     /// Set while `DataParallel::backward` runs: the gradients reaching the gather carry the
     /// loss scale already.
     pub(crate) loss_scaled: AtomicBool,
+    /// Forwards run so far (each is numbered).
+    pub(crate) forwards: AtomicU64,
 }
+
+/// The workers, with their threads (joined when the `DataParallel` is dropped).
+pub(crate) type Started<M, O> = (Workers<M, O>, Vec<JoinHandle<()>>);
 
 /// What a replica's worker is built from.
 pub(crate) struct ReplicaSpec<M, O> {
@@ -199,10 +236,7 @@ impl<M: Module, O: Optimizer> Clone for ReplicaSpec<M, O> {
 impl<M: Module + 'static, O: Optimizer + 'static> Workers<M, O> {
     /// Starts one worker per device and waits until every replica is built (their process
     /// group joined, rank 0's state copied to every replica).
-    pub(crate) fn start(
-        devices: &[Device],
-        spec: ReplicaSpec<M, O>,
-    ) -> Result<(Workers<M, O>, Vec<JoinHandle<()>>)> {
+    pub(crate) fn start(devices: &[Device], spec: ReplicaSpec<M, O>) -> Result<Started<M, O>> {
         let port = super::launch::free_port()?;
         let n = devices.len();
         let mut queues = Vec::with_capacity(n);
@@ -226,6 +260,7 @@ impl<M: Module + 'static, O: Optimizer + 'static> Workers<M, O> {
             queues,
             devices: devices.to_vec(),
             loss_scaled: AtomicBool::new(false),
+            forwards: AtomicU64::new(0),
         };
         // Every replica reports, failed or not (a failed rank fails the group for the others).
         let mut first_err = None;
@@ -268,12 +303,10 @@ impl<M: Module + 'static, O: Optimizer + 'static> Workers<M, O> {
         let mut waits: Vec<Receiver<Result<R>>> = Vec::with_capacity(jobs.len());
         for (i, job) in jobs.into_iter().enumerate() {
             let (tx, rx) = channel();
-            let sent = self.queues[i].send(Box::new(move |r: &mut Replica<M, O>| {
+            // A failed send (the thread is gone) is reported by the wait below.
+            let _ = self.queues[i].send(Box::new(move |r: &mut Replica<M, O>| {
                 let _ = tx.send(job(r));
             }));
-            if sent.is_err() {
-                // Its receiver is gone with the thread: the wait below reports it.
-            }
             waits.push(rx);
         }
         let mut out = Vec::with_capacity(waits.len());

@@ -41,18 +41,19 @@ type Dp = DataParallel<ResNet, Box<dyn Optimizer>>;
 /// device is a GPU, else N CPU replicas.
 fn devices(cfg: &RunConfig, replicas: Nproc) -> Result<(Vec<Device>, String)> {
     let (first, note) = select_device(&cfg.device)?;
-    let n =
-        match (first, replicas) {
-            (Device::Cpu, Nproc::Gpu) => return Err(Error::invalid_arg(
+    let n = match (first, replicas) {
+        (Device::Cpu, Nproc::Gpu) => {
+            return Err(Error::invalid_arg(
                 "train_resnet",
                 "--data-parallel",
                 "gpu",
                 format!(
                     "a run on a GPU (this one is on the CPU{note}); give a number of CPU replicas"
                 ),
-            )),
-            (_, r) => r.count("train_resnet")?,
-        };
+            ))
+        }
+        (_, r) => r.count("train_resnet")?,
+    };
     let devices = match first {
         Device::Cpu => vec![Device::Cpu; n],
         Device::Cuda(_) => (0..n).map(Device::cuda).collect::<Result<_>>()?,
