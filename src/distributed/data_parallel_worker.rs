@@ -88,6 +88,11 @@ impl<M: Module, O: Optimizer> Replica<M, O> {
         };
         let _autocast = call.autocast.map(crate::tensor::autocast::enter);
         let out = self.model.forward(&x)?;
+        // Anomaly mode: a finding held for this thread comes back from the forward that made
+        // it, not from this replica's next op.
+        if crate::anomaly::is_enabled() {
+            crate::anomaly::check()?;
+        }
         let detached = out.detach();
         if call.grad && out.requires_grad() {
             self.output = Some((call.forward, out));
