@@ -138,6 +138,17 @@ pub fn chunk_sizes(batch: usize, n: usize) -> Result<Vec<usize>> {
         .collect())
 }
 
+/// `t` on replica device `dev`. A tensor on another GPU is copied here, by the caller, before
+/// any replica's work is queued: a worker copying it would wait for that GPU's stream, where its
+/// replica may already wait in a collective for this worker (a deadlock). From the CPU the
+/// workers copy their own chunks, at the same time.
+fn to_replica(t: &Tensor, dev: Device) -> Result<Tensor> {
+    match t.device() {
+        Device::Cuda(_) if t.device() != dev => t.to_device(dev),
+        _ => Ok(t.clone()),
+    }
+}
+
 fn check_devices(devices: &[Device]) -> Result<()> {
     let op = "DataParallel::new";
     if devices.is_empty() {
@@ -259,14 +270,13 @@ impl<M: Module + 'static, O: Optimizer + 'static> DataParallel<M, O> {
         let sizes: Vec<usize> = chunks.iter().map(|c| c.dims()[0]).collect();
         let forward = self.workers().forwards.fetch_add(1, Ordering::AcqRel) + 1;
         let call = CallState::of_this_thread(forward);
-        let jobs: Vec<ReplicaJob<M, O, Tensor>> = chunks
-            .into_iter()
-            .map(|chunk| {
-                let chunk = chunk.detach();
-                Box::new(move |r: &mut Replica<M, O>| r.forward_chunk(&chunk, call))
-                    as ReplicaJob<M, O, Tensor>
-            })
-            .collect();
+        let mut jobs: Vec<ReplicaJob<M, O, Tensor>> = Vec::with_capacity(chunks.len());
+        for (chunk, &dev) in chunks.iter().zip(&self.devices) {
+            let chunk = to_replica(&chunk.detach(), dev)?;
+            jobs.push(Box::new(move |r: &mut Replica<M, O>| {
+                r.forward_chunk(&chunk, call)
+            }));
+        }
         let outs = self.workers().run_each(jobs)?;
         self.gather(outs, sizes, call)
     }
@@ -301,6 +311,7 @@ impl<M: Module + 'static, O: Optimizer + 'static> DataParallel<M, O> {
         let anchor = Tensor::zeros([1], DType::F32, self.output_device)?.to_variable();
         anchor.set_requires_grad(true);
         let workers: Weak<Workers<M, O>> = Arc::downgrade(self.workers());
+        let devices = self.devices.clone();
         let replicas = sizes.len();
         Ok(crate::autograd::custom_function(
             "data_parallel_gather",
@@ -321,8 +332,9 @@ impl<M: Module + 'static, O: Optimizer + 'static> DataParallel<M, O> {
                 };
                 let mut jobs: Vec<ReplicaJob<M, O, ()>> = Vec::with_capacity(replicas);
                 let mut at = 0;
-                for &len in &sizes {
-                    let gi = g.narrow(0, at, len)?;
+                for (&len, &dev) in sizes.iter().zip(&devices) {
+                    // Here, before any replica's backward is queued (see `to_replica`).
+                    let gi = g.narrow(0, at, len)?.to_device(dev)?;
                     at += len;
                     jobs.push(Box::new(move |r: &mut Replica<M, O>| {
                         r.backward_from(&gi, seed)
