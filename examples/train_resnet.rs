@@ -22,6 +22,7 @@ use std::sync::Arc;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use mixprec::error::fmt_number;
 use mixprec::train::config::{allowed, OPTIMIZERS, OPT_LEVELS, SCHEDULES};
+use mixprec::train::data_parallel::run_data_parallel;
 use mixprec::train::distributed::{launched, parse_nproc, spawn_ranks, Nproc};
 use mixprec::train::progress::ProgressMode;
 use mixprec::train::run_dir::CHECKPOINT_DIR;
@@ -134,6 +135,13 @@ struct Cli {
     /// GPU (torchrun's word). --batch-size is per process.
     #[arg(long, value_name = "N|gpu", value_parser = parse_nproc, allow_negative_numbers = true)]
     nproc_per_node: Option<Nproc>,
+    /// Data-parallel training in this one process (no launcher): a replica on each of N GPUs
+    /// (cuda:0 .. cuda:N-1; N CPU replicas without a GPU), one thread each, gradients averaged
+    /// over NCCL; `gpu`: every visible GPU. --batch-size is the global batch, split over the
+    /// replicas (PyTorch's nn.DataParallel).
+    #[arg(long, value_name = "N|gpu", value_parser = parse_nproc, allow_negative_numbers = true,
+          conflicts_with_all = ["nproc_per_node", "resume", "sync_batchnorm"])]
+    data_parallel: Option<Nproc>,
     /// The rendezvous port of --nproc-per-node (default: a free one).
     #[arg(long, value_name = "PORT", requires = "nproc_per_node")]
     master_port: Option<u16>,
@@ -386,6 +394,15 @@ fn changed_keys(a: &RunConfig, b: &RunConfig) -> Vec<String> {
 }
 
 fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
+    if cli.data_parallel.is_some() && launched() {
+        return Err(Error::invalid_arg(
+            "train_resnet",
+            "--data-parallel",
+            "under a launcher",
+            "one process (--data-parallel uses several devices from it; under a launcher, each \
+             process is one rank of DDP)",
+        ));
+    }
     // A config file is read (and checked) whatever else is given.
     let file_cfg = cli
         .config
@@ -476,17 +493,18 @@ fn train(cli: Cli) -> mixprec::Result<mixprec::train::RunSummary> {
         "lines" => ProgressMode::Lines,
         _ => ProgressMode::Off,
     });
-    let summary = run(
-        &cfg,
-        &RunOptions {
-            resume,
-            found,
-            progress,
-            stop_after: cli.stop_after,
-            sync_batch_norm: cli.sync_batchnorm,
-            overwrite: cli.overwrite,
-        },
-    )?;
+    let opts = RunOptions {
+        resume,
+        found,
+        progress,
+        stop_after: cli.stop_after,
+        sync_batch_norm: cli.sync_batchnorm,
+        overwrite: cli.overwrite,
+    };
+    let summary = match cli.data_parallel {
+        Some(n) => run_data_parallel(&cfg, &opts, n)?,
+        None => run(&cfg, &opts)?,
+    };
     if summary.rank != 0 || summary.stopped.is_some() {
         return Ok(summary);
     }
@@ -627,6 +645,28 @@ mod tests {
             assert!(msg.contains(want), "{args:?}: {msg}");
         }
         assert!(!out.exists());
+    }
+
+    /// `--data-parallel` takes a count or `gpu`, and is one process: not with
+    /// `--nproc-per-node`, `--resume` or `--sync-batchnorm`.
+    #[test]
+    fn data_parallel_a_count_or_gpu_in_one_process() {
+        assert_eq!(
+            cli(&["--data-parallel", "2"]).data_parallel,
+            Some(Nproc::Count(2))
+        );
+        assert_eq!(
+            cli(&["--data-parallel=gpu"]).data_parallel,
+            Some(Nproc::Gpu)
+        );
+        for other in [
+            &["--nproc-per-node", "2"][..],
+            &["--resume", "auto"],
+            &["--sync-batchnorm"],
+        ] {
+            let argv = [&["train_resnet", "--data-parallel", "2"][..], other].concat();
+            assert!(command().try_get_matches_from(argv).is_err(), "{other:?}");
+        }
     }
 
     /// `--nproc-per-node` takes a count or `gpu`; `gpu` is the number of visible GPUs, and

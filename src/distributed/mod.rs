@@ -10,6 +10,8 @@
 //! - `group.rs`: `ProcessGroup` and its collectives; `cpu.rs` and `nccl.rs`: the backends;
 //!   `collective.rs`: what they share (the reduction ops, the collectives, the backend codes);
 //! - `ddp.rs`, `reducer.rs`: `DistributedDataParallel` and its gradient buckets;
+//! - `data_parallel.rs`, `data_parallel_worker.rs`: `DataParallel`, several devices from one
+//!   process (a worker thread per device, DDP's buckets between them);
 //! - `sync_batch_norm.rs`: `SyncBatchNorm`, batch statistics over every rank;
 //! - `zero.rs`: ZeRO-sharded optimizers (state and masters split over the ranks);
 //! - `launch.rs`: spawning and supervising the rank processes of one machine.
@@ -20,6 +22,8 @@
 mod collective;
 mod control;
 mod cpu;
+pub mod data_parallel;
+mod data_parallel_worker;
 pub mod ddp;
 pub mod env;
 mod group;
@@ -35,6 +39,8 @@ mod wire;
 pub mod zero;
 
 pub use collective::{Backend, ReduceOp};
+pub use data_parallel::{DataParallel, DataParallelConfig};
+pub use data_parallel_worker::Replica;
 pub use ddp::{DdpConfig, DistributedDataParallel, NoSyncGuard};
 pub use env::{LaunchEnv, Launcher};
 pub use group::{default_timeout, GroupOptions, ProcessGroup, Work};

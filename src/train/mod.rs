@@ -2,11 +2,13 @@
 //! TOML + flags), its datasets and loaders (`data`), the loop with checkpoints and exact resume
 //! (`trainer`, `resume`), its output directory and lock (`run_dir`), the divergence stop
 //! (`divergence`), the stop on SIGINT / SIGTERM at a step boundary the ranks agree on (`stop`),
+//! several devices from one process (`data_parallel`: `--data-parallel`),
 //! and its reports: per-epoch metrics files (`metrics`), the loss and accuracy plot (`plot`) and
 //! the progress display (`progress`).
 
 pub mod config;
 pub mod data;
+pub mod data_parallel;
 pub mod distributed;
 pub mod divergence;
 pub mod gpt;
