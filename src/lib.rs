@@ -22,6 +22,7 @@ pub mod base;
 mod config_toml;
 pub mod data;
 pub mod distributed;
+pub mod fuse;
 pub mod graph;
 pub mod io;
 pub mod multi_tensor;
@@ -36,6 +37,7 @@ pub mod util;
 pub use base::error;
 
 pub use autograd::{no_grad, with_no_grad};
+pub use fuse::fuse;
 pub use error::{Error, Mismatch, Result};
 pub use tensor::{BatchNormConfig, Conv2dConfig, DropoutGenerator};
 pub use tensor::{DType, Device, Layout, MemoryFormat, Shape, Tensor, TensorId, WithDType};
