@@ -348,6 +348,7 @@ fn batch_norm_compiles_to_one_kernel_per_reduction_level() {
     let x = Tensor::zeros(vec![2, 3, 4, 5], DType::F16, Device::Cpu).unwrap();
     let w = Tensor::zeros(vec![3, 1, 1], DType::F32, Device::Cpu).unwrap();
     let (_, src, kernels) = bn.cuda_source(&[&x, &w, &w]).unwrap();
+    println!("{src}");
     assert_eq!(kernels, 3, "{src}");
     // (N, C, H, W) is compressed to (N, C, H·W): every size array has three entries.
     assert!(src.contains("i64 size[3]"), "{src}");

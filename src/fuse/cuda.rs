@@ -25,14 +25,27 @@ impl Program {
     /// Generates `g`'s kernels and loads them on device `ordinal`.
     pub(crate) fn build(g: &Graph, ordinal: usize) -> Result<Program> {
         let plan = codegen::plan(g);
+        let words = plan.rank() + (g.sig.inputs.len() + plan.temps.len() + g.outputs.len()) * (plan.rank() + 1);
+        // The driver takes at most 4 KiB of kernel parameters on every architecture we run.
+        if words * 8 > 4096 {
+            return Err(Error::invalid_arg(
+                "fuse",
+                "function",
+                format!(
+                    "{}: {} inputs, {} reductions, {} outputs over {} dims",
+                    g.name,
+                    g.sig.inputs.len(),
+                    plan.temps.len(),
+                    g.outputs.len(),
+                    plan.rank()
+                ),
+                "fewer buffers: a kernel's parameter block (8 bytes per size, stride and address) \
+                 holds at most 4 KiB",
+            ));
+        }
         let kernels: Vec<String> = plan.stages.iter().map(|s| s.kernel.clone()).collect();
         let module = generated::load(ordinal, &plan.name, &plan.source, &kernels)?;
         Ok(Program { plan, module })
-    }
-
-    /// How many kernels a call launches.
-    pub(crate) fn launches(&self) -> usize {
-        self.plan.stages.len()
     }
 
     /// Runs the kernels on `xs` (on this program's device) over a domain of `sizes`.
