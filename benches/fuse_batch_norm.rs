@@ -75,7 +75,11 @@ fn unfused_batch_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let xf = x.to_dtype(DType::F32)?;
     let mean = xf.mean_dim(0, true)?.mean_dim(2, true)?.mean_dim(3, true)?;
     let d = xf.sub(&mean)?;
-    let var = d.sqr()?.mean_dim(0, true)?.mean_dim(2, true)?.mean_dim(3, true)?;
+    let var = d
+        .sqr()?
+        .mean_dim(0, true)?
+        .mean_dim(2, true)?
+        .mean_dim(3, true)?;
     let inv = var.add_scalar(1e-5)?.powf(-0.5)?;
     d.mul(&inv)?.mul(w)?.add(b)?.to_dtype(x.dtype())
 }
@@ -153,17 +157,14 @@ fn run(a: &Args) -> Result<()> {
         .map(|s| s.2)
         .unwrap_or(0);
     type Call<'a> = Box<dyn Fn() -> Result<Tensor> + 'a>;
-    let variants: Vec<(&'static str, Call, Option<(usize, usize)>)> = vec![
+    type Variant<'a> = (&'static str, Call<'a>, Option<(usize, usize)>);
+    let variants: Vec<Variant> = vec![
         (
             "fused",
             Box::new(|| bn.call1(&[&x, &w, &b])),
             Some((kernels, bwd_kernels)),
         ),
-        (
-            "unfused",
-            Box::new(|| unfused_batch_norm(&x, &w, &b)),
-            None,
-        ),
+        ("unfused", Box::new(|| unfused_batch_norm(&x, &w, &b)), None),
         (
             "hand_written",
             Box::new(|| x.batch_norm(&w1, &b1, &rm, &rv, BatchNormConfig::default())),

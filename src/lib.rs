@@ -37,7 +37,7 @@ pub mod util;
 pub use base::error;
 
 pub use autograd::{no_grad, with_no_grad};
-pub use fuse::fuse;
 pub use error::{Error, Mismatch, Result};
+pub use fuse::fuse;
 pub use tensor::{BatchNormConfig, Conv2dConfig, DropoutGenerator};
 pub use tensor::{DType, Device, Layout, MemoryFormat, Shape, Tensor, TensorId, WithDType};

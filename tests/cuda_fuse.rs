@@ -29,9 +29,22 @@ fn run(f: &Fused, xs: &[Tensor], seed: u64) -> (Vec<Tensor>, Vec<Option<Tensor>>
     let ys = f.call(&refs).unwrap();
     let mut total: Option<Tensor> = None;
     for (k, y) in ys.iter().enumerate() {
-        let w = Tensor::randn(y.dims().to_vec(), 0.0, 1.0, seed + k as u64, y.dtype(), y.device())
+        let w = Tensor::randn(
+            y.dims().to_vec(),
+            0.0,
+            1.0,
+            seed + k as u64,
+            y.dtype(),
+            y.device(),
+        )
+        .unwrap();
+        let l = y
+            .mul(&w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F32)
             .unwrap();
-        let l = y.mul(&w).unwrap().sum_all().unwrap().to_dtype(DType::F32).unwrap();
         total = Some(match total {
             Some(t) => t.add(&l).unwrap(),
             None => l,

@@ -19,11 +19,24 @@ fn fused_of(p: &Program) -> Fused {
 fn loss(ys: &[Tensor], seed: u64) -> Tensor {
     let mut total: Option<Tensor> = None;
     for (k, y) in ys.iter().enumerate() {
-        let w = Tensor::randn(y.dims().to_vec(), 0.0, 1.0, seed + 100 + k as u64, DType::F32, Device::Cpu)
+        let w = Tensor::randn(
+            y.dims().to_vec(),
+            0.0,
+            1.0,
+            seed + 100 + k as u64,
+            DType::F32,
+            Device::Cpu,
+        )
+        .unwrap()
+        .to_dtype(y.dtype())
+        .unwrap();
+        let l = y
+            .mul(&w)
             .unwrap()
-            .to_dtype(y.dtype())
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F64)
             .unwrap();
-        let l = y.mul(&w).unwrap().sum_all().unwrap().to_dtype(DType::F64).unwrap();
         total = Some(match total {
             Some(t) => t.add(&l).unwrap(),
             None => l,
@@ -51,7 +64,11 @@ fn check(p: &Program, seed: u64, dtype: DType, tol: f64) {
     for w in &wide {
         w.set_requires_grad(true);
     }
-    let zs: Vec<Tensor> = p.outputs.iter().map(|e| unfused(&wide, e).unwrap()).collect();
+    let zs: Vec<Tensor> = p
+        .outputs
+        .iter()
+        .map(|e| unfused(&wide, e).unwrap())
+        .collect();
     for (k, (y, z)) in ys.iter().zip(&zs).enumerate() {
         assert_eq!(y.dims(), z.dims(), "output {k} of {p:?}");
         // The output has the unfused chain's dtype.
@@ -76,10 +93,17 @@ fn check(p: &Program, seed: u64, dtype: DType, tol: f64) {
             (None, Some(gw)) => {
                 // An input the fused graph does not reach has no gradient; the unfused one
                 // can only have zeros there.
-                assert!(gw.to_vec_f64().unwrap().iter().all(|&x| x == 0.0), "grad {i}: {p:?}");
+                assert!(
+                    gw.to_vec_f64().unwrap().iter().all(|&x| x == 0.0),
+                    "grad {i}: {p:?}"
+                );
             }
             (None, None) => {}
-            (gv, gw) => panic!("grad {i}: fused {:?} unfused {:?} for {p:?}", gv.is_some(), gw.is_some()),
+            (gv, gw) => panic!(
+                "grad {i}: fused {:?} unfused {:?} for {p:?}",
+                gv.is_some(),
+                gw.is_some()
+            ),
         }
     }
 }
@@ -173,9 +197,19 @@ fn batch_norm_written_with_fuse_matches_the_unfused_math() {
     let out = bn.call(&[&x, &w, &b]).unwrap();
     assert_eq!(out[0].dims(), &[3, 4, 5, 6]);
     assert_eq!(out[1].dims(), &[1, 4, 1, 1]);
-    let mean = x.sum_dims(&[0, 2, 3], true).unwrap().mul_scalar(1.0 / 90.0).unwrap();
+    let mean = x
+        .sum_dims(&[0, 2, 3], true)
+        .unwrap()
+        .mul_scalar(1.0 / 90.0)
+        .unwrap();
     let d = x.sub(&mean).unwrap();
-    let var = d.sqr().unwrap().sum_dims(&[0, 2, 3], true).unwrap().mul_scalar(1.0 / 90.0).unwrap();
+    let var = d
+        .sqr()
+        .unwrap()
+        .sum_dims(&[0, 2, 3], true)
+        .unwrap()
+        .mul_scalar(1.0 / 90.0)
+        .unwrap();
     let y = d
         .div(&var.add_scalar(1e-5).unwrap().sqrt().unwrap())
         .unwrap()
@@ -244,7 +278,10 @@ fn elementwise_primitives_match_their_definitions() {
     for (k, (y, w)) in ys.iter().zip(want).enumerate() {
         let got = y.to_vec_f64().unwrap();
         for (g, &x) in got.iter().zip(&v) {
-            assert!((g - w(x)).abs() < 2e-3 * w(x).abs().max(1.0), "prim {k} at {x}: {g}");
+            assert!(
+                (g - w(x)).abs() < 2e-3 * w(x).abs().max(1.0),
+                "prim {k} at {x}: {g}"
+            );
         }
     }
     assert_eq!(ys[6].dtype(), DType::F16);

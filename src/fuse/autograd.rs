@@ -122,14 +122,8 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
                         (Some(f.div(g, xb)), Some(gb))
                     }
                     // Ties send the whole gradient to the left operand, as the unfused ops do.
-                    BinaryFn::Max => (
-                        Some(f.mul(g, f.ge(xa, xb))),
-                        Some(f.mul(g, f.lt(xa, xb))),
-                    ),
-                    BinaryFn::Min => (
-                        Some(f.mul(g, f.le(xa, xb))),
-                        Some(f.mul(g, f.gt(xa, xb))),
-                    ),
+                    BinaryFn::Max => (Some(f.mul(g, f.ge(xa, xb))), Some(f.mul(g, f.lt(xa, xb)))),
+                    BinaryFn::Min => (Some(f.mul(g, f.le(xa, xb))), Some(f.mul(g, f.gt(xa, xb)))),
                     _ => (None, None),
                 };
                 if let Some(ga) = ga {

@@ -98,16 +98,12 @@ pub(crate) fn compact_strides(dims: Dims, sizes: &[usize], rank: usize) -> Vec<i
 fn groups_of(g: &Graph, live: &[bool]) -> Vec<(usize, usize)> {
     let r = g.sig.rank;
     let mut pats: Vec<Dims> = g.sig.inputs.iter().map(|s| s.dims).collect();
-    pats.extend(
-        g.items
-            .iter()
-            .enumerate()
-            .filter(|(v, _)| live[*v])
-            .map(|(_, it)| match it.node {
-                Node::Size(d) => d,
-                _ => it.dims,
-            }),
-    );
+    pats.extend(g.items.iter().enumerate().filter(|(v, _)| live[*v]).map(
+        |(_, it)| match it.node {
+            Node::Size(d) => d,
+            _ => it.dims,
+        },
+    ));
     let mut groups: Vec<(usize, usize)> = Vec::new();
     for d in 0..r {
         let joins = d > 0 && pats.iter().all(|p| p.has(d) == p.has(d - 1));
@@ -193,15 +189,18 @@ impl Emitter<'_> {
                 need[o] = true;
             }
         }
-        for v in 0..n {
+        for (v, it) in self.g.items.iter().enumerate() {
             if !need[v] {
                 continue;
             }
-            let it = &self.g.items[v];
             let t = self.ty(v);
             let a = |u: Value| format!("(({t})v{u})");
             let expr = if let Some(&k) = self.temps.get(&v) {
-                let tt = if self.g.items[v].wide() { "double" } else { "float" };
+                let tt = if self.g.items[v].wide() {
+                    "double"
+                } else {
+                    "float"
+                };
                 let dims = Plan::compress(self.groups, it.dims);
                 format!(
                     "((const {tt}*)p.ptr[{}])[{}]",
@@ -335,7 +334,13 @@ pub(crate) fn plan(g: &Graph) -> Plan {
     // Levels: each reduction one more than the deepest it reads.
     let mut level = vec![0usize; g.items.len()];
     for (v, it) in g.items.iter().enumerate() {
-        let l = it.node.operands().iter().map(|&o| level[o]).max().unwrap_or(0);
+        let l = it
+            .node
+            .operands()
+            .iter()
+            .map(|&o| level[o])
+            .max()
+            .unwrap_or(0);
         level[v] = l + usize::from(matches!(it.node, Node::Reduce(..)));
     }
     let mut temps = Vec::new();

@@ -44,10 +44,7 @@ pub(crate) fn eval(g: &Graph, xs: &[&Tensor], sizes: &[usize]) -> Result<Vec<Opt
                 .into_iter()
                 .map(|x| round(unary(f, x)))
                 .collect(),
-            Node::Pow(a, e) => at(a, &vals)
-                .into_iter()
-                .map(|x| round(x.powf(e)))
-                .collect(),
+            Node::Pow(a, e) => at(a, &vals).into_iter().map(|x| round(x.powf(e))).collect(),
             Node::Binary(f, a, b) => {
                 let (x, y) = (at(a, &vals), at(b, &vals));
                 x.iter()

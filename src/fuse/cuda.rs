@@ -25,7 +25,8 @@ impl Program {
     /// Generates `g`'s kernels and loads them on device `ordinal`.
     pub(crate) fn build(g: &Graph, ordinal: usize) -> Result<Program> {
         let plan = codegen::plan(g);
-        let words = plan.rank() + (g.sig.inputs.len() + plan.temps.len() + g.outputs.len()) * (plan.rank() + 1);
+        let words = plan.rank()
+            + (g.sig.inputs.len() + plan.temps.len() + g.outputs.len()) * (plan.rank() + 1);
         // The driver takes at most 4 KiB of kernel parameters on every architecture we run.
         if words * 8 > 4096 {
             return Err(Error::invalid_arg(
@@ -60,10 +61,7 @@ impl Program {
             .map(|&(lo, hi)| sizes[lo..hi].iter().product())
             .collect();
         // Dense inputs: a merged dim's stride is its innermost dim's.
-        let dense: Vec<Tensor> = xs
-            .iter()
-            .map(|x| x.contiguous())
-            .collect::<Result<_>>()?;
+        let dense: Vec<Tensor> = xs.iter().map(|x| x.contiguous()).collect::<Result<_>>()?;
         let mut buffers: Vec<(Vec<i64>, u64)> = Vec::new();
         let guards: Vec<_> = dense.iter().map(|x| x.storage()).collect();
         for (i, (x, s)) in dense.iter().zip(&guards).enumerate() {
@@ -139,9 +137,7 @@ impl Program {
         Ok(outs
             .into_iter()
             .zip(&g.outputs)
-            .map(|(s, &o)| {
-                Tensor::from_storage(Storage::Cuda(s), Shape::new(g.shape_of(o, sizes)))
-            })
+            .map(|(s, &o)| Tensor::from_storage(Storage::Cuda(s), Shape::new(g.shape_of(o, sizes))))
             .collect())
     }
 }

@@ -85,14 +85,18 @@ impl Compiled {
     }
 }
 
+/// An output's backward graph and, for each of its outputs, the input it is the gradient of
+/// (`None`: no input's gradient depends on the output).
+type BackwardOf = Arc<Option<(Compiled, Vec<usize>)>>;
+
 /// One traced signature: the forward and, made at the first backward, each output's backward.
 struct Traced {
     forward: Compiled,
-    backward: Mutex<HashMap<usize, Arc<Option<(Compiled, Vec<usize>)>>>>,
+    backward: Mutex<HashMap<usize, BackwardOf>>,
 }
 
 impl Traced {
-    fn backward(&self, out: usize) -> Result<Arc<Option<(Compiled, Vec<usize>)>>> {
+    fn backward(&self, out: usize) -> Result<BackwardOf> {
         if out >= self.forward.graph.outputs.len() {
             return Err(Error::invalid_arg(
                 "fuse",

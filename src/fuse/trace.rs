@@ -391,7 +391,14 @@ impl Fuser {
         m
     }
 
-    fn reduce(&self, op: &'static str, f: ReduceFn, kind: Option<OpKind>, a: Var, axes: &[isize]) -> Var {
+    fn reduce(
+        &self,
+        op: &'static str,
+        f: ReduceFn,
+        kind: Option<OpKind>,
+        a: Var,
+        axes: &[isize],
+    ) -> Var {
         let a = match kind {
             Some(k) => self.amp(k, &[a])[0],
             None => a,

@@ -21,7 +21,11 @@ pub(crate) struct GeneratedModule {
 
 impl std::fmt::Debug for GeneratedModule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GeneratedModule({} on cuda:{})", self.name, self.dev.ordinal)
+        write!(
+            f,
+            "GeneratedModule({} on cuda:{})",
+            self.name, self.dev.ordinal
+        )
     }
 }
 
