@@ -301,9 +301,21 @@ impl Emitter<'_> {
     }
 }
 
-/// Splits `lin` over the compressed dims `dims` (row-major) into `idx`.
+/// Splits `lin` over the compressed dims `dims` (row-major) into `idx`: in 32-bit arithmetic
+/// when the whole domain fits (`small`, the same for every thread), which divides several
+/// times faster than 64-bit.
 fn split(out: &mut String, lin: &str, dims: Dims, rank: usize) {
-    let _ = writeln!(out, "        {{ i64 rem = (i64)({lin});");
+    let _ = writeln!(
+        out,
+        "        if (small) {{ unsigned rem = (unsigned)({lin});"
+    );
+    for d in (0..rank).rev().filter(|&d| dims.has(d)) {
+        let _ = writeln!(
+            out,
+            "          idx[{d}] = rem % (unsigned)p.size[{d}]; rem /= (unsigned)p.size[{d}];"
+        );
+    }
+    let _ = writeln!(out, "        }} else {{ i64 rem = (i64)({lin});");
     for d in (0..rank).rev().filter(|&d| dims.has(d)) {
         let _ = writeln!(
             out,
@@ -311,6 +323,14 @@ fn split(out: &mut String, lin: &str, dims: Dims, rank: usize) {
         );
     }
     let _ = writeln!(out, "        }}");
+}
+
+/// The kernels' first line: whether the whole domain's indices fit in 31 bits.
+fn small_flag(rank: usize) -> String {
+    format!(
+        "    const bool small = {} <= (i64)0x7fffffff;\n",
+        count(Dims(((1u16 << rank) - 1) as u8), rank)
+    )
 }
 
 fn count(dims: Dims, rank: usize) -> String {
@@ -379,6 +399,7 @@ pub(crate) fn plan(g: &Graph) -> Plan {
             src,
             "extern \"C\" __global__ void {kernel}(const FuseParams p) {{\n    __shared__ float sh_f[32];\n    __shared__ double sh_d[32];\n    (void)sh_f; (void)sh_d;"
         );
+        src += &small_flag(rank);
         let _ = writeln!(src, "    i64 start = 0;");
         let mut starts = Vec::new();
         for (j, &k) in tasks.iter().enumerate() {
@@ -451,6 +472,7 @@ pub(crate) fn plan(g: &Graph) -> Plan {
         src,
         "extern \"C\" __global__ void {kernel}(const FuseParams p) {{"
     );
+    src += &small_flag(rank);
     let mut out_dims = Vec::new();
     for (k, &o) in g.outputs.iter().enumerate() {
         let it = &g.items[o];
