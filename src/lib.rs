@@ -22,6 +22,7 @@ pub mod base;
 mod config_toml;
 pub mod data;
 pub mod distributed;
+pub mod fuse;
 pub mod graph;
 pub mod io;
 pub mod multi_tensor;
@@ -37,5 +38,6 @@ pub use base::error;
 
 pub use autograd::{no_grad, with_no_grad};
 pub use error::{Error, Mismatch, Result};
+pub use fuse::fuse;
 pub use tensor::{BatchNormConfig, Conv2dConfig, DropoutGenerator};
 pub use tensor::{DType, Device, Layout, MemoryFormat, Shape, Tensor, TensorId, WithDType};

@@ -39,6 +39,7 @@ mod dropout;
 mod elementwise;
 mod embedding;
 pub mod flash_attention;
+pub(crate) mod generated;
 pub(crate) mod graph;
 pub(crate) mod in_place;
 mod index;
@@ -86,7 +87,7 @@ pub use profile::{
     external_profiler_range, mem_get_info, memory_stats, op_profile, reset_peak_memory,
     set_op_profiling, MemoryStats, OpProfileRow,
 };
-pub use registry::{compile_all_for, kernel_families};
+pub use registry::{compile_all_for, compile_generated_for, kernel_families};
 pub use side_stream::{set_side_stream, side_stream_forks};
 pub use storage::CudaStorage;
 

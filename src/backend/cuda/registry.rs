@@ -278,21 +278,71 @@ fn read_cached(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Option<Vec<u8
 fn compile_and_cache(dir: Option<&Path>, f: Family, arch: (i32, i32)) -> Result<Vec<u8>> {
     let image = compile(f, &full_source(f), &options(arch))?;
     if let Some(path) = dir.map(|d| cache_file(d, f, arch)) {
-        let write = || -> Result<()> {
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-            }
-            crate::util::write_atomic(&path, |w| {
-                w.write_all(&seal(&image))
-                    .map_err(|e| Error::io(format!("writing {}", path.display()), e))
-            })
-        };
-        if let Err(e) = write() {
-            log::debug!("kernel cache: {e}");
-        }
+        write_cached(&path, &image);
     }
     Ok(image)
+}
+
+/// Writes `image`, sealed, to `path` (best effort, as [`compile_and_cache`] says).
+fn write_cached(path: &Path, image: &[u8]) {
+    let write = || -> Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        }
+        crate::util::write_atomic(path, |w| {
+            w.write_all(&seal(image))
+                .map_err(|e| Error::io(format!("writing {}", path.display()), e))
+        })
+    };
+    if let Err(e) = write() {
+        log::debug!("kernel cache: {e}");
+    }
+}
+
+/// The image of a module generated at run time (`crate::fuse`'s kernels): `source` after
+/// common.cuh, compiled for `arch` with the families' options, from the disk cache when there
+/// (keyed by a hash of the source, the options and the architecture, sealed as theirs are), else
+/// compiled now and written there.
+pub(crate) fn generated_image(name: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+    let full = format!("{COMMON}\n#line 1 \"{name}.cu\"\n{source}");
+    let opts = options(arch);
+    let path = cache_dir().map(|d| {
+        let key = fnv1a(&[
+            CACHE_FORMAT,
+            full.as_bytes(),
+            opts.join(" ").as_bytes(),
+            format!("sm_{}{}", arch.0, arch.1).as_bytes(),
+        ]);
+        d.join(format!("{name}-sm{}{}-{key:016x}.cubin", arch.0, arch.1))
+    });
+    if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+        match unseal(&bytes) {
+            Ok(image) => return Ok(image.to_vec()),
+            Err(why) => log::warn!("kernel cache: {name} ignored ({why}); compiling it again"),
+        }
+    }
+    let image = compile_named(&format!("{name}.cu"), &full, &opts, SPEED_OPTIONS)?;
+    if let Some(path) = path {
+        write_cached(&path, &image);
+    }
+    Ok(image)
+}
+
+/// Compiles a generated module's `source` (after common.cuh) for `arch`, bypassing the caches:
+/// the check that the fusion engine's generated kernels compile, with NVRTC and no GPU.
+pub fn compile_generated_for(name: &str, source: &str, arch: (i32, i32)) -> Result<()> {
+    // SAFETY: as in `compile_all_for`.
+    let present =
+        std::panic::catch_unwind(|| unsafe { nvrtc_sys::is_culib_present() }).unwrap_or(false);
+    if !present {
+        return Err(Error::Cuda("NVRTC not found".into()));
+    }
+    let full = format!("{COMMON}\n#line 1 \"{name}.cu\"\n{source}");
+    super::probe::no_panic("NVRTC", || {
+        compile_named(&format!("{name}.cu"), &full, &options(arch), SPEED_OPTIONS)
+    })
+    .map(|_| ())
 }
 
 /// The kernel cache's file format, part of every file's key: files of another format are
@@ -375,7 +425,12 @@ fn compile(f: Family, src: &str, opts: &[String]) -> Result<Vec<u8>> {
 
 /// [`compile`], with `speed` the options that may be dropped when NVRTC refuses one.
 fn compile_with(f: Family, src: &str, opts: &[String], speed: &[&str]) -> Result<Vec<u8>> {
-    let kernel = format!("{}.cu", f.name());
+    compile_named(&format!("{}.cu", f.name()), src, opts, speed)
+}
+
+/// [`compile_with`] for a source named `kernel` (its file name in NVRTC's log).
+fn compile_named(kernel: &str, src: &str, opts: &[String], speed: &[&str]) -> Result<Vec<u8>> {
+    let kernel = kernel.to_string();
     let csrc = CString::new(src).map_err(|e| nvrtc_err(&kernel, "source", e))?;
     let cname = CString::new(kernel.clone()).map_err(|e| nvrtc_err(&kernel, "name", e))?;
     let prog = nvrtc::create_program(&csrc, Some(&cname))
@@ -395,7 +450,7 @@ fn compile_with(f: Family, src: &str, opts: &[String], speed: &[&str]) -> Result
         if e.0 == nvrtc_sys::nvrtcResult::NVRTC_ERROR_INVALID_OPTION && opts.iter().any(optional) {
             log::debug!("NVRTC refused one of {speed:?}; compiling {kernel} without them");
             let required: Vec<String> = opts.iter().filter(|o| !optional(o)).cloned().collect();
-            return compile_with(f, src, &required, &[]);
+            return compile_named(&kernel, src, &required, &[]);
         }
     }
     if let Err(e) = compiled {
