@@ -27,7 +27,8 @@ use dsys::cudnnDataType_t as Dt;
 use dsys::cudnnPointwiseMode_t as Pw;
 
 use super::conv::{dnn_state, lock_dnn};
-use super::cudnn_graph::{engine_configs, Desc};
+use super::cudnn_graph::Desc;
+use super::cudnn_op_graph::{packed, Dims, OpGraph, Plan, Tn};
 use super::flash_attention::{
     check_dims, check_view, sizes, FlashDims, FlashGrads, FlashInputGrads, FlashInputs, FlashOutput,
 };
@@ -38,8 +39,8 @@ use crate::base::DType;
 
 const OP: &str = "scaled_dot_product_attention (cuDNN)";
 
-/// The unique ids of the graphs' non-virtual tensors (virtual ones count up from
-/// `FIRST_VIRTUAL`).
+/// The unique ids of the graphs' non-virtual tensors (virtual ones count up from 100:
+/// `cudnn_op_graph.rs`).
 mod uid {
     pub const Q: i64 = 1;
     pub const K: i64 = 2;
@@ -55,7 +56,6 @@ mod uid {
     pub const SOFTMAX_SUM: i64 = 12;
     pub const DQ_ACCUM: i64 = 13;
     pub const ONE: i64 = 14;
-    pub const FIRST_VIRTUAL: i64 = 100;
 }
 
 fn switch() -> &'static AtomicBool {
@@ -96,305 +96,42 @@ pub(super) struct Key {
     out: Option<[Dims; 3]>,
 }
 
-/// A built plan with every descriptor it refers to, or why there is none.
-pub(super) struct Plan {
-    _descs: Vec<Desc>,
-    plan: Desc,
-    workspace: usize,
-}
-
 /// The device's attention plans (part of its cuDNN state; used under its lock). `None`: cuDNN
 /// builds no plan for the key.
 pub(super) type AttentionPlans = HashMap<Key, Option<Plan>>;
 
-/// An operation graph under construction: its tensors and operations, by index.
-struct OpGraph {
-    tensors: Vec<Desc>,
-    ops: Vec<Desc>,
-    /// Descriptors the operations refer to (pointwise modes, matmul and reduction settings).
-    keep: Vec<Desc>,
-    next_virtual: i64,
-}
-
-#[derive(Clone, Copy)]
-struct Tn(usize);
-
-type Dims = [i64; 4];
-
-/// Packed strides of `dims` (the last dimension contiguous).
-fn packed(d: Dims) -> Dims {
-    [d[1] * d[2] * d[3], d[2] * d[3], d[3], 1]
-}
-
-impl OpGraph {
-    fn new() -> Self {
-        OpGraph {
-            tensors: Vec::new(),
-            ops: Vec::new(),
-            keep: Vec::new(),
-            next_virtual: uid::FIRST_VIRTUAL,
-        }
-    }
-
-    fn tensor(&mut self, id: i64, dims: Dims, strides: Dims, dt: Dt, kind: Kind) -> Result<Tn> {
-        let d = Desc::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
-        d.set(
-            A::CUDNN_ATTR_TENSOR_DATA_TYPE,
-            T::CUDNN_TYPE_DATA_TYPE,
-            &[dt],
-        )?;
-        d.set_i64s(A::CUDNN_ATTR_TENSOR_DIMENSIONS, &dims)?;
-        d.set_i64s(A::CUDNN_ATTR_TENSOR_STRIDES, &strides)?;
-        d.set_i64s(A::CUDNN_ATTR_TENSOR_UNIQUE_ID, &[id])?;
-        d.set_i64s(A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, &[16])?;
-        match kind {
-            Kind::Buffer => {}
-            Kind::Virtual => d.set(
-                A::CUDNN_ATTR_TENSOR_IS_VIRTUAL,
-                T::CUDNN_TYPE_BOOLEAN,
-                &[true],
-            )?,
-            Kind::ByValue => d.set(
-                A::CUDNN_ATTR_TENSOR_IS_BY_VALUE,
-                T::CUDNN_TYPE_BOOLEAN,
-                &[true],
-            )?,
-        }
-        self.tensors.push(d.finalize("a tensor descriptor")?);
-        Ok(Tn(self.tensors.len() - 1))
-    }
-
-    /// A tensor in device memory, named by `id` in the variant pack.
-    fn buffer(&mut self, id: i64, dims: Dims, strides: Dims, dt: Dt) -> Result<Tn> {
-        self.tensor(id, dims, strides, dt, Kind::Buffer)
-    }
-
-    /// An f32 scalar passed by value (a host pointer in the variant pack).
-    fn scalar(&mut self, id: i64) -> Result<Tn> {
-        self.tensor(id, [1; 4], [1; 4], Dt::CUDNN_DATA_FLOAT, Kind::ByValue)
-    }
-
-    /// An intermediate that never leaves the fused kernel.
-    fn virt(&mut self, dims: Dims, strides: Dims, dt: Dt) -> Result<Tn> {
-        let id = self.next_virtual;
-        self.next_virtual += 1;
-        self.tensor(id, dims, strides, dt, Kind::Virtual)
-    }
-
-    fn t(&self, x: Tn) -> &Desc {
-        &self.tensors[x.0]
-    }
-
-    /// `y = mode(x[, b[, t]])`, computed in `prec`; `axis` for GEN_INDEX.
-    fn pointwise(
-        &mut self,
-        mode: Pw,
-        prec: Dt,
-        inputs: &[Tn],
-        y: Tn,
-        axis: Option<i64>,
-    ) -> Result<()> {
-        let pw = Desc::new(D::CUDNN_BACKEND_POINTWISE_DESCRIPTOR)?;
-        pw.set(
-            A::CUDNN_ATTR_POINTWISE_MODE,
-            T::CUDNN_TYPE_POINTWISE_MODE,
-            &[mode],
-        )?;
-        pw.set(
-            A::CUDNN_ATTR_POINTWISE_MATH_PREC,
-            T::CUDNN_TYPE_DATA_TYPE,
-            &[prec],
-        )?;
-        if let Some(axis) = axis {
-            pw.set_i64s(A::CUDNN_ATTR_POINTWISE_AXIS, &[axis])?;
-        }
-        let pw = pw.finalize("a pointwise descriptor")?;
-        let op = Desc::new(D::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &[&pw])?;
-        let names = [
-            A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC,
-            A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC,
-            A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC,
-        ];
-        for (name, x) in names.iter().zip(inputs) {
-            op.set_descs(*name, &[self.t(*x)])?;
-        }
-        op.set_descs(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &[self.t(y)])?;
-        op.set(
-            A::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1,
-            T::CUDNN_TYPE_FLOAT,
-            &[1f32],
-        )?;
-        op.set(
-            A::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2,
-            T::CUDNN_TYPE_FLOAT,
-            &[1f32],
-        )?;
-        self.ops
-            .push(op.finalize(&format!("the pointwise {mode:?} operation"))?);
-        self.keep.push(pw);
-        Ok(())
-    }
-
-    /// `y = mode(inputs)` in f32.
-    fn pw(&mut self, mode: Pw, inputs: &[Tn], y: Tn) -> Result<()> {
-        self.pointwise(mode, Dt::CUDNN_DATA_FLOAT, inputs, y, None)
-    }
-
-    /// `c = a · b` over the last two dimensions, batched over the first two, f32 accumulation.
-    fn matmul(&mut self, a: Tn, b: Tn, c: Tn) -> Result<()> {
-        let mm = Desc::new(D::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
-        mm.set(
-            A::CUDNN_ATTR_MATMUL_COMP_TYPE,
-            T::CUDNN_TYPE_DATA_TYPE,
-            &[Dt::CUDNN_DATA_FLOAT],
-        )?;
-        let mm = mm.finalize("a matmul descriptor")?;
-        let op = Desc::new(D::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &[self.t(a)])?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[self.t(b)])?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[self.t(c)])?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[&mm])?;
-        self.ops.push(op.finalize("a matmul operation")?);
-        self.keep.push(mm);
-        Ok(())
-    }
-
-    /// `y = reduce(x)` over the dimensions where `y` has extent 1, in f32.
-    fn reduction(&mut self, how: dsys::cudnnReduceTensorOp_t, x: Tn, y: Tn) -> Result<()> {
-        let r = Desc::new(D::CUDNN_BACKEND_REDUCTION_DESCRIPTOR)?;
-        r.set(
-            A::CUDNN_ATTR_REDUCTION_COMP_TYPE,
-            T::CUDNN_TYPE_DATA_TYPE,
-            &[Dt::CUDNN_DATA_FLOAT],
-        )?;
-        r.set(
-            A::CUDNN_ATTR_REDUCTION_OPERATOR,
-            T::CUDNN_TYPE_REDUCTION_OPERATOR_TYPE,
-            &[how],
-        )?;
-        let r = r.finalize("a reduction descriptor")?;
-        let op = Desc::new(D::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &[self.t(x)])?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &[self.t(y)])?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &[&r])?;
-        self.ops.push(op.finalize("a reduction operation")?);
-        self.keep.push(r);
-        Ok(())
-    }
-
-    /// `y` = `x` seen with `y`'s dimensions and strides (a transpose, here).
-    fn reshape(&mut self, x: Tn, y: Tn) -> Result<()> {
-        let op = Desc::new(D::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR)?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &[self.t(x)])?;
-        op.set_descs(A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &[self.t(y)])?;
-        self.ops.push(op.finalize("a reshape operation")?);
-        Ok(())
-    }
-
-    /// The causal mask of scores `s` `[b, h, sq, sk]`: keys after the query (column > row,
-    /// top-left aligned as PyTorch's `is_causal`) set to -inf.
-    fn causal_mask(&mut self, s: Tn, dims: Dims) -> Result<Tn> {
-        let st = packed(dims);
-        let row = self.virt(dims, st, Dt::CUDNN_DATA_INT32)?;
-        let col = self.virt(dims, st, Dt::CUDNN_DATA_INT32)?;
-        self.pointwise(
-            Pw::CUDNN_POINTWISE_GEN_INDEX,
-            Dt::CUDNN_DATA_FLOAT,
-            &[s],
-            row,
-            Some(2),
-        )?;
-        self.pointwise(
-            Pw::CUDNN_POINTWISE_GEN_INDEX,
-            Dt::CUDNN_DATA_FLOAT,
-            &[s],
-            col,
-            Some(3),
-        )?;
-        let keep = self.virt(dims, st, Dt::CUDNN_DATA_BOOLEAN)?;
-        self.pointwise(
-            Pw::CUDNN_POINTWISE_CMP_GE,
-            Dt::CUDNN_DATA_BOOLEAN,
-            &[row, col],
-            keep,
-            None,
-        )?;
-        let neg_inf = self.scalar(uid::NEG_INF)?;
-        let out = self.virt(dims, st, Dt::CUDNN_DATA_FLOAT)?;
-        self.pw(Pw::CUDNN_POINTWISE_BINARY_SELECT, &[s, neg_inf, keep], out)?;
-        Ok(out)
-    }
-
-    /// Finalizes the graph and builds the first plan cuDNN's heuristics propose that builds.
-    fn plan(self, handle: dsys::cudnnHandle_t) -> Result<std::result::Result<Plan, String>> {
-        let graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
-        graph.set(
-            A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
-            T::CUDNN_TYPE_HANDLE,
-            &[handle],
-        )?;
-        let ops: Vec<&Desc> = self.ops.iter().collect();
-        graph.set_descs(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &ops)?;
-        let graph = match graph.finalize("the attention operation graph") {
-            Ok(g) => g,
-            Err(e) => return Ok(Err(e.to_string())),
-        };
-        let mut why = Vec::new();
-        for mode in [
-            dsys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-            dsys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-        ] {
-            let configs = match engine_configs(&graph, mode) {
-                Ok(c) => c,
-                Err(e) => {
-                    why.push(format!("{mode:?}: {e}"));
-                    continue;
-                }
-            };
-            for config in configs {
-                let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
-                plan.set(
-                    A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
-                    T::CUDNN_TYPE_HANDLE,
-                    &[handle],
-                )?;
-                plan.set_descs(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&config])?;
-                match plan.finalize("an attention execution plan") {
-                    Ok(plan) => {
-                        let mut ws = [0i64];
-                        plan.get(
-                            A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                            T::CUDNN_TYPE_INT64,
-                            &mut ws,
-                        )?;
-                        let mut descs = self.tensors;
-                        descs.extend(self.ops);
-                        descs.extend(self.keep);
-                        descs.push(graph);
-                        descs.push(config);
-                        return Ok(Ok(Plan {
-                            _descs: descs,
-                            plan,
-                            workspace: ws[0].max(0) as usize,
-                        }));
-                    }
-                    Err(e) => why.push(e.to_string()),
-                }
-            }
-        }
-        if why.is_empty() {
-            why.push("the heuristics proposed no engine".into());
-        }
-        Ok(Err(why.join("; ")))
-    }
-}
-
-#[derive(Clone, Copy)]
-enum Kind {
-    Buffer,
-    Virtual,
-    ByValue,
+/// The causal mask of scores `s` `[b, h, sq, sk]`: keys after the query (column > row,
+/// top-left aligned as PyTorch's `is_causal`) set to -inf.
+fn causal_mask(g: &mut OpGraph, s: Tn, dims: Dims) -> Result<Tn> {
+    let st = packed(dims);
+    let row = g.virt(dims, st, Dt::CUDNN_DATA_INT32)?;
+    let col = g.virt(dims, st, Dt::CUDNN_DATA_INT32)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_GEN_INDEX,
+        Dt::CUDNN_DATA_FLOAT,
+        &[s],
+        row,
+        Some(2),
+    )?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_GEN_INDEX,
+        Dt::CUDNN_DATA_FLOAT,
+        &[s],
+        col,
+        Some(3),
+    )?;
+    let keep = g.virt(dims, st, Dt::CUDNN_DATA_BOOLEAN)?;
+    g.pointwise(
+        Pw::CUDNN_POINTWISE_CMP_GE,
+        Dt::CUDNN_DATA_BOOLEAN,
+        &[row, col],
+        keep,
+        None,
+    )?;
+    let neg_inf = g.scalar(uid::NEG_INF)?;
+    let out = g.virt(dims, st, Dt::CUDNN_DATA_FLOAT)?;
+    g.pw(Pw::CUDNN_POINTWISE_BINARY_SELECT, &[s, neg_inf, keep], out)?;
+    Ok(out)
 }
 
 fn io_type(dt: DType) -> Option<Dt> {
@@ -441,7 +178,7 @@ fn forward_graph(d: &FlashDims, io: Dt, st: &[[i64; 3]]) -> Result<OpGraph> {
     let mut scores = g.virt(sdims, packed(sdims), f32_)?;
     g.pw(Pw::CUDNN_POINTWISE_MUL, &[s, scale], scores)?;
     if d.causal {
-        scores = g.causal_mask(scores, sdims)?;
+        scores = causal_mask(&mut g, scores, sdims)?;
     }
     let rdims = [b, h, sq, 1];
     let rst = packed(rdims);
@@ -510,7 +247,7 @@ fn backward_graph(d: &FlashDims, io: Dt, st: &[[i64; 3]], out: [Dims; 3]) -> Res
     let mut centred = g.virt(sdims, sst, f32_)?;
     g.pw(Pw::CUDNN_POINTWISE_SUB, &[scaled, stats], centred)?;
     if d.causal {
-        centred = g.causal_mask(centred, sdims)?;
+        centred = causal_mask(&mut g, centred, sdims)?;
     }
     let p = g.virt(sdims, sst, f32_)?;
     g.pw(Pw::CUDNN_POINTWISE_EXP, &[centred], p)?;

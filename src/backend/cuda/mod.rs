@@ -34,6 +34,7 @@ pub mod cudnn_attention;
 mod cudnn_batch_norm;
 mod cudnn_graph;
 mod cudnn_legacy;
+mod cudnn_op_graph;
 mod device;
 mod dropout;
 mod elementwise;
