@@ -16,6 +16,9 @@ pub(crate) struct Backward {
 }
 
 /// The backward of `fwd`'s output `out`: `None` when no input's gradient depends on it.
+///
+/// Long by design: one derivative rule per primitive in a single match, each a few lines, read
+/// side by side (as the table of rules they are); splitting it would scatter the table.
 pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>> {
     let n_in = fwd.sig.inputs.len();
     let o = fwd.outputs[out];

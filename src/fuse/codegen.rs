@@ -346,6 +346,9 @@ fn count(dims: Dims, rank: usize) -> String {
 }
 
 /// The kernels of `g` (see the module doc).
+///
+/// Long because it is one pass over the graph that assigns every value its level, its
+/// temporary and its kernel together; the steps share that state, so they stay in one place.
 pub(crate) fn plan(g: &Graph) -> Plan {
     let live = g.live();
     let groups = groups_of(g, &live);
