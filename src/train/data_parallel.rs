@@ -64,7 +64,7 @@ fn devices(cfg: &RunConfig, replicas: Nproc) -> Result<(Vec<Device>, String)> {
 /// Trains per `cfg` on the devices `replicas` names (see the module docs).
 ///
 /// Long because it is the whole job in order (setup, the epochs' loop, evaluation, the last
-/// checkpoint), as the one-process trainer's phases read; it shares its pieces with them.
+/// checkpoint), each phase a few lines over the replicas; cutting it is left for when it grows.
 pub fn run_data_parallel(
     cfg: &RunConfig,
     opts: &RunOptions,
