@@ -6,7 +6,8 @@
 //!
 //! Between two evaluations lies one *round* (`eval_every` steps): the progress display, the
 //! metrics files (`metrics.csv`/`.jsonl`, one row per round: `epoch` is the round, `images_per_s`
-//! counts tokens, the accuracies are empty) and `checkpoints/last` follow rounds.
+//! counts tokens, the accuracies are empty) and `checkpoints/last` follow rounds. `run_gpt`
+//! sets the run up; the rounds themselves are in `gpt_rounds`.
 //!
 //! Under a launcher (`train_gpt --nproc-per-node N`, `torchrun`, `srun`) each process is one
 //! rank (see `train::distributed`): it trains on its device, joins the process group and wraps
@@ -21,16 +22,15 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use super::distributed::Ranks;
+use super::gpt_rounds::{Job, Latest};
 use super::metrics::{EpochRecord, MetricsWriter};
-use super::plot::plot_history;
-use super::progress::{EpochProgress, ProgressMode};
-use super::run_dir::{RunDir, Use, CHECKPOINT_DIR};
-use crate::amp::{self, AmpModel, OptLevel, Policy};
+use super::progress::ProgressMode;
+use super::run_dir::{RunDir, Use};
+use crate::amp::{self, AmpModel, AmpOptimizer, OptLevel, Policy};
 use crate::data::token_corpus::bundled_corpus_dir;
 use crate::data::{
     prepare_token_shards, CorpusOptions, Gpt2Tokenizer, TokenLoader, TokenLoaderConfig,
@@ -38,8 +38,8 @@ use crate::data::{
 };
 use crate::distributed::{DdpConfig, DistributedDataParallel, NoSyncGuard, ProcessGroup, ZeroAdam};
 use crate::error::{Error, Result};
-use crate::io::checkpoint::{Checkpoint, TrainProgress};
-use crate::nn::{generate, Gpt, GptConfig, Module, SampleConfig, StateDict, GPT2_VOCAB};
+use crate::io::checkpoint::Checkpoint;
+use crate::nn::{Gpt, GptConfig, Module, StateDict};
 use crate::optim::{AdamConfig, FusedAdam, LrSchedule, Optimizer, ParamGroups};
 use crate::tensor::{DType, Device, Tensor};
 
@@ -287,7 +287,7 @@ impl GptRecipe {
         })
     }
 
-    fn schedule(&self) -> LrSchedule {
+    pub(super) fn schedule(&self) -> LrSchedule {
         LrSchedule::WarmupCosine {
             base: self.lr,
             min: self.min_lr,
@@ -297,7 +297,7 @@ impl GptRecipe {
     }
 
     /// One rank's tokens per optimizer step.
-    fn tokens_per_step(&self) -> usize {
+    pub(super) fn tokens_per_step(&self) -> usize {
         self.batch_size * self.context * self.grad_accum
     }
 }
@@ -338,13 +338,13 @@ pub struct GptRunSummary {
 
 /// The checkpoint's free-form part.
 #[derive(Serialize, Deserialize)]
-struct Extra {
-    recipe: GptRecipe,
-    train_loader: TokenLoaderState,
-    history: Vec<EpochRecord>,
+pub(super) struct Extra {
+    pub(super) recipe: GptRecipe,
+    pub(super) train_loader: TokenLoaderState,
+    pub(super) history: Vec<EpochRecord>,
     /// The processes that trained (the loader's position means that many ranks' batches).
     #[serde(default = "one")]
-    world_size: usize,
+    pub(super) world_size: usize,
 }
 
 fn one() -> usize {
@@ -439,69 +439,162 @@ pub fn step_body<'a>(
     }
 }
 
-/// The mean loss over `n` val batches (from the start of the val split each time).
-fn evaluate<M: Module>(
-    model: &AmpModel<M>,
-    loss: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
-    val: &mut TokenLoader,
-    n: usize,
-    dev: Device,
-) -> Result<f64> {
-    let _g = crate::no_grad();
-    let was = model.is_training();
-    model.set_training(false);
-    val.reset();
-    let mut total = 0.0;
-    let mut count = 0;
-    let out = (|| {
-        for _ in 0..n.min(val.batches_per_epoch().max(1)) {
-            let (x, y) = val.next_batch(dev)?;
-            total += loss(&x, &y)?.item()?;
-            count += 1;
-        }
-        Ok(total / count.max(1) as f64)
-    })();
-    model.set_training(was);
-    out
+/// Prints on rank 0 only.
+fn say(main: bool, line: String) {
+    if main {
+        println!("{line}");
+    }
 }
 
-fn sample<M: Module>(
-    model: &AmpModel<M>,
-    r: &GptRecipe,
-    dev: Device,
-    tok: &Gpt2Tokenizer,
-    seed: u64,
-) -> Result<String> {
-    let prompt = tok.encode(&r.prompt);
-    let prompt = if prompt.is_empty() {
-        vec![50256]
-    } else {
-        prompt
+/// The checkpoint a run continues from, with its free-form part.
+struct Resumed<'p> {
+    path: &'p Path,
+    ckpt: Checkpoint,
+    extra: Extra,
+}
+
+/// The recipe to train by: the checkpoint's when resuming (written at this world size: the data
+/// position is per rank), the config's otherwise.
+fn recipe_and_resume<'p>(
+    config: &GptRunConfig,
+    opts: &'p GptRunOptions,
+    world: usize,
+) -> Result<(GptRecipe, Option<Resumed<'p>>)> {
+    let Some(path) = opts.resume.as_deref() else {
+        return Ok((config.resolve(opts.device)?, None));
     };
-    let ids = generate(
-        model,
-        dev,
-        &prompt,
-        &SampleConfig {
-            max_new_tokens: r.sample_tokens,
-            temperature: r.temperature,
-            top_k: (r.top_k > 0).then_some(r.top_k),
-            seed,
-            vocab: GPT2_VOCAB,
-            context: r.context,
-        },
-    )?;
-    tok.decode(&ids)
+    let ckpt = Checkpoint::load(path)?;
+    let extra: Extra = serde_json::from_value(ckpt.extra.clone()).map_err(|e| {
+        Error::invalid_arg(
+            "train_gpt",
+            "resume",
+            path.display(),
+            format!("a train_gpt checkpoint ({e})"),
+        )
+    })?;
+    if extra.world_size != world {
+        return Err(Error::invalid_arg(
+            "train_gpt",
+            "resume",
+            format!(
+                "{} (written by {} process(es))",
+                path.display(),
+                extra.world_size
+            ),
+            format!(
+                "a checkpoint of a run on {world} process(es), as this one: the data \
+                 position is per rank (resume with --nproc-per-node {})",
+                extra.world_size
+            ),
+        ));
+    }
+    Ok((extra.recipe.clone(), Some(Resumed { path, ckpt, extra })))
 }
 
-/// The peak dense half-precision tensor-core rate of the device, for model-flops utilisation.
-fn peak_flops(dev: Device) -> Option<f64> {
-    let Device::Cuda(i) = dev else { return None };
-    let (major, _) = crate::backend::cuda::device(i).ok()?.compute_capability();
-    match major {
-        9 => Some(989e12),
-        8 => Some(312e12),
-        _ => None,
+/// Joins the process group, then rank 0 locks the run directory and writes into it the config
+/// and the token shards, which the others read once it is done. The lock (rank 0's) and the
+/// run's root.
+fn open_run(
+    ranks: &mut Ranks,
+    opts: &GptRunOptions,
+    recipe: &GptRecipe,
+    resumed: Option<&Resumed>,
+) -> Result<(Option<RunDir>, PathBuf)> {
+    // Every rank joins before rank 0 checks the run directory: a refusal there then ends the
+    // others through the group rather than leaving them at the rendezvous.
+    ranks.join(opts.device)?;
+    let how = match resumed {
+        Some(r) => Use::Resume {
+            checkpoint: r.path,
+            overwrite: opts.overwrite,
+            corrupt: &[],
+        },
+        None => Use::Fresh {
+            overwrite: opts.overwrite,
+        },
+    };
+    let dir = match ranks.is_main() {
+        true => Some(RunDir::open(&opts.out, how)?),
+        false => None,
+    };
+    let out = dir
+        .as_ref()
+        .map_or_else(|| opts.out.clone(), |d| d.root().to_path_buf());
+    if ranks.is_main() {
+        crate::io::write_atomic(&out.join("config.json"), |w| {
+            serde_json::to_writer_pretty(w, recipe)
+                .map_err(|e| Error::invalid_arg("train_gpt", "config", e, "serialisable"))
+        })?;
+        prepare_shards(recipe, &out)?;
+    }
+    if let Some(g) = &ranks.group {
+        g.barrier()?;
+    }
+    Ok((dir, out))
+}
+
+/// The model and its AdamW under the recipe's AMP policy, clipping set; the model described on
+/// rank 0.
+/// With `zero` (the group), the optimizer is `ZeroAdam`, which clips itself.
+fn build_model(
+    recipe: &GptRecipe,
+    dev: Device,
+    ranks: &Ranks,
+    zero: Option<&ProcessGroup>,
+) -> Result<(Arc<AmpModel<Gpt>>, AmpOptimizer<Box<dyn Optimizer>>)> {
+    let (main, world) = (ranks.is_main(), ranks.world_size());
+    let gcfg: GptConfig = recipe.gpt.into();
+    let model = Gpt::new(gcfg, recipe.seed, &dev)?
+        .with_activation_checkpointing(recipe.checkpoint_activations);
+    let params = model.num_parameters();
+    say(
+        main,
+        format!(
+            "model: {} ({} layers, {} heads, width {}, context {}): {:.1}M parameters on {dev}; {}{}",
+            recipe.model,
+            gcfg.n_layer,
+            gcfg.n_head,
+            gcfg.n_embd,
+            recipe.context,
+            params as f64 / 1e6,
+            recipe.opt_level,
+            if recipe.opt_level == "O0" {
+                String::new()
+            } else {
+                format!(" {}", recipe.half)
+            }
+        ),
+    );
+    if world > 1 {
+        say(
+            main,
+            format!(
+                "distributed: {world} processes ({:?} backend), {} tokens per step in all",
+                crate::distributed::Backend::for_device(dev),
+                super::progress::group_thousands((recipe.tokens_per_step() * world) as u64)
+            ),
+        );
+    }
+    let opt = optimizer(&model, recipe, zero)?;
+    let (model, mut opt) = amp::initialize(model, opt, recipe.policy()?)?;
+    if recipe.clip > 0.0 && zero.is_none() {
+        opt.clip_grad_norm(Some(recipe.clip))?;
+    }
+    Ok((Arc::new(model), opt))
+}
+
+impl Resumed<'_> {
+    /// The model, optimizer and train loader put back where the checkpoint left them; its
+    /// metrics history and step.
+    fn restore(
+        &self,
+        model: &AmpModel<Gpt>,
+        opt: &mut AmpOptimizer<Box<dyn Optimizer>>,
+        train: &mut TokenLoader,
+    ) -> Result<(Vec<EpochRecord>, u64)> {
+        self.ckpt.restore(model, opt)?;
+        train.set_state(self.extra.train_loader)?;
+        Ok((self.extra.history.clone(), self.ckpt.progress.step))
     }
 }
 
@@ -511,122 +604,22 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
     let dev = opts.device;
     let mut ranks = Ranks::from_env()?;
     let (main, world, rank) = (ranks.is_main(), ranks.world_size(), ranks.rank());
-    let say = |line: String| {
-        if main {
-            println!("{line}");
-        }
-    };
-    let resumed = opts
-        .resume
-        .as_ref()
-        .map(|p| Checkpoint::load(p).map(|c| (p, c)))
-        .transpose()?;
-    let (recipe, extra) = match &resumed {
-        Some((p, c)) => {
-            let e: Extra = serde_json::from_value(c.extra.clone()).map_err(|e| {
-                Error::invalid_arg(
-                    "train_gpt",
-                    "resume",
-                    p.display(),
-                    format!("a train_gpt checkpoint ({e})"),
-                )
-            })?;
-            (e.recipe.clone(), Some(e))
-        }
-        None => (config.resolve(dev)?, None),
-    };
-    if let (Some((p, _)), Some(e)) = (&resumed, &extra) {
-        if e.world_size != world {
-            return Err(Error::invalid_arg(
-                "train_gpt",
-                "resume",
-                format!("{} (written by {} process(es))", p.display(), e.world_size),
-                format!(
-                    "a checkpoint of a run on {world} process(es), as this one: the data \
-                     position is per rank (resume with --nproc-per-node {})",
-                    e.world_size
-                ),
-            ));
-        }
-    }
-    // Every rank joins before rank 0 checks the run directory: a refusal there then ends the
-    // others through the group rather than leaving them at the rendezvous.
-    ranks.join(dev)?;
-    let how = match &resumed {
-        Some((p, _)) => Use::Resume {
-            checkpoint: p.as_path(),
-            overwrite: opts.overwrite,
-            corrupt: &[],
-        },
-        None => Use::Fresh {
-            overwrite: opts.overwrite,
-        },
-    };
-    // Rank 0 alone locks the run directory and writes into it: the config and the token
-    // shards, which the others read once it is done.
-    let dir = match main {
-        true => Some(RunDir::open(&opts.out, how)?),
-        false => None,
-    };
-    let out = dir
-        .as_ref()
-        .map_or_else(|| opts.out.clone(), |d| d.root().to_path_buf());
-    if main {
-        crate::io::write_atomic(&out.join("config.json"), |w| {
-            serde_json::to_writer_pretty(w, &recipe)
-                .map_err(|e| Error::invalid_arg("train_gpt", "config", e, "serialisable"))
-        })?;
-        prepare_shards(&recipe, &out)?;
-    }
-    if let Some(g) = &ranks.group {
-        g.barrier()?;
-    }
+    let (recipe, resumed) = recipe_and_resume(config, opts, world)?;
+    let (dir, out) = open_run(&mut ranks, opts, &recipe, resumed.as_ref())?;
     let (mut train, mut val) = loaders(&recipe, &out, (rank, world))?;
-    let gcfg: GptConfig = recipe.gpt.into();
-    let model = Gpt::new(gcfg, recipe.seed, &dev)?
-        .with_activation_checkpointing(recipe.checkpoint_activations);
-    let params = model.num_parameters();
-    say(format!(
-        "model: {} ({} layers, {} heads, width {}, context {}): {:.1}M parameters on {dev}; {}{}",
-        recipe.model,
-        gcfg.n_layer,
-        gcfg.n_head,
-        gcfg.n_embd,
-        recipe.context,
-        params as f64 / 1e6,
-        recipe.opt_level,
-        if recipe.opt_level == "O0" {
-            String::new()
-        } else {
-            format!(" {}", recipe.half)
-        }
-    ));
-    if world > 1 {
-        say(format!(
-            "distributed: {world} processes ({:?} backend), {} tokens per step in all",
-            crate::distributed::Backend::for_device(dev),
-            super::progress::group_thousands((recipe.tokens_per_step() * world) as u64)
-        ));
-    }
     let zero = match (&ranks.group, recipe.zero) {
         (Some(g), true) => Some(g),
         _ => None,
     };
-    let opt = optimizer(&model, &recipe, zero)?;
-    let (model, mut opt) = amp::initialize(model, opt, recipe.policy()?)?;
-    let model = Arc::new(model);
-    if recipe.clip > 0.0 && zero.is_none() {
-        opt.clip_grad_norm(Some(recipe.clip))?;
-    }
-    let mut history = Vec::new();
-    let mut step = 0;
-    if let (Some((_, ckpt)), Some(e)) = (&resumed, &extra) {
-        ckpt.restore(&model, &mut opt)?;
-        train.set_state(e.train_loader)?;
-        history = e.history.clone();
-        step = ckpt.progress.step;
-        say(format!("resumed at step {step} of {}", recipe.steps));
-    }
+    let (model, mut opt) = build_model(&recipe, dev, &ranks, zero)?;
+    let (history, mut step) = match &resumed {
+        Some(r) => {
+            let (history, step) = r.restore(&model, &mut opt, &mut train)?;
+            say(main, format!("resumed at step {step} of {}", recipe.steps));
+            (history, step)
+        }
+        None => (Vec::new(), 0),
+    };
     let mut metrics = match (main, history.is_empty()) {
         (false, _) => None,
         (true, true) => Some(MetricsWriter::create(&out)?),
@@ -641,144 +634,42 @@ pub fn run_gpt(config: &GptRunConfig, opts: &GptRunOptions) -> Result<GptRunSumm
         )?),
         None => None,
     };
-    let tok = Gpt2Tokenizer::new();
     let k = recipe.grad_accum;
     let body = step_body(&model, ddp.as_ref(), k);
-    let val_loss = |x: &Tensor, y: &Tensor| model.scope(|m| m.loss(x, y));
     let mut stepper = if recipe.captured {
         amp::CapturedStep::new(&*model, &mut opt, body)?
     } else {
         amp::CapturedStep::eager(&*model, &mut opt, body)?
     }
     .micro_batches(k)?;
-    let schedule = recipe.schedule();
-    let rounds = recipe.steps.div_ceil(recipe.eval_every) as usize;
-    let peak = peak_flops(dev);
-    let flops_per_token = gcfg.train_flops_per_token(recipe.context);
-    let mut last_train = f64::NAN;
-    let mut last_val = f64::NAN;
-    let mut last_rate = f64::NAN;
-    let mut last_sample = String::new();
-    let mut skipped_before: u64 = 0;
-    let stop = opts.stop_after.unwrap_or(u64::MAX).min(recipe.steps);
-    let progress = if main {
-        opts.progress
-    } else {
-        ProgressMode::Off
+    let job = Job {
+        recipe: &recipe,
+        dev,
+        ranks: &ranks,
+        out: &out,
+        model: &model,
+        tok: Gpt2Tokenizer::new(),
+        progress: if main {
+            opts.progress
+        } else {
+            ProgressMode::Off
+        },
     };
-    let tokens_per_step = recipe.tokens_per_step() * world;
+    let mut latest = Latest::new();
+    let stop = opts.stop_after.unwrap_or(u64::MAX).min(recipe.steps);
     while step < stop {
-        let round = (step / recipe.eval_every) as usize + 1;
-        let round_end = (round as u64 * recipe.eval_every).min(recipe.steps);
-        let mut bar =
-            EpochProgress::new(round, rounds, round_end - step, progress).with_unit("tokens");
-        let started = Instant::now();
-        let mut loss_sum: Option<Tensor> = None;
-        let steps_in_round = round_end - step;
-        let mut lr = 0.0;
-        while step < round_end {
-            lr = schedule.apply(stepper.optimizer().inner_mut(), step)?;
-            let batches = (0..k)
-                .map(|_| train.next_batch(dev))
-                .collect::<Result<Vec<_>>>()?;
-            let loss = stepper.run_accumulated(&batches)?;
-            // Summed on the device: the loss is read once per round, not per step.
-            let l = loss.detach().to_dtype(DType::F32)?;
-            loss_sum = Some(match loss_sum {
-                Some(s) => s.add(&l)?,
-                None => l.clone(),
-            });
-            step += 1;
-            bar.tick(tokens_per_step);
+        let trained = job.train_round(&mut stepper, &mut train, &mut step)?;
+        job.evaluate_round(&mut val, &trained, &mut latest)?;
+        if let Some(metrics) = metrics.as_mut() {
+            job.report_round(&mut stepper, metrics, (&trained, step), &mut latest)?;
+            job.save_last(&mut stepper, metrics, &train, (trained.round, step))?;
+        } else if zero.is_some() {
+            // Rank 0's checkpoint gathers the sharded state: a collective of every rank.
+            stepper.optimizer().state_dict()?;
         }
-        let train_mean = match loss_sum {
-            Some(s) => s.item()? / steps_in_round as f64,
-            None => f64::NAN,
-        };
-        let secs = started.elapsed().as_secs_f64();
-        last_rate = (tokens_per_step as u64 * steps_in_round) as f64 / secs;
-        bar.finish();
-        let local_val = evaluate(&model, val_loss, &mut val, recipe.eval_batches, dev)?;
-        // Every rank ran the same steps and evaluated as many batches: the means of the ranks'.
-        let sums = ranks.sum(&[train_mean, local_val])?;
-        last_train = sums[0] / world as f64;
-        last_val = sums[1] / world as f64;
-        let Some(metrics) = metrics.as_mut() else {
-            if zero.is_some() {
-                // Rank 0's checkpoint gathers the sharded state: a collective of every rank.
-                stepper.optimizer().state_dict()?;
-            }
-            continue;
-        };
-        last_sample = sample(&model, &recipe, dev, &tok, recipe.seed ^ step)?;
-        let stats = stepper.optimizer().stats()?;
-        let skipped_total: u64 = stats.iter().map(|s| s.skipped_total).sum();
-        let scale = stats.first().map_or(1.0, |s| s.scale);
-        let mfu = peak
-            // Per GPU: the rate counts every rank's tokens.
-            .map(|p| {
-                let util = flops_per_token * last_rate / (p * world as f64);
-                format!(", MFU {:.0}%", 100.0 * util)
-            })
-            .unwrap_or_default();
-        println!(
-            "step {step}/{}: train loss {last_train:.4}, val loss {last_val:.4}, lr {lr:.2e}, {} tokens/s{mfu}, loss scale {scale}",
-            recipe.steps,
-            super::progress::group_thousands(last_rate.round() as u64)
-        );
-        println!("sample: {last_sample}\n");
-        let rec = EpochRecord {
-            epoch: round,
-            step,
-            train_loss: last_train,
-            train_accuracy: None,
-            test_loss: last_val,
-            test_accuracy: f64::NAN,
-            lr,
-            images_per_s: last_rate,
-            epoch_seconds: secs,
-            loss_scale: scale,
-            skipped_steps: skipped_total - skipped_before,
-        };
-        skipped_before = skipped_total;
-        metrics.append(&rec)?;
-        plot_history(
-            metrics.history(),
-            &out.join("metrics.png"),
-            &format!("train_gpt {}", recipe.model),
-        )?;
-        let extra = Extra {
-            recipe: recipe.clone(),
-            train_loader: train.state(),
-            history: metrics.history().to_vec(),
-            world_size: world,
-        };
-        let extra = serde_json::to_value(&extra)
-            .map_err(|e| Error::invalid_arg("train_gpt", "checkpoint", e, "serialisable"))?;
-        let progress = TrainProgress {
-            epoch: round,
-            step,
-            seed: recipe.seed,
-        };
-        Checkpoint::capture(&*model, stepper.optimizer(), progress, extra)?
-            .save(&out.join(CHECKPOINT_DIR).join("last.safetensors"))?;
     }
     drop(stepper);
-    let weights = out.join("model.safetensors");
-    let state = model.state_dict()?;
-    if main {
-        crate::io::hf_gpt2::save_hf_gpt2(&weights, &state, GPT2_VOCAB)?;
-    }
+    let summary = job.finish(step, latest);
     drop(dir);
-    Ok(GptRunSummary {
-        steps: step,
-        train_loss: last_train,
-        val_loss: last_val,
-        tokens_per_s: last_rate,
-        sample: last_sample,
-        weights,
-        world_size: world,
-        rank,
-        state,
-    })
+    summary
 }

@@ -12,6 +12,7 @@ pub mod data_parallel;
 pub mod distributed;
 pub mod divergence;
 pub mod gpt;
+mod gpt_rounds;
 pub mod metrics;
 mod model;
 pub mod plot;
