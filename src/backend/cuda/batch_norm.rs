@@ -19,7 +19,7 @@ use std::sync::Arc;
 use super::batch_norm_choice::*;
 use super::batch_norm_launch::*;
 use super::batch_norm_sync::*;
-use super::conv::{dnn_state, lock_dnn};
+use super::cudnn::{dnn_state, lock_dnn};
 use super::cudnn_batch_norm::{not_covered, CudnnBatchNorm};
 use super::device::deterministic;
 use super::storage::CudaStorage;

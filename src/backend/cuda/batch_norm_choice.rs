@@ -129,7 +129,7 @@ pub(super) struct BnEntry {
     pub(super) cudnn_runs: u64,
 }
 
-/// Per device, under its cuDNN lock (`conv::Dnn`): cuDNN's descriptors per key and the timed
+/// Per device, under its cuDNN lock (`cudnn::Dnn`): cuDNN's descriptors per key and the timed
 /// choices.
 #[derive(Default)]
 pub(super) struct BnChoices {

@@ -7,9 +7,9 @@ use std::ffi::c_void;
 use cudarc::cudnn::result as dnn;
 use cudarc::driver::DevicePtr;
 
-use super::conv::*;
 use super::conv_cache::{CacheUse, Choice};
 use super::conv_direct::DirectWgrad;
+use super::cudnn::{dnn_err, dnn_state, lock_dnn};
 use super::cudnn_graph::{EngineRules, GraphPlan};
 use super::cudnn_legacy::{LegacyAlgo, LegacyConv};
 use super::device::{allow_tf32, cuda_err, deterministic, env_on, CudaDevice};

@@ -26,7 +26,7 @@ use dsys::cudnnBackendDescriptorType_t as D;
 use dsys::cudnnDataType_t as Dt;
 use dsys::cudnnPointwiseMode_t as Pw;
 
-use super::conv::{dnn_state, lock_dnn};
+use super::cudnn::{dnn_state, lock_dnn};
 use super::cudnn_graph::Desc;
 use super::cudnn_op_graph::{packed, Dims, OpGraph, Plan, Tn};
 use super::flash_attention::{

@@ -18,7 +18,7 @@ use std::ffi::{c_int, c_void};
 use cudarc::cudnn::sys as dsys;
 use dsys::cudnnBatchNormOps_t as Ops;
 
-use super::conv::data_type;
+use super::cudnn::data_type;
 use super::cudnn_legacy::{dnn_err, TensorDesc};
 use crate::backend::BatchNormParams;
 use crate::base::error::{Error, Result};
@@ -57,7 +57,7 @@ pub(super) fn not_covered(p: &BatchNormParams, dtype: DType) -> Option<&'static 
 }
 
 /// The descriptors of one (geometry, dtype, epilogue) and the sizes cuDNN asks for with them.
-/// Kept in the device's cuDNN state (`conv::Dnn`) and used only under its lock, as every
+/// Kept in the device's cuDNN state (`cudnn::Dnn`) and used only under its lock, as every
 /// cuDNN handle and descriptor is.
 pub(super) struct CudnnBatchNorm {
     /// x, y, the residual and their gradients: one NHWC descriptor.

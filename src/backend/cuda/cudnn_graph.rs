@@ -17,8 +17,8 @@ use cudarc::cudnn::sys::cudnnBackendAttributeType_t as T;
 use cudarc::cudnn::sys::cudnnBackendDescriptorType_t as D;
 use dsys::cudnnBackendHeurMode_t as Heur;
 
-use super::conv::data_type;
 use super::conv_plan::Dir;
+use super::cudnn::data_type;
 use crate::backend::Conv2dParams;
 use crate::base::error::{Error, Result};
 use crate::base::{DType, MemoryFormat};

@@ -15,8 +15,8 @@ use std::ffi::{c_int, c_void};
 use cudarc::cudnn::{result as dnn, sys as dsys};
 use dsys::cudnnMathType_t as M;
 
-use super::conv::data_type;
 use super::conv_plan::Dir;
+use super::cudnn::data_type;
 use super::cudnn_graph::EngineRules;
 use crate::backend::Conv2dParams;
 use crate::base::error::{Error, Result};

@@ -93,7 +93,7 @@ pub struct CudaDevice {
     module_loads: AtomicUsize,
     functions: Mutex<HashMap<(Family, String), CudaFunction>>,
     pub(crate) blas: Mutex<Option<super::matmul::Blas>>,
-    pub(crate) dnn: Mutex<Option<super::conv::Dnn>>,
+    pub(crate) dnn: Mutex<Option<super::cudnn::Dnn>>,
     /// Run after every host read (see [`CudaDevice::add_read_check`]); held weakly, so a check
     /// ends with its owner.
     read_checks: Mutex<Vec<Weak<ReadCheck>>>,
