@@ -243,11 +243,7 @@ impl CudaMultiTensor {
 }
 
 impl MultiTensorOps for CudaMultiTensor {
-    // Long (about 160 lines) because it is one match arm per kernel, each a name built from the
-    // operand dtypes and one launch: a new kernel is one arm here, beside the others.
     fn multi_tensor(&self, kernel: &MtKernel, entries: &[MtEntry], sc: &MtScalars) -> Result<()> {
-        use MtList as L;
-        let op = "multi_tensor (cuda)";
         let dev = &self.dev;
         let arr = |a: MtArray| addr(sc.get(a));
         if let MtKernel::UpdateScale(p) = *kernel {
@@ -270,122 +266,11 @@ impl MultiTensorOps for CudaMultiTensor {
             return Ok(());
         }
         let c = cached(dev, entries)?;
-        let (found, mult, steps) = (
-            arr(MtArray::FoundInf),
-            arr(MtArray::GradScale),
-            arr(MtArray::Steps),
-        );
-        let hyper = arr(MtArray::Hyper);
         for g in &c.groups {
             if g.nc == 0 && !matches!(kernel, MtKernel::StepIncrement | MtKernel::NovoGradMoment) {
                 continue;
             }
-            let tens = g.table.ptr();
-            let chunks = tens + (g.nt * TENT_WORDS * 8) as u64;
-            let grid = Grid {
-                blocks: g.nc.max(1) as u32,
-                threads: MT_THREADS,
-            };
-            let one = Grid {
-                blocks: 1,
-                threads: 256,
-            };
-            let s = &g.sig;
-            let d = |l: MtList| s[l.role()];
-            match *kernel {
-                MtKernel::Scale => {
-                    let name = format!(
-                        "mt_scale_{}_{}",
-                        sfx(op, d(L::Input), L::Input)?,
-                        sfx(op, d(L::Output), L::Output)?
-                    );
-                    launch!(dev, Family::MultiTensor, name, grid; tens, chunks, mult, found);
-                }
-                MtKernel::Check => {
-                    let name = format!("mt_check_{}", sfx(op, d(L::Input), L::Input)?);
-                    launch!(dev, Family::MultiTensor, name, grid; tens, chunks, found);
-                }
-                MtKernel::Zero => {
-                    let name = format!("mt_zero_{}", sfx(op, d(L::Output), L::Output)?);
-                    launch!(dev, Family::MultiTensor, name, grid; tens, chunks);
-                }
-                MtKernel::Axpby { a, b, check } => {
-                    #[repr(C)]
-                    #[derive(Clone, Copy)]
-                    struct AxpbyP {
-                        a: f32,
-                        b: f32,
-                        check: u32,
-                        pad: u32,
-                    }
-                    let name = format!(
-                        "mt_axpby_{}_{}_{}",
-                        sfx(op, d(L::X), L::X)?,
-                        sfx(op, d(L::Y), L::Y)?,
-                        sfx(op, d(L::Out), L::Out)?
-                    );
-                    let q = AxpbyP {
-                        a,
-                        b,
-                        check,
-                        pad: 0,
-                    };
-                    launch!(dev, Family::MultiTensor, name, grid; tens, chunks, found, q);
-                }
-                MtKernel::Norm { inf } => {
-                    let name = format!("mt_norm_{}", sfx(op, d(L::Input), L::Input)?);
-                    launch!(dev, Family::MultiTensor, name, grid;
-                        tens, chunks, mult, found, c.partials.ptr(), inf as u32);
-                }
-                MtKernel::Sgd | MtKernel::Adam | MtKernel::NovoGrad => {
-                    let base = match kernel {
-                        MtKernel::Sgd => "sgd",
-                        MtKernel::Adam => "adam",
-                        _ => "novograd",
-                    };
-                    let name = format!(
-                        "{base}_{}_{}_{}",
-                        sfx(op, d(L::Grad), L::Grad)?,
-                        sfx(op, d(L::Param), L::Param)?,
-                        copy_sfx(op, s)?
-                    );
-                    if let MtKernel::NovoGrad = kernel {
-                        launch!(dev, Family::FusedOptim, name, grid;
-                            tens, chunks, found, mult, steps, arr(MtArray::SecondMoments), hyper);
-                    } else {
-                        launch!(dev, Family::FusedOptim, name, grid;
-                            tens, chunks, found, mult, steps, hyper);
-                    }
-                }
-                MtKernel::LambUpdate => {
-                    let name = format!(
-                        "lamb_update_{}_{}",
-                        sfx(op, d(L::Grad), L::Grad)?,
-                        sfx(op, d(L::Param), L::Param)?
-                    );
-                    launch!(dev, Family::FusedOptim, name, grid;
-                        tens, chunks, found, mult, steps, arr(MtArray::GradNorm), hyper);
-                }
-                MtKernel::LambApply => {
-                    let name = format!(
-                        "lamb_apply_{}_{}",
-                        sfx(op, d(L::Param), L::Param)?,
-                        copy_sfx(op, s)?
-                    );
-                    launch!(dev, Family::FusedOptim, name, grid;
-                        tens, chunks, found, arr(MtArray::ParamNorms), arr(MtArray::UpdateNorms),
-                        hyper);
-                }
-                MtKernel::NovoGradMoment => {
-                    launch!(dev, Family::FusedOptim, "novograd_moment", one;
-                        tens, g.nt as u64, found, steps, arr(MtArray::SecondMoments),
-                        arr(MtArray::GradNorms), hyper);
-                }
-                MtKernel::StepIncrement => {
-                    launch!(dev, Family::FusedOptim, "step_increment", one; tens, g.nt as u64, found, steps);
-                }
-                MtKernel::UpdateScale(_) => unreachable!("handled above"),
-            }
+            self.launch_group(kernel, g, &c, sc)?;
         }
         if let MtKernel::Norm { inf } = *kernel {
             let per = Grid {
@@ -403,6 +288,130 @@ impl MultiTensorOps for CudaMultiTensor {
                 launch!(dev, Family::MultiTensor, "mt_norm_total", one;
                     c.tensor_acc.ptr(), c.nt as u64, total.addr, inf as u32);
             }
+        }
+        Ok(())
+    }
+}
+
+impl CudaMultiTensor {
+    /// One group's launch of `kernel` (one signature of operand dtypes): one match arm per
+    /// kernel, each a name built from the dtypes and one launch; a new kernel is one arm here.
+    fn launch_group(&self, kernel: &MtKernel, g: &Group, c: &Cached, sc: &MtScalars) -> Result<()> {
+        use MtList as L;
+        let op = "multi_tensor (cuda)";
+        let dev = &self.dev;
+        let arr = |a: MtArray| addr(sc.get(a));
+        let (found, mult, steps) = (
+            arr(MtArray::FoundInf),
+            arr(MtArray::GradScale),
+            arr(MtArray::Steps),
+        );
+        let hyper = arr(MtArray::Hyper);
+        let tens = g.table.ptr();
+        let chunks = tens + (g.nt * TENT_WORDS * 8) as u64;
+        let grid = Grid {
+            blocks: g.nc.max(1) as u32,
+            threads: MT_THREADS,
+        };
+        let one = Grid {
+            blocks: 1,
+            threads: 256,
+        };
+        let s = &g.sig;
+        let d = |l: MtList| s[l.role()];
+        match *kernel {
+            MtKernel::Scale => {
+                let name = format!(
+                    "mt_scale_{}_{}",
+                    sfx(op, d(L::Input), L::Input)?,
+                    sfx(op, d(L::Output), L::Output)?
+                );
+                launch!(dev, Family::MultiTensor, name, grid; tens, chunks, mult, found);
+            }
+            MtKernel::Check => {
+                let name = format!("mt_check_{}", sfx(op, d(L::Input), L::Input)?);
+                launch!(dev, Family::MultiTensor, name, grid; tens, chunks, found);
+            }
+            MtKernel::Zero => {
+                let name = format!("mt_zero_{}", sfx(op, d(L::Output), L::Output)?);
+                launch!(dev, Family::MultiTensor, name, grid; tens, chunks);
+            }
+            MtKernel::Axpby { a, b, check } => {
+                #[repr(C)]
+                #[derive(Clone, Copy)]
+                struct AxpbyP {
+                    a: f32,
+                    b: f32,
+                    check: u32,
+                    pad: u32,
+                }
+                let name = format!(
+                    "mt_axpby_{}_{}_{}",
+                    sfx(op, d(L::X), L::X)?,
+                    sfx(op, d(L::Y), L::Y)?,
+                    sfx(op, d(L::Out), L::Out)?
+                );
+                let q = AxpbyP {
+                    a,
+                    b,
+                    check,
+                    pad: 0,
+                };
+                launch!(dev, Family::MultiTensor, name, grid; tens, chunks, found, q);
+            }
+            MtKernel::Norm { inf } => {
+                let name = format!("mt_norm_{}", sfx(op, d(L::Input), L::Input)?);
+                launch!(dev, Family::MultiTensor, name, grid;
+                    tens, chunks, mult, found, c.partials.ptr(), inf as u32);
+            }
+            MtKernel::Sgd | MtKernel::Adam | MtKernel::NovoGrad => {
+                let base = match kernel {
+                    MtKernel::Sgd => "sgd",
+                    MtKernel::Adam => "adam",
+                    _ => "novograd",
+                };
+                let name = format!(
+                    "{base}_{}_{}_{}",
+                    sfx(op, d(L::Grad), L::Grad)?,
+                    sfx(op, d(L::Param), L::Param)?,
+                    copy_sfx(op, s)?
+                );
+                if let MtKernel::NovoGrad = kernel {
+                    launch!(dev, Family::FusedOptim, name, grid;
+                        tens, chunks, found, mult, steps, arr(MtArray::SecondMoments), hyper);
+                } else {
+                    launch!(dev, Family::FusedOptim, name, grid;
+                        tens, chunks, found, mult, steps, hyper);
+                }
+            }
+            MtKernel::LambUpdate => {
+                let name = format!(
+                    "lamb_update_{}_{}",
+                    sfx(op, d(L::Grad), L::Grad)?,
+                    sfx(op, d(L::Param), L::Param)?
+                );
+                launch!(dev, Family::FusedOptim, name, grid;
+                    tens, chunks, found, mult, steps, arr(MtArray::GradNorm), hyper);
+            }
+            MtKernel::LambApply => {
+                let name = format!(
+                    "lamb_apply_{}_{}",
+                    sfx(op, d(L::Param), L::Param)?,
+                    copy_sfx(op, s)?
+                );
+                launch!(dev, Family::FusedOptim, name, grid;
+                    tens, chunks, found, arr(MtArray::ParamNorms), arr(MtArray::UpdateNorms),
+                    hyper);
+            }
+            MtKernel::NovoGradMoment => {
+                launch!(dev, Family::FusedOptim, "novograd_moment", one;
+                    tens, g.nt as u64, found, steps, arr(MtArray::SecondMoments),
+                    arr(MtArray::GradNorms), hyper);
+            }
+            MtKernel::StepIncrement => {
+                launch!(dev, Family::FusedOptim, "step_increment", one; tens, g.nt as u64, found, steps);
+            }
+            MtKernel::UpdateScale(_) => unreachable!("handled above"),
         }
         Ok(())
     }
