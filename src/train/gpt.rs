@@ -533,6 +533,9 @@ fn open_run(
     Ok((dir, out))
 }
 
+/// The job's optimizer under AMP: `FusedAdam`, or `ZeroAdam` with `zero`.
+type GptOptimizer = AmpOptimizer<Box<dyn Optimizer>>;
+
 /// The model and its AdamW under the recipe's AMP policy, clipping set; the model described on
 /// rank 0.
 /// With `zero` (the group), the optimizer is `ZeroAdam`, which clips itself.
@@ -541,7 +544,7 @@ fn build_model(
     dev: Device,
     ranks: &Ranks,
     zero: Option<&ProcessGroup>,
-) -> Result<(Arc<AmpModel<Gpt>>, AmpOptimizer<Box<dyn Optimizer>>)> {
+) -> Result<(Arc<AmpModel<Gpt>>, GptOptimizer)> {
     let (main, world) = (ranks.is_main(), ranks.world_size());
     let gcfg: GptConfig = recipe.gpt.into();
     let model = Gpt::new(gcfg, recipe.seed, &dev)?
@@ -589,7 +592,7 @@ impl Resumed<'_> {
     fn restore(
         &self,
         model: &AmpModel<Gpt>,
-        opt: &mut AmpOptimizer<Box<dyn Optimizer>>,
+        opt: &mut GptOptimizer,
         train: &mut TokenLoader,
     ) -> Result<(Vec<EpochRecord>, u64)> {
         self.ckpt.restore(model, opt)?;
