@@ -222,6 +222,13 @@ impl CudaStorage {
         fn read<T: Copy + Default>(s: &CudaStorage) -> Result<Vec<T>> {
             let mut v = vec![T::default(); s.len];
             if s.len > 0 {
+                // The copy runs in the buffer's device's context: a thread that last worked on
+                // another device (DataParallel's caller, gathering from every GPU) has that one
+                // current, and the driver refuses a stream of another context.
+                s.dev
+                    .ctx
+                    .bind_to_thread()
+                    .map_err(|e| cuda_err("binding the context", e))?;
                 let stream = &s.dev.stream;
                 // SAFETY: `v` holds exactly the buffer's `len` elements.
                 unsafe {
