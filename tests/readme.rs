@@ -124,6 +124,14 @@ fn flags(text: &str) -> BTreeSet<String> {
 /// The long flags of a job (`examples/train_resnet.rs`, `examples/train_gpt.rs`): its `Cli`
 /// struct's fields after `#[arg(long ...)]`, with clap's naming (`batch_size` →
 /// `--batch-size`), and clap's own.
+/// Whether a line of a clap struct declares a field (`name: Type,`), not an attribute, its
+/// continuation lines or a doc comment.
+fn is_field(line: &str) -> bool {
+    line.split_once(':').is_some_and(|(name, _)| {
+        !name.is_empty() && name.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+    })
+}
+
 fn job_flags(example: &str) -> BTreeSet<String> {
     let src = read(example);
     let mut out: BTreeSet<String> = ["--help", "--version"].map(String::from).into();
@@ -133,7 +141,7 @@ fn job_flags(example: &str) -> BTreeSet<String> {
             let field = lines
                 .by_ref()
                 .map(str::trim)
-                .find(|l| !l.starts_with("#[") && !l.starts_with("///") && !l.is_empty())
+                .find(|l| is_field(l))
                 .expect("a field after #[arg(long)]");
             let name = field.split(':').next().unwrap().trim();
             out.insert(format!("--{}", name.replace('_', "-")));
