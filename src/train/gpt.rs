@@ -7,7 +7,7 @@
 //! Between two evaluations lies one *round* (`eval_every` steps): the progress display, the
 //! metrics files (`metrics.csv`/`.jsonl`, one row per round: `epoch` is the round, `images_per_s`
 //! counts tokens, the accuracies are empty) and `checkpoints/last` follow rounds. `run_gpt`
-//! sets the run up; the rounds themselves are in `gpt_rounds`.
+//! sets the run up; the rounds themselves are in `gpt/rounds.rs`, a child module.
 //!
 //! Under a launcher (`train_gpt --nproc-per-node N`, `torchrun`, `srun`) each process is one
 //! rank (see `train::distributed`): it trains on its device, joins the process group and wraps
@@ -26,7 +26,8 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::distributed::Ranks;
-use super::gpt_rounds::{Job, Latest};
+mod rounds;
+
 use super::metrics::{EpochRecord, MetricsWriter};
 use super::progress::ProgressMode;
 use super::run_dir::{RunDir, Use};
@@ -42,6 +43,7 @@ use crate::io::checkpoint::Checkpoint;
 use crate::nn::{Gpt, GptConfig, Module, StateDict};
 use crate::optim::{AdamConfig, FusedAdam, LrSchedule, Optimizer, ParamGroups};
 use crate::tensor::{DType, Device, Tensor};
+use rounds::{Job, Latest};
 
 /// The job's settings (flags and TOML keys by the same names). `None` means "chosen for the
 /// device": the GPU recipe or the CPU one.

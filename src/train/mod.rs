@@ -12,7 +12,6 @@ pub mod data_parallel;
 pub mod distributed;
 pub mod divergence;
 pub mod gpt;
-mod gpt_rounds;
 pub mod metrics;
 mod model;
 pub mod plot;

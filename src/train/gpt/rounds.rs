@@ -5,12 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use super::distributed::Ranks;
-use super::gpt::{Extra, GptRecipe, GptRunSummary};
-use super::metrics::{EpochRecord, MetricsWriter};
-use super::plot::plot_history;
-use super::progress::{EpochProgress, ProgressMode};
-use super::run_dir::CHECKPOINT_DIR;
+use super::{Extra, GptRecipe, GptRunSummary};
 use crate::amp::{self, AmpModel};
 use crate::data::{Gpt2Tokenizer, TokenLoader};
 use crate::error::{Error, Result};
@@ -18,6 +13,11 @@ use crate::io::checkpoint::{Checkpoint, TrainProgress};
 use crate::nn::{generate, Gpt, GptConfig, Module, SampleConfig, GPT2_VOCAB};
 use crate::optim::Optimizer;
 use crate::tensor::{DType, Device, Tensor};
+use crate::train::distributed::Ranks;
+use crate::train::metrics::{EpochRecord, MetricsWriter};
+use crate::train::plot::plot_history;
+use crate::train::progress::{EpochProgress, ProgressMode};
+use crate::train::run_dir::CHECKPOINT_DIR;
 
 /// The GPT's training step: the captured (or eager) AMP step over the step body.
 pub(super) type GptStep<'a> = amp::CapturedStep<'a, Box<dyn Optimizer>>;
@@ -175,7 +175,7 @@ impl Job<'_> {
             latest.train,
             latest.val,
             trained.lr,
-            super::progress::group_thousands(latest.tokens_per_s.round() as u64)
+            crate::train::progress::group_thousands(latest.tokens_per_s.round() as u64)
         );
         println!("sample: {}\n", latest.sample);
         metrics.append(&EpochRecord {
