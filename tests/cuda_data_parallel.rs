@@ -234,3 +234,48 @@ fn an_inf_in_one_replica_skips_the_step_on_every_gpu() {
         assert_eq!(s.scale, stats[0].scale, "{stats:?}");
     }
 }
+
+/// A copy between GPUs (DataParallel's scatter, gather and the gradient it sends back) is
+/// exact, queued without a host wait, ordered after the kernel that wrote its source, and
+/// unharmed when the source is dropped and its memory reused at once.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_copy_between_gpus_is_exact_queued_and_ordered() -> Result<()> {
+    let _g = serial();
+    if device_count()? < 2 {
+        eprintln!("one GPU: the copy between GPUs is checked on two or more");
+        return Ok(());
+    }
+    let (a, b) = (Device::cuda(0)?, Device::cuda(1)?);
+    for dtype in [DType::F32, DType::BF16] {
+        // Large enough that the producing kernel is still running when the copy is queued.
+        let x = Tensor::randn([4096, 4096], 0.0, 1.0, 7, DType::F32, a)?.to_dtype(dtype)?;
+        let y = x.mul_scalar(3.0)?;
+        let want = y
+            .to_device(Device::Cpu)?
+            .to_dtype(DType::F64)?
+            .to_vec_f64()?;
+        let syncs = host_sync_count();
+        let z = y.exp()?.to_device(b)?;
+        assert_eq!(host_sync_count(), syncs, "the copy waited on the host");
+        drop(y);
+        // Reuse the freed memory on the source device straight away.
+        let _w = Tensor::zeros([4096, 4096], dtype, a)?.add_scalar(1.0)?;
+        let got = z
+            .log()?
+            .to_device(Device::Cpu)?
+            .to_dtype(DType::F64)?
+            .to_vec_f64()?;
+        let back = z.to_device(a)?.log()?.to_device(Device::Cpu)?;
+        let back = back.to_dtype(DType::F64)?.to_vec_f64()?;
+        let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+        for (i, ((w, g), r)) in want.iter().zip(&got).zip(&back).enumerate() {
+            let bound = tol * w.abs().max(1.0);
+            assert!(
+                (w - g).abs() <= bound && (w - r).abs() <= bound,
+                "{dtype} element {i}: want {w}, cuda:1 {g}, back on cuda:0 {r}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -380,10 +380,8 @@ impl Storage {
             (Storage::Cuda(s), Device::Cuda(i)) if s.ordinal() == i => {
                 Ok(Storage::Cuda(s.try_clone()?))
             }
-            // Between GPUs through the host: simple, and rare in this crate.
-            (Storage::Cuda(s), Device::Cuda(i)) => {
-                Ok(Storage::Cuda(CudaStorage::from_cpu(&s.to_cpu()?, i)?))
-            }
+            // Between GPUs: peer to peer, queued on both devices' streams (DataParallel).
+            (Storage::Cuda(s), Device::Cuda(i)) => Ok(Storage::Cuda(s.to_peer(i)?)),
         }
     }
 

@@ -52,6 +52,7 @@ mod layout;
 mod matmul;
 mod matmul_lt;
 pub(crate) mod multi_tensor;
+mod peer;
 mod pinned;
 mod pool;
 mod probe;
