@@ -19,7 +19,8 @@
 //! DDP step are reported beside (INFO).
 //!
 //! Environment: NET (resnet50, or main-job: the Fashion-MNIST example's small ResNet on 28x28
-//! inputs), BATCH (256; 128 for main-job), ROUNDS (7), STEPS per round (6), WARMUP steps (5);
+//! inputs), CHANNELS_LAST=1 (the model and the images in channels_last, as
+//! benches/data_parallel_resnet50.rs runs them), BATCH (256; 128 for main-job), ROUNDS (7), STEPS per round (6), WARMUP steps (5);
 //! SYNC_BN=1 makes the wrapped models' batch norms SyncBatchNorm (the unwrapped one keeps plain
 //! batch norm); PROFILE=1 adds the device time per op of two unwrapped and two DDP steps, side
 //! by side (a diagnostic: the timers add host work).
@@ -36,7 +37,7 @@ use mixprec::distributed::{
 use mixprec::distributed::{LaunchEnv, ProcessGroup};
 use mixprec::nn::{cross_entropy, Module, ResNet};
 use mixprec::optim::{FusedSgd, SgdConfig};
-use mixprec::{DType, Device, Tensor};
+use mixprec::{DType, Device, MemoryFormat, Tensor};
 
 fn main() {
     common::main_with(run)
@@ -52,11 +53,19 @@ fn env_usize(key: &str, default: usize) -> usize {
 type Pair = (AmpModel<ResNet>, AmpOptimizer<FusedSgd>);
 
 /// The benchmark's net: `NET` (resnet50 or main-job).
+fn channels_last() -> bool {
+    std::env::var("CHANNELS_LAST").is_ok_and(|v| v == "1")
+}
+
 fn net(dev: Device) -> mixprec::Result<ResNet> {
-    match std::env::var("NET").as_deref() {
-        Ok("main-job") => common::main_job_net(&dev),
-        _ => ResNet::resnet50(1000, &dev, 0),
+    let model = match std::env::var("NET").as_deref() {
+        Ok("main-job") => common::main_job_net(&dev)?,
+        _ => ResNet::resnet50(1000, &dev, 0)?,
+    };
+    if channels_last() {
+        model.to_memory_format(MemoryFormat::ChannelsLast)?;
     }
+    Ok(model)
 }
 
 fn build(dev: Device) -> mixprec::Result<Pair> {
@@ -121,8 +130,13 @@ fn run() -> mixprec::Result<()> {
     };
     if rank == 0 {
         println!(
-            "device {dev} sm_{ma}{mi}; {name} O2, batch {batch} per rank, {world} rank(s), \
+            "device {dev} sm_{ma}{mi}; {name} O2{}, batch {batch} per rank, {world} rank(s), \
              {rounds} rounds of {steps} steps{}",
+            if channels_last() {
+                " channels_last"
+            } else {
+                ""
+            },
             if sync_bn {
                 "; the wrapped models with SyncBatchNorm"
             } else {
@@ -136,7 +150,10 @@ fn run() -> mixprec::Result<()> {
     } else {
         ([batch, 3, 224, 224], 1000)
     };
-    let x = Tensor::randn(shape, 0.0, 1.0, 1 + rank as u64, DType::F32, dev)?;
+    let mut x = Tensor::randn(shape, 0.0, 1.0, 1 + rank as u64, DType::F32, dev)?;
+    if channels_last() {
+        x = x.to_memory_format(MemoryFormat::ChannelsLast)?;
+    }
     let labels: Vec<i64> = (0..batch).map(|i| (i * 37 % classes) as i64).collect();
     let y = Tensor::from_vec(labels, [batch], dev)?;
 

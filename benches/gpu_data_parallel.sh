@@ -32,7 +32,7 @@ if [ "$gpus" -ge 2 ]; then
   echo "== 3. our DDP on $gpus ranks (ResNet-50 b256 per rank, O2)"
   for ((r = 0; r < gpus; r++)); do
     RANK=$r LOCAL_RANK=$r WORLD_SIZE=$gpus LOCAL_WORLD_SIZE=$gpus \
-      MASTER_ADDR=127.0.0.1 MASTER_PORT=29671 .gpu/bin/bench-ddp_resnet50 \
+      MASTER_ADDR=127.0.0.1 MASTER_PORT=29671 CHANNELS_LAST=1 .gpu/bin/bench-ddp_resnet50 \
       > "$out/ddp_rank$r.log" 2>&1 &
   done
   wait
