@@ -12,11 +12,8 @@
 //! - The communicator is created by the issuing thread from the unique id that rank 0 handed out
 //!   at the rendezvous; the caller waits for it with a deadline, so a rank that never arrives is
 //!   an error, not a hang.
-//! - Collectives run on a communication stream of their own, of the device's highest priority
-//!   (`MIXPREC_COMM_PRIORITY=normal` gives it the compute stream's): the block scheduler then
-//!   starts a collective's kernel as soon as SMs free up rather than behind the backward's
-//!   queued kernels, so a bucket's reduction is not left waiting for the peer's. It is ordered
-//!   against the device's compute stream by events: the communication stream waits for the work that produced the
+//! - Collectives run on a communication stream of their own, ordered against the device's
+//!   compute stream by events: the communication stream waits for the work that produced the
 //!   input, and the compute stream waits for the collective only where the result is used
 //!   ([`NcclWork::wait`]). Nothing here waits for the GPU on the host: no host synchronisation
 //!   per step. The issuing thread keeps at most `MAX_IN_FLIGHT` (`nccl_comm.rs`) collectives
@@ -219,7 +216,10 @@ impl NcclEngine {
         dev.ctx
             .bind_to_thread()
             .map_err(|e| cuda("binding the context", e))?;
-        let stream = comm_stream(&dev)?;
+        let stream = dev
+            .ctx
+            .new_stream()
+            .map_err(|e| cuda("creating the communication stream", e))?;
         let shared = Arc::new(Shared {
             ctl: ctl.clone(),
             dev,
@@ -659,17 +659,4 @@ fn destroy_bounded(dev: &CudaDevice, c: Comm, rank: usize) {
             DESTROY_LIMIT.as_secs()
         );
     }
-}
-
-/// The communication stream: of the device's highest priority unless
-/// `MIXPREC_COMM_PRIORITY=normal` asks for the default one (see the module docs).
-fn comm_stream(dev: &CudaDevice) -> Result<Arc<cudarc::driver::CudaStream>> {
-    let normal = std::env::var("MIXPREC_COMM_PRIORITY").is_ok_and(|v| v == "normal");
-    let made = if normal {
-        dev.ctx.new_stream()
-    } else {
-        cudarc::driver::result::stream::get_priority_range()
-            .and_then(|(_least, greatest)| dev.ctx.new_stream_with_priority(greatest))
-    };
-    made.map_err(|e| cuda("creating the communication stream", e))
 }
