@@ -13,7 +13,8 @@
 //! PyTorch's `nn.DataParallel` is benches/torch_data_parallel_resnet50.py.
 //!
 //! Environment: GPUS (all visible), BATCH per GPU (256), ROUNDS (5), STEPS per round (5),
-//! WARMUP steps (4), SCATTER (0).
+//! WARMUP steps (4), SCATTER (0), STEP0_BROADCAST (0: 1 also times replica 0 stepping alone and
+//! its weights then copied to the others, the other way to keep the replicas equal).
 
 mod common;
 
@@ -75,6 +76,7 @@ fn run() -> mixprec::Result<()> {
     let steps = env_usize("STEPS", 5);
     let warmup = env_usize("WARMUP", 4);
     let scatter = std::env::var("SCATTER").is_ok_and(|v| v == "1");
+    let step0 = std::env::var("STEP0_BROADCAST").is_ok_and(|v| v == "1");
     let devices: Vec<Device> = (0..gpus).map(Device::Cuda).collect();
     println!(
         "ResNet-50 O2 channels_last, batch {batch} per GPU; one GPU vs DataParallel over {gpus} \
@@ -115,6 +117,15 @@ fn run() -> mixprec::Result<()> {
         loss.backward()?;
         dp.step()
     };
+    // The alternative PyTorch's DataParallel implies: replica 0 alone steps, then its weights
+    // go to the others (timed only: the other replicas' optimizer states are left behind).
+    let dp_step0_broadcast = || -> mixprec::Result<()> {
+        let loss = cross_entropy(&dp.forward_chunks(chunks.clone())?, &y_all)?;
+        dp.zero_grad()?;
+        loss.backward()?;
+        dp.with_replica(0, |r| r.optimizer_mut().step())?;
+        dp.broadcast_from_replica0()
+    };
     let whole = if scatter {
         Some(images(batch * gpus, Device::Cuda(0), 4)?.0)
     } else {
@@ -127,41 +138,56 @@ fn run() -> mixprec::Result<()> {
         }
         Ok(())
     };
+    let mut names = vec!["one_gpu", "data_parallel"];
+    if scatter {
+        names.push("scatter");
+    }
+    if step0 && gpus >= 2 {
+        names.push("step0_broadcast");
+    }
+    let mut run = |name: &str| -> mixprec::Result<()> {
+        match name {
+            "one_gpu" => single_step(),
+            "data_parallel" => dp_step(None),
+            "scatter" => dp_step(whole.as_ref()),
+            _ => dp_step0_broadcast(),
+        }
+    };
     for _ in 0..warmup {
-        single_step()?;
-        dp_step(None)?;
-        if let Some(w) = &whole {
-            dp_step(Some(w))?;
+        for name in &names {
+            run(name)?;
         }
     }
     sync_all()?;
-    let contenders = if scatter { 3 } else { 2 };
+    let contenders = names.len();
     let mut t: Vec<Vec<f64>> = vec![Vec::new(); contenders];
     for round in 0..rounds {
         for k in (0..contenders).map(|i| (i + round) % contenders) {
             let t0 = Instant::now();
             for _ in 0..steps {
-                match k {
-                    0 => single_step()?,
-                    1 => dp_step(None)?,
-                    _ => dp_step(whole.as_ref())?,
-                }
+                run(names[k])?;
             }
             sync_all()?;
             t[k].push(t0.elapsed().as_secs_f64() / steps as f64);
         }
     }
+    let ips_of = |name: &str| -> Option<f64> {
+        let k = names.iter().position(|n| *n == name)?;
+        Some(if k == 0 { batch } else { batch * gpus } as f64 / median(t[k].clone()))
+    };
     let single_ips = batch as f64 / median(t[0].clone());
     let dp_ips = (batch * gpus) as f64 / median(t[1].clone());
     let speedup = dp_ips / single_ips;
-    let scatter_ips = (contenders == 3).then(|| (batch * gpus) as f64 / median(t[2].clone()));
+    let scatter_ips = ips_of("scatter");
+    let step0_ips = ips_of("step0_broadcast");
     let ms = |v: &[f64]| -> Vec<f64> { v.iter().map(|s| (s * 1e5).round() / 100.0).collect() };
     println!(
         "{{\"check\":\"data-parallel\",\"gpus\":{gpus},\"batch_per_gpu\":{batch},\
          \"one_gpu_img_per_s\":{single_ips:.1},\"data_parallel_img_per_s\":{dp_ips:.1},\
-         \"speedup\":{speedup:.3},\"scatter_img_per_s\":{},\"rounds_ms\":{{\"one_gpu\":{:?},\
-         \"data_parallel\":{:?}}}}}",
+         \"speedup\":{speedup:.3},\"scatter_img_per_s\":{},\"step0_broadcast_img_per_s\":{},\
+         \"rounds_ms\":{{\"one_gpu\":{:?},\"data_parallel\":{:?}}}}}",
         scatter_ips.map_or("null".into(), |v| format!("{v:.1}")),
+        step0_ips.map_or("null".into(), |v| format!("{v:.1}")),
         ms(&t[0]),
         ms(&t[1]),
     );
