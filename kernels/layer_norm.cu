@@ -320,6 +320,97 @@ __device__ void ln_param_finalize(u64 cols, u64 parts, const A* __restrict__ par
     }
 }
 
+// The input's gradient (as ln_bwd_regs computes it) and the parameters' partial sums in one
+// pass over g and x, for half rows that fit the register path: block p takes rows
+// [p·part_rows, (p+1)·part_rows), its warp w rows lo + w, lo + w + LN_FB_WARPS, ... in order;
+// each lane sums g·h and g per column in registers, then the block's warps add theirs in warp
+// order in shared memory and the block writes part[p] (as ln_param_partial does, so the same
+// finalize follows). A fixed association throughout: deterministic. The two-kernel path read g
+// and x twice.
+#define LN_FB_WARPS 8
+template <typename T, typename W>
+__device__ void ln_bwd_fused(u64 rows, u64 cols, u64 part_rows, int rms, const T* __restrict__ g,
+                             const T* __restrict__ x, const float* __restrict__ mean,
+                             const float* __restrict__ rstd, const W* __restrict__ w,
+                             T* __restrict__ dx, float* __restrict__ part) {
+    __shared__ float sh[2 * 8 * 32 * LN_CHUNKS];
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u64 nch = cols / 8;
+    const float n = (float)cols;
+    const u64 lo = (u64)blockIdx.x * part_rows;
+    const u64 hi = lo + part_rows < rows ? lo + part_rows : rows;
+    float sw[LN_CHUNKS][8], sb[LN_CHUNKS][8];
+#pragma unroll
+    for (int c = 0; c < LN_CHUNKS; c++) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) sw[c][k] = sb[c][k] = 0.f;
+    }
+    for (u64 r = lo + warp; r < hi; r += LN_FB_WARPS) {
+        const float mu = mean[r], rs = rstd[r];
+        float u[LN_CHUNKS][8], h[LN_CHUNKS][8];
+        float su = 0, suh = 0;
+#pragma unroll
+        for (int c = 0; c < LN_CHUNKS; c++) {
+            const u64 j = lane + 32 * c;
+            if (j < nch) {
+                ln_load8(g + r * cols, j, u[c]);
+                ln_load8(x + r * cols, j, h[c]);
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    h[c][k] = (h[c][k] - mu) * rs;
+                    sw[c][k] += u[c][k] * h[c][k];
+                    sb[c][k] += u[c][k];
+                    if (w) u[c][k] = u[c][k] * Num<W>::to(w[8 * j + k]);
+                    su += u[c][k];
+                    suh += u[c][k] * h[c][k];
+                }
+            }
+        }
+        const float mu_u = rms ? 0.f : warp_sum(su) / n;
+        const float mu_uh = warp_sum(suh) / n;
+#pragma unroll
+        for (int c = 0; c < LN_CHUNKS; c++) {
+            const u64 j = lane + 32 * c;
+            if (j < nch) {
+                float d[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) d[k] = rs * (u[c][k] - mu_u - h[c][k] * mu_uh);
+                ln_store8(dx + r * cols, j, d);
+            }
+        }
+    }
+    for (unsigned q = 0; q < LN_FB_WARPS; q++) {
+        if (warp == q) {
+#pragma unroll
+            for (int c = 0; c < LN_CHUNKS; c++) {
+                const u64 j = lane + 32 * c;
+                if (j < nch) {
+#pragma unroll
+                    for (int k = 0; k < 8; k++) {
+                        const u64 i = 8 * j + k;
+                        sh[i] = q ? sh[i] + sw[c][k] : sw[c][k];
+                        sh[cols + i] = q ? sh[cols + i] + sb[c][k] : sb[c][k];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float* pp = part + (u64)blockIdx.x * 2 * cols;
+    for (u64 i = threadIdx.x; i < 2 * cols; i += blockDim.x) pp[i] = sh[i];
+}
+
+#define LAYER_NORM_BWD_FUSED(N, T, WN, W)                                                          \
+    extern "C" __global__ void layer_norm_backward_fused_##N##_##WN(                               \
+        u64 rows, u64 cols, u64 part_rows, int rms, const T* g, const T* x, const float* mean,      \
+        const float* rstd, const W* w, T* dx, float* part) {                                       \
+        ln_bwd_fused<T, W>(rows, cols, part_rows, rms, g, x, mean, rstd, w, dx, part);             \
+    }
+LAYER_NORM_BWD_FUSED(f16, f16, f16, f16)
+LAYER_NORM_BWD_FUSED(f16, f16, f32, float)
+LAYER_NORM_BWD_FUSED(bf16, bf16, bf16, bf16)
+LAYER_NORM_BWD_FUSED(bf16, bf16, f32, float)
+
 // One forward and one backward per (input, parameter) dtype pair; statistics of type A.
 #define LAYER_NORM(N, T, WN, W, A)                                                                 \
     extern "C" __global__ void layer_norm_##N##_##WN(u64 rows, u64 cols, double eps, int rms,      \
