@@ -57,14 +57,17 @@ template <typename A> __device__ __forceinline__ A binary_op(int op, A a, A b) {
     extern "C" __global__ void binary_bcast_##N(u64 n, int op, const T* a, const T* b, T* y,       \
                                                 Strided s) {                                       \
         typedef Num<T>::acc A;                                                                     \
-        for (u64 i = global_tid(); i < n; i += global_stride()) {                                  \
-            u64 rem = i, oa = 0, ob = 0;                                                           \
-            for (int d = (int)s.rank - 1; d >= 0; d--) {                                           \
-                u64 c = rem % (u64)s.dims[d];                                                      \
-                rem /= (u64)s.dims[d];                                                             \
-                oa += c * s.sa[d];                                                                 \
-                ob += c * s.sb[d];                                                                 \
+        if (strided_fits32(n, s)) {                                                                \
+            for (u64 i = global_tid(); i < n; i += global_stride()) {                              \
+                unsigned oa, ob;                                                                   \
+                strided_offsets32((unsigned)i, s, oa, ob);                                         \
+                y[i] = Num<T>::from(binary_op<A>(op, Num<T>::to(a[oa]), Num<T>::to(b[ob])));       \
             }                                                                                      \
+            return;                                                                                \
+        }                                                                                          \
+        for (u64 i = global_tid(); i < n; i += global_stride()) {                                  \
+            u64 oa, ob;                                                                            \
+            strided_offsets64(i, s, oa, ob);                                                       \
             y[i] = Num<T>::from(binary_op<A>(op, Num<T>::to(a[oa]), Num<T>::to(b[ob])));           \
         }                                                                                          \
     }                                                                                              \

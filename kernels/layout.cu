@@ -8,14 +8,17 @@ typedef u64 e8;
 // y[Σ_d coord_d(i) · sb[d]] = x[Σ_d coord_d(i) · sa[d]] for every index i of the space `dims`.
 #define LAYOUT(N, T)                                                                               \
     extern "C" __global__ void strided_copy_##N(u64 n, const T* x, T* y, Strided s) {              \
-        for (u64 i = global_tid(); i < n; i += global_stride()) {                                  \
-            u64 rem = i, src = 0, dst = 0;                                                         \
-            for (int d = (int)s.rank - 1; d >= 0; d--) {                                           \
-                u64 c = rem % (u64)s.dims[d];                                                      \
-                rem /= (u64)s.dims[d];                                                             \
-                src += c * s.sa[d];                                                                \
-                dst += c * s.sb[d];                                                                \
+        if (strided_fits32(n, s)) {                                                                \
+            for (u64 i = global_tid(); i < n; i += global_stride()) {                              \
+                unsigned src, dst;                                                                 \
+                strided_offsets32((unsigned)i, s, src, dst);                                       \
+                y[dst] = x[src];                                                                   \
             }                                                                                      \
+            return;                                                                                \
+        }                                                                                          \
+        for (u64 i = global_tid(); i < n; i += global_stride()) {                                  \
+            u64 src, dst;                                                                          \
+            strided_offsets64(i, s, src, dst);                                                     \
             y[dst] = x[src];                                                                       \
         }                                                                                          \
     }                                                                                              \

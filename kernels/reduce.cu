@@ -12,6 +12,30 @@ template <typename A> struct Red {
     }
 };
 
+// A block's threads fold row[j0, j1) into `acc`: where the span starts 16-byte aligned, whole
+// 16-byte packs first (thread t takes packs t, t + blockDim, ...; four in flight), then the
+// tail one element at a time. One- and two-byte loads left most of each memory transaction
+// unused. The order depends only on the shape and the alignment: results repeat.
+template <typename T, typename A>
+__device__ __forceinline__ A fold_span(const Red<A>& r, A acc, const T* row, u64 j0, u64 j1) {
+    constexpr u64 V = 16 / sizeof(T);
+    u64 j = j0;
+    if ((((u64)(row + j0)) & 15) == 0) {
+        const u64 nv = (j1 - j0) / V;
+        const uint4* p = reinterpret_cast<const uint4*>(row + j0);
+#pragma unroll 4
+        for (u64 v = threadIdx.x; v < nv; v += blockDim.x) {
+            const uint4 u = p[v];
+            const T* t = reinterpret_cast<const T*>(&u);
+#pragma unroll
+            for (u64 k = 0; k < V; k++) acc = r(acc, Num<T>::to(t[k]));
+        }
+        j = j0 + nv * V;
+    }
+    for (u64 k = j + threadIdx.x; k < j1; k += blockDim.x) acc = r(acc, Num<T>::to(row[k]));
+    return acc;
+}
+
 // inner == 1: one block per row.
 template <typename T>
 __device__ void reduce_rows(int op, u64 outer, u64 len, const T* x, T* y) {
@@ -20,8 +44,7 @@ __device__ void reduce_rows(int op, u64 outer, u64 len, const T* x, T* y) {
     Red<A> r{op};
     for (u64 o = blockIdx.x; o < outer; o += gridDim.x) {
         const T* row = x + o * len;
-        A acc = r.init();
-        for (u64 j = threadIdx.x; j < len; j += blockDim.x) acc = r(acc, Num<T>::to(row[j]));
+        A acc = fold_span(r, r.init(), row, 0, len);
         acc = block_reduce(acc, r, r.init(), sh);
         if (threadIdx.x == 0) y[o] = Num<T>::from(acc);
     }
@@ -39,8 +62,7 @@ __device__ void reduce_row_chunks(int op, u64 len, u64 splits, u64 chunk, const 
     const u64 o = blockIdx.x / splits, s = blockIdx.x - o * splits;
     const u64 j0 = s * chunk, j1 = j0 + chunk < len ? j0 + chunk : len;
     const T* row = x + o * len;
-    A acc = r.init();
-    for (u64 j = j0 + threadIdx.x; j < j1; j += blockDim.x) acc = r(acc, Num<T>::to(row[j]));
+    A acc = fold_span(r, r.init(), row, j0, j1);
     acc = block_reduce(acc, r, r.init(), sh);
     if (threadIdx.x == 0) part[blockIdx.x] = acc;
 }

@@ -462,9 +462,26 @@ fn a_two_rank_run_resumes_on_two_ranks_only() {
 }
 
 /// A fresh scratch directory for one test (removed first if a crashed run left it).
-fn scratch(name: &str) -> PathBuf {
+/// A fresh directory under the system's temp dir, removed with everything in it when dropped
+/// (the ranks' checkpoints run to hundreds of MB per test).
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("mixprec-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
 }

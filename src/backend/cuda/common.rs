@@ -66,31 +66,52 @@ pub(crate) struct Strided {
     pub sb: [i64; MAX_DIMS],
 }
 
+/// The kernels' view of an index space `dims` read through strides `sa` and `sb`, simplified
+/// first: dims of size 1 dropped, and neighbours merged where both views step through them as
+/// through one dim (a broadcast scalar over a contiguous tensor becomes one dim). The kernels
+/// split each index into coordinates, a division per dim: fewer dims, less of that work.
 pub(crate) fn strided(
     op: &'static str,
     dims: &[usize],
     sa: &[usize],
     sb: &[usize],
 ) -> Result<Strided> {
-    if dims.len() > MAX_DIMS {
+    // (dim, stride a, stride b), innermost last.
+    let mut kept: Vec<(usize, usize, usize)> = Vec::with_capacity(dims.len());
+    for (k, &d) in dims.iter().enumerate() {
+        if d == 1 {
+            continue;
+        }
+        let (a, b) = (
+            sa.get(k).copied().unwrap_or(0),
+            sb.get(k).copied().unwrap_or(0),
+        );
+        match kept.last_mut() {
+            // The previous (outer) dim steps as one more period of this one in both views.
+            Some(last) if last.1 == a * d && last.2 == b * d => *last = (last.0 * d, a, b),
+            _ => kept.push((d, a, b)),
+        }
+    }
+    if kept.len() > MAX_DIMS {
         return Err(Error::Unsupported {
             op,
             detail: format!(
-                "the CUDA backend handles up to {MAX_DIMS} dimensions here, got {}",
-                dims.len()
+                "the CUDA backend handles up to {MAX_DIMS} dimensions here, got {} \
+                 (after merging those laid out as one)",
+                kept.len()
             ),
         });
     }
     let mut s = Strided {
-        rank: dims.len() as i64,
+        rank: kept.len() as i64,
         dims: [1; MAX_DIMS],
         sa: [0; MAX_DIMS],
         sb: [0; MAX_DIMS],
     };
-    for (k, &d) in dims.iter().enumerate() {
+    for (k, &(d, a, b)) in kept.iter().enumerate() {
         s.dims[k] = d as i64;
-        s.sa[k] = sa.get(k).copied().unwrap_or(0) as i64;
-        s.sb[k] = sb.get(k).copied().unwrap_or(0) as i64;
+        s.sa[k] = a as i64;
+        s.sb[k] = b as i64;
     }
     Ok(s)
 }
@@ -106,7 +127,19 @@ mod tests {
         assert_eq!(&s.dims[..3], &[2, 3, 1]);
         assert_eq!(&s.sa[..2], &[3, 1]);
         assert_eq!(&s.sb[..2], &[0, 1]);
-        assert!(strided("t", &[1; 9], &[0; 9], &[0; 9]).is_err());
+        // Nine dims that no merge can join.
+        let sa: Vec<usize> = (0..9).map(|k| 1 << k).collect();
+        assert!(strided("t", &[2; 9], &sa, &[0; 9]).is_err());
+        // Dims of size 1 go; a scalar broadcast over a contiguous tensor is one dim.
+        let s = strided("t", &[4, 1, 3, 5], &[0, 0, 0, 0], &[15, 15, 5, 1]).unwrap();
+        assert_eq!((s.rank, s.dims[0], s.sa[0], s.sb[0]), (1, 60, 0, 1));
+        // A transposed view stays split where its strides are not one dim's.
+        let s = strided("t", &[2, 3, 4], &[12, 1, 3], &[12, 4, 1]).unwrap();
+        assert_eq!(s.rank, 3);
+        // Outer dims that are one dim of both views merge, inner ones stay.
+        let s = strided("t", &[2, 3, 4, 5], &[60, 20, 1, 4], &[60, 20, 5, 1]).unwrap();
+        assert_eq!((s.rank, s.dims[0], s.dims[1], s.dims[2]), (3, 6, 4, 5));
+        assert_eq!((s.sa[0], s.sb[0]), (20, 20));
         // The kernels' view of the struct: 1 + 3·8 words.
         assert_eq!(std::mem::size_of::<Strided>(), 8 * (1 + 3 * MAX_DIMS));
     }

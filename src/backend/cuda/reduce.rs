@@ -62,7 +62,8 @@ fn row_chunks(outer: usize, len: usize, inner: usize, sms: usize) -> Option<(usi
         return None;
     }
     let splits = (4 * sms).div_ceil(outer).clamp(1, len / 8192);
-    let chunk = len.div_ceil(splits);
+    // A multiple of 16 elements, so every chunk of an aligned row starts on a 16-byte pack.
+    let chunk = len.div_ceil(splits).next_multiple_of(16);
     let splits = len.div_ceil(chunk);
     (outer * splits <= u32::MAX as usize).then_some((splits, chunk))
 }
