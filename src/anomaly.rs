@@ -38,7 +38,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
 /// The environment variable that turns the mode on at start (`1`, `true`, `on`, `yes`).

@@ -29,7 +29,7 @@ pub(crate) use hooks::Hooks;
 pub use hooks::{custom_function, queue_callback, HookId};
 pub(crate) use op::Op;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{DType, GradAdd, Tensor, TensorId};
 
 thread_local! {

@@ -46,7 +46,7 @@ pub use dropout::DropoutGenerator;
 pub use storage::Storage;
 
 use crate::autograd::{self, Node, Op};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Identifies a tensor for the autograd engine and for optimizer state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -404,7 +404,7 @@ impl Tensor {
         if let (Some(g), true) = (&slot.grad, slot.owned) {
             return Ok((g.clone(), false));
         }
-        let _ng = crate::no_grad();
+        let _ng = crate::autograd::no_grad();
         // Laid out as the variable, as every gradient is.
         let zeros = self.zeros_like()?;
         *slot = GradSlot {
