@@ -450,7 +450,12 @@ fn walk(
                 if beside.contains(&i) {
                     pending.join()?;
                 }
-                crate::anomaly::check_backward(node.name, node.module.as_deref(), i, &gi)?;
+                crate::tensor::anomaly_check::check_backward(
+                    node.name,
+                    node.module.as_deref(),
+                    i,
+                    &gi,
+                )?;
             }
             let (key, dtype) = match edge {
                 Edge::Node(n) => (n.key(), n.dtype),

@@ -11,6 +11,7 @@
 //! - every op checks its operands and returns an `Error` naming them; none panics on user input.
 
 mod activation;
+pub(crate) mod anomaly_check;
 pub(crate) mod attention;
 pub mod autocast;
 mod batch_norm;
@@ -211,7 +212,7 @@ impl Tensor {
             None
         };
         let t = Self::build(storage, layout, node, false);
-        crate::anomaly::check_forward(&t, name, inputs);
+        anomaly_check::check_forward(&t, name, inputs);
         t
     }
 
