@@ -47,10 +47,10 @@
 // fall in different banks, and every row start stays 16-byte aligned.
 
 // The instructions used (mma.sync with bf16, cp.async) need sm_80: for older GPUs the family
-// compiles to no kernels, and backend/cuda/flash_attention.rs refuses before any launch.
+// compiles to no kernels, and the Rust side refuses before any launch.
 #if __CUDA_ARCH__ >= 800
 
-// Launch parameters (mirrored by `FlashParams` in backend/cuda/flash_attention.rs: every field
+// Launch parameters (mirrored by `FlashParams` on the Rust side: every field
 // 8 bytes but the two floats at the end, so the layouts agree). Strides in elements, for
 // (batch, head, token); the head dimension is contiguous.
 struct FlashParams {

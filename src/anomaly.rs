@@ -22,6 +22,10 @@
 //! costs one relaxed atomic load when the mode is off; a module of your own does the same for
 //! its children. A backward error names the module its forward op ran in.
 //!
+//! **Where**: this module is the mode (its switch, the module scopes, the held error, the
+//! reports) and imports only the base floor; the checks that read tensors are the tensor layer's
+//! (`tensor::anomaly_check`), called as each op's output is made and by the backward engine.
+//!
 //! **Cost**: off, one relaxed atomic load per op (and one per recorded graph node). On, each op
 //! reads its output on the host: on a GPU that is a device → host synchronisation per op (one
 //! small reduction, then a 4-byte read), so anomaly mode is a debugging mode, many times slower
@@ -38,8 +42,8 @@ use std::fmt;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
 
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
+use crate::base::error::{Error, Result};
+use crate::base::DType;
 
 /// The environment variable that turns the mode on at start (`1`, `true`, `on`, `yes`).
 pub const ENV: &str = "MIXPREC_DETECT_ANOMALY";
@@ -189,7 +193,6 @@ thread_local! {
 }
 
 static LAST: Mutex<Option<AnomalyReport>> = Mutex::new(None);
-static LOSS_SCALE: Mutex<Option<Tensor>> = Mutex::new(None);
 
 /// The last anomaly found in this process, if any.
 pub fn last_report() -> Option<AnomalyReport> {
@@ -219,19 +222,6 @@ pub(crate) fn before_op() -> Result<()> {
         return Ok(());
     }
     check()
-}
-
-/// The loss scale that reports give (`amp`'s scalers register theirs: the last made or used).
-pub(crate) fn set_loss_scale(scale: &Tensor) {
-    *LOSS_SCALE.lock().unwrap_or_else(|e| e.into_inner()) = Some(scale.clone());
-}
-
-fn loss_scale() -> Option<f64> {
-    let t = LOSS_SCALE
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone()?;
-    t.item().ok()
 }
 
 /// The scope of one module's forward: pushed when made (mode on), popped when dropped.
@@ -309,50 +299,8 @@ pub(crate) fn quiet() -> Quiet {
     }
 }
 
-/// (NaN, inf) counts of a float tensor; integers are finite. On a GPU one flag reduction and a
-/// 4-byte read first: the whole tensor comes to the host only when something is there.
-fn non_finite(t: &Tensor) -> Result<(usize, usize)> {
-    if !t.dtype().is_float() || t.elem_count() == 0 {
-        return Ok((0, 0));
-    }
-    let t = t.detach();
-    if t.device().is_cuda() && matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        let flag = Tensor::scalar(0.0, DType::F32, t.device())?;
-        let dense = t.compact()?;
-        let flagged = crate::multi_tensor::non_finite_check(std::slice::from_ref(&dense), &flag)
-            .and_then(|()| flag.item());
-        if flagged.is_ok_and(|v| v == 0.0) {
-            return Ok((0, 0));
-        }
-    }
-    let v = t.to_vec_f64()?;
-    Ok((
-        v.iter().filter(|x| x.is_nan()).count(),
-        v.iter().filter(|x| x.is_infinite()).count(),
-    ))
-}
-
-/// Refuses a check inside a CUDA-graph capture (recorded: the capture fails).
-fn refuse_capture(t: &Tensor) -> Result<()> {
-    // The capture rules are the CUDA backend's own (not `crate::graph`'s, which sits above the
-    // tensor layer that calls this module).
-    use crate::backend::cuda::graph;
-    if !graph::is_capturing() {
-        return Ok(());
-    }
-    let (op, why) = (
-        "anomaly mode",
-        "anomaly mode reads every op's output on the host, which a CUDA graph cannot hold: turn \
-         it off for the captured step (anomaly::detect(false), MIXPREC_DETECT_ANOMALY unset) or \
-         run the step eagerly",
-    );
-    match t.device() {
-        crate::tensor::Device::Cuda(i) => graph::refuse(i, op, why),
-        crate::tensor::Device::Cpu => graph::refuse_host_op(op),
-    }
-}
-
-fn found(report: AnomalyReport) -> Error {
+/// The error a finding becomes; [`last_report`] keeps the report.
+pub(crate) fn found(report: AnomalyReport) -> Error {
     let e = Error::NonFinite {
         op: "anomaly mode",
         detail: report.to_string(),
@@ -361,75 +309,18 @@ fn found(report: AnomalyReport) -> Error {
     e
 }
 
-/// Checks a forward op's output `out` (mode on; called by the tensor layer as each op's result
-/// is made). A finding is held for this thread: see the module's doc.
-pub(crate) fn check_forward(out: &Tensor, op: &'static str, inputs: &[&Tensor]) {
-    if QUIET.with(|q| q.get()) || PENDING.with(|p| p.borrow().is_some()) {
-        return;
-    }
-    let _q = quiet();
-    let r = forward_report(out, op, inputs);
-    let err = match r {
-        Ok(None) => return,
-        Ok(Some(report)) => found(report),
-        Err(e) => e,
-    };
+/// Whether this thread's ops are not forward ops now (inside a backward pass or a check).
+pub(crate) fn is_quiet() -> bool {
+    QUIET.with(|q| q.get())
+}
+
+/// Whether a forward finding is held for this thread, not yet returned.
+pub(crate) fn is_pending() -> bool {
+    PENDING.with(|p| p.borrow().is_some())
+}
+
+/// Holds `err` for this thread's next tensor operation (a forward finding: see the module's
+/// doc).
+pub(crate) fn hold(err: Error) {
     PENDING.with(|p| *p.borrow_mut() = Some(err));
-}
-
-fn forward_report(
-    out: &Tensor,
-    op: &'static str,
-    inputs: &[&Tensor],
-) -> Result<Option<AnomalyReport>> {
-    refuse_capture(out)?;
-    let (nan, inf) = non_finite(out)?;
-    if nan + inf == 0 {
-        return Ok(None);
-    }
-    let mut bad = Vec::new();
-    for (i, x) in inputs.iter().enumerate() {
-        let (n, f) = non_finite(x)?;
-        if n + f > 0 {
-            bad.push(i);
-        }
-    }
-    Ok(Some(AnomalyReport {
-        phase: Phase::Forward,
-        op,
-        module: module_path(),
-        dtype: out.dtype(),
-        shape: out.dims().to_vec(),
-        nan,
-        inf,
-        inputs: bad,
-        loss_scale: loss_scale(),
-    }))
-}
-
-/// Checks the gradient `g` that `op`'s backward formula returned for its input `input` (mode
-/// on; called by the backward engine). `module` is where the op ran in the forward.
-pub(crate) fn check_backward(
-    op: &'static str,
-    module: Option<&str>,
-    input: usize,
-    g: &Tensor,
-) -> Result<()> {
-    let _q = quiet();
-    refuse_capture(g)?;
-    let (nan, inf) = non_finite(g)?;
-    if nan + inf == 0 {
-        return Ok(());
-    }
-    Err(found(AnomalyReport {
-        phase: Phase::Backward,
-        op,
-        module: module.unwrap_or("").to_string(),
-        dtype: g.dtype(),
-        shape: g.dims().to_vec(),
-        nan,
-        inf,
-        inputs: vec![input],
-        loss_scale: loss_scale(),
-    }))
 }

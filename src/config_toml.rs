@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use toml::de::{DeTable, DeValue};
 use toml::Spanned;
 
-use crate::error::{Error, Location, Result};
+use crate::base::error::{Error, Location, Result};
 
 /// A configuration file's text, parsed once for the places of its keys.
 pub(crate) struct ConfigText<'a> {

@@ -32,7 +32,7 @@
 //! [`crate::amp::CapturedStep`] builds on this to capture a whole AMP training step.
 
 use crate::backend::cuda;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::Device;
 
 pub use crate::backend::cuda::Graph;

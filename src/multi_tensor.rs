@@ -14,7 +14,7 @@ use crate::backend::{
     BufRef, Extent, MtArray, MtEntry, MtKernel, MtList, MtScalars, MultiTensorOps,
     ScaleUpdateParams, MT_ARRAYS, MT_ROLES,
 };
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{DType, Device, Shape, Storage, Tensor};
 
 /// Which operands of [`axpby`] are checked for Inf/NaN.

@@ -14,12 +14,14 @@ const CPU: Device = Device::Cpu;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// The lock, the mode on and no earlier finding.
-fn on() -> (MutexGuard<'static, ()>, anomaly::DetectGuard) {
+/// The lock, the mode on and no earlier finding. The mode guard comes first in the pair so that
+/// it drops (restoring the mode) while the lock is still held: the other way round, the next
+/// test could take the lock and turn the mode on just before this one's guard turned it off.
+fn on() -> (anomaly::DetectGuard, MutexGuard<'static, ()>) {
     let lock = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let g = anomaly::detect_scope(true);
     anomaly::clear();
-    (lock, g)
+    (g, lock)
 }
 
 fn vec1(v: Vec<f32>) -> Result<Tensor> {

@@ -58,7 +58,7 @@ fn assert_same_losses(a: &RunSummary, b: &RunSummary) {
 /// `last` and the newest `epoch-N` both damaged (a flipped byte: their headers still read and
 /// say they are newer): `--resume auto` falls back to `epoch-(N-1)` instead of refusing, names
 /// each damaged file once, and the run ends as an uninterrupted one. A zero-byte `last` (its
-/// header unreadable, so its age unknown) is named too, not skipped silently.
+/// header unreadable, so its age unknown) or one cut short is named too, not skipped silently.
 #[test]
 fn resume_auto_falls_back_past_damaged_checkpoints_naming_each_once() {
     let dir = tempdir("damaged");
@@ -66,6 +66,7 @@ fn resume_auto_falls_back_past_damaged_checkpoints_naming_each_once() {
     let cfg = quick(dir.join("run"), 4);
     run(&cfg, &options(Some(Resume::Auto), Some(3))).unwrap();
     let ckpt = cfg.out.join("checkpoints");
+    let last_bytes = std::fs::read(ckpt.join("last.safetensors")).unwrap();
     flip_a_data_byte(&ckpt.join("last.safetensors"));
     flip_a_data_byte(&ckpt.join("epoch-003.safetensors"));
     let found = auto_checkpoint(&cfg.out).unwrap().unwrap();
@@ -80,6 +81,18 @@ fn resume_auto_falls_back_past_damaged_checkpoints_naming_each_once() {
 
     // Zero bytes of `last`: named as well.
     std::fs::write(ckpt.join("last.safetensors"), b"").unwrap();
+    let found = auto_checkpoint(&cfg.out).unwrap().unwrap();
+    assert_eq!(found.path, ckpt.join("epoch-002.safetensors"));
+    let named: Vec<_> = found.skipped.iter().map(|(p, _)| p.clone()).collect();
+    assert_eq!(named.len(), 2, "{named:?}");
+    assert!(named.contains(&ckpt.join("last.safetensors")), "{named:?}");
+
+    // `last` cut short (its header whole, half its data gone): named as well.
+    std::fs::write(
+        ckpt.join("last.safetensors"),
+        &last_bytes[..last_bytes.len() / 2],
+    )
+    .unwrap();
     let found = auto_checkpoint(&cfg.out).unwrap().unwrap();
     assert_eq!(found.path, ckpt.join("epoch-002.safetensors"));
     let named: Vec<_> = found.skipped.iter().map(|(p, _)| p.clone()).collect();

@@ -135,7 +135,7 @@ impl LossScaler {
         let zero = || Tensor::scalar(0.0, DType::F32, device);
         let scale = Tensor::scalar(init, DType::F32, device)?;
         // Anomaly reports give the scale of the scaler last made or used.
-        crate::anomaly::set_loss_scale(&scale);
+        crate::tensor::anomaly_check::set_loss_scale(&scale);
         Ok(LossScaler {
             rule: ScaleRule {
                 growth: policy.growth_factor,
@@ -185,7 +185,7 @@ impl LossScaler {
     pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
         autocast::clear_cache();
         if crate::anomaly::is_enabled() {
-            crate::anomaly::set_loss_scale(&self.host.scale);
+            crate::tensor::anomaly_check::set_loss_scale(&self.host.scale);
         }
         let _s = autocast::suspend();
         if loss.elem_count() != 1 {

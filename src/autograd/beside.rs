@@ -18,7 +18,7 @@
 
 use crate::backend::cuda::side_stream;
 use crate::backend::Conv2dParams;
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::{Storage, Tensor};
 
 /// The most weight-gradient work per SM that goes beside (FLOP).

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use super::{enable_grad, is_grad_enabled, Op};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::dropout_replay::{self, Draw};
 use crate::tensor::{autocast, DType, Shape, Tensor, TensorId};
 

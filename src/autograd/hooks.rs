@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::Op;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{Shape, Tensor};
 
 /// Replaces the gradient flowing into a tensor (`Some`) or leaves it (`None`).

@@ -29,7 +29,7 @@ pub(crate) use hooks::Hooks;
 pub use hooks::{custom_function, queue_callback, HookId};
 pub(crate) use op::Op;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{DType, GradAdd, Tensor, TensorId};
 
 thread_local! {
@@ -450,7 +450,12 @@ fn walk(
                 if beside.contains(&i) {
                     pending.join()?;
                 }
-                crate::anomaly::check_backward(node.name, node.module.as_deref(), i, &gi)?;
+                crate::tensor::anomaly_check::check_backward(
+                    node.name,
+                    node.module.as_deref(),
+                    i,
+                    &gi,
+                )?;
             }
             let (key, dtype) = match edge {
                 Edge::Node(n) => (n.key(), n.dtype),

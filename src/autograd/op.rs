@@ -29,7 +29,7 @@ use crate::backend::{
     Activation, AdaptivePoolParams, BatchNormParams, BinaryOp, Conv2dParams, DropoutParams,
     EmbeddingParams, MaskedSoftmaxParams, MatmulDims, Pool2dParams, UnaryOp,
 };
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{DType, Device, Shape, Tensor};
 
 pub(crate) enum Op {

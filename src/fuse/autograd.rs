@@ -7,7 +7,7 @@
 
 use super::ir::{BinaryFn, Dims, Graph, InputSig, Item, Node, ReduceFn, UnaryFn, Value};
 use super::trace::{Fuser, Var};
-use crate::error::Result;
+use crate::base::error::Result;
 
 /// A backward graph and, for each of its outputs, the forward input it is the gradient of.
 pub(crate) struct Backward {

@@ -4,8 +4,8 @@
 //! do); casts to a half type round to it; outputs are stored in their dtype.
 
 use super::ir::{BinaryFn, Dims, Graph, Node, ReduceFn, UnaryFn};
+use crate::base::error::Result;
 use crate::base::DType;
-use crate::error::Result;
 use crate::tensor::{Device, Tensor};
 
 /// Runs `g` on `xs` (host tensors) over a domain of `sizes`; the outputs are host tensors.

@@ -8,8 +8,8 @@ use super::codegen::{self, compact_strides, Plan};
 use super::ir::Graph;
 use crate::backend::cuda::generated::{self, GeneratedModule};
 use crate::backend::cuda::{CudaStorage, OpTimer};
+use crate::base::error::{Error, Result};
 use crate::base::DType;
-use crate::error::{Error, Result};
 use crate::tensor::storage::Storage;
 use crate::tensor::{Shape, Tensor};
 

@@ -41,7 +41,7 @@ use std::sync::{Arc, Mutex};
 
 pub use trace::{Fuser, Var};
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{Device, Tensor};
 
 /// A fused function's body: the inputs in, the outputs out.

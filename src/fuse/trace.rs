@@ -6,8 +6,8 @@
 use std::cell::RefCell;
 
 use super::ir::{BinaryFn, Dims, Graph, Item, Node, ReduceFn, Signature, UnaryFn, Value};
+use crate::base::error::{Error, Result};
 use crate::base::DType;
-use crate::error::{Error, Result};
 use crate::tensor::autocast::{self, OpKind};
 use crate::tensor::{Device, Tensor};
 

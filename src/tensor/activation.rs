@@ -5,7 +5,7 @@ use super::autocast::{self, OpKind};
 use super::Tensor;
 use crate::autograd::Op;
 use crate::backend::Activation;
-use crate::error::Result;
+use crate::base::error::Result;
 
 impl Tensor {
     fn activation(&self, act: Activation) -> Result<Tensor> {

@@ -14,7 +14,7 @@ use super::autocast::{self, OpKind};
 use super::{DType, Device, DropoutGenerator, Layout, Shape, Storage, Tensor};
 use crate::autograd::Op;
 use crate::backend::{bthd_as_bhtd, MaskedSoftmaxParams, SdpaKeyValue, SdpaParams, SdpaSaved};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 const OP: &str = "scaled_dot_product_attention";
 

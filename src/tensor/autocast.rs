@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 
 use super::{DType, Tensor};
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::error::Result;
+use crate::base::error::Result;
 
 /// Declares [`OpKind`]: each variant with the name policy files and errors know it by.
 macro_rules! op_kinds {

@@ -11,7 +11,7 @@ use crate::backend::{
     BatchNormElemtOperands, BatchNormGradOperands, BatchNormGradSums, BatchNormParams,
     BatchNormTrainOperands,
 };
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Arguments of [`Tensor::batch_norm`] beyond the tensors (PyTorch's defaults: 0.1, 1e-5).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -557,7 +557,7 @@ fn update_running<R>(
             &mut running_var.storage_mut(),
         );
     }
-    let _g = crate::no_grad();
+    let _g = crate::autograd::no_grad();
     let wide = |t: &Tensor| t.detach().to_dtype(acc)?.compact()?.owned();
     let (rm, rv) = (wide(running_mean)?, wide(running_var)?);
     let out = f(&mut rm.storage_mut(), &mut rv.storage_mut())?;

@@ -2,7 +2,7 @@
 
 use super::{DType, Device, Tensor};
 use crate::autograd::Op;
-use crate::error::Result;
+use crate::base::error::Result;
 
 impl Tensor {
     /// The values in `dtype`; the gradient flows back converted to this tensor's dtype.

@@ -4,7 +4,7 @@
 
 use super::{check_size, random, DType, Device, Shape, Storage, Tensor, WithDType};
 use crate::backend::cpu::CpuStorage;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 impl Tensor {
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {

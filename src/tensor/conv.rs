@@ -5,7 +5,7 @@ use super::autocast::{self, OpKind};
 use super::{Layout, MemoryFormat, Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::Conv2dParams;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Stride, padding, dilation and groups of a convolution (PyTorch's defaults: 1, 0, 1, 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

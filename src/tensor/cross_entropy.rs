@@ -9,7 +9,7 @@ use super::autocast::{self, OpKind};
 use super::{DType, Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::{CrossEntropyBackwardOperands, CrossEntropyParams};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// What the backward of a cross-entropy reads (the node's saved tensors).
 #[derive(Debug)]

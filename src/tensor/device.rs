@@ -7,7 +7,7 @@ impl Device {
     /// The CUDA device `ordinal`, after checking that the driver, a GPU and the CUDA libraries
     /// (NVRTC, cuBLAS, cuBLASLt, cuDNN) are there; the error names what is missing.
     /// Creates the device's context and stream on first use.
-    pub fn cuda(ordinal: usize) -> crate::Result<Device> {
+    pub fn cuda(ordinal: usize) -> crate::base::error::Result<Device> {
         crate::backend::cuda::device(ordinal)?;
         Ok(Device::Cuda(ordinal))
     }

@@ -8,7 +8,7 @@
 use super::{dropout_replay, Device, Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::DropoutParams;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// A dropout generator: `[seed, offset]` (I64 holding u64 bits) on one device.
 #[derive(Debug)]

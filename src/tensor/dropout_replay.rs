@@ -11,7 +11,7 @@ use std::cell::RefCell;
 
 use super::{Device, Tensor};
 use crate::backend::DropoutParams;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// One dropout draw: the generator state it drew at (`[seed, offset]`, a copy of its own) and
 /// what it drew over.

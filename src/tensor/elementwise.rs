@@ -6,7 +6,7 @@ use super::autocast::{self, OpKind};
 use super::{Layout, Tensor};
 use crate::autograd::Op;
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::error::Result;
+use crate::base::error::Result;
 
 impl Tensor {
     fn unary_op(&self, op: UnaryOp) -> Result<Tensor> {

@@ -6,7 +6,7 @@
 use super::{DType, Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::EmbeddingParams;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 impl Tensor {
     /// `weight[self]`: `self` holds i64 indices, `weight` is the `[num, dim]` table; the result

@@ -6,7 +6,7 @@
 
 use super::{DType, Storage, Tensor};
 use crate::backend::cuda::in_place as cuda;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 impl Storage {
     fn add_assign(&mut self, src: &Storage) -> Result<()> {
@@ -140,7 +140,7 @@ impl Tensor {
             });
         }
         self.same_device(op, src)?;
-        let _ng = crate::no_grad();
+        let _ng = crate::autograd::no_grad();
         let s = src.detach().laid_out_like(self)?;
         if s.is_whole_buffer() {
             return Ok(Some(s));
@@ -169,7 +169,7 @@ impl Tensor {
         };
         if self.same_storage(&src) {
             // x += x without reading and writing one locked buffer at once.
-            let _ng = crate::no_grad();
+            let _ng = crate::autograd::no_grad();
             let twice = src.add(&src)?;
             return self.copy_in_place(&twice);
         }

@@ -2,7 +2,7 @@
 
 use super::{DType, Shape, Tensor};
 use crate::autograd::Op;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 impl Tensor {
     /// `out[.., j, ..] = self[.., index[.., j, ..], ..]` along `dim`; `index` (I64) has this

@@ -4,7 +4,7 @@ use super::autocast::{self, OpKind};
 use super::{Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::MatmulDims;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 impl Tensor {
     /// Matrix product. `[m,k]·[k,n]`, batched `[..,m,k]·[..,k,n]` with equal batch dims, or

@@ -11,6 +11,7 @@
 //! - every op checks its operands and returns an `Error` naming them; none panics on user input.
 
 mod activation;
+pub(crate) mod anomaly_check;
 pub(crate) mod attention;
 pub mod autocast;
 mod batch_norm;
@@ -46,7 +47,7 @@ pub use dropout::DropoutGenerator;
 pub use storage::Storage;
 
 use crate::autograd::{self, Node, Op};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Identifies a tensor for the autograd engine and for optimizer state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -211,7 +212,7 @@ impl Tensor {
             None
         };
         let t = Self::build(storage, layout, node, false);
-        crate::anomaly::check_forward(&t, name, inputs);
+        anomaly_check::check_forward(&t, name, inputs);
         t
     }
 
@@ -404,7 +405,7 @@ impl Tensor {
         if let (Some(g), true) = (&slot.grad, slot.owned) {
             return Ok((g.clone(), false));
         }
-        let _ng = crate::no_grad();
+        let _ng = crate::autograd::no_grad();
         // Laid out as the variable, as every gradient is.
         let zeros = self.zeros_like()?;
         *slot = GradSlot {

@@ -3,7 +3,7 @@
 use super::{Layout, MemoryFormat, Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::{AdaptivePoolParams, Pool2dParams};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 impl Tensor {
     fn pool_params(

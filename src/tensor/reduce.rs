@@ -4,7 +4,7 @@ use super::autocast::{self, OpKind};
 use super::{Shape, Tensor};
 use crate::autograd::Op;
 use crate::backend::ReduceOp;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 impl Tensor {
     fn reduced_shape(&self, dim: usize, keepdim: bool) -> Shape {

@@ -3,7 +3,7 @@
 use super::autocast::{self, OpKind};
 use super::Tensor;
 use crate::autograd::Op;
-use crate::error::Result;
+use crate::base::error::Result;
 
 impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {

@@ -11,7 +11,7 @@
 use crate::backend::cpu::CpuStorage;
 use crate::backend::cuda::{self, CudaStorage, OpTimer};
 use crate::backend::prelude::*;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{DType, Device, Layout, Shape};
 
 #[derive(Debug)]

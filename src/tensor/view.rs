@@ -5,7 +5,7 @@
 
 use super::{Layout, MemoryFormat, Shape, Tensor};
 use crate::autograd::Op;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::storage::Storage;
 
 impl Tensor {

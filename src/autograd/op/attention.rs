@@ -2,7 +2,7 @@
 //! attention's dq, dk, dv from one backend call, keeping those that are needed.
 
 use super::{Op, Wanted};
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::Tensor;
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

@@ -3,7 +3,7 @@
 
 use super::{Op, Wanted};
 use crate::backend::{BatchNormBackwardOperands, BatchNormSaved};
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::{Shape, Tensor};
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

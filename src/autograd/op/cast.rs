@@ -1,7 +1,7 @@
 //! Backward of the dtype and device casts: the gradient goes back to the input's.
 
 use super::{Op, Wanted};
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::Tensor;
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

@@ -2,7 +2,7 @@
 //! be) and the data gradient, both in the format the forward ran in.
 
 use super::{Op, Wanted};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tensor::{Layout, Tensor};
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

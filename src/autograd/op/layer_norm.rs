@@ -5,7 +5,7 @@ use super::{Op, Wanted};
 use crate::backend::{
     norm_stats_layout, NormBackwardOperands, NormBackwardParams, NormParamGrads, NormSaved,
 };
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::Tensor;
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

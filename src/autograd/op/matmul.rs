@@ -2,7 +2,7 @@
 
 use super::{Op, Wanted};
 use crate::backend::Activation;
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::Tensor;
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

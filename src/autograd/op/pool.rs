@@ -1,7 +1,7 @@
 //! Backward of the pooling ops, in the format the forward ran in.
 
 use super::{Op, Wanted};
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::{Layout, Tensor};
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

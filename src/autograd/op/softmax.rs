@@ -1,7 +1,7 @@
 //! Backward of softmax and log_softmax, from the saved output.
 
 use super::{Op, Wanted};
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::Tensor;
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

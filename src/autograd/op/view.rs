@@ -2,7 +2,7 @@
 //! input's shape.
 
 use super::{Op, Wanted};
-use crate::error::Result;
+use crate::base::error::Result;
 use crate::tensor::{Shape, Tensor};
 
 pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Option<Tensor>>> {

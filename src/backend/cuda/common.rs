@@ -1,5 +1,5 @@
 //! What the op families of the CUDA backend share: kernel-name suffixes, the `Strided` launch
-//! argument (mirrors `kernels/common.cuh`) and the accumulation dtype.
+//! argument (mirrors the kernels' shared header) and the accumulation dtype.
 
 use crate::base::error::{Error, Result};
 use crate::base::DType;
@@ -55,7 +55,7 @@ pub(crate) fn esz(d: DType) -> usize {
     d.size_in_bytes()
 }
 
-/// Mirrors `Strided` in common.cuh: an index space and two stride vectors over it.
+/// Mirrors `Strided` in the kernels' shared header: an index space and two stride vectors over it.
 pub(crate) const MAX_DIMS: usize = 8;
 #[repr(C)]
 #[derive(Clone, Copy)]

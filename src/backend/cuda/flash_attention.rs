@@ -1,4 +1,4 @@
-//! Fused scaled-dot-product attention on tensor cores (`kernels/flash_attention.cu`, the
+//! Fused scaled-dot-product attention on tensor cores (the `flash_attention` kernel family, the
 //! FlashAttention-2 algorithm): softmax(scale·Q·Kᵀ [+ causal mask])·V without materialising the
 //! T×T scores, and its backward from the saved log-sum-exp. f16 and bf16 with f32 accumulation,
 //! head dim 64 or 128, any sequence lengths; sm_80 or newer (mma.sync, ldmatrix, cp.async).
@@ -135,7 +135,7 @@ pub struct FlashInputGrads {
 
 const OP: &str = "flash_attention";
 
-/// Mirrors `FlashParams` in kernels/flash_attention.cu (all fields 8 bytes but the two floats
+/// Mirrors the kernels' `FlashParams` struct (all fields 8 bytes but the two floats
 /// at the end, so `repr(C)` lays it out as the kernel's struct).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]

@@ -33,8 +33,8 @@ fn same_kind(op: &'static str, dst: &CudaStorage, src: &CudaStorage) -> Result<(
     if dst.ordinal() != src.ordinal() {
         return Err(Error::DeviceMismatch {
             op,
-            lhs: crate::Device::Cuda(dst.ordinal()),
-            rhs: crate::Device::Cuda(src.ordinal()),
+            lhs: crate::base::Device::Cuda(dst.ordinal()),
+            rhs: crate::base::Device::Cuda(src.ordinal()),
         });
     }
     Ok(())
@@ -96,8 +96,8 @@ pub(crate) fn add_assign_many(pairs: &[(&CudaStorage, &CudaStorage)]) -> Result<
         if dst.ordinal() != pairs[0].0.ordinal() {
             return Err(Error::DeviceMismatch {
                 op,
-                lhs: crate::Device::Cuda(pairs[0].0.ordinal()),
-                rhs: crate::Device::Cuda(dst.ordinal()),
+                lhs: crate::base::Device::Cuda(pairs[0].0.ordinal()),
+                rhs: crate::base::Device::Cuda(dst.ordinal()),
             });
         }
     }
