@@ -165,7 +165,7 @@ fn norms_match_the_cpu_forward_and_backward() {
         (9, 1024),
         (64, 5000),
         (3000, 64),
-        // Several rows per warp in the fused half backward (blocks capped per SM).
+        // Many rows per partial block of the parameters' gradients.
         (20000, 256),
     ] {
         for d in [DType::F32, DType::F16, DType::BF16] {

@@ -1,8 +1,6 @@
 //! Layer norm and RMS norm (`kernels/layer_norm.cu`) on contiguous operands: a warp per row for
 //! the forward and the input's gradient; the parameters' gradients as per-block partial sums
 //! (a temporary of the device's pool) and one ordered reduction, so they repeat bit for bit.
-//! Half rows of up to 1,024 values compute the input's gradient and the partials in one pass
-//! over g and x (`layer_norm_backward_fused`); other shapes take a kernel for each.
 
 use super::common::{acc_dtype, float_sfx, same_dtype, sfx};
 use super::launch::{launch, Grid, BLOCK};
@@ -43,38 +41,6 @@ fn vec_partial_threads(dt: DType, cols: usize, ptrs: [u64; 2]) -> Option<u32> {
         && (1..=PV_THREADS).contains(&groups)
         && ptrs.iter().all(|p| p.is_multiple_of(16));
     fits.then(|| (groups * (PV_THREADS / groups)) as u32)
-}
-
-/// Warps of a block of `layer_norm_backward_fused` (LN_FB_WARPS in layer_norm.cu).
-const FB_WARPS: usize = 8;
-/// Blocks per SM of the fused backward: each block writes one slice of partials, so more blocks
-/// mean a longer finalize; four keep enough loads in flight to stream g and x at full speed.
-const FB_BLOCKS_PER_SM: usize = 4;
-
-/// Whether the fused backward applies: half rows on the register path (cols a multiple of 8, at
-/// most 8·32·LN_CHUNKS = 1024, 16-byte aligned), as `ln_regs_fit` in layer_norm.cu.
-fn fused_fits(dt: DType, cols: usize, ptrs: [u64; 3]) -> bool {
-    dt.is_half()
-        && cols.is_multiple_of(8)
-        && cols <= 1024
-        && ptrs.iter().all(|p| p.is_multiple_of(16))
-}
-
-/// dw and db (either may be absent) from the blocks' partial sums, added in block order.
-fn finalize_params(
-    g: &CudaStorage,
-    part: &CudaStorage,
-    parts: usize,
-    ws: &str,
-    [dw, db]: [&Option<CudaStorage>; 2],
-) -> Result<()> {
-    let cols = part.len() / (2 * parts);
-    let ptr = |t: &Option<CudaStorage>| t.as_ref().map_or(0, |t| t.ptr());
-    launch!(g.dev, Family::LayerNorm,
-        format!("layer_norm_param_finalize_{}_{ws}", sfx(part.dtype())),
-        Grid { blocks: cols.div_ceil(32).min(1 << 16) as u32, threads: 256 };
-        cols as u64, parts as u64, part.ptr(), ptr(dw), ptr(db));
-    Ok(())
 }
 
 /// A warp per row, grid-strided.
@@ -147,21 +113,20 @@ pub(crate) fn layer_norm_backward(
     );
     let pw = o.weight.map(|(w, l)| w.ptr_at(l)).transpose()?.unwrap_or(0);
     let (rows, cols) = (p.rows, p.cols);
-    let rms = (p.kind == NormKind::Rms) as i32;
     let dx = CudaStorage::alloc(&g.dev, g.dtype(), rows * cols)?;
+    if rows > 0 {
+        launch!(g.dev, Family::LayerNorm, format!("layer_norm_backward_{s}_{ws}"), row_grid(g, rows);
+            rows as u64, cols as u64, (p.kind == NormKind::Rms) as i32, pg, px, pm, pr, pw, dx.ptr());
+    }
     let want = bp.want;
     let pdt = match bp.param_dtype {
         Some(d) if want.weight || want.bias => d,
         _ => {
-            if rows > 0 {
-                launch!(g.dev, Family::LayerNorm, format!("layer_norm_backward_{s}_{ws}"), row_grid(g, rows);
-                    rows as u64, cols as u64, rms, pg, px, pm, pr, pw, dx.ptr());
-            }
             return Ok(NormGrads {
                 input: dx,
                 weight: None,
                 bias: None,
-            });
+            })
         }
     };
     let grad = |on: bool| -> Result<Option<CudaStorage>> {
@@ -176,25 +141,7 @@ pub(crate) fn layer_norm_backward(
                 super::cast::fill(t, 0.0)?;
             }
         }
-    } else if cols > 0 && fused_fits(g.dtype(), cols, [pg, px, dx.ptr()]) {
-        // One pass: the input's gradient and the parameters' partials together.
-        let parts = rows
-            .div_ceil(FB_WARPS)
-            .min(FB_BLOCKS_PER_SM * g.dev.sm_count as usize)
-            .max(1);
-        let part_rows = rows.div_ceil(parts);
-        let parts = rows.div_ceil(part_rows);
-        let part = CudaStorage::alloc(&g.dev, acc, 2 * cols * parts)?;
-        let grid = Grid {
-            blocks: parts as u32,
-            threads: (32 * FB_WARPS) as u32,
-        };
-        launch!(g.dev, Family::LayerNorm, format!("layer_norm_backward_fused_{s}_{ws}"), grid;
-            rows as u64, cols as u64, part_rows as u64, rms, pg, px, pm, pr, pw, dx.ptr(), part.ptr());
-        finalize_params(g, &part, parts, ws, [&dw, &db])?;
     } else if cols > 0 {
-        launch!(g.dev, Family::LayerNorm, format!("layer_norm_backward_{s}_{ws}"), row_grid(g, rows);
-            rows as u64, cols as u64, rms, pg, px, pm, pr, pw, dx.ptr());
         let part_rows = rows.div_ceil(MAX_PARTS).max(MIN_PART_ROWS);
         let parts = rows.div_ceil(part_rows);
         let part = CudaStorage::alloc(&g.dev, acc, 2 * cols * parts)?;
@@ -213,7 +160,11 @@ pub(crate) fn layer_norm_backward(
             launch!(g.dev, Family::LayerNorm, format!("layer_norm_param_partial_{s}"), grid;
                 rows as u64, cols as u64, part_rows as u64, pg, px, pm, pr, part.ptr());
         }
-        finalize_params(g, &part, parts, ws, [&dw, &db])?;
+        let ptr = |t: &Option<CudaStorage>| t.as_ref().map_or(0, |t| t.ptr());
+        launch!(g.dev, Family::LayerNorm,
+            format!("layer_norm_param_finalize_{}_{ws}", sfx(acc)),
+            Grid { blocks: cols.div_ceil(32).min(1 << 16) as u32, threads: 256 };
+            cols as u64, parts as u64, part.ptr(), ptr(&dw), ptr(&db));
     }
     Ok(NormGrads {
         input: dx,
