@@ -13,8 +13,11 @@
 //! - LAMB: the global gradient norm and the per-tensor trust ratios over whole tensors, the
 //!   weights straddling share boundaries, equal to the unsharded LAMB within f32 rounding;
 //! - clipping by the global norm equals the unsharded clip within f32 rounding;
+//! - the gradient buckets reduce-scattered from the gradient hooks during backward (a bucket
+//!   per parameter), at world sizes 1, 2, 3, with and without gradient accumulation, bitwise
+//!   those of the unsharded optimizer; bucket sizes checked and fixed by the first step;
 //! - resume across world sizes (2 -> 1, 1 -> 2 bitwise; 3 -> 2 within f32 rounding) from the
-//!   per-rank shards, and the consolidated state loading into the plain optimizer.
+//!   per-rank shards, also between bucket layouts, and the consolidated state loading into the plain optimizer.
 
 use std::path::PathBuf;
 
@@ -232,6 +235,74 @@ fn sharded_adamw_and_sgd_match_the_unsharded_fused_optimizers_bitwise() {
     }
 }
 
+/// Buckets launched from the gradient hooks during backward: one bucket per parameter, at world
+/// sizes 1, 2, 3, with one backward per step (every bucket leaves during backward) and with two
+/// (gradient accumulation: the buckets launched in the first backward are stale, and the step
+/// reduces every bucket again), the parameters bitwise those of the unsharded optimizer.
+#[test]
+fn buckets_reduce_scattered_during_backward_match_the_unsharded_optimizer_bitwise() {
+    for world in [1, 2, 3] {
+        for accum in [1, 2] {
+            let ranks = on_ranks(world, move |rank, g| {
+                let (a, b) = (mlp(7)?, mlp(7)?);
+                let mut z = ZeroAdam::single(&g, a.parameters(), adam())?;
+                z.set_bucket_cap_mb(TINY_BUCKET_MB, TINY_BUCKET_MB)?;
+                let mut r = FusedAdam::new(b.parameters(), adam())?;
+                let mut stats = Vec::new();
+                for step in 0..3 {
+                    for micro in 0..accum {
+                        let (x, y) = batch(rank, 10 * step + micro, false)?;
+                        cross_entropy(&a.forward(&x)?, &y)?.backward()?;
+                        cross_entropy(&b.forward(&x)?, &y)?.backward()?;
+                    }
+                    all_reduce_grads(&g, &b)?;
+                    z.step()?;
+                    r.step()?;
+                    z.zero_grad();
+                    r.zero_grad();
+                    stats.push(z.last_reduction());
+                }
+                Ok(([values(&a)?, values(&b)?], stats))
+            });
+            for (r, ([sharded, plain], stats)) in ranks.iter().enumerate() {
+                let what = format!("world {world}, {accum} backward(s) a step, rank {r}");
+                // The first step fixes the layout: its backward had no buckets yet.
+                for (i, s) in stats.iter().enumerate() {
+                    assert_eq!(s.buckets, 4, "{what}");
+                    let want = if accum == 1 && i > 0 { 4 } else { 0 };
+                    assert_eq!(s.launched_during_backward, want, "{what}");
+                }
+                assert_eq!(bits(sharded), bits(plain), "{what}: sharded vs unsharded");
+                assert_eq!(bits(sharded), bits(&ranks[0].0[0]), "{what} vs rank 0");
+            }
+        }
+    }
+}
+
+#[test]
+fn bucket_sizes_are_checked_and_fixed_by_the_first_step() {
+    on_ranks(1, |rank, g| {
+        let a = mlp(5)?;
+        let mut z = ZeroAdam::single(&g, a.parameters(), adam())?;
+        let e = z.set_bucket_cap_mb(0.0, 25.0).unwrap_err();
+        assert!(e.to_string().contains("first_mb"), "{e}");
+        let e = z.set_bucket_cap_mb(1.0, f64::NAN).unwrap_err();
+        assert!(e.to_string().contains("cap_mb"), "{e}");
+        let (x, y) = batch(rank, 0, false)?;
+        cross_entropy(&a.forward(&x)?, &y)?.backward()?;
+        z.step()?;
+        // The first step has no layout while backward runs: it reduces every bucket itself.
+        assert_eq!(z.last_reduction().launched_during_backward, 0);
+        z.zero_grad();
+        cross_entropy(&a.forward(&x)?, &y)?.backward()?;
+        z.step()?;
+        assert_eq!(z.last_reduction().launched_during_backward, 1);
+        let e = z.set_bucket_cap_mb(1.0, 25.0).unwrap_err();
+        assert!(e.to_string().contains("after the first step"), "{e}");
+        Ok(())
+    });
+}
+
 fn o2() -> Policy {
     Policy::opt_level(OptLevel::O2).with_report_interval(0)
 }
@@ -257,6 +328,8 @@ fn sharded_adam_under_amp_o2_matches_the_unsharded_one_bitwise() {
             r.step()?;
         }
         assert_eq!(a.parameters()[0].dtype(), DType::F16);
+        // The hooks outlived the cast: the last step's bucket left during backward.
+        assert_eq!(z.inner().last_reduction().launched_during_backward, 1);
         // The consolidated FP32 masters equal the unsharded optimizer's.
         let zs = z.inner().state_dict()?;
         let rs = r.inner().state_dict()?;
@@ -370,6 +443,21 @@ fn train(
     resume: Option<PathBuf>,
     save: Option<PathBuf>,
 ) -> Vec<Vec<f64>> {
+    train_in_buckets(false, world, start, steps, resume, save)
+}
+
+/// A bucket per parameter (the MLP's smallest is 12 bytes).
+const TINY_BUCKET_MB: f64 = 10.0 / 1048576.0;
+
+/// [`train`], with a bucket per parameter when `per_param`.
+fn train_in_buckets(
+    per_param: bool,
+    world: usize,
+    start: Option<Vec<Vec<f64>>>,
+    steps: (usize, usize),
+    resume: Option<PathBuf>,
+    save: Option<PathBuf>,
+) -> Vec<Vec<f64>> {
     let ranks = on_ranks(world, move |rank, g| {
         let a = mlp(11)?;
         if let Some(v) = &start {
@@ -384,6 +472,9 @@ fn train(
             }
         }
         let mut z = ZeroAdam::single(&g, a.parameters(), adam())?;
+        if per_param {
+            z.set_bucket_cap_mb(TINY_BUCKET_MB, TINY_BUCKET_MB)?;
+        }
         if let Some(d) = &resume {
             zero_checkpoint::load_sharded(d, &mut z)?;
         }
@@ -420,6 +511,26 @@ fn a_sharded_checkpoint_resumes_at_another_world_size_as_an_uninterrupted_run() 
     let end = train(2, Some(mid), (3, 6), Some(dir.clone()), None);
     let e = max_rel(&end, &straight);
     assert!(e < 1e-5, "resumed 3 -> 2 off by {e:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_checkpoint_in_buckets_resumes_at_another_world_size_and_bucket_size() {
+    let straight = train(1, None, (0, 6), None, None);
+    // Saved in a bucket per parameter at 2 ranks, resumed in one bucket at 1: bitwise.
+    let dir = scratch("buckets2to1");
+    let mid = train_in_buckets(true, 2, None, (0, 3), None, Some(dir.clone()));
+    let m = zero_checkpoint::read_manifest(&dir).unwrap();
+    assert_eq!(m.layout.flats[0].buckets.len(), 4, "{m:?}");
+    let end = train(1, Some(mid), (3, 6), Some(dir.clone()), None);
+    assert_eq!(bits(&end), bits(&straight), "resumed 2 (buckets) -> 1");
+    let _ = std::fs::remove_dir_all(&dir);
+    // One bucket at 1 rank, resumed in a bucket per parameter at 3: f32 rounding of (3g)/3.
+    let dir = scratch("1to3buckets");
+    let mid = train(1, None, (0, 3), None, Some(dir.clone()));
+    let end = train_in_buckets(true, 3, Some(mid), (3, 6), Some(dir.clone()), None);
+    let e = max_rel(&end, &straight);
+    assert!(e < 1e-5, "resumed 1 -> 3 (buckets) off by {e:e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -1,16 +1,20 @@
 //! ZeRO-sharded optimizers (apex's `DistributedFusedAdam`, DeepSpeed's ZeRO stages 1 and 2):
-//! the parameters are packed in a flat order, one flat buffer per parameter dtype, each padded
-//! so that its length divides by the world size; rank r owns the contiguous share r of every
-//! flat buffer. Only that share has optimizer state and (at amp O2) FP32 master weights, so the
+//! the parameters are packed in a flat order, one flat buffer per parameter dtype, laid out in
+//! DDP's gradient buckets (reverse parameter order, each bucket padded to a multiple of the
+//! world size and split into equal chunks); rank r owns chunk r of every bucket (its share; see
+//! `layout`). Only that share has optimizer state and (at amp O2) FP32 master weights, so the
 //! state's memory per rank is 1/world_size of the unsharded optimizer's.
 //!
-//! A step: the gradients are reduce-scattered (averaged) into the shares; AMP's overflow flag is
-//! set from the shares too and all-reduced (max) on the device, so every rank takes the same
-//! skip decision with no host read; clipping uses the global norm (each share's squared norm,
-//! summed over the ranks); the existing fused multi-tensor kernel updates the share's pieces
-//! (one piece per parameter that overlaps the share: the kernels are elementwise per parameter,
-//! so a piece updates exactly as the whole parameter's elements would); the updated values, in
-//! the parameters' dtype, are all-gathered back into every rank's parameters.
+//! A step: the gradients are reduce-scattered (averaged) into the shares bucket by bucket,
+//! each bucket launched from the parameters' gradient hooks as soon as backward has produced
+//! all its gradients, on the communication stream while backward continues (`buckets`); the
+//! step launches what is left and waits. AMP's overflow flag is set from the shares and
+//! all-reduced (max) on the device, so every rank takes the same skip decision with no host
+//! read; clipping uses the global norm (each share's squared norm, summed over the ranks); the
+//! existing fused multi-tensor kernel updates the share's pieces (one piece per parameter that
+//! overlaps a chunk: the kernels are elementwise per parameter, so a piece updates exactly as
+//! the whole parameter's elements would); the updated values, in the parameters' dtype, are
+//! all-gathered back bucket by bucket into every rank's parameters.
 //!
 //! The update reads the same averaged gradients with the same kernel as the unsharded optimizer
 //! after DDP's all-reduce, so the parameters are bitwise those of DDP + the fused optimizer
@@ -20,8 +24,9 @@
 //! step (a missing gradient counts as zeros, as DDP's buckets do); the state exists only per
 //! share, so [`Optimizer::state_dict`] here is a collective (every rank calls it) that gathers
 //! the consolidated state in the unsharded optimizer's layout, which a plain optimizer loads,
-//! and [`Optimizer::load_state_dict`] takes such a state (saved at any world size) and keeps
-//! this rank's share. `io::zero_checkpoint` writes and reads the per-rank shards.
+//! and [`Optimizer::load_state_dict`] takes such a state (saved at any world size and bucket
+//! size) and keeps this rank's share. `io::zero_checkpoint` writes and reads the per-rank
+//! shards. The step is eager (not capturable in `amp::CapturedStep`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -30,6 +35,9 @@ use serde::{Deserialize, Serialize};
 
 use super::collective::ReduceOp;
 use super::group::ProcessGroup;
+use super::reducer::assign_buckets;
+use super::ReductionStats;
+use crate::autograd::HookId;
 use crate::error::{Error, Result};
 use crate::multi_tensor;
 use crate::optim::{
@@ -39,12 +47,14 @@ use crate::optim::{
 };
 use crate::tensor::{DType, Device, Tensor};
 
+mod buckets;
 mod layout;
 mod shard_hooks;
 mod state;
 
-use layout::Piece;
-pub use layout::{FlatBuffer, FlatParam, ZeroLayout};
+use buckets::{BucketPlan, GradBucket, GradBuckets};
+use layout::{BucketCaps, Piece};
+pub use layout::{FlatBucket, FlatBuffer, FlatParam, ZeroLayout};
 pub use state::{consolidate, split_name};
 
 /// The state name of the FP32 master copy, as the unsharded optimizers save it.
@@ -98,9 +108,12 @@ struct Sharded<O> {
     layout: ZeroLayout,
     pieces: Vec<Piece>,
     inner: O,
-    /// Per flat: this rank's share of the averaged gradients and the gathered values.
+    /// Per bucket (launch order): this rank's chunk of the averaged gradients (the buckets'
+    /// reduce-scatter outputs) and the gathered values `[padded]`.
     shard_grads: Vec<Tensor>,
     gathered: Vec<Tensor>,
+    /// Per bucket: (flat, bucket within it).
+    launch: Vec<(usize, usize)>,
 }
 
 /// A fused optimizer whose state and masters are sharded over the ranks of a process group:
@@ -119,6 +132,19 @@ pub struct ShardedOptimizer<O: ShardableOptimizer> {
     clip: Option<f64>,
     sharded: Option<Sharded<O>>,
     generation: u64,
+    caps: BucketCaps,
+    /// The buckets the parameters' gradient hooks launch.
+    buckets: Arc<GradBuckets>,
+    hooks: Vec<(Tensor, HookId)>,
+}
+
+impl<O: ShardableOptimizer> Drop for ShardedOptimizer<O> {
+    fn drop(&mut self) {
+        self.buckets.reset();
+        for (p, id) in &self.hooks {
+            p.remove_hook(*id);
+        }
+    }
 }
 
 impl<O: ShardableOptimizer> std::fmt::Debug for ShardedOptimizer<O> {
@@ -173,6 +199,18 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             }
         }
         let base_lrs = groups.iter().map(|g| g.config.lr()).collect();
+        let buckets = GradBuckets::new();
+        let mut hooks = Vec::new();
+        for (i, p) in groups.iter().flat_map(|g| g.params.iter()).enumerate() {
+            let weak = Arc::downgrade(&buckets);
+            let id = p.register_post_accumulate_grad_hook(move |_| match weak.upgrade() {
+                Some(b) => b.on_ready(i),
+                None => Ok(()),
+            })?;
+            hooks.push((p.clone(), id));
+        }
+        let mib = |m: f64| ((m * 1048576.0) as usize).max(1);
+        let ddp = super::DdpConfig::default();
         Ok(ShardedOptimizer {
             group: group.clone(),
             groups,
@@ -183,7 +221,47 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             clip: None,
             sharded: None,
             generation: 0,
+            caps: BucketCaps {
+                first: mib(ddp.first_bucket_mb),
+                cap: mib(ddp.bucket_cap_mb),
+            },
+            buckets,
+            hooks,
         })
+    }
+
+    /// The gradient buckets' sizes in MiB (DDP's `first_bucket_mb` and `bucket_cap_mb`; 1 and
+    /// 25 by default), before the first step or state load fixes the layout.
+    pub fn set_bucket_cap_mb(&mut self, first_mb: f64, cap_mb: f64) -> Result<()> {
+        for (what, v) in [("first_mb", first_mb), ("cap_mb", cap_mb)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::invalid_arg(
+                    O::NAME,
+                    what,
+                    v,
+                    "a finite size > 0 MiB",
+                ));
+            }
+        }
+        if self.sharded.is_some() {
+            return Err(Error::Unsupported {
+                op: O::NAME,
+                detail: "bucket sizes set after the first step or state load fixed the layout"
+                    .into(),
+            });
+        }
+        let bytes = |m: f64| ((m * 1048576.0) as usize).max(1);
+        self.caps = BucketCaps {
+            first: bytes(first_mb),
+            cap: bytes(cap_mb),
+        };
+        Ok(())
+    }
+
+    /// What the last step's reduction did: its buckets, and how many of them backward's hooks
+    /// launched (the rest the step did).
+    pub fn last_reduction(&self) -> ReductionStats {
+        self.buckets.last()
     }
 
     /// One group of `params` with `config`.
@@ -239,8 +317,8 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
         Ok(bytes)
     }
 
-    /// Makes the layout, this rank's pieces and the inner optimizer, from the parameters'
-    /// current dtypes (once).
+    /// Makes the layout, this rank's pieces, the inner optimizer and the buckets' buffers,
+    /// from the parameters' current dtypes (once).
     fn materialize(&mut self) -> Result<()> {
         if self.sharded.is_some() {
             return Ok(());
@@ -249,7 +327,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
         let world = self.group.world_size();
         let rank = self.group.rank();
         let params: Vec<Vec<Tensor>> = self.groups.iter().map(|g| g.params.clone()).collect();
-        let layout = ZeroLayout::new(&params, world);
+        let (layout, launch) = ZeroLayout::new(&params, world, self.caps);
         let flat_params: Vec<&Tensor> = params.iter().flatten().collect();
         let group_of: Vec<usize> = layout
             .groups
@@ -258,39 +336,64 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             .flat_map(|(gi, g)| g.iter().map(move |_| gi))
             .collect();
         let mut pieces = Vec::new();
-        for (fi, f) in layout.flats.iter().enumerate() {
-            let (lo, hi) = (rank * f.share, (rank + 1) * f.share);
-            let dtype = flat_params[f.params[0].index].dtype();
-            for fp in &f.params {
+        let mut grad_buckets = Vec::with_capacity(launch.len());
+        let mut bucket_of = vec![0; flat_params.len()];
+        let mut shard_grads = Vec::with_capacity(launch.len());
+        let mut gathered = Vec::with_capacity(launch.len());
+        for (bi, &(fi, k)) in launch.iter().enumerate() {
+            let f = &layout.flats[fi];
+            let b = &f.buckets[k];
+            let (lo, hi) = (b.offset + rank * b.chunk, b.offset + (rank + 1) * b.chunk);
+            let end = b.offset + b.len;
+            let members: Vec<&FlatParam> = f
+                .params
+                .iter()
+                .filter(|fp| fp.offset >= b.offset && fp.offset < end)
+                .collect();
+            let dtype = flat_params[members[0].index].dtype();
+            let buffer = Tensor::zeros([b.padded], dtype, self.device)?;
+            let mut parts = Vec::with_capacity(members.len());
+            for fp in &members {
                 let n: usize = fp.shape.iter().product();
-                let (a, b) = (fp.offset.max(lo), (fp.offset + n).min(hi));
-                if a >= b {
+                bucket_of[fp.index] = bi;
+                parts.push(buffer.narrow(0, fp.offset - b.offset, n)?);
+                let (a, z) = (fp.offset.max(lo), (fp.offset + n).min(hi));
+                if a >= z {
                     continue;
                 }
-                let p = flat_params[fp.index];
                 let start = a - fp.offset;
                 let value = match &self.snapshot {
                     Some(snap) => snap[fp.index]
                         .reshape([n])?
-                        .narrow(0, start, b - a)?
+                        .narrow(0, start, z - a)?
                         .to_device(self.device)?
                         .owned()?,
-                    None => p.detach().reshape([n])?.narrow(0, start, b - a)?.owned()?,
+                    None => flat_params[fp.index]
+                        .detach()
+                        .reshape([n])?
+                        .narrow(0, start, z - a)?
+                        .owned()?,
                 };
                 pieces.push(Piece {
                     flat: fi,
+                    bucket: bi,
+                    at: a - lo,
+                    share_at: b.share_offset + a - lo,
                     param: Some(fp.index),
                     param_start: start,
-                    len: b - a,
+                    len: z - a,
                     value: value.to_variable(),
                     group: group_of[fp.index],
                 });
             }
-            if hi > f.len {
-                let a = f.len.max(lo);
+            if hi > end {
+                let a = end.max(lo);
                 let dt = if self.masters { DType::F32 } else { dtype };
                 pieces.push(Piece {
                     flat: fi,
+                    bucket: bi,
+                    at: a - lo,
+                    share_at: b.share_offset + a - lo,
                     param: None,
                     param_start: 0,
                     len: hi - a,
@@ -298,6 +401,15 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
                     group: 0,
                 });
             }
+            let out = Tensor::zeros([b.chunk], dtype, self.device)?;
+            shard_grads.push(out.clone());
+            gathered.push(Tensor::zeros([b.padded], dtype, self.device)?);
+            grad_buckets.push(GradBucket {
+                params: members.iter().map(|fp| fp.index).collect(),
+                parts,
+                buffer,
+                out,
+            });
         }
         // The inner optimizer's groups: the pieces of each group, in piece order.
         let inner_groups = self
@@ -334,13 +446,14 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
                 .collect(),
             group_sizes: self.groups.iter().map(|g| g.params.len()).collect(),
         })?;
-        let mut shard_grads = Vec::new();
-        let mut gathered = Vec::new();
-        for f in &layout.flats {
-            let dt = flat_params[f.params[0].index].dtype();
-            shard_grads.push(Tensor::zeros([f.share], dt, self.device)?);
-            gathered.push(Tensor::zeros([f.padded], dt, self.device)?);
-        }
+        self.buckets.set_plan(BucketPlan {
+            group: self.group.clone(),
+            params: flat_params.iter().map(|&p| p.clone()).collect(),
+            buckets: grad_buckets,
+            bucket_of,
+            one: multi_tensor::scalar_on(self.device, 1.0)?,
+            unused_flag: multi_tensor::scalar_on(self.device, 0.0)?,
+        });
         self.snapshot = None;
         self.generation += 1;
         // Pieces in the inner optimizer's order (by group, then piece order), so that positions
@@ -352,6 +465,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             inner,
             shard_grads,
             gathered,
+            launch,
         });
         Ok(())
     }
@@ -361,37 +475,6 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             .iter()
             .flat_map(|g| g.params.iter().cloned())
             .collect()
-    }
-
-    /// Reduce-scatters the gradients (averaged) into the shares.
-    fn reduce_grads(&self, s: &Sharded<O>) -> Result<()> {
-        let params = self.params_flat();
-        let mut works = Vec::with_capacity(s.layout.flats.len());
-        for (f, out) in s.layout.flats.iter().zip(&s.shard_grads) {
-            let dt = out.dtype();
-            let mut parts = Vec::with_capacity(f.params.len() + 1);
-            for fp in &f.params {
-                let p = &params[fp.index];
-                let n = p.elem_count();
-                parts.push(match p.grad() {
-                    Some(g) => g.detach().reshape([n])?,
-                    None => Tensor::zeros([n], dt, self.device)?,
-                });
-            }
-            if f.padded > f.len {
-                parts.push(Tensor::zeros([f.padded - f.len], dt, self.device)?);
-            }
-            let refs: Vec<&Tensor> = parts.iter().collect();
-            let flat = Tensor::cat(&refs, 0)?;
-            works.push((
-                self.group.reduce_scatter_async(&flat, out, ReduceOp::Avg)?,
-                flat,
-            ));
-        }
-        for (w, _flat) in works {
-            w.wait()?;
-        }
-        Ok(())
     }
 
     /// `grad_multiplier` × min(1, max_norm/(‖g‖ + 1e-6)) with ‖g‖ the global norm of the
@@ -415,24 +498,17 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
     }
 
     /// All-gathers the share's updated values (in the parameters' dtypes) into every rank's
-    /// parameters.
+    /// parameters, bucket by bucket.
     fn gather_params(&self, s: &Sharded<O>) -> Result<()> {
         let params = self.params_flat();
-        let mut works = Vec::with_capacity(s.layout.flats.len());
-        for (fi, out) in s.gathered.iter().enumerate() {
+        let mut works = Vec::with_capacity(s.gathered.len());
+        for (bi, out) in s.gathered.iter().enumerate() {
             let dt = out.dtype();
-            let mut parts: Vec<Tensor> = Vec::new();
-            for p in s.pieces.iter().filter(|p| p.flat == fi) {
-                parts.push(p.value.detach().to_dtype(dt)?);
+            let mut order: Vec<(usize, Tensor)> = Vec::new();
+            for p in s.pieces.iter().filter(|p| p.bucket == bi) {
+                order.push((p.at, p.value.detach().to_dtype(dt)?));
             }
-            // Pieces are sorted by group: put them back in share order.
-            let mut order: Vec<(usize, Tensor)> = s
-                .pieces
-                .iter()
-                .filter(|p| p.flat == fi)
-                .map(|p| self.share_offset(s, p))
-                .zip(parts)
-                .collect();
+            // Pieces are sorted by group: put them back in chunk order.
             order.sort_by_key(|(o, _)| *o);
             let refs: Vec<&Tensor> = order.iter().map(|(_, t)| t).collect();
             let mine = Tensor::cat(&refs, 0)?.owned()?;
@@ -441,33 +517,22 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
         for (w, _mine) in works {
             w.wait()?;
         }
-        for (f, out) in s.layout.flats.iter().zip(&s.gathered) {
-            for fp in &f.params {
+        for (&(fi, k), out) in s.launch.iter().zip(&s.gathered) {
+            let f = &s.layout.flats[fi];
+            let b = &f.buckets[k];
+            for fp in f
+                .params
+                .iter()
+                .filter(|fp| fp.offset >= b.offset && fp.offset < b.offset + b.len)
+            {
                 let p = &params[fp.index];
                 let v = out
-                    .narrow(0, fp.offset, p.elem_count())?
+                    .narrow(0, fp.offset - b.offset, p.elem_count())?
                     .reshape(p.shape().clone())?;
                 p.copy_in_place(&v)?;
             }
         }
         Ok(())
-    }
-
-    /// Where a piece starts within this rank's share of its flat buffer.
-    fn share_offset(&self, s: &Sharded<O>, p: &Piece) -> usize {
-        let f = &s.layout.flats[p.flat];
-        let lo = self.group.rank() * f.share;
-        match p.param {
-            Some(i) => {
-                let fp = f
-                    .params
-                    .iter()
-                    .find(|fp| fp.index == i)
-                    .expect("a piece's parameter is in its flat");
-                fp.offset + p.param_start - lo
-            }
-            None => f.len.max(lo) - lo,
-        }
     }
 
     /// Without masters the pieces are copies of the parameters: refreshed from them before
@@ -520,8 +585,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
         // The pieces' gradients: their elements of the share (the kernels read half gradients
         // with FP32 masters, as in the unsharded O2 step).
         for p in &s.pieces {
-            let off = self.share_offset(s, p);
-            let g = s.shard_grads[p.flat].narrow(0, off, p.len)?.owned()?;
+            let g = s.shard_grads[p.bucket].narrow(0, p.at, p.len)?.owned()?;
             p.value.set_grad(Some(g));
         }
         let (mult, found) = match (scaling, self.clip) {

@@ -27,8 +27,7 @@ impl<O: ShardableOptimizer> Optimizer for ShardedOptimizer<O> {
         }
         self.materialize()?;
         let _ng = crate::no_grad();
-        let s = self.sharded.as_ref().expect("materialized");
-        self.reduce_grads(s)?;
+        self.buckets.finish()?;
         self.update(scaling)
     }
 
@@ -83,6 +82,7 @@ impl<O: ShardableOptimizer> Optimizer for ShardedOptimizer<O> {
     }
 
     fn zero_grad(&mut self) {
+        self.buckets.reset();
         for g in &self.groups {
             for p in &g.params {
                 p.zero_grad();
@@ -149,6 +149,7 @@ impl<O: ShardableOptimizer> Optimizer for ShardedOptimizer<O> {
         for (name, t) in shards {
             let (fi, key) = split_name(&name)?;
             let full = Tensor::zeros([s.layout.flats[fi].padded], DType::F32, self.device)?;
+            // Every rank's share, in rank order (`consolidate` puts it in flat order).
             self.group.all_gather_into(&t, &full)?;
             fulls.insert((fi, key), full);
         }
@@ -264,7 +265,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             let mut idx: Vec<usize> = (0..s.pieces.len())
                 .filter(|&k| s.pieces[k].flat == fi)
                 .collect();
-            idx.sort_by_key(|&k| self.share_offset(s, &s.pieces[k]));
+            idx.sort_by_key(|&k| s.pieces[k].share_at);
             let mut names: Vec<String> = st
                 .state
                 .get(&idx[0])
@@ -324,8 +325,8 @@ pub fn split_name(name: &str) -> Result<(usize, String)> {
 }
 
 /// The consolidated state (the unsharded layout) from whole flat buffers of state
-/// (`fulls[(flat, name)]`, F32 `[padded]`, any device) under `layout`, with the groups'
-/// hyperparameters.
+/// (`fulls[(flat, name)]`, F32 `[padded]`, any device: every rank's share concatenated in rank
+/// order) under `layout`, with the groups' hyperparameters.
 pub fn consolidate(
     layout: &ZeroLayout,
     fulls: &BTreeMap<(usize, String), Tensor>,
@@ -349,6 +350,7 @@ pub fn consolidate(
                 format!("{} (flat {fi}'s padded length)", f.padded),
             ));
         }
+        let full = f.flat_order(full, layout.world_size)?;
         let steps = if name == STEP {
             Some(full.to_vec_f32()?)
         } else {
