@@ -6,7 +6,7 @@
 //! bench-gpt_throughput [--model gpt2|gpt2-medium|...] [--mode o0|o1-bf16|o1-f16|o2-bf16|o2-f16]
 //!                      [--captured] [--batch 16] [--seq 1024] [--steps 20] [--warmup 5] [--profile]
 //!                      [--nproc-per-node N] [--bucket-cap-mb MB] [--checkpoint-activations]
-//!                      [--zero]
+//!                      [--zero] [--n-layer L --n-embd C --n-head H]
 //! ```
 //!
 //! Several GPUs: `--nproc-per-node N` starts the bench N times, one rank per GPU (as
@@ -27,6 +27,14 @@
 //! gradients reduce-scattered, state and FP32 masters 1/world per rank, clipping by the global
 //! norm inside it) instead of DDP + FusedAdam; eager only. `opt_state_mib` is the FP32 masters
 //! and moments one rank holds (12 bytes a parameter at O2, 8 without masters, /world sharded).
+//!
+//! `--n-layer`, `--n-embd`, `--n-head` override the `--model` preset's shape (GPT-2-shaped
+//! models beyond the presets: 32 × 2560 is ~2.7B). Running out of device memory is not a
+//! crash: the rank that ran out prints one JSON line with `"oom": true` (the model, its
+//! parameters, the error) and exits with status 3, which ends every rank
+//! (`benches/largest_gpt.sh` searches a ladder of models so). `peak_run_mib` is the pool's
+//! high-water mark over the whole run (model, optimizer state, warm-up and timed steps), per
+//! GPU.
 
 mod common;
 
@@ -57,6 +65,9 @@ struct Args {
     bucket_cap_mb: f64,
     checkpoint_activations: bool,
     zero: bool,
+    n_layer: Option<usize>,
+    n_embd: Option<usize>,
+    n_head: Option<usize>,
 }
 
 fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
@@ -73,6 +84,9 @@ fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
         bucket_cap_mb: DdpConfig::default().bucket_cap_mb,
         checkpoint_activations: false,
         zero: false,
+        n_layer: None,
+        n_embd: None,
+        n_head: None,
     };
     while let Some(flag) = flags.next_flag() {
         match flag.as_str() {
@@ -93,11 +107,17 @@ fn parse_args(flags: &mut common::args::Flags) -> Result<Args, String> {
                     .map_err(|_| "--bucket-cap-mb needs a number of MiB")?
             }
             "--zero" => a.zero = true,
+            "--n-layer" => a.n_layer = Some(flags.number(&flag)?),
+            "--n-embd" => a.n_embd = Some(flags.number(&flag)?),
+            "--n-head" => a.n_head = Some(flags.number(&flag)?),
             other => return Err(common::args::unknown(other)),
         }
     }
     if a.batch == 0 || a.seq == 0 || a.steps == 0 || a.nproc == Some(0) {
         return Err("--batch, --seq, --steps and --nproc-per-node must be at least 1".into());
+    }
+    if [a.n_layer, a.n_embd, a.n_head].contains(&Some(0)) {
+        return Err("--n-layer, --n-embd and --n-head must be at least 1".into());
     }
     Ok(a)
 }
@@ -115,7 +135,69 @@ fn main() {
             }
         }
     }
-    common::main_with(|| run(&args, start))
+    common::main_with(|| match run(&args, start) {
+        Err(e) if is_oom(&e) => {
+            report_oom(&args, &e);
+            std::process::exit(3)
+        }
+        r => r,
+    })
+}
+
+/// Whether `e` is the device running out of memory: the allocator's error, or a library's
+/// (cuBLAS, cuDNN, NCCL) allocation failure passed on as its status.
+fn is_oom(e: &mixprec::Error) -> bool {
+    if matches!(e, mixprec::Error::OutOfMemory { .. }) {
+        return true;
+    }
+    let m = e.to_string();
+    ["OUT_OF_MEMORY", "out of memory", "ALLOC_FAILED", "ncclSystemError"]
+        .iter()
+        .any(|k| m.contains(k))
+}
+
+/// The JSON line of a run that ran out of memory (printed by the rank that did).
+fn report_oom(args: &Args, e: &mixprec::Error) {
+    let env = LaunchEnv::from_env().ok();
+    let (rank, world) = env.map_or((0, 1), |v| (v.rank, v.world_size));
+    let (name, params) = match model_config(args) {
+        Ok(cfg) => (model_name(args, &cfg), cfg.num_parameters()),
+        Err(_) => (args.model.clone(), 0),
+    };
+    let detail = e.to_string().replace(['"', '\\', '\n'], " ");
+    println!(
+        "{{\"side\": \"mixprec\", \"model\": \"{name}\", \"mode\": \"{}\", \"checkpoint_activations\": {}, \
+         \"zero\": {}, \"world\": {world}, \"rank\": {rank}, \"batch\": {}, \"seq\": {}, \"params\": {params}, \
+         \"oom\": true, \"error\": \"{detail}\"}}",
+        args.mode, args.checkpoint_activations, args.zero, args.batch, args.seq
+    );
+}
+
+/// The `--model` preset with the shape flags applied, its context at least `--seq`.
+fn model_config(args: &Args) -> mixprec::Result<GptConfig> {
+    let mut cfg = GptConfig::named(&args.model)?;
+    cfg.n_layer = args.n_layer.unwrap_or(cfg.n_layer);
+    cfg.n_embd = args.n_embd.unwrap_or(cfg.n_embd);
+    cfg.n_head = args.n_head.unwrap_or(cfg.n_head);
+    if cfg.n_embd % cfg.n_head != 0 {
+        return Err(mixprec::Error::invalid_arg(
+            "gpt_throughput",
+            "--n-embd",
+            cfg.n_embd,
+            format!("a multiple of the heads ({})", cfg.n_head),
+        ));
+    }
+    cfg.block_size = cfg.block_size.max(args.seq);
+    Ok(cfg)
+}
+
+/// The preset's name, or `L{layers}xC{width}` when the shape flags changed it.
+fn model_name(args: &Args, cfg: &GptConfig) -> String {
+    if [args.n_layer, args.n_embd, args.n_head].iter().all(Option::is_none) {
+        args.model.clone()
+    } else {
+        format!("{}x{}h{}", cfg.n_layer, cfg.n_embd, cfg.n_head)
+    }
 }
 
 fn policy(mode: &str) -> mixprec::Result<amp::Policy> {
@@ -169,8 +251,8 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     let Device::Cuda(ordinal) = dev else {
         return Err(mixprec::Error::Cuda(format!("the group's device is {dev}")));
     };
-    let mut cfg = GptConfig::named(&args.model)?;
-    cfg.block_size = cfg.block_size.max(args.seq);
+    let cfg = model_config(args)?;
+    let name = model_name(args, &cfg);
     let model = Gpt::new(cfg, 0, &dev)?.with_activation_checkpointing(args.checkpoint_activations);
     let params = model.num_parameters();
     let adam = AdamConfig {
@@ -269,6 +351,8 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         step()?;
     }
     gpu.synchronize()?;
+    // The high-water mark of the model, the state and the warm-up steps.
+    let warm_peak = cuda::memory_stats(ordinal)?.used_high;
     cuda::reset_peak_memory(ordinal)?;
 
     if args.profile && !args.captured {
@@ -316,6 +400,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         }
     }
     let mem = cuda::memory_stats(ordinal)?;
+    let run_peak = mem.used_high.max(warm_peak);
     let stats = stepper.optimizer().stats()?;
     let skipped: u64 = stats.iter().map(|s| s.skipped_total).sum();
     let scale = stats.first().map_or(1.0, |s| s.scale);
@@ -335,9 +420,9 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         "{{\"side\": \"mixprec\", \"model\": \"{}\", \"mode\": \"{}\", \"captured\": {}, \"checkpoint_activations\": {}, \"zero\": {}, \"opt_state_mib\": {:.0}, \"attention\": \"{:?}\", \
          \"world\": {world}, \"batch\": {b}, \"seq\": {t}, \"params\": {params}, \"steps\": {}, \"tokens_per_s\": {tokens_per_s:.0}, \
          \"step_ms\": {:.2}, \"tflops\": {:.1}, \"first_step_s\": {first_step_s:.2}, \
-         \"peak_alloc_mib\": {:.0}, \"peak_reserved_mib\": {:.0}, \"host_syncs_per_step\": {:.2}, \
-         \"skipped\": {skipped}, \"loss_scale\": {scale}, \"loss_first\": {first_loss:.4}, \"loss_last\": {final_loss:.4}}}",
-        args.model,
+         \"peak_alloc_mib\": {:.0}, \"peak_reserved_mib\": {:.0}, \"peak_run_mib\": {:.0}, \"host_syncs_per_step\": {:.2}, \
+         \"skipped\": {skipped}, \"loss_scale\": {scale}, \"loss_first\": {first_loss:.4}, \"loss_last\": {final_loss:.4}, \"oom\": false}}",
+        name,
         args.mode,
         args.captured,
         args.checkpoint_activations,
@@ -349,6 +434,7 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         flops / step_s / 1e12,
         mib(mem.used_high),
         mib(mem.reserved_high),
+        mib(run_peak),
         syncs as f64 / args.steps as f64,
     );
     Ok(())

@@ -2,7 +2,9 @@
 //! optimizer on the same device: one rank (bitwise: a reduce over one rank is the identity),
 //! and two ranks on two GPUs when there are two (within f32 rounding: NCCL's reduce-scatter and
 //! all-reduce may sum in different orders), at O0 (FP32) and O2 (f16 model, FP32 masters).
-//! The ranks are threads of this test, one GPU each.
+//! Each also with a gradient bucket per parameter, every bucket reduce-scattered on NCCL's
+//! stream from the gradient hooks while backward runs. The ranks are threads of this test, one
+//! GPU each.
 
 use mixprec::amp::{self, OptLevel, Policy};
 use mixprec::distributed::launch::free_port;
@@ -84,12 +86,18 @@ fn values(m: &dyn Module) -> Result<Vec<Vec<f64>>> {
 }
 
 /// Four steps of ZeroAdam and of DDP-averaged FusedAdam on each rank: (sharded, unsharded).
-fn compare(world: usize, level: OptLevel) -> Vec<[Vec<Vec<f64>>; 2]> {
+/// With `per_param`, a bucket per parameter, launched during backward.
+fn compare(world: usize, level: OptLevel, per_param: bool) -> Vec<[Vec<Vec<f64>>; 2]> {
     on_gpus(world, move |rank, g| {
         let dev = g.device();
         let policy = Policy::opt_level(level).with_report_interval(0);
         let a = mlp(5, dev)?;
-        let z = ZeroAdam::single(&g, a.parameters(), adam())?;
+        let mut z = ZeroAdam::single(&g, a.parameters(), adam())?;
+        if per_param {
+            // One byte: every parameter fills a bucket of its own, in any dtype.
+            let tiny = 1.0 / 1048576.0;
+            z.set_bucket_cap_mb(tiny, tiny)?;
+        }
         let (a, mut z) = amp::initialize(a, z, policy.clone())?;
         let b = mlp(5, dev)?;
         let r = FusedAdam::new(b.parameters(), adam())?;
@@ -106,6 +114,10 @@ fn compare(world: usize, level: OptLevel) -> Vec<[Vec<Vec<f64>>; 2]> {
             }
             r.step()?;
         }
+        let want = if per_param { 4 } else { 1 };
+        let stats = z.inner().last_reduction();
+        assert_eq!(stats.buckets, want, "rank {rank}");
+        assert_eq!(stats.launched_during_backward, want, "rank {rank}");
         Ok([values(&a)?, values(&b)?])
     })
 }
@@ -122,9 +134,14 @@ fn max_rel(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
 #[ignore = "needs a CUDA GPU"]
 fn zero_adam_over_nccl_on_one_rank_matches_fused_adam_bitwise() {
     for level in [OptLevel::O0, OptLevel::O2] {
-        let ranks = compare(1, level);
-        let [sharded, plain] = &ranks[0];
-        assert_eq!(sharded, plain, "{level:?}: one rank, sharded vs unsharded");
+        for per_param in [false, true] {
+            let ranks = compare(1, level, per_param);
+            let [sharded, plain] = &ranks[0];
+            assert_eq!(
+                sharded, plain,
+                "{level:?}, per-parameter buckets {per_param}: one rank, sharded vs unsharded"
+            );
+        }
     }
 }
 
@@ -136,8 +153,13 @@ fn zero_adam_over_nccl_on_two_gpus_matches_ddp_within_rounding() {
         println!("skipped: {n} GPU(s), this test needs 2");
         return;
     }
-    for level in [OptLevel::O0, OptLevel::O2] {
-        let ranks = compare(2, level);
+    for (level, per_param) in [
+        (OptLevel::O0, false),
+        (OptLevel::O2, false),
+        (OptLevel::O0, true),
+        (OptLevel::O2, true),
+    ] {
+        let ranks = compare(2, level, per_param);
         for (r, [sharded, plain]) in ranks.iter().enumerate() {
             // The averaged gradients may differ in the last bit (summation order); Adam's
             // normalised update keeps that near f32 rounding, half parameters at one half ulp.

@@ -109,7 +109,8 @@ struct Sharded<O> {
     pieces: Vec<Piece>,
     inner: O,
     /// Per bucket (launch order): this rank's chunk of the averaged gradients (the buckets'
-    /// reduce-scatter outputs) and the gathered values `[padded]`.
+    /// reduce-scatter outputs), and the bucket's buffer `[padded]`, where the step gathers the
+    /// updated values once the gradients left it.
     shard_grads: Vec<Tensor>,
     gathered: Vec<Tensor>,
     /// Per bucket: (flat, bucket within it).
@@ -403,7 +404,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             }
             let out = Tensor::zeros([b.chunk], dtype, self.device)?;
             shard_grads.push(out.clone());
-            gathered.push(Tensor::zeros([b.padded], dtype, self.device)?);
+            gathered.push(buffer.clone());
             grad_buckets.push(GradBucket {
                 params: members.iter().map(|fp| fp.index).collect(),
                 parts,
@@ -498,7 +499,8 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
     }
 
     /// All-gathers the share's updated values (in the parameters' dtypes) into every rank's
-    /// parameters, bucket by bucket.
+    /// parameters, bucket by bucket, through the buckets' gradient buffers (free until the
+    /// next backward).
     fn gather_params(&self, s: &Sharded<O>) -> Result<()> {
         let params = self.params_flat();
         let mut works = Vec::with_capacity(s.gathered.len());
@@ -506,7 +508,14 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             let dt = out.dtype();
             let mut order: Vec<(usize, Tensor)> = Vec::new();
             for p in s.pieces.iter().filter(|p| p.bucket == bi) {
-                order.push((p.at, p.value.detach().to_dtype(dt)?));
+                // Zeros for the padding: the buffer's padding must stay zero for the gradients.
+                order.push((
+                    p.at,
+                    match p.param {
+                        Some(_) => p.value.detach().to_dtype(dt)?,
+                        None => Tensor::zeros([p.len], dt, self.device)?,
+                    },
+                ));
             }
             // Pieces are sorted by group: put them back in chunk order.
             order.sort_by_key(|(o, _)| *o);
