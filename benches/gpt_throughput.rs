@@ -24,8 +24,9 @@
 //! skipped steps, the final loss, the attention path taken. `--checkpoint-activations`
 //! checkpoints every transformer block (recomputed in backward: less memory, more time).
 //! `--zero` (with `--nproc-per-node`): the ZeRO-sharded AdamW (`distributed::ZeroAdam`,
-//! gradients reduce-scattered, state and FP32 masters 1/world per rank, clipping by the global
-//! norm inside it) instead of DDP + FusedAdam; eager only. `opt_state_mib` is the FP32 masters
+//! gradients reduce-scattered in DDP's buckets during backward, `--bucket-cap-mb` sized, state
+//! and FP32 masters 1/world per rank, clipping by the global norm inside it) instead of DDP +
+//! FusedAdam; eager only. `opt_state_mib` is the FP32 masters
 //! and moments one rank holds (12 bytes a parameter at O2, 8 without masters, /world sharded).
 //!
 //! `--n-layer`, `--n-embd`, `--n-head` override the `--model` preset's shape (GPT-2-shaped
@@ -286,6 +287,8 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
         Some(g) => {
             let mut z = ZeroAdam::single(g, model.parameters(), adam)?;
             z.clip_grad_norm(Some(1.0))?;
+            // DDP's bucket sizes: the reduce-scatters leave during backward as its all-reduces.
+            z.set_bucket_cap_mb(DdpConfig::default().first_bucket_mb, args.bucket_cap_mb)?;
             Box::new(z)
         }
         None => Box::new(FusedAdam::new(model.parameters(), adam)?),

@@ -30,17 +30,26 @@ pub fn uniform_iter(seed: u64, n: usize, low: f64, high: f64) -> impl Iterator<I
 
 /// Box–Muller on each element's own block.
 pub fn normal(seed: u64, n: usize, mean: f64, std: f64) -> Vec<f64> {
-    normal_iter(seed, n, mean, std).collect()
+    // On every core: a billion-parameter model's init is otherwise minutes of one core (each
+    // value depends only on its index, so the values are those of one thread).
+    use rayon::prelude::*;
+    (0..n)
+        .into_par_iter()
+        .with_min_len(1 << 16)
+        .map(|i| normal_at(seed, i as u64, mean, std))
+        .collect()
 }
 
 /// [`normal`]'s values one by one (nothing allocated).
 pub fn normal_iter(seed: u64, n: usize, mean: f64, std: f64) -> impl Iterator<Item = f64> {
-    (0..n as u64).map(move |i| {
-        let b = block(seed, i);
-        let u1 = 1.0 - unit(b[0], b[1]); // (0, 1]: ln is finite
-        let u2 = unit(b[2], b[3]);
-        mean + std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    })
+    (0..n as u64).map(move |i| normal_at(seed, i, mean, std))
+}
+
+fn normal_at(seed: u64, i: u64, mean: f64, std: f64) -> f64 {
+    let b = block(seed, i);
+    let u1 = 1.0 - unit(b[0], b[1]); // (0, 1]: ln is finite
+    let u2 = unit(b[2], b[3]);
+    mean + std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
 /// A stream of seeds for code that draws many tensors (parameter init, data shuffling): each
