@@ -152,7 +152,7 @@ fn is_oom(e: &mixprec::Error) -> bool {
         return true;
     }
     let m = e.to_string();
-    ["OUT_OF_MEMORY", "out of memory", "ALLOC_FAILED", "ncclSystemError"]
+    ["OUT_OF_MEMORY", "out of memory", "ALLOC_FAILED"]
         .iter()
         .any(|k| m.contains(k))
 }
@@ -194,7 +194,10 @@ fn model_config(args: &Args) -> mixprec::Result<GptConfig> {
 
 /// The preset's name, or `L{layers}xC{width}` when the shape flags changed it.
 fn model_name(args: &Args, cfg: &GptConfig) -> String {
-    if [args.n_layer, args.n_embd, args.n_head].iter().all(Option::is_none) {
+    if [args.n_layer, args.n_embd, args.n_head]
+        .iter()
+        .all(Option::is_none)
+    {
         args.model.clone()
     } else {
         format!("{}x{}h{}", cfg.n_layer, cfg.n_embd, cfg.n_head)
