@@ -388,11 +388,15 @@ fn an_inf_on_one_rank_skips_the_step_on_every_rank() {
 
 #[test]
 fn clipping_by_the_global_norm_matches_the_unsharded_clip() {
-    for world in [2, 3] {
+    // One bucket, and a bucket per parameter (the padding of every chunk in the norm).
+    for (world, per_param) in [(2, false), (3, false), (3, true)] {
         let ranks = on_ranks(world, move |rank, g| {
             let (a, b) = (mlp(9)?, mlp(9)?);
             let mut z = ZeroAdam::single(&g, a.parameters(), adam())?;
             z.clip_grad_norm(Some(0.05))?;
+            if per_param {
+                z.set_bucket_cap_mb(TINY_BUCKET_MB, TINY_BUCKET_MB)?;
+            }
             let mut r = FusedAdam::new(b.parameters(), adam())?;
             for step in 0..3 {
                 let (x, y) = batch(rank, step, false)?;
@@ -586,11 +590,15 @@ fn sharded_lamb_takes_its_trust_ratios_over_whole_tensors_across_share_boundarie
         max_grad_norm: 0.5,
         ..Default::default()
     };
-    for world in [1, 2, 3] {
+    // One bucket, and a bucket per parameter (tensors cut into the chunks of their bucket).
+    for (world, per_param) in [(1, false), (2, false), (3, false), (2, true), (3, true)] {
         let ranks = on_ranks(world, move |rank, g| {
             let (a, b) = (mlp(13)?, mlp(13)?);
             let start = values(&a)?;
             let mut z = ZeroLamb::single(&g, a.parameters(), lamb)?;
+            if per_param {
+                z.set_bucket_cap_mb(TINY_BUCKET_MB, TINY_BUCKET_MB)?;
+            }
             let mut r = FusedLamb::new(b.parameters(), lamb)?;
             for step in 0..4 {
                 let (x, y) = batch(rank, step, false)?;
