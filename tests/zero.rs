@@ -14,8 +14,9 @@
 //!   weights straddling share boundaries, equal to the unsharded LAMB within f32 rounding;
 //! - clipping by the global norm equals the unsharded clip within f32 rounding;
 //! - the gradient buckets reduce-scattered from the gradient hooks during backward (a bucket
-//!   per parameter), at world sizes 1, 2, 3, with and without gradient accumulation, bitwise
-//!   those of the unsharded optimizer; bucket sizes checked and fixed by the first step;
+//!   per parameter), at world sizes 1, 2, 3, with and without gradient accumulation (told or
+//!   not), bitwise those of the unsharded optimizer; bucket sizes and micro-batches checked and
+//!   fixed by the first step;
 //! - resume across world sizes (2 -> 1, 1 -> 2 bitwise; 3 -> 2 within f32 rounding) from the
 //!   per-rank shards, also between bucket layouts, and the consolidated state loading into the plain optimizer.
 
@@ -236,17 +237,21 @@ fn sharded_adamw_and_sgd_match_the_unsharded_fused_optimizers_bitwise() {
 }
 
 /// Buckets launched from the gradient hooks during backward: one bucket per parameter, at world
-/// sizes 1, 2, 3, with one backward per step (every bucket leaves during backward) and with two
-/// (gradient accumulation: the buckets launched in the first backward are stale, and the step
-/// reduces every bucket again), the parameters bitwise those of the unsharded optimizer.
+/// sizes 1, 2, 3, with one backward per step (every bucket leaves during backward) and with two:
+/// told (`set_micro_batches(2)`: the buckets leave during the second) or not (the buckets
+/// launched in the first backward are stale, and the step reduces every bucket again); the
+/// parameters bitwise those of the unsharded optimizer.
 #[test]
 fn buckets_reduce_scattered_during_backward_match_the_unsharded_optimizer_bitwise() {
     for world in [1, 2, 3] {
-        for accum in [1, 2] {
+        for (accum, told) in [(1, true), (2, true), (2, false)] {
             let ranks = on_ranks(world, move |rank, g| {
                 let (a, b) = (mlp(7)?, mlp(7)?);
                 let mut z = ZeroAdam::single(&g, a.parameters(), adam())?;
                 z.set_bucket_cap_mb(TINY_BUCKET_MB, TINY_BUCKET_MB)?;
+                if told {
+                    z.set_micro_batches(accum)?;
+                }
                 let mut r = FusedAdam::new(b.parameters(), adam())?;
                 let mut stats = Vec::new();
                 for step in 0..3 {
@@ -265,11 +270,12 @@ fn buckets_reduce_scattered_during_backward_match_the_unsharded_optimizer_bitwis
                 Ok(([values(&a)?, values(&b)?], stats))
             });
             for (r, ([sharded, plain], stats)) in ranks.iter().enumerate() {
-                let what = format!("world {world}, {accum} backward(s) a step, rank {r}");
+                let what =
+                    format!("world {world}, {accum} backward(s) a step (told {told}), rank {r}");
                 // The first step fixes the layout: its backward had no buckets yet.
                 for (i, s) in stats.iter().enumerate() {
                     assert_eq!(s.buckets, 4, "{what}");
-                    let want = if accum == 1 && i > 0 { 4 } else { 0 };
+                    let want = if told && i > 0 { 4 } else { 0 };
                     assert_eq!(s.launched_during_backward, want, "{what}");
                 }
                 assert_eq!(bits(sharded), bits(plain), "{what}: sharded vs unsharded");
@@ -288,6 +294,8 @@ fn bucket_sizes_are_checked_and_fixed_by_the_first_step() {
         assert!(e.to_string().contains("first_mb"), "{e}");
         let e = z.set_bucket_cap_mb(1.0, f64::NAN).unwrap_err();
         assert!(e.to_string().contains("cap_mb"), "{e}");
+        let e = z.set_micro_batches(0).unwrap_err();
+        assert!(e.to_string().contains("at least 1"), "{e}");
         let (x, y) = batch(rank, 0, false)?;
         cross_entropy(&a.forward(&x)?, &y)?.backward()?;
         z.step()?;
@@ -298,6 +306,8 @@ fn bucket_sizes_are_checked_and_fixed_by_the_first_step() {
         z.step()?;
         assert_eq!(z.last_reduction().launched_during_backward, 1);
         let e = z.set_bucket_cap_mb(1.0, 25.0).unwrap_err();
+        assert!(e.to_string().contains("after the first step"), "{e}");
+        let e = z.set_micro_batches(2).unwrap_err();
         assert!(e.to_string().contains("after the first step"), "{e}");
         Ok(())
     });

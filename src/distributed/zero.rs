@@ -134,6 +134,7 @@ pub struct ShardedOptimizer<O: ShardableOptimizer> {
     sharded: Option<Sharded<O>>,
     generation: u64,
     caps: BucketCaps,
+    micro_batches: usize,
     /// The buckets the parameters' gradient hooks launch.
     buckets: Arc<GradBuckets>,
     hooks: Vec<(Tensor, HookId)>,
@@ -226,6 +227,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
                 first: mib(ddp.first_bucket_mb),
                 cap: mib(ddp.bucket_cap_mb),
             },
+            micro_batches: 1,
             buckets,
             hooks,
         })
@@ -256,6 +258,30 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             first: bytes(first_mb),
             cap: bytes(cap_mb),
         };
+        Ok(())
+    }
+
+    /// Gradient accumulation: each step's gradients come from `k` backward passes (1 by
+    /// default), so a bucket leaves during the k-th. Before the first step or state load.
+    /// Another count stays correct: fewer passes leave the buckets to the step, more make it
+    /// reduce every bucket again.
+    pub fn set_micro_batches(&mut self, k: usize) -> Result<()> {
+        if k == 0 {
+            return Err(Error::invalid_arg(
+                O::NAME,
+                "k",
+                k,
+                "at least 1 backward a step",
+            ));
+        }
+        if self.sharded.is_some() {
+            return Err(Error::Unsupported {
+                op: O::NAME,
+                detail: "micro-batches set after the first step or state load fixed the layout"
+                    .into(),
+            });
+        }
+        self.micro_batches = k;
         Ok(())
     }
 
@@ -454,6 +480,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             bucket_of,
             one: multi_tensor::scalar_on(self.device, 1.0)?,
             unused_flag: multi_tensor::scalar_on(self.device, 0.0)?,
+            micro_batches: self.micro_batches,
         });
         self.snapshot = None;
         self.generation += 1;

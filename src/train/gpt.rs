@@ -373,6 +373,7 @@ fn optimizer(
     Ok(match zero {
         Some(g) => {
             let mut z = ZeroAdam::new(g, groups.with_config(config))?;
+            z.set_micro_batches(r.grad_accum)?;
             if r.clip > 0.0 {
                 z.clip_grad_norm(Some(r.clip))?;
             }

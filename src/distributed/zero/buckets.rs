@@ -6,11 +6,14 @@
 //! collectives in the same order. The step launches what is left (parameters without a
 //! gradient count as zeros) and waits for every bucket (stream-ordered under NCCL).
 //!
-//! A parameter whose gradient grows again after its bucket was launched (a second backward
-//! before the step: gradient accumulation) makes the launched reduction stale: the round is
-//! then marked, nothing more launches from the hooks, and the step reduces every bucket again
-//! from the final gradients. Correct whatever the caller does, and the same on every rank
-//! (the hooks follow the same graph there); only the overlap is lost.
+//! With gradient accumulation over k backward passes a step
+//! ([`ShardedOptimizer::set_micro_batches`](super::ShardedOptimizer::set_micro_batches)), a
+//! gradient is final at its k-th hook of the round. A parameter whose gradient grows again
+//! after its bucket was launched (more backward passes than k before the step) makes the
+//! launched reduction stale: the round is then marked, nothing more launches from the hooks,
+//! and the step reduces every bucket again from the final gradients. Correct whatever the
+//! caller does, and the same on every rank (the hooks follow the same graph there); only the
+//! overlap is lost.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -43,11 +46,14 @@ pub(super) struct BucketPlan {
     /// checks the averaged chunks).
     pub(super) one: Tensor,
     pub(super) unused_flag: Tensor,
+    /// Backward passes a step (its gradients are final at the last).
+    pub(super) micro_batches: usize,
 }
 
 #[derive(Default)]
 struct Round {
-    ready: Vec<bool>,
+    /// Per parameter: its hooks this round.
+    seen: Vec<usize>,
     /// Per bucket: its parameters not ready yet.
     pending: Vec<usize>,
     next_launch: usize,
@@ -103,14 +109,17 @@ impl GradBuckets {
             return Ok(());
         };
         let b = plan.bucket_of[i];
-        if st.round.ready[i] {
+        st.round.seen[i] += 1;
+        if st.round.seen[i] > plan.micro_batches {
             // Its gradient grew again: stale if its bucket already left.
             if b < st.round.next_launch {
                 st.round.stale = true;
             }
             return Ok(());
         }
-        st.round.ready[i] = true;
+        if st.round.seen[i] < plan.micro_batches {
+            return Ok(());
+        }
         st.round.pending[b] -= 1;
         if st.round.stale {
             return Ok(());
@@ -173,7 +182,7 @@ impl GradBuckets {
 
 fn fresh_round(plan: &BucketPlan) -> Round {
     Round {
-        ready: vec![false; plan.params.len()],
+        seen: vec![0; plan.params.len()],
         pending: plan.buckets.iter().map(|b| b.params.len()).collect(),
         next_launch: 0,
         inflight: Vec::new(),
