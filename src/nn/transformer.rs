@@ -10,7 +10,7 @@ use super::layer_norm::LayerNorm;
 use super::linear::Linear;
 use super::module::{Module, TrainingFlag};
 use crate::error::{Error, Result};
-use crate::tensor::random::{normal, SeedStream};
+use crate::tensor::random::{normal_f32, SeedStream};
 use crate::tensor::{DType, Device, DropoutGenerator, SdpaOptions, Tensor};
 
 /// The sizes and regularisation one block needs.
@@ -87,9 +87,7 @@ pub(crate) fn normal_tensor(
     device: &Device,
 ) -> Result<Tensor> {
     let n = shape.iter().product();
-    Tensor::from_vec(normal(seed, n, 0.0, std), shape.to_vec(), Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .to_device(*device)
+    Tensor::from_vec(normal_f32(seed, n, 0.0, std), shape.to_vec(), Device::Cpu)?.to_device(*device)
 }
 
 /// `[B, T, C]` of `x`, or an error naming `op`.
