@@ -618,10 +618,11 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
     fn update(&mut self, scaling: Option<GradScaling<'_>>) -> Result<()> {
         let s = self.sharded.as_ref().expect("materialized");
         self.refresh_pieces(s)?;
-        // The pieces' gradients: their elements of the share (the kernels read half gradients
-        // with FP32 masters, as in the unsharded O2 step).
+        // The pieces' gradients: views of their elements of the chunks, no copies (the kernels
+        // read half gradients with FP32 masters, as in the unsharded O2 step; the views keep
+        // their addresses from step to step).
         for p in &s.pieces {
-            let g = s.shard_grads[p.bucket].narrow(0, p.at, p.len)?.owned()?;
+            let g = s.shard_grads[p.bucket].narrow(0, p.at, p.len)?;
             p.value.set_grad(Some(g));
         }
         let (mult, found) = match (scaling, self.clip) {
