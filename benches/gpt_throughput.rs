@@ -192,7 +192,7 @@ fn model_config(args: &Args) -> mixprec::Result<GptConfig> {
     Ok(cfg)
 }
 
-/// The preset's name, or `L{layers}xC{width}` when the shape flags changed it.
+/// The preset's name, or `{layers}x{width}h{heads}` when the shape flags changed it.
 fn model_name(args: &Args, cfg: &GptConfig) -> String {
     if [args.n_layer, args.n_embd, args.n_head]
         .iter()

@@ -46,13 +46,13 @@ else
 fi
 
 # The ladder: label, layers, width, heads (GPT-2's shape: 4x MLP, tied embeddings, 50304
-# tokens). Parameters ~ 12 L C^2 + 50304 C.
+# tokens; heads of 64 up to 1.5B, of 128 above). Parameters ~ 12 L C^2 + 50304 C.
 ladder=(
   "124M 12 768 12"
   "350M 24 1024 16"
   "774M 36 1280 20"
   "1.5B 48 1600 25"
-  "2.7B 32 2560 32"
+  "2.7B 32 2560 20"
   "4.2B 36 3072 24"
   "6.7B 32 4096 32"
   "9.3B 40 4352 34"
