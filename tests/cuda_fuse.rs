@@ -146,3 +146,118 @@ fn a_captured_fused_call_replays_without_host_work() {
     let d = max_rel_diff(&y.to_device(Device::Cpu).unwrap(), &want);
     assert!(d < 1e-5, "{d}");
 }
+
+/// `f` on `xs` on the GPU against the CPU interpreter: outputs within `tol` (relative to
+/// max(|y|, 1)), input gradients within `10 · tol`; and a second GPU call repeats the first bit
+/// for bit (the partials are folded in a fixed order whichever block finishes last).
+fn check_against_cpu(what: &str, f: &Fused, xs: &[Tensor], tol: f64) {
+    let (ys_c, gs_c) = run(f, xs, 11);
+    let dev: Vec<Tensor> = xs.iter().map(|x| x.to_device(GPU).unwrap()).collect();
+    let (ys_g, gs_g) = run(f, &dev, 11);
+    for (k, (a, b)) in ys_g.iter().zip(&ys_c).enumerate() {
+        assert_eq!(a.dims(), b.dims(), "{what}: output {k}");
+        let d = max_rel_diff(a, b);
+        assert!(d <= tol, "{what}: output {k} differs by {d}");
+    }
+    for (i, (a, b)) in gs_g.iter().zip(&gs_c).enumerate() {
+        match (a, b) {
+            (Some(a), Some(b)) => {
+                let d = max_rel_diff(a, b);
+                assert!(d <= tol * 10.0, "{what}: grad {i} differs by {d}");
+            }
+            (None, None) => {}
+            _ => panic!("{what}: grad {i} present on one device only"),
+        }
+    }
+    let refs: Vec<&Tensor> = dev.iter().collect();
+    let _g = mixprec::no_grad();
+    let (a, b) = (f.call(&refs).unwrap(), f.call(&refs).unwrap());
+    for (k, (a, b)) in a.iter().zip(&b).enumerate() {
+        let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{what}: output {k} differs between two calls"
+        );
+    }
+}
+
+fn tol_of(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-4,
+        DType::F16 => 4e-3,
+        _ => 2e-2,
+    }
+}
+
+/// Batch norm with E[x²] − E[x]² (one reduction set: both sums in one pass over x), on shapes
+/// that take each reduction path: rows cut over many blocks with 8-wide loads (H·W a multiple
+/// of 8), over many blocks element by element (odd H·W), a block per row, rows shorter than a
+/// block; f32, f16 and bf16.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn reductions_split_over_many_blocks_match_the_cpu() {
+    let bn = fuse("bn_two_sums", |f, x| {
+        let axes = [0, 2, 3];
+        let mean = f.mean(x[0], &axes);
+        let var = f.sub(f.mean(f.sqr(x[0]), &axes), f.sqr(mean));
+        let y = f.mul(f.sub(x[0], mean), f.rsqrt(f.add_scalar(var, 1e-5)));
+        vec![f.cast(f.add(f.mul(y, x[1]), x[2]), f.dtype(x[0])), var]
+    });
+    let shapes = [
+        vec![32, 4, 56, 56], // long rows, 8-wide: many blocks per channel
+        vec![64, 3, 33, 35], // long rows, odd H·W: many blocks, element by element
+        vec![8, 16, 14, 14], // a few blocks per channel, 8-wide
+        vec![3, 40, 3, 5],   // rows shorter than a block
+    ];
+    for (s, shape) in shapes.iter().enumerate() {
+        for (d, dtype) in [DType::F32, DType::F16, DType::BF16]
+            .into_iter()
+            .enumerate()
+        {
+            let c = shape[1];
+            let seed = (10 * s + d) as u64;
+            let x = Tensor::randn(shape.clone(), 0.3, 2.0, seed, dtype, Device::Cpu).unwrap();
+            let w = Tensor::randn(vec![c, 1, 1], 1.0, 0.1, seed + 1, DType::F32, Device::Cpu);
+            let b = Tensor::randn(vec![c, 1, 1], 0.0, 0.1, seed + 2, DType::F32, Device::Cpu);
+            let what = format!("batch norm {shape:?} {dtype}");
+            check_against_cpu(&what, &bn, &[x, w.unwrap(), b.unwrap()], tol_of(dtype));
+        }
+    }
+}
+
+/// Several reductions of different kinds over the same axes in one kernel (sum, max, min and
+/// a mean of a function of x), over the innermost axis (rows along memory: 8-wide loads, long
+/// rows cut over many blocks, odd lengths) and over outer axes (rows across memory).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn several_reductions_per_kernel_over_inner_and_outer_axes_match_the_cpu() {
+    for axes in [vec![-1isize], vec![0], vec![0, 2]] {
+        let ax = axes.clone();
+        let f = fuse("stats", move |f, x| {
+            let s = f.sum(x[0], &ax);
+            let hi = f.max(x[0], &ax);
+            let lo = f.min(x[0], &ax);
+            let m = f.mean(f.tanh(x[0]), &ax);
+            // An elementwise output over the reductions, broadcast back over x.
+            let y = f.mul(f.sub(x[0], lo), f.recip(f.add_scalar(f.sub(hi, lo), 1.0)));
+            vec![s, hi, lo, m, f.add(y, f.mul_scalar(m, 0.5))]
+        });
+        let shapes = [
+            vec![3, 7, 40_000], // long rows of 8-wide units
+            vec![5, 2, 1_001],  // odd lengths
+            vec![2_000, 3, 24], // long outer axis
+            vec![1, 1, 8],      // a single unit
+        ];
+        for (s, shape) in shapes.iter().enumerate() {
+            for (d, dtype) in [DType::F32, DType::F16, DType::BF16]
+                .into_iter()
+                .enumerate()
+            {
+                let seed = (100 + 10 * s + d) as u64;
+                let x = Tensor::randn(shape.clone(), 0.0, 1.0, seed, dtype, Device::Cpu).unwrap();
+                let what = format!("stats over {axes:?} of {shape:?} {dtype}");
+                check_against_cpu(&what, &f, &[x], tol_of(dtype));
+            }
+        }
+    }
+}

@@ -372,6 +372,40 @@ fn generated_kernels_compile_with_nvrtc() {
     }
 }
 
+/// A batch norm with its variance as E[x²] − E[x]²: both sums are one reduction set (one pass
+/// over x), so the forward is two kernels (the statistics, the outputs) and the backward three
+/// (the statistics again, the gradient sums, the outputs); every kernel compiles.
+#[test]
+fn two_sums_over_the_same_axes_share_one_kernel() {
+    let bn = fuse("bn_two_sums", |f, x| {
+        let axes = [0, 2, 3];
+        let mean = f.mean(x[0], &axes);
+        let var = f.sub(f.mean(f.sqr(x[0]), &axes), f.sqr(mean));
+        let y = f.mul(f.sub(x[0], mean), f.rsqrt(f.add_scalar(var, 1e-5)));
+        vec![f.cast(f.add(f.mul(y, x[1]), x[2]), f.dtype(x[0]))]
+    });
+    let x = Tensor::zeros(vec![2, 3, 4, 8], DType::F16, Device::Cpu).unwrap();
+    let w = Tensor::zeros(vec![3, 1, 1], DType::F32, Device::Cpu).unwrap();
+    let (name, src, kernels) = bn.cuda_source(&[&x, &w, &w]).unwrap();
+    assert_eq!(kernels, 2, "{src}");
+    // One pass reads x once for both sums: each sum's accumulator is in the same loop.
+    assert_eq!(src.matches("_level").count(), 1, "{src}");
+    let (bname, bsrc, bkernels) = bn.cuda_backward_source(&[&x, &w, &w], 0).unwrap().unwrap();
+    assert_eq!(bkernels, 3, "{bsrc}");
+    for (name, src) in [(name, src), (bname, bsrc)] {
+        if std::env::var_os("MIXPREC_PRINT_FUSE").is_some() {
+            println!("{src}");
+        }
+        match mixprec::backend::cuda::compile_generated_for(&name, &src, (9, 0)) {
+            Ok(()) => {}
+            Err(mixprec::Error::Cuda(msg))
+                if msg.starts_with("NVRTC not found")
+                    && std::env::var_os("MIXPREC_REQUIRE_NVRTC").is_none() => {}
+            Err(e) => panic!("{e}\n{src}"),
+        }
+    }
+}
+
 /// A batch norm's forward is three kernels: the mean's sum, the variance's sum, the outputs.
 #[test]
 fn batch_norm_compiles_to_one_kernel_per_reduction_level() {

@@ -1,24 +1,37 @@
 //! CUDA C source for a traced graph. The graph's reductions are grouped by level (a
 //! reduction's level is one more than the deepest reduction its operand reads); each level is
-//! one kernel, whose blocks each reduce one row of one of the level's reductions (a block per
-//! row, `block_fold` of common.cuh) into a temporary (f32, f64 for f64 values, compact over the
-//! kept dims); a last kernel computes every output from the inputs and those temporaries.
+//! one kernel. Within a level, reductions with the same kept dims over the same operand dims
+//! form a *set*, computed together in one pass over their operands (a batch norm's `Σx` and
+//! `Σx²` read `x` once). A set's rows (one per kept position) are each cut into `per` chunks,
+//! one block per (row, chunk), so that a few long rows still fill the GPU: each block folds its
+//! chunk (f32, f64 for f64 values), writes a partial, and the last block of a row to finish
+//! (a counter per row) folds the row's partials in chunk order into the row's temporary (compact
+//! over the kept dims). The order of every fold depends only on the sizes, so results repeat bit
+//! for bit. A last kernel computes every output from the inputs and those temporaries.
 //! Everything between is recomputed in registers where it is used, never stored.
+//!
+//! Where the innermost (compressed) dim's size is a multiple of [`VEC`] and the buffers that
+//! vary along it are 16-byte aligned (the host's `vec` flag), a thread takes [`VEC`] neighbours
+//! along that dim at once: 16-byte loads and stores, the values that do not vary along it
+//! computed once for the [`VEC`] lanes, one index split per [`VEC`] elements.
 //!
 //! The domain is compressed first: adjacent dims that every value varies along together (or
 //! not at all) are one dim of the kernels (a batch norm's (N, C, H, W) is (N, C, H·W)), so a
 //! kernel splits an index into fewer coordinates. Inputs are read through strides (0 where an
 //! input is broadcast); the caller passes them dense.
 //!
-//! Every kernel takes one by-value `FuseParams`: the compressed sizes, each buffer's strides
-//! (inputs, temporaries, outputs, in that order) and its address, all 8-byte words; the host
-//! fills it in that order ([`Plan::params`]).
+//! Every kernel takes one by-value `FuseParams` of 8-byte words: the compressed sizes, each
+//! buffer's strides (inputs, temporaries, outputs, in that order) and its address, then the
+//! call's [`Launch`] words; the host fills it in that order ([`Plan::params`]).
 
 use std::collections::HashMap;
 use std::fmt::Write;
 
 use super::ir::{BinaryFn, Dims, Graph, Node, ReduceFn, UnaryFn, Value};
 use crate::base::DType;
+
+/// Elements a thread takes at once along the innermost dim (16 bytes of f16/bf16).
+pub(crate) const VEC: usize = 8;
 
 /// A reduction's result kept between kernels.
 #[derive(Clone, Debug)]
@@ -29,11 +42,24 @@ pub(crate) struct Temp {
     pub wide: bool,
 }
 
+/// Reductions of one level with the same kept dims over the same operand dims: computed
+/// together, in one pass over the operand dims.
+#[derive(Clone, Debug)]
+pub(crate) struct RedSet {
+    /// The temporaries it fills.
+    pub tasks: Vec<usize>,
+    /// The kept dims (one row each) and the reduced ones, compressed.
+    pub kept: Dims,
+    pub red: Dims,
+    /// Whether the innermost dim is reduced (the [`VEC`]-wide path applies when the host allows).
+    pub inner: bool,
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct Stage {
     pub kernel: String,
-    /// The temporaries this stage's kernel fills (empty: the outputs' kernel).
-    pub tasks: Vec<usize>,
+    /// The sets this stage's kernel reduces (empty: the outputs' kernel).
+    pub sets: Vec<usize>,
 }
 
 /// What a graph compiles to.
@@ -45,15 +71,37 @@ pub(crate) struct Plan {
     /// Original domain dims `[lo, hi)` of each compressed dim.
     pub groups: Vec<(usize, usize)>,
     pub temps: Vec<Temp>,
+    pub sets: Vec<RedSet>,
     /// Each output's dims, compressed.
     pub out_dims: Vec<Dims>,
     pub stages: Vec<Stage>,
+}
+
+/// A call's words after the buffers: how its reductions are cut (see the module doc).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Launch {
+    /// 1 when the [`VEC`]-wide paths may run (size and alignment checked by the host).
+    pub vec: bool,
+    /// Per set: chunks (blocks) per row.
+    pub per: Vec<usize>,
+    /// Per temporary: its partials' first 8-byte slot in `part`.
+    pub part_at: Vec<usize>,
+    /// Per set: its rows' first counter in `count`.
+    pub count_at: Vec<usize>,
+    /// Addresses of the partials (8-byte slots) and of the row counters (u64, zeroed).
+    pub part: u64,
+    pub count: u64,
 }
 
 impl Plan {
     /// The compressed domain's rank as the kernels see it (at least 1).
     pub fn rank(&self) -> usize {
         self.groups.len().max(1)
+    }
+
+    /// The innermost compressed dim, if the domain has one.
+    pub fn inner(&self) -> Option<usize> {
+        self.groups.len().checked_sub(1)
     }
 
     /// Dims `m` of the original domain, compressed.
@@ -67,10 +115,22 @@ impl Plan {
         Dims(c)
     }
 
-    /// The parameter block: `sizes` (compressed), then each buffer's strides and address.
-    pub fn params(&self, sizes: &[usize], buffers: &[(Vec<i64>, u64)]) -> Vec<u64> {
+    /// How many 8-byte words the parameter block of a graph with `buffers` buffers has.
+    pub fn words(&self, buffers: usize) -> usize {
         let r = self.rank();
-        let mut p = Vec::with_capacity(r + buffers.len() * (r + 1));
+        r + buffers * (r + 1) + 3 + 2 * self.sets.len().max(1) + self.temps.len().max(1)
+    }
+
+    /// The parameter block: `sizes` (compressed), each buffer's strides and address, then
+    /// `launch`'s words (the field order of the generated `FuseParams`).
+    pub fn params(
+        &self,
+        sizes: &[usize],
+        buffers: &[(Vec<i64>, u64)],
+        launch: &Launch,
+    ) -> Vec<u64> {
+        let r = self.rank();
+        let mut p = Vec::with_capacity(self.words(buffers.len()));
         for d in 0..r {
             p.push(sizes.get(d).copied().unwrap_or(1) as u64);
         }
@@ -78,6 +138,17 @@ impl Plan {
             p.extend(st.iter().map(|&s| s as u64));
         }
         p.extend(buffers.iter().map(|&(_, a)| a));
+        p.push(u64::from(launch.vec));
+        // Each array has at least one entry (C has no empty arrays); missing ones are 0.
+        for (v, n) in [
+            (&launch.per, self.sets.len()),
+            (&launch.part_at, self.temps.len()),
+            (&launch.count_at, self.sets.len()),
+        ] {
+            p.extend((0..n.max(1)).map(|k| v.get(k).copied().unwrap_or(0) as u64));
+        }
+        p.push(launch.part);
+        p.push(launch.count);
         p
     }
 }
@@ -143,7 +214,17 @@ fn literal(x: f64, t: &str) -> String {
     }
 }
 
-/// Emits the code computing a value at the domain position `idx`: inputs read through their
+/// Which of a unit's values a piece of code computes: all of them at `idx` (one element), or,
+/// for [`VEC`] neighbours along the innermost dim (`idx` at the first), those that do not vary
+/// along it (once, before the lanes' loop) or those that do (in the loop, lane `e`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Section {
+    All,
+    Invariant,
+    Lane,
+}
+
+/// Emits the code computing values at the domain position `idx`: inputs read through their
 /// strides, values in `temps` (their temporary's index) read from it, the rest recomputed.
 struct Emitter<'a> {
     g: &'a Graph,
@@ -161,11 +242,29 @@ impl Emitter<'_> {
         }
     }
 
-    /// `Σ idx[d] · p.st[b][d]` over the compressed dims `dims`.
-    fn offset(&self, b: usize, dims: Dims) -> String {
+    /// The innermost compressed dim.
+    fn inner(&self) -> usize {
+        self.groups.len().saturating_sub(1)
+    }
+
+    /// Whether `v` varies along the innermost compressed dim.
+    fn varies(&self, v: Value) -> bool {
+        !self.groups.is_empty()
+            && Plan::compress(self.groups, self.g.items[v].dims).has(self.inner())
+    }
+
+    /// `Σ idx[d] · p.st[b][d]` over the compressed dims `dims` (in a lane: `idx[inner] + e`).
+    fn offset(&self, b: usize, dims: Dims, lane: bool) -> String {
+        let inner = self.inner();
         let mut terms: Vec<String> = (0..self.groups.len())
             .filter(|&d| dims.has(d))
-            .map(|d| format!("idx[{d}] * p.st[{b}][{d}]"))
+            .map(|d| {
+                if lane && d == inner {
+                    format!("(idx[{d}] + e) * p.st[{b}][{d}]")
+                } else {
+                    format!("idx[{d}] * p.st[{b}][{d}]")
+                }
+            })
             .collect();
         if terms.is_empty() {
             terms.push("0".into());
@@ -173,26 +272,59 @@ impl Emitter<'_> {
         terms.join(" + ")
     }
 
-    /// Statements computing `target` into `out`; returns its variable's name.
-    fn emit(&self, target: Value, out: &mut String) -> String {
+    /// The items `targets` need, computed where used (a temporary's value is read, not its
+    /// operand recomputed).
+    fn needed(&self, targets: &[Value]) -> Vec<bool> {
         let n = self.g.items.len();
         let mut need = vec![false; n];
-        need[target] = true;
+        for &t in targets {
+            need[t] = true;
+        }
         for v in (0..n).rev() {
-            if !need[v] {
-                continue;
-            }
-            if self.temps.contains_key(&v) {
+            if !need[v] || self.temps.contains_key(&v) {
                 continue;
             }
             for o in self.g.items[v].node.operands() {
                 need[o] = true;
             }
         }
+        need
+    }
+
+    /// Statements computing the `need`ed items of `section` into `out`, each as `v{item}`.
+    /// Before a [`Section::Lane`] loop, the invariant section also loads each needed input that
+    /// varies along the innermost dim as one [`VEC`]-wide vector (`xv{item}`).
+    ///
+    /// Long because it is the table of how each primitive is written in C, one arm each.
+    fn emit(&self, need: &[bool], section: Section, out: &mut String) {
         for (v, it) in self.g.items.iter().enumerate() {
             if !need[v] {
                 continue;
             }
+            let varies = self.varies(v);
+            match section {
+                Section::All => {}
+                Section::Invariant => {
+                    if varies {
+                        if let (Node::Input(i), false) = (it.node, self.temps.contains_key(&v)) {
+                            let st = storage_type(it.dtype);
+                            let dims = Plan::compress(self.groups, it.dims);
+                            let _ = writeln!(
+                                out,
+                                "        const FuseVec<{st}> xv{v} = *(const FuseVec<{st}>*)&((const {st}*)p.ptr[{i}])[{}];",
+                                self.offset(i, dims, false)
+                            );
+                        }
+                        continue;
+                    }
+                }
+                Section::Lane => {
+                    if !varies {
+                        continue;
+                    }
+                }
+            }
+            let lane = section == Section::Lane;
             let t = self.ty(v);
             let a = |u: Value| format!("(({t})v{u})");
             let expr = if let Some(&k) = self.temps.get(&v) {
@@ -205,16 +337,20 @@ impl Emitter<'_> {
                 format!(
                     "((const {tt}*)p.ptr[{}])[{}]",
                     self.n_in + k,
-                    self.offset(self.n_in + k, dims)
+                    self.offset(self.n_in + k, dims, lane)
                 )
             } else {
                 match it.node {
+                    Node::Input(_) if lane => {
+                        let st = storage_type(it.dtype);
+                        format!("({t})Num<{st}>::to(xv{v}.v[e])")
+                    }
                     Node::Input(i) => {
                         let st = storage_type(it.dtype);
                         let dims = Plan::compress(self.groups, it.dims);
                         format!(
                             "({t})Num<{st}>::to(((const {st}*)p.ptr[{i}])[{}])",
-                            self.offset(i, dims)
+                            self.offset(i, dims, false)
                         )
                     }
                     Node::Const(c) => literal(c, t),
@@ -297,7 +433,6 @@ impl Emitter<'_> {
             };
             let _ = writeln!(out, "        const {t} v{v} = {expr};");
         }
-        format!("v{target}")
     }
 }
 
@@ -345,10 +480,17 @@ fn count(dims: Dims, rank: usize) -> String {
     }
 }
 
+/// A reduction's fold in C: the combining expression of `a` and `b`, and its identity.
+fn fold_of(op: ReduceFn, ty: &str) -> (&'static str, String) {
+    match op {
+        ReduceFn::Sum => ("a + b", format!("({ty})0")),
+        // NaN propagates (the CPU reference's rule).
+        ReduceFn::Max => ("(a != a || a >= b) ? a : b", format!("(-inf_of<{ty}>())")),
+        ReduceFn::Min => ("(a != a || a <= b) ? a : b", format!("inf_of<{ty}>()")),
+    }
+}
+
 /// The kernels of `g` (see the module doc).
-///
-/// Long because it is one pass over the graph that assigns every value its level, its
-/// temporary and its kernel together; the steps share that state, so they stay in one place.
 pub(crate) fn plan(g: &Graph) -> Plan {
     let live = g.live();
     let groups = groups_of(g, &live);
@@ -379,6 +521,31 @@ pub(crate) fn plan(g: &Graph) -> Plan {
         }
     }
     let levels = temps.iter().map(|t| level[t.item]).max().unwrap_or(0);
+    // Sets: per level, the reductions with the same kept dims and operand dims, in order.
+    let inner = groups.len().checked_sub(1);
+    let mut sets: Vec<RedSet> = Vec::new();
+    let mut set_level = Vec::new();
+    for (k, t) in temps.iter().enumerate() {
+        let Node::Reduce(_, a) = g.items[t.item].node else {
+            continue;
+        };
+        let red = Plan::compress(&groups, g.items[a].dims).minus(t.dims);
+        let l = level[t.item];
+        match (0..sets.len())
+            .find(|&s| set_level[s] == l && sets[s].kept == t.dims && sets[s].red == red)
+        {
+            Some(s) => sets[s].tasks.push(k),
+            None => {
+                sets.push(RedSet {
+                    tasks: vec![k],
+                    kept: t.dims,
+                    red,
+                    inner: inner.is_some_and(|d| red.has(d)),
+                });
+                set_level.push(l);
+            }
+        }
+    }
     let name = ident(g.name);
     let em = Emitter {
         g,
@@ -387,102 +554,242 @@ pub(crate) fn plan(g: &Graph) -> Plan {
         n_in,
     };
     let nb = n_in + temps.len() + g.outputs.len();
+    let (ns, nt) = (sets.len().max(1), temps.len().max(1));
     let mut src = String::new();
     let _ = writeln!(
         src,
-        "struct FuseParams {{ i64 size[{rank}]; i64 st[{nb}][{rank}]; u64 ptr[{nb}]; }};\n"
+        "struct FuseParams {{ i64 size[{rank}]; i64 st[{nb}][{rank}]; u64 ptr[{nb}]; i64 vec; \
+         i64 per[{ns}]; i64 part_at[{nt}]; i64 count_at[{ns}]; u64 part; u64 count; }};\n\
+         template <typename T> struct alignas(16) FuseVec {{ T v[{VEC}]; }};\n"
     );
     let mut stages = Vec::new();
     for l in 1..=levels {
-        let tasks: Vec<usize> = (0..temps.len())
-            .filter(|&k| level[temps[k].item] == l)
-            .collect();
+        let in_level: Vec<usize> = (0..sets.len()).filter(|&s| set_level[s] == l).collect();
         let kernel = format!("{name}_level{l}");
+        reduce_kernel(&em, &kernel, &sets, &in_level, &temps, rank, &mut src);
+        stages.push(Stage {
+            kernel,
+            sets: in_level,
+        });
+    }
+    let kernel = format!("{name}_outputs");
+    let out_dims = outputs_kernel(&em, &kernel, rank, &mut src);
+    stages.push(Stage {
+        kernel,
+        sets: vec![],
+    });
+    Plan {
+        name,
+        source: src,
+        groups,
+        temps,
+        sets,
+        out_dims,
+        stages,
+    }
+}
+
+/// One level's kernel: a block per (row, chunk) of each of its sets (see the module doc).
+fn reduce_kernel(
+    em: &Emitter,
+    kernel: &str,
+    sets: &[RedSet],
+    in_level: &[usize],
+    temps: &[Temp],
+    rank: usize,
+    src: &mut String,
+) {
+    let g = em.g;
+    let n_in = em.n_in;
+    let _ = writeln!(
+        src,
+        "extern \"C\" __global__ void {kernel}(const FuseParams p) {{\n    __shared__ float sh_f[32];\n    \
+         __shared__ double sh_d[32];\n    __shared__ int last_block;\n    (void)sh_f; (void)sh_d;"
+    );
+    *src += &small_flag(rank);
+    let _ = writeln!(src, "    i64 start = 0;");
+    for (j, &s) in in_level.iter().enumerate() {
         let _ = writeln!(
             src,
-            "extern \"C\" __global__ void {kernel}(const FuseParams p) {{\n    __shared__ float sh_f[32];\n    __shared__ double sh_d[32];\n    (void)sh_f; (void)sh_d;"
+            "    const i64 start{j} = start; start += {} * p.per[{s}];",
+            count(sets[s].kept, rank)
         );
-        src += &small_flag(rank);
-        let _ = writeln!(src, "    i64 start = 0;");
-        let mut starts = Vec::new();
-        for (j, &k) in tasks.iter().enumerate() {
+    }
+    let _ = writeln!(
+        src,
+        "    for (i64 gr = blockIdx.x; gr < start; gr += gridDim.x) {{"
+    );
+    for (j, &s) in in_level.iter().enumerate() {
+        let set = &sets[s];
+        let next = if j + 1 < in_level.len() {
+            format!("start{}", j + 1)
+        } else {
+            "start".into()
+        };
+        let _ = writeln!(
+            src,
+            "    if (gr >= start{j} && gr < {next}) {{\n      const i64 per = p.per[{s}];\n      \
+             const i64 row = (gr - start{j}) / per, chunk = (gr - start{j}) - row * per;\n      \
+             i64 base[{rank}] = {{0}};"
+        );
+        let mut body = String::new();
+        split(&mut body, "row", set.kept, rank);
+        *src += &body.replace("idx[", "base[");
+        // The operands, their types and folds.
+        let mut operands = Vec::new();
+        for &k in &set.tasks {
+            let Node::Reduce(op, a) = g.items[temps[k].item].node else {
+                continue;
+            };
+            let ty = if temps[k].wide { "double" } else { "float" };
+            let (f, id) = fold_of(op, ty);
             let _ = writeln!(
                 src,
-                "    const i64 start{j} = start; start += {};",
-                count(temps[k].dims, rank)
+                "      {ty} acc{k} = {id};\n      const auto f{k} = [](const {ty} a, const {ty} b) -> {ty} {{ return {f}; }};"
             );
-            starts.push(k);
+            operands.push((k, a, ty, id));
+        }
+        let targets: Vec<Value> = operands.iter().map(|o| o.1).collect();
+        let need = em.needed(&targets);
+        let fold_all = |lane: bool| {
+            let mut s = String::new();
+            for (k, a, ty, _) in &operands {
+                let _ = writeln!(
+                    s,
+                    "{}        acc{k} = f{k}(acc{k}, ({ty})v{a});",
+                    if lane { "  " } else { "" }
+                );
+            }
+            s
+        };
+        let _ = writeln!(
+            src,
+            "      const i64 len = {};\n      const bool wide_units = {};\n      \
+             const i64 units = wide_units ? len / {VEC} : len;\n      \
+             const i64 cu = (units + per - 1) / per;\n      \
+             const i64 u0 = chunk * cu, u1 = u0 + cu < units ? u0 + cu : units;",
+            count(set.red, rank),
+            if set.inner { "p.vec != 0" } else { "false" }
+        );
+        if set.inner {
+            let mut w = String::new();
+            let _ = writeln!(
+                w,
+                "      if (wide_units) {{\n      for (i64 u = u0 + threadIdx.x; u < u1; u += blockDim.x) {{\n        \
+                 i64 idx[{rank}];\n        for (int d = 0; d < {rank}; ++d) idx[d] = base[d];"
+            );
+            split(&mut w, &format!("u * {VEC}"), set.red, rank);
+            em.emit(&need, Section::Invariant, &mut w);
+            let _ = writeln!(
+                w,
+                "        #pragma unroll\n        for (int e = 0; e < {VEC}; ++e) {{"
+            );
+            em.emit(&need, Section::Lane, &mut w);
+            w += &fold_all(true);
+            let _ = writeln!(w, "        }}\n      }}\n      }} else");
+            *src += &w;
+        }
+        let mut sc = String::new();
+        let _ = writeln!(
+            sc,
+            "      for (i64 u = u0 + threadIdx.x; u < u1; u += blockDim.x) {{\n        \
+             i64 idx[{rank}];\n        for (int d = 0; d < {rank}; ++d) idx[d] = base[d];"
+        );
+        split(&mut sc, "u", set.red, rank);
+        em.emit(&need, Section::All, &mut sc);
+        sc += &fold_all(false);
+        let _ = writeln!(sc, "      }}");
+        *src += &sc;
+        // The block's fold, then the row's (by the last of its blocks, in chunk order).
+        for (k, _, ty, id) in &operands {
+            let sh = if *ty == "double" { "sh_d" } else { "sh_f" };
+            let _ = writeln!(
+                src,
+                "      acc{k} = block_reduce(acc{k}, f{k}, {id}, {sh});"
+            );
         }
         let _ = writeln!(
             src,
-            "    for (i64 gr = blockIdx.x; gr < start; gr += gridDim.x) {{"
+            "      if (per == 1) {{\n        if (threadIdx.x == 0) {{"
         );
-        for (j, &k) in tasks.iter().enumerate() {
-            let t = &temps[k];
-            let Node::Reduce(op, a) = g.items[t.item].node else {
-                continue;
-            };
-            let ty = if t.wide { "double" } else { "float" };
-            let sh = if t.wide { "sh_d" } else { "sh_f" };
-            let a_dims = Plan::compress(&groups, g.items[a].dims);
-            let red = a_dims.minus(t.dims);
-            let (f, id) = match op {
-                ReduceFn::Sum => ("a + b".to_string(), format!("({ty})0")),
-                ReduceFn::Max => (
-                    "(a != a || a >= b) ? a : b".to_string(),
-                    format!("(-inf_of<{ty}>())"),
-                ),
-                ReduceFn::Min => (
-                    "(a != a || a <= b) ? a : b".to_string(),
-                    format!("inf_of<{ty}>()"),
-                ),
-            };
-            let next = tasks
-                .get(j + 1)
-                .map(|_| format!("start{}", j + 1))
-                .unwrap_or_else(|| "start".into());
+        for (k, _, ty, _) in &operands {
+            let _ = writeln!(src, "          (({ty}*)p.ptr[{}])[row] = acc{k};", n_in + k);
+        }
+        let _ = writeln!(
+            src,
+            "        }}\n      }} else {{\n        if (threadIdx.x == 0) {{"
+        );
+        for (k, _, ty, _) in &operands {
             let _ = writeln!(
                 src,
-                "    if (gr >= start{j} && gr < {next}) {{\n      const i64 row = gr - start{j};\n      i64 base[{rank}] = {{0}};"
+                "          ((({ty}*)(p.part + 8 * (u64)p.part_at[{k}])))[row * per + chunk] = acc{k};"
             );
-            let mut body = String::new();
-            split(&mut body, "row", t.dims, rank);
-            src += &body.replace("idx[", "base[");
-            let mut load = String::new();
-            let _ = writeln!(
-                load,
-                "        i64 idx[{rank}];\n        for (int d = 0; d < {rank}; ++d) idx[d] = base[d];"
-            );
-            split(&mut load, "j", red, rank);
-            let v = em.emit(a, &mut load);
-            let _ = writeln!(
-                src,
-                "      const {ty} r = block_fold<{ty}>((u64){},\n        [](const {ty} a, const {ty} b) {{ return {f}; }}, {id},\n        [&](u64 j) -> {ty} {{\n{load}        return ({ty}){v};\n      }}, {sh});",
-                count(red, rank)
-            );
+        }
+        let _ = writeln!(
+            src,
+            "          __threadfence();\n          \
+             last_block = atomicAdd((unsigned long long*)p.count + p.count_at[{s}] + row, 1ull) == (unsigned long long)(per - 1);\n        \
+             }}\n        __syncthreads();\n        if (last_block) {{\n          __threadfence();"
+        );
+        for (k, _, ty, id) in &operands {
+            let sh = if *ty == "double" { "sh_d" } else { "sh_f" };
             let _ = writeln!(
                 src,
-                "      if (threadIdx.x == 0) (({ty}*)p.ptr[{}])[row] = r;\n    }}",
+                "          {{ const volatile {ty}* q = (const volatile {ty}*)(p.part + 8 * (u64)p.part_at[{k}]) + row * per;\n            \
+                 const {ty} r = block_fold<{ty}>((u64)per, f{k}, {id}, [&](u64 c) -> {ty} {{ return q[c]; }}, {sh});\n            \
+                 if (threadIdx.x == 0) (({ty}*)p.ptr[{}])[row] = r; }}",
                 n_in + k
             );
         }
-        let _ = writeln!(src, "    }}\n}}\n");
-        stages.push(Stage { kernel, tasks });
+        let _ = writeln!(
+            src,
+            "        }}\n        __syncthreads();\n      }}\n    }}"
+        );
     }
-    // The outputs.
-    let kernel = format!("{name}_outputs");
+    let _ = writeln!(src, "    }}\n}}\n");
+}
+
+/// The outputs' kernel: each output's elements in turn, grid-strided; returns the outputs'
+/// compressed dims.
+fn outputs_kernel(em: &Emitter, kernel: &str, rank: usize, src: &mut String) -> Vec<Dims> {
+    let g = em.g;
+    let n_in = em.n_in;
     let _ = writeln!(
         src,
         "extern \"C\" __global__ void {kernel}(const FuseParams p) {{"
     );
-    src += &small_flag(rank);
+    *src += &small_flag(rank);
     let mut out_dims = Vec::new();
     for (k, &o) in g.outputs.iter().enumerate() {
         let it = &g.items[o];
-        let dims = Plan::compress(&groups, it.dims);
+        let dims = Plan::compress(em.groups, it.dims);
         out_dims.push(dims);
         let st = storage_type(it.dtype);
-        let b = n_in + temps.len() + k;
+        let b = n_in + em.temps.len() + k;
+        let acc = if it.wide() { "double" } else { "float" };
+        let need = em.needed(&[o]);
+        if em.varies(o) {
+            let mut w = String::new();
+            let _ = writeln!(
+                w,
+                "  if (p.vec != 0) {{\n  for (u64 u = global_tid(); u < (u64){} / {VEC}; u += global_stride()) {{\n        \
+                 i64 idx[{rank}] = {{0}};",
+                count(dims, rank)
+            );
+            split(&mut w, &format!("u * {VEC}"), dims, rank);
+            em.emit(&need, Section::Invariant, &mut w);
+            let _ = writeln!(
+                w,
+                "        FuseVec<{st}> yv;\n        #pragma unroll\n        for (int e = 0; e < {VEC}; ++e) {{"
+            );
+            em.emit(&need, Section::Lane, &mut w);
+            let _ = writeln!(
+                w,
+                "          yv.v[e] = Num<{st}>::from(({acc})v{o});\n        }}\n        \
+                 *(FuseVec<{st}>*)&((({st}*)p.ptr[{b}])[u * {VEC}]) = yv;\n  }}\n  }} else"
+            );
+            *src += &w;
+        }
         let _ = writeln!(
             src,
             "  for (u64 i = global_tid(); i < (u64){}; i += global_stride()) {{\n        i64 idx[{rank}] = {{0}};",
@@ -490,25 +797,13 @@ pub(crate) fn plan(g: &Graph) -> Plan {
         );
         let mut body = String::new();
         split(&mut body, "i", dims, rank);
-        let v = em.emit(o, &mut body);
-        src += &body;
-        let acc = if it.wide() { "double" } else { "float" };
+        em.emit(&need, Section::All, &mut body);
+        *src += &body;
         let _ = writeln!(
             src,
-            "        (({st}*)p.ptr[{b}])[i] = Num<{st}>::from(({acc}){v});\n  }}"
+            "        (({st}*)p.ptr[{b}])[i] = Num<{st}>::from(({acc})v{o});\n  }}"
         );
     }
     let _ = writeln!(src, "}}");
-    stages.push(Stage {
-        kernel,
-        tasks: vec![],
-    });
-    Plan {
-        name,
-        source: src,
-        groups,
-        temps,
-        out_dims,
-        stages,
-    }
+    out_dims
 }

@@ -1,10 +1,11 @@
 //! A traced graph on a CUDA device: its generated kernels (codegen.rs) compiled and loaded once
-//! per device, and a call's launches: the compressed sizes and each buffer's strides and
-//! address in one parameter block, the temporaries and outputs from the device's pool (graph
-//! memory inside a capture, as every op's outputs), one launch per stage. No host read: a
-//! call inside a captured step replays as its kernels.
+//! per device, and a call's launches: the compressed sizes, each buffer's strides and address
+//! and how the reductions are cut in one parameter block; the temporaries, the reductions'
+//! partials, their row counters (zeroed by a fill kernel) and the outputs from the device's pool
+//! (graph memory inside a capture, as every op's outputs); one launch per stage. No host read:
+//! a call inside a captured step replays as its kernels.
 
-use super::codegen::{self, compact_strides, Plan};
+use super::codegen::{self, compact_strides, Launch, Plan, VEC};
 use super::ir::Graph;
 use crate::backend::cuda::generated::{self, GeneratedModule};
 use crate::backend::cuda::{CudaStorage, OpTimer};
@@ -13,8 +14,15 @@ use crate::base::DType;
 use crate::tensor::storage::Storage;
 use crate::tensor::{Shape, Tensor};
 
-/// Threads per block of the outputs' kernel.
+/// Threads per block of the outputs' kernel, and the most per block of a reduction's.
 const MAP_THREADS: u32 = 256;
+
+/// Blocks per SM a reduction level aims at (8 × 256 threads fill an SM's 2048).
+const BLOCKS_PER_SM: usize = 8;
+
+/// The fewest units (elements, or [`VEC`]-wide units) a reduction's thread takes per chunk:
+/// below that, a row is not cut further (the partials' fold would cost more than it saves).
+const MIN_UNITS_PER_THREAD: usize = 4;
 
 pub(crate) struct Program {
     plan: Plan,
@@ -25,8 +33,7 @@ impl Program {
     /// Generates `g`'s kernels and loads them on device `ordinal`.
     pub(crate) fn build(g: &Graph, ordinal: usize) -> Result<Program> {
         let plan = codegen::plan(g);
-        let words = plan.rank()
-            + (g.sig.inputs.len() + plan.temps.len() + g.outputs.len()) * (plan.rank() + 1);
+        let words = plan.words(g.sig.inputs.len() + plan.temps.len() + g.outputs.len());
         // The driver takes at most 4 KiB of kernel parameters on every architecture we run.
         if words * 8 > 4096 {
             return Err(Error::invalid_arg(
@@ -99,41 +106,95 @@ impl Program {
             buffers.push((compact_strides(dims, &csizes, rank), s.ptr()));
             outs.push(s);
         }
-        let params = plan.params(&csizes, &buffers);
-        for (k, stage) in plan.stages.iter().enumerate() {
-            if stage.tasks.is_empty() {
+        // The VEC-wide paths: the innermost dim a multiple of VEC, every buffer that varies
+        // along it 16-byte aligned (dense, so each of its rows is too).
+        let vec = plan.inner().is_some_and(|d| {
+            csizes[d] % VEC == 0 && buffers.iter().all(|(st, a)| st[d] == 0 || a % 16 == 0)
+        });
+        let sms = dev.sm_count as usize;
+        let mut launch = Launch {
+            vec,
+            ..Launch::default()
+        };
+        // Per stage: the threads per block and the blocks.
+        let mut shapes = Vec::with_capacity(plan.stages.len());
+        let (mut parts, mut counters) = (0usize, 0usize);
+        launch.part_at = vec![0; plan.temps.len()];
+        for stage in &plan.stages {
+            if stage.sets.is_empty() {
                 let most = plan
                     .out_dims
                     .iter()
-                    .map(|d| d.count(&csizes))
+                    .map(|d| {
+                        let n = d.count(&csizes);
+                        let wide = vec && plan.inner().is_some_and(|i| d.has(i));
+                        if wide {
+                            n / VEC
+                        } else {
+                            n
+                        }
+                    })
                     .max()
                     .unwrap_or(0);
-                let blocks = most
-                    .div_ceil(MAP_THREADS as usize)
-                    .clamp(1, dev.sm_count as usize * 16);
-                self.module.launch(k, blocks as u32, MAP_THREADS, &params)?;
-            } else {
-                // A block per row; threads by the longest row.
-                let mut rows = 0usize;
-                let mut longest = 0usize;
-                for &t in &stage.tasks {
-                    let temp = &plan.temps[t];
-                    rows += temp.dims.count(&csizes);
-                    let a = match g.items[temp.item].node {
-                        super::ir::Node::Reduce(_, a) => a,
-                        _ => temp.item,
-                    };
-                    let red = Plan::compress(&plan.groups, g.items[a].dims).minus(temp.dims);
-                    longest = longest.max(red.count(&csizes));
-                }
-                let threads = longest.next_power_of_two().clamp(32, 512) as u32;
-                let blocks = rows.clamp(1, dev.sm_count as usize * 32);
-                self.module.launch(k, blocks as u32, threads, &params)?;
+                let blocks = most.div_ceil(MAP_THREADS as usize).clamp(1, sms * 16);
+                shapes.push((blocks, MAP_THREADS));
+                continue;
             }
+            let units = |s: usize| {
+                let set = &plan.sets[s];
+                let n = set.red.count(&csizes);
+                if vec && set.inner {
+                    n / VEC
+                } else {
+                    n
+                }
+            };
+            // Threads by the longest row; then each set's rows cut so that the level has about
+            // BLOCKS_PER_SM blocks per SM, each thread taking at least MIN_UNITS_PER_THREAD.
+            let longest = stage.sets.iter().map(|&s| units(s)).max().unwrap_or(1);
+            let threads = longest.next_power_of_two().clamp(32, MAP_THREADS as usize);
+            let mut jobs = 0usize;
+            for &s in &stage.sets {
+                let set = &plan.sets[s];
+                let rows = set.kept.count(&csizes).max(1);
+                let most = (units(s) / (threads * MIN_UNITS_PER_THREAD)).max(1);
+                let per = (sms * BLOCKS_PER_SM).div_ceil(rows).clamp(1, most);
+                if launch.per.len() <= s {
+                    launch.per.resize(s + 1, 1);
+                    launch.count_at.resize(s + 1, 0);
+                }
+                launch.per[s] = per;
+                if per > 1 {
+                    for &k in &set.tasks {
+                        launch.part_at[k] = parts;
+                        parts += rows * per;
+                    }
+                    launch.count_at[s] = counters;
+                    counters += rows;
+                }
+                jobs += rows * per;
+            }
+            shapes.push((jobs.clamp(1, sms * 64), threads as u32));
+        }
+        let part = if parts > 0 {
+            Some(CudaStorage::alloc(&dev, DType::F64, parts)?)
+        } else {
+            None
+        };
+        let count = if counters > 0 {
+            Some(CudaStorage::zeroed(&dev, DType::I64, counters)?)
+        } else {
+            None
+        };
+        launch.part = part.as_ref().map_or(0, |s| s.ptr());
+        launch.count = count.as_ref().map_or(0, |s| s.ptr());
+        let params = plan.params(&csizes, &buffers, &launch);
+        for (k, &(blocks, threads)) in shapes.iter().enumerate() {
+            self.module.launch(k, blocks as u32, threads, &params)?;
         }
         drop(guards);
         // The temporaries are freed in stream order, after the kernels that read them.
-        drop(temps);
+        drop((temps, part, count));
         Ok(outs
             .into_iter()
             .zip(&g.outputs)
