@@ -1,18 +1,22 @@
 //! The backward of a fused function, generated from its trace: a graph (fused and run like any
-//! other) whose inputs are the forward's inputs and one output's gradient, which recomputes the
-//! forward values it needs in registers and applies each primitive's derivative rule in
-//! reverse. A gradient reaching a value from a consumer that broadcast it is summed over the
+//! other) whose inputs are the forward's inputs, one output's gradient and the values of the
+//! forward's reductions it needs (kept from the forward call: small, and recomputing them
+//! would read the inputs once more), which recomputes the other forward values it needs in
+//! registers and applies each primitive's derivative rule in reverse. A gradient reaching a value from a consumer that broadcast it is summed over the
 //! broadcast dims (a reduction of the backward graph); each input's gradient is cast to the
 //! input's dtype and given its shape.
 
 use super::ir::{BinaryFn, Dims, Graph, InputSig, Item, Node, ReduceFn, UnaryFn, Value};
 use super::trace::{Fuser, Var};
 use crate::base::error::Result;
+use crate::base::DType;
 
 /// A backward graph and, for each of its outputs, the forward input it is the gradient of.
 pub(crate) struct Backward {
     pub graph: Graph,
     pub grads_of: Vec<usize>,
+    /// The forward reductions (items) it takes as inputs, after the gradient, in this order.
+    pub saved: Vec<Value>,
 }
 
 /// The backward of `fwd`'s output `out`: `None` when no input's gradient depends on it.
@@ -31,15 +35,29 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
         rank: oi.rank,
         dims: oi.dims,
     });
-    let f = Fuser::new(fwd.name, sig);
     let needed = fwd.live_for(&[o]);
-    // The forward's values, recomputed.
+    // The forward's reductions come from its call, as f32 (f64) values the way the kernels
+    // keep them; everything else is recomputed.
+    let saved: Vec<Value> = (0..fwd.items.len())
+        .filter(|&v| needed[v] && matches!(fwd.items[v].node, Node::Reduce(..)))
+        .collect();
+    for &v in &saved {
+        let it = fwd.items[v];
+        sig.inputs.push(InputSig {
+            dtype: if it.wide() { DType::F64 } else { DType::F32 },
+            rank: it.rank,
+            dims: it.dims,
+        });
+    }
+    let f = Fuser::new(fwd.name, sig);
     let mut map: Vec<Option<Var>> = vec![None; fwd.items.len()];
     for (v, m) in map.iter_mut().enumerate().take(n_in) {
         *m = Some(Var(v));
     }
     for v in n_in..fwd.items.len() {
-        if needed[v] {
+        if let Some(j) = saved.iter().position(|&s| s == v) {
+            map[v] = Some(Var(n_in + 1 + j));
+        } else if needed[v] {
             let it = fwd.items[v];
             let node = remap(it.node, &map);
             map[v] = Some(f.push(Item { node, ..it }));
@@ -190,6 +208,7 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
     Ok(Some(Backward {
         graph: f.finish(&outputs)?,
         grads_of,
+        saved,
     }))
 }
 

@@ -4,21 +4,36 @@
 //! do); casts to a half type round to it; outputs are stored in their dtype.
 
 use super::ir::{BinaryFn, Dims, Graph, Node, ReduceFn, UnaryFn};
+use super::Ran;
 use crate::base::error::Result;
 use crate::base::DType;
 use crate::tensor::{Device, Tensor};
 
-/// Runs `g` on `xs` (host tensors) over a domain of `sizes`; the outputs are host tensors.
-pub(crate) fn run(g: &Graph, xs: &[&Tensor], sizes: &[usize]) -> Result<Vec<Tensor>> {
+/// Runs `g` on `xs` (host tensors) over a domain of `sizes`; the outputs are host tensors,
+/// and so are its reductions' values (f32, f64 for f64 values, as the kernels keep them).
+pub(crate) fn run(g: &Graph, xs: &[&Tensor], sizes: &[usize]) -> Result<Ran> {
     let values = eval(g, xs, sizes)?;
-    g.outputs
+    let outputs = g
+        .outputs
         .iter()
         .map(|&o| {
             let it = &g.items[o];
             let data = values[o].clone().unwrap_or_default();
             Tensor::from_vec(data, g.shape_of(o, sizes), Device::Cpu)?.to_dtype(it.dtype)
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    let mut reductions = Vec::new();
+    for (v, it) in g.items.iter().enumerate() {
+        if let (Node::Reduce(..), Some(data)) = (it.node, &values[v]) {
+            let dt = if it.wide() { DType::F64 } else { DType::F32 };
+            let t = Tensor::from_vec(data.clone(), g.shape_of(v, sizes), Device::Cpu)?;
+            reductions.push((v, t.to_dtype(dt)?));
+        }
+    }
+    Ok(Ran {
+        outputs,
+        reductions,
+    })
 }
 
 /// Every live value of `g`, compact over its dims.

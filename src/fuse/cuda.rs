@@ -7,6 +7,7 @@
 
 use super::codegen::{self, compact_strides, Launch, Plan, VEC};
 use super::ir::Graph;
+use super::Ran;
 use crate::backend::cuda::generated::{self, GeneratedModule};
 use crate::backend::cuda::{CudaStorage, OpTimer};
 use crate::base::error::{Error, Result};
@@ -57,7 +58,7 @@ impl Program {
     }
 
     /// Runs the kernels on `xs` (on this program's device) over a domain of `sizes`.
-    pub(crate) fn run(&self, g: &Graph, xs: &[&Tensor], sizes: &[usize]) -> Result<Vec<Tensor>> {
+    pub(crate) fn run(&self, g: &Graph, xs: &[&Tensor], sizes: &[usize]) -> Result<Ran> {
         let dev = self.module.device().clone();
         let _timer = OpTimer::start(&dev, "fuse", || g.name.to_string());
         let plan = &self.plan;
@@ -193,13 +194,23 @@ impl Program {
             self.module.launch(k, blocks as u32, threads, &params)?;
         }
         drop(guards);
-        // The temporaries are freed in stream order, after the kernels that read them.
-        drop((temps, part, count));
-        Ok(outs
-            .into_iter()
-            .zip(&g.outputs)
-            .map(|(s, &o)| Tensor::from_storage(Storage::Cuda(s), Shape::new(g.shape_of(o, sizes))))
-            .collect())
+        // The partials and counters are freed in stream order, after the kernels that use them.
+        drop((part, count));
+        let tensor = |s: CudaStorage, v: usize| {
+            Tensor::from_storage(Storage::Cuda(s), Shape::new(g.shape_of(v, sizes)))
+        };
+        Ok(Ran {
+            outputs: outs
+                .into_iter()
+                .zip(&g.outputs)
+                .map(|(s, &o)| tensor(s, o))
+                .collect(),
+            reductions: temps
+                .into_iter()
+                .zip(&plan.temps)
+                .map(|(s, t)| (t.item, tensor(s, t.item)))
+                .collect(),
+        })
     }
 }
 

@@ -47,6 +47,14 @@ use crate::tensor::{Device, Tensor};
 /// A fused function's body: the inputs in, the outputs out.
 pub type FusedBody = dyn Fn(&Fuser, &[Var]) -> Vec<Var> + Send + Sync;
 
+/// What a run of a graph gives: its outputs, and each reduction's value (the item, and the
+/// value in f32, f64 for f64 values, shaped as the item: what a backward takes instead of
+/// recomputing it).
+pub(crate) struct Ran {
+    pub outputs: Vec<Tensor>,
+    pub reductions: Vec<(ir::Value, Tensor)>,
+}
+
 /// A graph ready to run: its trace and its compiled kernels per CUDA device.
 pub(crate) struct Compiled {
     pub(crate) graph: ir::Graph,
@@ -61,8 +69,8 @@ impl Compiled {
         }
     }
 
-    /// Runs the graph on `xs` (one device), returning its outputs.
-    fn run(&self, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    /// Runs the graph on `xs` (one device).
+    fn run(&self, xs: &[&Tensor]) -> Result<Ran> {
         let sizes = trace::domain(&self.graph.sig, xs)?;
         let _off = crate::autograd::no_grad();
         match xs.first().map(|x| x.device()).unwrap_or(Device::Cpu) {
@@ -85,9 +93,10 @@ impl Compiled {
     }
 }
 
-/// An output's backward graph and, for each of its outputs, the input it is the gradient of
-/// (`None`: no input's gradient depends on the output).
-type BackwardOf = Arc<Option<(Compiled, Vec<usize>)>>;
+/// An output's backward graph, for each of its outputs the input it is the gradient of, and the
+/// forward reductions it takes after the gradient (`None`: no input's gradient depends on the
+/// output).
+type BackwardOf = Arc<Option<(Compiled, Vec<usize>, Vec<ir::Value>)>>;
 
 /// One traced signature: the forward and, made at the first backward, each output's backward.
 struct Traced {
@@ -115,7 +124,7 @@ impl Traced {
         }
         let b = Arc::new(
             autograd::backward_graph(&self.forward.graph, out)?
-                .map(|b| (Compiled::new(b.graph), b.grads_of)),
+                .map(|b| (Compiled::new(b.graph), b.grads_of, b.saved)),
         );
         bw.insert(out, b.clone());
         Ok(b)
@@ -182,7 +191,7 @@ impl Fused {
         Ok(t.backward(out)?
             .as_ref()
             .as_ref()
-            .map(|(b, _)| cuda::source(&b.graph)))
+            .map(|(b, _, _)| cuda::source(&b.graph)))
     }
 
     /// How many signatures have been traced.
@@ -193,23 +202,37 @@ impl Fused {
     /// Runs the function on `xs`, returning its outputs; differentiable in every input.
     pub fn call(&self, xs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let t = self.traced(xs)?;
-        let outs = t.forward.run(xs)?;
+        let ran = t.forward.run(xs)?;
+        let outs = ran.outputs;
         if !crate::autograd::is_grad_enabled() || !xs.iter().any(|x| x.requires_grad()) {
             return Ok(outs);
         }
         let saved: Vec<Tensor> = xs.iter().map(|x| x.detach()).collect();
+        let reductions = Arc::new(ran.reductions);
+        let name = self.name;
         Ok(outs
             .iter()
             .enumerate()
             .map(|(k, y)| {
-                let (t, saved) = (t.clone(), saved.clone());
+                let (t, saved, reductions) = (t.clone(), saved.clone(), reductions.clone());
                 crate::autograd::custom_function(self.name, xs, y, move |g| {
                     let n = saved.len();
                     let mut grads = vec![None; n];
-                    if let Some((bw, grads_of)) = t.backward(k)?.as_ref() {
+                    if let Some((bw, grads_of, taken)) = t.backward(k)?.as_ref() {
                         let mut ins: Vec<&Tensor> = saved.iter().collect();
                         ins.push(g);
-                        for (gx, &i) in bw.run(&ins)?.into_iter().zip(grads_of) {
+                        for v in taken {
+                            let r = reductions.iter().find(|(u, _)| u == v).ok_or_else(|| {
+                                Error::invalid_arg(
+                                    "fuse",
+                                    "backward",
+                                    name,
+                                    "the forward call kept every reduction its backward takes",
+                                )
+                            })?;
+                            ins.push(&r.1);
+                        }
+                        for (gx, &i) in bw.run(&ins)?.outputs.into_iter().zip(grads_of) {
                             grads[i] = Some(gx);
                         }
                     }
