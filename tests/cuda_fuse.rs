@@ -261,3 +261,40 @@ fn several_reductions_per_kernel_over_inner_and_outer_axes_match_the_cpu() {
         }
     }
 }
+
+/// AMP's clipping step (`clip_grad_norm_into`: the multiplier times min(1, max/(norm + 1e-6)),
+/// a fused kernel) on the GPU against the CPU, clipping and not clipping, and an Inf norm.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn clipping_multiplier_on_the_gpu_matches_the_cpu() {
+    for (max_norm, planted_inf) in [(0.25, false), (100.0, false), (1.0, true)] {
+        let mut results = Vec::new();
+        for dev in [Device::Cpu, GPU] {
+            let mut g = Tensor::randn(vec![1000], 0.0, 1.0, 5, DType::F32, dev).unwrap();
+            if planted_inf {
+                g = g.mul_scalar(f64::INFINITY).unwrap();
+            }
+            let gs = vec![
+                g,
+                Tensor::randn(vec![33], 0.0, 1.0, 6, DType::F32, dev).unwrap(),
+            ];
+            let m = Tensor::scalar(0.5, DType::F32, dev).unwrap();
+            let found = Tensor::scalar(0.0, DType::F32, dev).unwrap();
+            let n = mixprec::optim::clip_grad_norm_into(&gs, max_norm, &m, &found).unwrap();
+            results.push((n.item().unwrap(), m.item().unwrap(), found.item().unwrap()));
+        }
+        let ((n_c, m_c, f_c), (n_g, m_g, f_g)) = (results[0], results[1]);
+        assert_eq!(f_c, f_g, "found_inf (max {max_norm})");
+        if planted_inf {
+            assert!(f_g != 0.0);
+            continue;
+        }
+        assert!((n_c - n_g).abs() <= 1e-5 * n_c, "norm {n_c} vs {n_g}");
+        assert!(
+            (m_c - m_g).abs() <= 1e-6,
+            "multiplier {m_c} vs {m_g} (max {max_norm})"
+        );
+        let want = 0.5 * (max_norm / (n_c + 1e-6)).min(1.0);
+        assert!((m_g - want).abs() <= 1e-6, "multiplier {m_g}, want {want}");
+    }
+}

@@ -46,13 +46,30 @@ pub fn clip_grad_norm_into(
     grad_multiplier: &Tensor,
     found_inf: &Tensor,
 ) -> Result<Tensor> {
-    let (norm, coef) = clip_grad_norm_coef(grads, max_norm, grad_multiplier, found_inf)?;
-    // An elementwise product and an in-place copy, not a multi-tensor call: the multiplier is
-    // often a temporary of the step (AMP's 1/scale), and a multi-tensor list of a temporary
-    // has a new address every step (a CUDA graph capture refuses its chunk table).
+    check_max("clip_grad_norm_into", max_norm)?;
     let _ng = crate::no_grad();
-    grad_multiplier.copy_in_place(&grad_multiplier.mul(&coef)?)?;
+    let (norm, _) = multi_tensor::unscale_l2norm(grads, grad_multiplier, found_inf, false)?;
+    // One fused kernel and an in-place copy, not a multi-tensor call: the multiplier is often
+    // a temporary of the step (AMP's 1/scale), and a multi-tensor list of a temporary has a
+    // new address every step (a CUDA graph capture refuses its chunk table).
+    let max = multi_tensor::scalar_on(norm.device(), max_norm)?;
+    let clipped = clipped_multiplier().call1(&[&norm, grad_multiplier, &max])?;
+    grad_multiplier.copy_in_place(&clipped)?;
     Ok(norm)
+}
+
+/// `multiplier · min(1, max_norm/(norm + 1e-6))` of (norm, multiplier, max_norm), fused: one
+/// kernel where [`coefficient`] and the product are six ops. `max_norm` is an input, not a
+/// constant of the body, so that one compiled kernel serves every value.
+fn clipped_multiplier() -> &'static crate::fuse::Fused {
+    static FUSED: std::sync::OnceLock<crate::fuse::Fused> = std::sync::OnceLock::new();
+    FUSED.get_or_init(|| {
+        crate::fuse::fuse("clip_multiplier", |f, x| {
+            let (norm, mult, max) = (x[0], x[1], x[2]);
+            let ratio = f.mul(f.powf(f.add_scalar(norm, 1e-6), -1.0), max);
+            vec![f.mul(mult, f.minimum(ratio, f.scalar(1.0)))]
+        })
+    })
 }
 
 fn coefficient(norm: &Tensor, max_norm: f64) -> Result<Tensor> {
