@@ -407,6 +407,38 @@ fn two_sums_over_the_same_axes_share_one_kernel() {
     }
 }
 
+/// Reductions over outer axes (the innermost dim kept: rows side by side in memory) and over
+/// the innermost axis, several per kernel: the kernels compile, one per level, and the CPU
+/// values match the unfused ops.
+#[test]
+fn reductions_over_outer_and_inner_axes_compile() {
+    for axes in [vec![0isize], vec![0, 2], vec![-1]] {
+        let ax = axes.clone();
+        let f = fuse("stats", move |f, x| {
+            let s = f.sum(x[0], &ax);
+            let hi = f.max(x[0], &ax);
+            let m = f.mean(f.tanh(x[0]), &ax);
+            vec![s, hi, f.sub(x[0], f.add(m, hi))]
+        });
+        let x = Tensor::randn(vec![5, 3, 16], 0.0, 1.0, 1, DType::F32, Device::Cpu).unwrap();
+        let (name, src, kernels) = f.cuda_source(&[&x]).unwrap();
+        assert_eq!(kernels, 2, "{axes:?}: {src}");
+        let (bname, bsrc, _) = f.cuda_backward_source(&[&x], 2).unwrap().unwrap();
+        for (name, src) in [(name, src), (bname, bsrc)] {
+            match mixprec::backend::cuda::compile_generated_for(&name, &src, (9, 0)) {
+                Ok(()) => {}
+                Err(mixprec::Error::Cuda(msg))
+                    if msg.starts_with("NVRTC not found")
+                        && std::env::var_os("MIXPREC_REQUIRE_NVRTC").is_none() => {}
+                Err(e) => panic!("{e}\n{src}"),
+            }
+        }
+        let ys = f.call(&[&x]).unwrap();
+        let want = x.sum_dims(&axes, true).unwrap();
+        assert!(max_rel_diff(&ys[0], &want) < 1e-5, "{axes:?}");
+    }
+}
+
 /// A batch norm's forward is three kernels: the mean's sum, the variance's sum, the outputs.
 #[test]
 fn batch_norm_compiles_to_one_kernel_per_reduction_level() {

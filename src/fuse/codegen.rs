@@ -7,7 +7,10 @@
 //! chunk (f32, f64 for f64 values), writes a partial, and the last block of a row to finish
 //! (a counter per row) folds the row's partials in chunk order into the row's temporary (compact
 //! over the kept dims). The order of every fold depends only on the sizes, so results repeat bit
-//! for bit. A last kernel computes every output from the inputs and those temporaries.
+//! for bit. Where the innermost dim is kept (rows side by side in memory), a block takes a tile
+//! of [`TILE`] neighbouring rows instead, a warp's lanes on neighbouring rows (coalesced), its
+//! warps interleaving the chunk. A last kernel computes every output from the inputs and those
+//! temporaries.
 //! Everything between is recomputed in registers where it is used, never stored.
 //!
 //! Where the innermost (compressed) dim's size is a multiple of [`VEC`] and the buffers that
@@ -53,7 +56,16 @@ pub(crate) struct RedSet {
     pub red: Dims,
     /// Whether the innermost dim is reduced (the [`VEC`]-wide path applies when the host allows).
     pub inner: bool,
+    /// Whether the innermost dim is kept: rows lie side by side in memory, so a block takes a
+    /// tile of [`TILE`] neighbouring rows (a warp reads them together) instead of one row.
+    pub across: bool,
 }
+
+/// The most threads a reduction's block has (the host launches at most this many).
+pub(crate) const MAX_THREADS: usize = 256;
+
+/// Rows per block of a set whose rows lie side by side in memory ([`RedSet::across`]).
+pub(crate) const TILE: usize = 32;
 
 #[derive(Clone, Debug)]
 pub(crate) struct Stage {
@@ -541,6 +553,7 @@ pub(crate) fn plan(g: &Graph) -> Plan {
                     kept: t.dims,
                     red,
                     inner: inner.is_some_and(|d| red.has(d)),
+                    across: inner.is_some_and(|d| t.dims.has(d)),
                 });
                 set_level.push(l);
             }
@@ -604,7 +617,10 @@ fn reduce_kernel(
     let _ = writeln!(
         src,
         "extern \"C\" __global__ void {kernel}(const FuseParams p) {{\n    __shared__ float sh_f[32];\n    \
-         __shared__ double sh_d[32];\n    __shared__ int last_block;\n    (void)sh_f; (void)sh_d;"
+         __shared__ double sh_d[32];\n    __shared__ int last_block;\n    (void)sh_f; (void)sh_d;\n    \
+         __shared__ float tile_f[{warps}][{TILE} + 1];\n    __shared__ double tile_d[{warps}][{TILE} + 1];\n    \
+         (void)tile_f; (void)tile_d;",
+        warps = MAX_THREADS / 32
     );
     *src += &small_flag(rank);
     let _ = writeln!(src, "    i64 start = 0;");
@@ -612,7 +628,11 @@ fn reduce_kernel(
         let _ = writeln!(
             src,
             "    const i64 start{j} = start; start += {} * p.per[{s}];",
-            count(sets[s].kept, rank)
+            if sets[s].across {
+                format!("(({} + {TILE} - 1) / {TILE})", count(sets[s].kept, rank))
+            } else {
+                count(sets[s].kept, rank)
+            }
         );
     }
     let _ = writeln!(
@@ -626,6 +646,10 @@ fn reduce_kernel(
         } else {
             "start".into()
         };
+        if set.across {
+            across_set(em, set, s, (j, &next), temps, rank, src);
+            continue;
+        }
         let _ = writeln!(
             src,
             "    if (gr >= start{j} && gr < {next}) {{\n      const i64 per = p.per[{s}];\n      \
@@ -747,6 +771,113 @@ fn reduce_kernel(
         );
     }
     let _ = writeln!(src, "    }}\n}}\n");
+}
+
+/// A set whose rows lie side by side (the innermost dim kept): a block per (tile of [`TILE`]
+/// rows, chunk), lane `l` of every warp on row `tile·TILE + l` (a warp reads neighbours), the
+/// warps interleaving the chunk's elements; the warps' folds are folded in warp order through
+/// shared memory, and the last block of a tile folds each row's partials in chunk order.
+fn across_set(
+    em: &Emitter,
+    set: &RedSet,
+    s: usize,
+    (j, next): (usize, &str),
+    temps: &[Temp],
+    rank: usize,
+    src: &mut String,
+) {
+    let g = em.g;
+    let n_in = em.n_in;
+    let _ = writeln!(
+        src,
+        "    if (gr >= start{j} && gr < {next}) {{\n      const i64 per = p.per[{s}];\n      \
+         const i64 tile = (gr - start{j}) / per, chunk = (gr - start{j}) - tile * per;\n      \
+         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;\n      \
+         const i64 rows = {}, row = tile * {TILE} + lane;\n      const bool has_row = row < rows;\n      \
+         i64 base[{rank}] = {{0}};\n      if (has_row) {{",
+        count(set.kept, rank)
+    );
+    let mut body = String::new();
+    split(&mut body, "row", set.kept, rank);
+    *src += &body.replace("idx[", "base[");
+    let _ = writeln!(src, "      }}");
+    let mut operands = Vec::new();
+    for &k in &set.tasks {
+        let Node::Reduce(op, a) = g.items[temps[k].item].node else {
+            continue;
+        };
+        let ty = if temps[k].wide { "double" } else { "float" };
+        let (f, id) = fold_of(op, ty);
+        let _ = writeln!(
+            src,
+            "      {ty} acc{k} = {id};\n      const auto f{k} = [](const {ty} a, const {ty} b) -> {ty} {{ return {f}; }};"
+        );
+        operands.push((k, a, ty, id));
+    }
+    let targets: Vec<Value> = operands.iter().map(|o| o.1).collect();
+    let need = em.needed(&targets);
+    let _ = writeln!(
+        src,
+        "      const i64 units = {};\n      const i64 cu = (units + per - 1) / per;\n      \
+         const i64 u0 = chunk * cu, u1 = u0 + cu < units ? u0 + cu : units;\n      \
+         if (has_row) for (i64 u = u0 + warp; u < u1; u += warps) {{\n        \
+         i64 idx[{rank}];\n        for (int d = 0; d < {rank}; ++d) idx[d] = base[d];",
+        count(set.red, rank)
+    );
+    let mut sc = String::new();
+    split(&mut sc, "u", set.red, rank);
+    em.emit(&need, Section::All, &mut sc);
+    for (k, a, ty, _) in &operands {
+        let _ = writeln!(sc, "        acc{k} = f{k}(acc{k}, ({ty})v{a});");
+    }
+    let _ = writeln!(sc, "      }}");
+    *src += &sc;
+    // The warps' folds, in warp order, into warp 0's lanes.
+    for (k, _, ty, _) in &operands {
+        let sh = if *ty == "double" { "tile_d" } else { "tile_f" };
+        let _ = writeln!(
+            src,
+            "      {sh}[warp][lane] = acc{k};\n      __syncthreads();\n      \
+             if (warp == 0) for (int w = 1; w < warps; ++w) acc{k} = f{k}(acc{k}, {sh}[w][lane]);\n      \
+             __syncthreads();"
+        );
+    }
+    let _ = writeln!(
+        src,
+        "      if (per == 1) {{\n        if (warp == 0 && has_row) {{"
+    );
+    for (k, _, ty, _) in &operands {
+        let _ = writeln!(src, "          (({ty}*)p.ptr[{}])[row] = acc{k};", n_in + k);
+    }
+    let _ = writeln!(
+        src,
+        "        }}\n      }} else {{\n        if (warp == 0 && has_row) {{"
+    );
+    for (k, _, ty, _) in &operands {
+        let _ = writeln!(
+            src,
+            "          ((({ty}*)(p.part + 8 * (u64)p.part_at[{k}])))[row * per + chunk] = acc{k};"
+        );
+    }
+    let _ = writeln!(
+        src,
+        "        }}\n        __threadfence();\n        __syncthreads();\n        if (threadIdx.x == 0)\n          \
+         last_block = atomicAdd((unsigned long long*)p.count + p.count_at[{s}] + tile, 1ull) == (unsigned long long)(per - 1);\n        \
+         __syncthreads();\n        if (last_block && warp == 0 && has_row) {{\n          __threadfence();"
+    );
+    for (k, _, ty, id) in &operands {
+        let _ = writeln!(
+            src,
+            "          {{ const volatile {ty}* q = (const volatile {ty}*)(p.part + 8 * (u64)p.part_at[{k}]) + row * per;\n            \
+             {ty} r = {id};\n            for (i64 c = 0; c < per; ++c) r = f{k}(r, q[c]);\n            \
+             (({ty}*)p.ptr[{}])[row] = r; }}",
+            n_in + k
+        );
+    }
+    let _ = writeln!(
+        src,
+        "        }}\n        __syncthreads();\n      }}\n    }}"
+    );
 }
 
 /// The outputs' kernel: each output's elements in turn, grid-strided; returns the outputs'

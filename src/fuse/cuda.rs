@@ -5,7 +5,7 @@
 //! (graph memory inside a capture, as every op's outputs); one launch per stage. No host read:
 //! a call inside a captured step replays as its kernels.
 
-use super::codegen::{self, compact_strides, Launch, Plan, VEC};
+use super::codegen::{self, compact_strides, Launch, Plan, MAX_THREADS, TILE, VEC};
 use super::ir::Graph;
 use super::Ran;
 use crate::backend::cuda::generated::{self, GeneratedModule};
@@ -15,7 +15,7 @@ use crate::base::DType;
 use crate::tensor::storage::Storage;
 use crate::tensor::{Shape, Tensor};
 
-/// Threads per block of the outputs' kernel, and the most per block of a reduction's.
+/// Threads per block of the outputs' kernel.
 const MAP_THREADS: u32 = 256;
 
 /// Blocks per SM a reduction level aims at (8 × 256 threads fill an SM's 2048).
@@ -150,16 +150,36 @@ impl Program {
                     n
                 }
             };
-            // Threads by the longest row; then each set's rows cut so that the level has about
-            // BLOCKS_PER_SM blocks per SM, each thread taking at least MIN_UNITS_PER_THREAD.
-            let longest = stage.sets.iter().map(|&s| units(s)).max().unwrap_or(1);
-            let threads = longest.next_power_of_two().clamp(32, MAP_THREADS as usize);
+            // Threads by the longest row (a warp per unit of a row for a tile of rows side by
+            // side); then each set's rows cut so that the level has about BLOCKS_PER_SM blocks
+            // per SM, each thread (warp) taking at least MIN_UNITS_PER_THREAD units.
+            let threads = stage
+                .sets
+                .iter()
+                .map(|&s| {
+                    let u = units(s).max(1);
+                    if plan.sets[s].across {
+                        u.saturating_mul(32)
+                    } else {
+                        u
+                    }
+                })
+                .max()
+                .unwrap_or(1)
+                .next_power_of_two()
+                .clamp(32, MAX_THREADS);
             let mut jobs = 0usize;
             for &s in &stage.sets {
                 let set = &plan.sets[s];
                 let rows = set.kept.count(&csizes).max(1);
-                let most = (units(s) / (threads * MIN_UNITS_PER_THREAD)).max(1);
-                let per = (sms * BLOCKS_PER_SM).div_ceil(rows).clamp(1, most);
+                // Rows, or tiles of TILE rows, each cut into `per` chunks.
+                let (lines, workers) = if set.across {
+                    (rows.div_ceil(TILE), threads / 32)
+                } else {
+                    (rows, threads)
+                };
+                let most = (units(s) / (workers * MIN_UNITS_PER_THREAD)).max(1);
+                let per = (sms * BLOCKS_PER_SM).div_ceil(lines).clamp(1, most);
                 if launch.per.len() <= s {
                     launch.per.resize(s + 1, 1);
                     launch.count_at.resize(s + 1, 0);
@@ -171,9 +191,9 @@ impl Program {
                         parts += rows * per;
                     }
                     launch.count_at[s] = counters;
-                    counters += rows;
+                    counters += lines;
                 }
-                jobs += rows * per;
+                jobs += lines * per;
             }
             shapes.push((jobs.clamp(1, sms * 64), threads as u32));
         }
