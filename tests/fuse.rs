@@ -425,6 +425,9 @@ fn reductions_over_outer_and_inner_axes_compile() {
         assert_eq!(kernels, 2, "{axes:?}: {src}");
         let (bname, bsrc, _) = f.cuda_backward_source(&[&x], 2).unwrap().unwrap();
         for (name, src) in [(name, src), (bname, bsrc)] {
+            if std::env::var_os("MIXPREC_PRINT_FUSE").is_some() {
+                println!("{src}");
+            }
             match mixprec::backend::cuda::compile_generated_for(&name, &src, (9, 0)) {
                 Ok(()) => {}
                 Err(mixprec::Error::Cuda(msg))
