@@ -110,7 +110,10 @@ impl Program {
         // The VEC-wide paths: the innermost dim a multiple of VEC, every buffer that varies
         // along it 16-byte aligned (dense, so each of its rows is too).
         let vec = plan.inner().is_some_and(|d| {
-            csizes[d] % VEC == 0 && buffers.iter().all(|(st, a)| st[d] == 0 || a % 16 == 0)
+            csizes[d].is_multiple_of(VEC)
+                && buffers
+                    .iter()
+                    .all(|(st, a)| st[d] == 0 || a.is_multiple_of(16))
         });
         let sms = dev.sm_count as usize;
         let mut launch = Launch {
