@@ -90,7 +90,11 @@ fn unfused_batch_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
         .mean_dim(3, true)?;
     let var = ms.sub(&mean.sqr()?)?;
     let inv = var.add_scalar(1e-5)?.powf(-0.5)?;
-    xf.sub(&mean)?.mul(&inv)?.mul(w)?.add(b)?.to_dtype(x.dtype())
+    xf.sub(&mean)?
+        .mul(&inv)?
+        .mul(w)?
+        .add(b)?
+        .to_dtype(x.dtype())
 }
 
 /// The bound issue 48 sets: the fused batch norm's GPU time over the hand-written kernels'.
@@ -107,9 +111,7 @@ struct Row {
 }
 
 fn print(a: &Args, shape: &[usize], r: &Row, ratio: Option<f64>) {
-    let launches = r
-        .launches
-        .map_or("null".to_string(), |k| k.to_string());
+    let launches = r.launches.map_or("null".to_string(), |k| k.to_string());
     let ratio = ratio
         .map(|q| format!(", \"ratio_to_hand_written\": {q:.3}"))
         .unwrap_or_default();
@@ -238,7 +240,11 @@ fn run(a: &Args) -> Result<bool> {
             if pass_ok { "PASS" } else { "FAIL" },
             fused.gpu_ms,
             hand.gpu_ms,
-            if a.small { ", not enforced with --small" } else { "" }
+            if a.small {
+                ", not enforced with --small"
+            } else {
+                ""
+            }
         );
         ok &= pass_ok || a.small;
     }
