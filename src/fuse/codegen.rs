@@ -696,10 +696,12 @@ fn reduce_kernel(
             if set.inner { "p.vec != 0" } else { "false" }
         );
         if set.inner {
+            // Unrolled so that several units' loads are in flight per thread (no stores in
+            // the loop to order them behind).
             let mut w = String::new();
             let _ = writeln!(
                 w,
-                "      if (wide_units) {{\n      for (i64 u = u0 + threadIdx.x; u < u1; u += blockDim.x) {{\n        \
+                "      if (wide_units) {{\n      #pragma unroll 4\n      for (i64 u = u0 + threadIdx.x; u < u1; u += blockDim.x) {{\n        \
                  i64 idx[{rank}];\n        for (int d = 0; d < {rank}; ++d) idx[d] = base[d];"
             );
             split(&mut w, &format!("u * {VEC}"), set.red, rank);
