@@ -18,8 +18,10 @@ use crate::tensor::{Shape, Tensor};
 /// Threads per block of the outputs' kernel.
 const MAP_THREADS: u32 = 256;
 
-/// Blocks per SM a reduction level aims at (8 × 256 threads fill an SM's 2048).
-const BLOCKS_PER_SM: usize = 8;
+/// Blocks per SM a reduction level aims at: waves of 8 × 256 threads (an SM's 2048), several
+/// of them, so that the last, partly filled wave is a small part of the time whatever number
+/// of blocks is resident at once (the blocks of a level are all about the same size).
+const BLOCKS_PER_SM: usize = 8 * 4;
 
 /// The fewest units (elements, or [`VEC`]-wide units) a reduction's thread takes per chunk:
 /// below that, a row is not cut further (the partials' fold would cost more than it saves).
@@ -155,7 +157,9 @@ impl Program {
             };
             // Threads by the longest row (a warp per unit of a row for a tile of rows side by
             // side); then each set's rows cut so that the level has about BLOCKS_PER_SM blocks
-            // per SM, each thread (warp) taking at least MIN_UNITS_PER_THREAD units.
+            // per SM, each thread (warp) taking at least MIN_UNITS_PER_THREAD units: a batch
+            // norm's 256 channels of (32, 56·56) f16 values are 12 chunks of ~1,000 8-wide
+            // units each, 3,072 blocks.
             let threads = stage
                 .sets
                 .iter()
