@@ -18,10 +18,9 @@ use crate::tensor::{Shape, Tensor};
 /// Threads per block of the outputs' kernel.
 const MAP_THREADS: u32 = 256;
 
-/// Blocks per SM a reduction level aims at: waves of 8 × 256 threads (an SM's 2048), several
-/// of them, so that the last, partly filled wave is a small part of the time whatever number
-/// of blocks is resident at once (the blocks of a level are all about the same size).
-const BLOCKS_PER_SM: usize = 8 * 4;
+/// Waves of resident blocks a reduction level aims at: several, so that the last, partly
+/// filled one is a small part of the time (the blocks of a level are about the same size).
+const WAVES: usize = 4;
 
 /// The fewest units (elements, or [`VEC`]-wide units) a reduction's thread takes per chunk:
 /// below that, a row is not cut further (the partials' fold would cost more than it saves).
@@ -30,6 +29,8 @@ const MIN_UNITS_PER_THREAD: usize = 4;
 pub(crate) struct Program {
     plan: Plan,
     module: GeneratedModule,
+    /// Per stage: its blocks of [`MAP_THREADS`] resident on the whole device at once.
+    resident: Vec<usize>,
 }
 
 impl Program {
@@ -56,7 +57,15 @@ impl Program {
         }
         let kernels: Vec<String> = plan.stages.iter().map(|s| s.kernel.clone()).collect();
         let module = generated::load(ordinal, &plan.name, &plan.source, &kernels)?;
-        Ok(Program { plan, module })
+        let sms = module.device().sm_count as usize;
+        let resident = (0..kernels.len())
+            .map(|k| Ok(module.blocks_per_sm(k, MAP_THREADS)? * sms))
+            .collect::<Result<_>>()?;
+        Ok(Program {
+            plan,
+            module,
+            resident,
+        })
     }
 
     /// Runs the kernels on `xs` (on this program's device) over a domain of `sizes`.
@@ -126,7 +135,7 @@ impl Program {
         let mut shapes = Vec::with_capacity(plan.stages.len());
         let (mut parts, mut counters) = (0usize, 0usize);
         launch.part_at = vec![0; plan.temps.len()];
-        for stage in &plan.stages {
+        for (stage, &resident) in plan.stages.iter().zip(&self.resident) {
             if stage.sets.is_empty() {
                 let most = plan
                     .out_dims
@@ -142,7 +151,9 @@ impl Program {
                     })
                     .max()
                     .unwrap_or(0);
-                let blocks = most.div_ceil(MAP_THREADS as usize).clamp(1, sms * 16);
+                // At most one wave: each thread's share of a grid-stride loop differs from
+                // another's by one element at most, and no wave runs partly filled.
+                let blocks = most.div_ceil(MAP_THREADS as usize).clamp(1, resident);
                 shapes.push((blocks, MAP_THREADS));
                 continue;
             }
@@ -156,10 +167,10 @@ impl Program {
                 }
             };
             // Threads by the longest row (a warp per unit of a row for a tile of rows side by
-            // side); then each set's rows cut so that the level has about BLOCKS_PER_SM blocks
-            // per SM, each thread (warp) taking at least MIN_UNITS_PER_THREAD units: a batch
-            // norm's 256 channels of (32, 56·56) f16 values are 12 chunks of ~1,000 8-wide
-            // units each, 3,072 blocks.
+            // side); then each set's rows cut so that the level has about WAVES waves of
+            // resident blocks, each thread (warp) taking at least MIN_UNITS_PER_THREAD units (a
+            // batch norm of (32, 256, 56, 56) f16: 12 chunks of about 1,000 8-wide units per
+            // channel where 6 or more blocks fit an SM).
             let threads = stage
                 .sets
                 .iter()
@@ -186,7 +197,7 @@ impl Program {
                     (rows, threads)
                 };
                 let most = (units(s) / (workers * MIN_UNITS_PER_THREAD)).max(1);
-                let per = (sms * BLOCKS_PER_SM).div_ceil(lines).clamp(1, most);
+                let per = (resident * WAVES).div_ceil(lines).clamp(1, most);
                 if launch.per.len() <= s {
                     launch.per.resize(s + 1, 1);
                     launch.count_at.resize(s + 1, 0);

@@ -72,6 +72,15 @@ impl GeneratedModule {
         &self.dev
     }
 
+    /// How many blocks of `threads` threads of kernel `k` an SM holds at once (at least 1).
+    pub(crate) fn blocks_per_sm(&self, k: usize, threads: u32) -> Result<usize> {
+        let (name, func) = &self.kernels[k];
+        let n = func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .map_err(|e| cuda_err(&format!("the occupancy of {name} ({}.cu)", self.name), e))?;
+        Ok((n as usize).max(1))
+    }
+
     /// Launches kernel `k` on `blocks` × `threads` with `params` as its one parameter (a struct
     /// of as many 8-byte words, in the kernel's field order).
     pub(crate) fn launch(&self, k: usize, blocks: u32, threads: u32, params: &[u64]) -> Result<()> {
