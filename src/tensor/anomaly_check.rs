@@ -33,7 +33,10 @@ fn cuda_flagged(dense: &Tensor, ordinal: usize) -> Result<bool> {
     const OP: &str = "anomaly mode";
     let flag = Tensor::scalar(0.0, DType::F32, dense.device())?;
     {
-        let (x, f) = (dense.storage_mut(), flag.storage_mut());
+        // Read guards: the op being checked may still hold its inputs' (an input with a
+        // non-finite value is checked too), and a write guard here would wait on them forever.
+        // The kernel writes the flag through its address.
+        let (x, f) = (dense.storage(), flag.storage());
         let (Storage::Cuda(x), Storage::Cuda(f)) = (&*x, &*f) else {
             return Ok(true);
         };
