@@ -524,12 +524,17 @@ impl Job {
                 }
             }
             if let Some(signal) = vote.poll(&self.ranks, at.step)? {
-                progress.finish();
-                return Ok(EpochEnd::Stopped {
-                    signal,
-                    steps,
-                    loss_sum: epoch_loss.item()?,
-                });
+                // After the epoch's last step the epoch is whole: it ends as usual and the vote
+                // at its end stops the run there. Saved as a partial epoch of every step, it
+                // would resume as an epoch to start over (trained twice).
+                if steps < self.steps_per_epoch {
+                    progress.finish();
+                    return Ok(EpochEnd::Stopped {
+                        signal,
+                        steps,
+                        loss_sum: epoch_loss.item()?,
+                    });
+                }
             }
         }
         progress.finish();
