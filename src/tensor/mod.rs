@@ -605,6 +605,9 @@ impl Tensor {
 
     /// The values converted to f32, whatever the dtype.
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        if self.dtype() == DType::F32 {
+            return self.to_vec::<f32>();
+        }
         Ok(self.to_vec_f64()?.into_iter().map(|v| v as f32).collect())
     }
 
