@@ -140,6 +140,33 @@ __device__ __forceinline__ void strided_offsets64(u64 i, const Strided& s, u64& 
     }
 }
 
+// The two offsets of index i in 32 bits where `fits` (strided_fits32 of the launch), else 64.
+__device__ __forceinline__ void strided_offsets(bool fits, u64 i, const Strided& s, u64& oa, u64& ob) {
+    if (fits) {
+        unsigned a, b;
+        strided_offsets32((unsigned)i, s, a, b);
+        oa = a;
+        ob = b;
+    } else {
+        strided_offsets64(i, s, oa, ob);
+    }
+}
+
+// A pack of 16 bytes at p when the view steps through it (`run`), else its one value repeated
+// (a broadcast view, stride 0 along the packed dim).
+template <typename T>
+__device__ __forceinline__ typename Pack<T>::type load_pack(const T* p, bool run) {
+    typename Pack<T>::type v;
+    if (run) {
+        v = *(const typename Pack<T>::type*)p;
+    } else {
+        const T x = *p;
+#pragma unroll
+        for (int k = 0; k < Pack<T>::N; k++) v.v[k] = x;
+    }
+    return v;
+}
+
 // Whether every pointer is 16-byte aligned: views at an offset may not be, and then the packed
 // loops would fault. The answer is the same for every thread of a launch.
 __device__ __forceinline__ bool aligned16(const void* a, const void* b = 0, const void* c = 0) {

@@ -43,7 +43,7 @@ template <typename A> __device__ __forceinline__ A binary_op(int op, A a, A b) {
     extern "C" __global__ void powf_##N(u64 n, const T* x, T* y, double e) {                       \
         typedef Num<T>::acc A;                                                                     \
         A ea = (A)e;                                                                               \
-        map_contig(n, x, y, [ea](A v) { return m_pow(v, ea); });                                     \
+        map_contig(n, x, y, [ea](A v) { return m_pow(v, ea); });                                   \
     }                                                                                              \
     extern "C" __global__ void binary_##N(u64 n, int op, const T* a, const T* b, T* y) {           \
         typedef Num<T>::acc A;                                                                     \
@@ -69,6 +69,26 @@ template <typename A> __device__ __forceinline__ A binary_op(int op, A a, A b) {
             u64 oa, ob;                                                                            \
             strided_offsets64(i, s, oa, ob);                                                       \
             y[i] = Num<T>::from(binary_op<A>(op, Num<T>::to(a[oa]), Num<T>::to(b[ob])));           \
+        }                                                                                          \
+    }                                                                                              \
+    /* The same over packs (`Strided` in pack space, from the host's `packed`): one index split    \
+       per 16 bytes of output; a view with stride 0 along the packed dim repeats its value. */     \
+    extern "C" __global__ void binary_bcast_vec_##N(u64 packs, int op, const T* a, const T* b,     \
+                                                    T* y, Strided s) {                             \
+        typedef Num<T>::acc A;                                                                     \
+        typedef Pack<T>::type P;                                                                   \
+        const int V = 16 / (int)sizeof(T);                                                         \
+        const int r = (int)s.rank - 1;                                                             \
+        const bool run_a = s.sa[r] != 0, run_b = s.sb[r] != 0;                                     \
+        const bool fits = strided_fits32(packs * V, s);                                            \
+        for (u64 i = global_tid(); i < packs; i += global_stride()) {                              \
+            u64 oa, ob;                                                                            \
+            strided_offsets(fits, i, s, oa, ob);                                                   \
+            const P va = load_pack(a + oa, run_a), vb = load_pack(b + ob, run_b);                  \
+            P vy;                                                                                  \
+            for (int k = 0; k < V; k++)                                                            \
+                vy.v[k] = Num<T>::from(binary_op<A>(op, Num<T>::to(va.v[k]), Num<T>::to(vb.v[k]))); \
+            *(P*)(y + i * V) = vy;                                                                 \
         }                                                                                          \
     }                                                                                              \
     /* b a row broadcast over a's rows (a linear layer's bias): one index split, no per-dim loop */ \

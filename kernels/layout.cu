@@ -22,6 +22,19 @@ typedef u64 e8;
             y[dst] = x[src];                                                                       \
         }                                                                                          \
     }                                                                                              \
+    /* The same over 16-byte packs (`Strided` in pack space, from the host's `packed`): a source   \
+       with stride 0 along the packed dim (a broadcast materialised) repeats its value. */         \
+    extern "C" __global__ void strided_copy_vec_##N(u64 packs, const T* x, T* y, Strided s) {      \
+        typedef Pack<T>::type P;                                                                   \
+        const int V = 16 / (int)sizeof(T);                                                         \
+        const bool run = s.sa[(int)s.rank - 1] != 0;                                               \
+        const bool fits = strided_fits32(packs * V, s);                                            \
+        for (u64 i = global_tid(); i < packs; i += global_stride()) {                              \
+            u64 src, dst;                                                                          \
+            strided_offsets(fits, i, s, src, dst);                                                 \
+            *(P*)(y + dst) = load_pack(x + src, run);                                              \
+        }                                                                                          \
+    }                                                                                              \
     /* rows × cols elements: dst[r·dpitch + dofs + c] = src[r·spitch + sofs + c] */                \
     extern "C" __global__ void copy2d_##N(u64 rows, u64 cols, const T* src, u64 spitch, u64 sofs,  \
                                           T* dst, u64 dpitch, u64 dofs) {                          \

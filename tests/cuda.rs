@@ -637,6 +637,69 @@ fn gather_and_scatter_add() {
     );
 }
 
+/// The strided kernels' 16-byte-pack paths (an attention head's `[B, H, T, D]` view of a
+/// `[B, T, H, D]` projection, a broadcast scalar gradient) and their fallbacks (an inner dim
+/// that is no multiple of a pack, a start that is not 16-byte aligned), against the CPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn strided_kernels_in_packs() {
+    gpu();
+    for d in DTYPES {
+        for inner in [64, 24, 12] {
+            let bthd = Shape::new(vec![2, 9, 3, inner]);
+            let x = randn(bthd.elem_count() + 1, d);
+            let y = randn(bthd.elem_count(), d);
+            for start in [0, 1] {
+                // A head view of the projection (from element `start`) against a row-major
+                // operand, either way round.
+                let heads = Layout::contiguous(Shape::new(vec![bthd.elem_count()]))
+                    .narrow(0, start, bthd.elem_count())
+                    .reshape(&bthd)
+                    .unwrap()
+                    .permute(&[0, 2, 1, 3]);
+                let out = Layout::contiguous(heads.shape().clone());
+                for (what, la, lb, a, b) in [
+                    ("view · row-major", &heads, &out, &x, &y),
+                    ("row-major · view", &out, &heads, &y, &x),
+                ] {
+                    let want = a.binary(la, b, lb, BinaryOp::Mul, &out).unwrap();
+                    let got = up(a).binary(la, &up(b), lb, BinaryOp::Mul, &out).unwrap();
+                    check(
+                        &format!("{what} {d} inner {inner} start {start}"),
+                        &got,
+                        &want,
+                        tol(d),
+                    );
+                }
+                check_exact(
+                    &format!("head view to row-major {d} inner {inner} start {start}"),
+                    &up(&x).copy_strided(&heads, &out).unwrap(),
+                    &x.copy_strided(&heads, &out).unwrap(),
+                );
+            }
+            // A scalar broadcast over a row-major tensor: as an operand, and materialised.
+            let out = Layout::contiguous(bthd.clone());
+            let one = Layout::contiguous(Shape::scalar()).expand(&bthd);
+            let g = randn(1, d);
+            let want = g.binary(&one, &y, &out, BinaryOp::Mul, &out).unwrap();
+            let got = up(&g)
+                .binary(&one, &up(&y), &out, BinaryOp::Mul, &out)
+                .unwrap();
+            check(
+                &format!("scalar · row-major {d} inner {inner}"),
+                &got,
+                &want,
+                tol(d),
+            );
+            check_exact(
+                &format!("scalar broadcast materialised {d} inner {inner}"),
+                &up(&g).copy_strided(&one, &out).unwrap(),
+                &g.copy_strided(&one, &out).unwrap(),
+            );
+        }
+    }
+}
+
 // ---- layout -------------------------------------------------------------------------------
 
 #[test]

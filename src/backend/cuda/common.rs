@@ -116,6 +116,41 @@ pub(crate) fn strided(
     Ok(s)
 }
 
+/// The pack space of a strided op whose innermost dim is read and written in 16-byte packs:
+/// `Some` when that dim's size is a multiple of the pack (`16 / elem` elements), view `b` (the
+/// destination, or a binary op's second operand) and view `a` each step through it one element
+/// at a time or not at all (stride 0, a broadcast), and every view that steps through it starts
+/// 16-byte aligned with its other strides multiples of the pack. The inner dim becomes
+/// `size / pack` with strides `× pack`: an index of the result is a pack, its offsets that of
+/// the pack's first element. One index split then serves a pack instead of one element, which
+/// is most of a strided kernel's time when the inner dim is as short as an attention head's.
+/// `out` is a row-major result written alongside (always a unit inner stride), given by its
+/// pointer for the alignment check.
+pub(crate) fn packed(
+    s: &Strided,
+    elem: usize,
+    (pa, pb, out): (u64, u64, Option<u64>),
+) -> Option<Strided> {
+    let v = (16 / elem) as i64;
+    let r = usize::try_from(s.rank).ok()?.checked_sub(1)?;
+    if s.dims[r] % v != 0 {
+        return None;
+    }
+    let view_ok = |st: &[i64; MAX_DIMS], ptr: u64| match st[r] {
+        0 => true,
+        1 => ptr % 16 == 0 && st[..r].iter().all(|&x| x % v == 0),
+        _ => false,
+    };
+    if !view_ok(&s.sa, pa) || !view_ok(&s.sb, pb) || out.is_some_and(|p| p % 16 != 0) {
+        return None;
+    }
+    let mut q = *s;
+    q.dims[r] /= v;
+    q.sa[r] *= v;
+    q.sb[r] *= v;
+    Some(q)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,6 +177,34 @@ mod tests {
         assert_eq!((s.sa[0], s.sb[0]), (20, 20));
         // The kernels' view of the struct: 1 + 3·8 words.
         assert_eq!(std::mem::size_of::<Strided>(), 8 * (1 + 3 * MAX_DIMS));
+    }
+
+    #[test]
+    fn pack_space_only_where_every_view_allows_it() {
+        // A head view [B, H, T, D] of a [B, T, H, D] projection against a row-major operand, 2-byte
+        // elements (8 per pack): D = 64 becomes 8 packs, the inner strides 8.
+        let (dims, heads, rows) = ([2, 3, 9, 64], [1728, 64, 192, 1], [1728, 576, 64, 1]);
+        let s = strided("t", &dims, &heads, &rows).unwrap();
+        let q = packed(&s, 2, (0, 256, Some(512))).unwrap();
+        let r = q.rank as usize - 1;
+        assert_eq!((q.dims[r], q.sa[r], q.sb[r]), (8, 8, 8));
+        assert_eq!(&q.dims[..r], &s.dims[..r]);
+        // A view that starts off a 16-byte boundary, or an output that does, has no packs.
+        assert!(packed(&s, 2, (2, 256, Some(512))).is_none());
+        assert!(packed(&s, 2, (0, 256, Some(8))).is_none());
+        // An inner dim that is no multiple of a pack (12 two-byte elements), or an outer stride
+        // that would put a pack across a boundary.
+        let s12 = strided("t", &[2, 3, 9, 12], &[324, 12, 36, 1], &[324, 108, 12, 1]).unwrap();
+        assert!(packed(&s12, 2, (0, 0, None)).is_none());
+        assert!(packed(&s12, 4, (0, 0, None)).is_some());
+        // A broadcast scalar (stride 0) over a row-major tensor: one dim of packs, the scalar
+        // repeated, at any address.
+        let s = strided("t", &[4, 64], &[0, 0], &[64, 1]).unwrap();
+        let q = packed(&s, 4, (6, 0, None)).unwrap();
+        assert_eq!((q.rank, q.dims[0], q.sa[0], q.sb[0]), (1, 64, 0, 4));
+        // A transposed view steps through the inner dim by a whole row: no packs.
+        let s = strided("t", &[64, 64], &[1, 64], &[64, 1]).unwrap();
+        assert!(packed(&s, 2, (0, 0, None)).is_none());
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! (`kernels/elementwise.cu`). Dense operands run over their span with the vectorised kernels;
 //! the binary op reads strided operands through `Strided`.
 
-use super::common::{float_sfx, same_dtype, strided};
+use super::common::{esz, float_sfx, packed, same_dtype, strided};
 use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
@@ -73,9 +73,20 @@ pub(crate) fn binary(
     }
     if n > 0 {
         let st = strided(op.name(), out.dims(), la.strides(), lb.strides())?;
+        if let Some(q) = packed(&st, esz(a.dtype()), (pa, pb, Some(res.ptr()))) {
+            let packs = n / (16 / esz(a.dtype()));
+            launch!(a.dev, Family::Elementwise, format!("binary_bcast_vec_{s}"), Grid::for_items(&a.dev, packs);
+                packs as u64, code, pa, pb, res.ptr(), q);
+            return finish_binary(res, out);
+        }
         launch!(a.dev, Family::Elementwise, format!("binary_bcast_{s}"), Grid::for_items(&a.dev, n);
             n as u64, code, pa, pb, res.ptr(), st);
     }
+    finish_binary(res, out)
+}
+
+/// The row-major result `res` in `out`'s layout.
+fn finish_binary(res: CudaStorage, out: &Layout) -> Result<CudaStorage> {
     if out.is_contiguous() {
         Ok(res)
     } else {

@@ -1,7 +1,7 @@
 //! Data movement (`kernels/layout.cu`): the strided copy every view materialises through, and
 //! concatenation by 2-D block copies.
 
-use super::common::{esz, strided};
+use super::common::{esz, packed, strided};
 use super::launch::{launch, Grid};
 use super::registry::Family;
 use super::storage::CudaStorage;
@@ -22,6 +22,17 @@ pub(crate) fn copy_strided(x: &CudaStorage, src: &Layout, dst: &Layout) -> Resul
         return Ok(out);
     }
     let s = strided("copy_strided", src.dims(), src.strides(), dst.strides())?;
+    let e = esz(x.dtype());
+    // A destination steps through the packed dim (never stride 0: that would write one place
+    // from many).
+    if let Some(q) =
+        packed(&s, e, (base, out.ptr(), None)).filter(|q| q.sb[q.rank as usize - 1] != 0)
+    {
+        let packs = n / (16 / e);
+        launch!(x.dev, Family::Layout, format!("strided_copy_vec_{e}"), Grid::for_items(&x.dev, packs);
+            packs as u64, base, out.ptr(), q);
+        return Ok(out);
+    }
     let name = format!("strided_copy_{}", esz(x.dtype()));
     launch!(x.dev, Family::Layout, name, Grid::for_items(&x.dev, n);
         n as u64, base, out.ptr(), s);
