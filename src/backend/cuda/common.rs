@@ -138,7 +138,7 @@ pub(crate) fn packed(
     }
     let view_ok = |st: &[i64; MAX_DIMS], ptr: u64| match st[r] {
         0 => true,
-        1 => ptr % 16 == 0 && st[..r].iter().all(|&x| x % v == 0),
+        1 => ptr.is_multiple_of(16) && st[..r].iter().all(|&x| x % v == 0),
         _ => false,
     };
     if !view_ok(&s.sa, pa) || !view_ok(&s.sb, pb) || out.is_some_and(|p| p % 16 != 0) {
