@@ -57,10 +57,20 @@ pub fn cross_entropy_with(
     cfg: CrossEntropyConfig,
 ) -> Result<Tensor> {
     let rows = logits.cross_entropy_rows(targets, cfg.label_smoothing, cfg.ignore_index)?;
-    match (cfg.reduction, rows.kept) {
-        (Reduction::Mean, Some(kept)) => rows.loss.sum_all()?.div(&kept),
-        (reduction, _) => reduce(rows.loss, reduction),
+    if cfg.reduction == Reduction::None {
+        return Ok(rows.loss);
     }
+    // The rows are combined in f64 and the result rounded to f32 once: a sum of many f32 row
+    // losses in f32 leaves the scalar loss an ulp or so from the exact mean of the same rows,
+    // further than PyTorch's own f32 result in the op twin's f16 row. A few small kernels over
+    // one value per row.
+    let acc = rows.loss.dtype();
+    let wide = rows.loss.to_dtype(DType::F64)?;
+    let combined = match (cfg.reduction, rows.kept) {
+        (Reduction::Mean, Some(kept)) => wide.sum_all()?.div(&kept.to_dtype(DType::F64)?)?,
+        (reduction, _) => reduce(wide, reduction)?,
+    };
+    combined.to_dtype(acc)
 }
 
 /// Mean squared error between two tensors of equal shape.
