@@ -1,0 +1,38 @@
+"""The block-stack twin over seeds (benches/block_twin_seeds.sh): per level and quantity, the root
+mean square over seeds of mixprec's and PyTorch's relative error from the f64 reference, their
+ratio, and in how many seeds mixprec's error was within PyTorch's x 1.02 (the per-seed criterion
+of benches/torch_block_twin.py).
+
+    python3 benches/block_twin_table.py DIR/seed*.jsonl
+"""
+import json
+import math
+import sys
+from collections import defaultdict
+
+
+def main():
+    rows = defaultdict(list)
+    seeds = 0
+    for path in sys.argv[1:]:
+        lines = [json.loads(l) for l in open(path) if l.startswith("{")]
+        seeds += bool(lines)
+        for r in lines:
+            rows[(r["level"], r["quantity"])].append(r)
+    if not rows:
+        print("no rows: did every seed fail?", file=sys.stderr)
+        sys.exit(1)
+    rms = lambda xs: math.sqrt(sum(x * x for x in xs) / len(xs))
+    print(f"block-stack twin over {seeds} seeds: RMS of the relative error from the f64 reference")
+    print(f"{'level':<8} {'quantity':<12} {'seeds':>5} {'ours RMS':>10} {'torch RMS':>10} {'ratio':>7} {'seeds ours <= torch x 1.02':>27}")
+    for (level, what), rs in rows.items():
+        o, t = rms([r["ours_rel_err"] for r in rs]), rms([r["torch_rel_err"] for r in rs])
+        wins = sum(r["ours_rel_err"] <= r["torch_rel_err"] * 1.02 for r in rs)
+        ratio = o / t if t else float("nan")
+        print(f"{level:<8} {what:<12} {len(rs):>5} {o:>10.3e} {t:>10.3e} {ratio:>7.3f} {wins:>20} of {len(rs)}")
+        print(json.dumps(dict(level=level, quantity=what, seeds=len(rs), ours_rms=o, torch_rms=t,
+                              ratio=ratio, seeds_within=wins)), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
