@@ -74,7 +74,9 @@ template <> struct Num<i64> {
 
 // 16-byte packs for vectorised access of contiguous data.
 template <typename T> struct Pack {
-    static const int N = 16 / sizeof(T);
+    // An enumerator, not a static data member: a member's symbol was emitted once per type
+    // in an order that changed between compiles, and the kernel cache expects the same image.
+    enum { N = 16 / sizeof(T) };
     struct __align__(16) type { T v[16 / sizeof(T)]; };
 };
 

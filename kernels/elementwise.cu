@@ -77,7 +77,7 @@ template <typename A> __device__ __forceinline__ A binary_op(int op, A a, A b) {
                                                     T* y, Strided s) {                             \
         typedef Num<T>::acc A;                                                                     \
         typedef Pack<T>::type P;                                                                   \
-        const int V = 16 / (int)sizeof(T);                                                         \
+        const int V = sizeof(P) / sizeof(T);                                                        \
         const int r = (int)s.rank - 1;                                                             \
         const bool run_a = s.sa[r] != 0, run_b = s.sb[r] != 0;                                     \
         const bool fits = strided_fits32(packs * V, s);                                            \

@@ -26,7 +26,7 @@ typedef u64 e8;
        with stride 0 along the packed dim (a broadcast materialised) repeats its value. */         \
     extern "C" __global__ void strided_copy_vec_##N(u64 packs, const T* x, T* y, Strided s) {      \
         typedef Pack<T>::type P;                                                                   \
-        const int V = 16 / (int)sizeof(T);                                                         \
+        const int V = sizeof(P) / sizeof(T);                                                        \
         const bool run = s.sa[(int)s.rank - 1] != 0;                                               \
         const bool fits = strided_fits32(packs * V, s);                                            \
         for (u64 i = global_tid(); i < packs; i += global_stride()) {                              \
