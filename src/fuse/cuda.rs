@@ -1,4 +1,4 @@
-//! A traced graph on a CUDA device: its generated kernels (codegen.rs) compiled and loaded once
+//! A traced graph on a CUDA device: its generated kernels (codegen/) compiled and loaded once
 //! per device, and a call's launches: the compressed sizes, each buffer's strides and address
 //! and how the reductions are cut in one parameter block; the temporaries, the reductions'
 //! partials, their row counters (zeroed by a fill kernel) and the outputs from the device's pool

@@ -24,7 +24,7 @@
 //!   dtype); half values compute in f32 and are rounded only where stored (outputs) or cast.
 //!   Under autocast the policy's casts of the matching unfused ops are traced in.
 //! - The CPU interprets the graph (`cpu.rs`, the reference); CUDA runs kernels generated from
-//!   it (`codegen.rs`), compiled by NVRTC through the kernel registry's disk cache, one per
+//!   it (`codegen/`), compiled by NVRTC through the kernel registry's disk cache, one per
 //!   reduction level plus one for the elementwise outputs (`cuda.rs`).
 //! - A call is differentiable: each output's backward is a graph generated from the trace
 //!   (`autograd.rs`), fused and run the same way.
