@@ -32,7 +32,11 @@ fn batch_norm() -> Fused {
         let var = f.var(x[0], &axes);
         let inv = f.rsqrt(f.add_scalar(var, 1e-5));
         let xhat = f.mul(f.sub(x[0], mean), inv);
-        vec![f.cast(f.add(f.mul(xhat, x[1]), x[2]), f.dtype(x[0])), mean, var]
+        vec![
+            f.cast(f.add(f.mul(xhat, x[1]), x[2]), f.dtype(x[0])),
+            mean,
+            var,
+        ]
     })
 }
 

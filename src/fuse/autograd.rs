@@ -6,7 +6,7 @@
 //! broadcast dims (a reduction of the backward graph); each input's gradient is cast to the
 //! input's dtype and given its shape.
 
-use super::ir::{BinaryFn, Dims, Graph, InputSig, Item, Node, ReduceFn, UnaryFn, Value};
+use super::ir::{BinaryFn, Dims, Graph, InputSig, Item, Node, ReduceFn, Signature, UnaryFn, Value};
 use super::trace::{Fuser, Var};
 use crate::base::error::Result;
 use crate::base::DType;
@@ -20,12 +20,26 @@ pub(crate) struct Backward {
 }
 
 /// The backward of `fwd`'s output `out`: `None` when no input's gradient depends on it.
-///
-/// Long by design: one derivative rule per primitive in a single match, each a few lines, read
-/// side by side (as the table of rules they are); splitting it would scatter the table.
 pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>> {
-    let n_in = fwd.sig.inputs.len();
     let o = fwd.outputs[out];
+    let needed = fwd.live_for(&[o]);
+    let (sig, saved) = backward_signature(fwd, o, &needed);
+    let f = Fuser::new(fwd.name, sig);
+    let map = replay_forward(&f, fwd, &needed, &saved);
+    let adj = adjoints(&f, fwd, o, &needed, &map);
+    let Some((outputs, grads_of)) = input_gradients(&f, fwd, &adj) else {
+        return Ok(None);
+    };
+    Ok(Some(Backward {
+        graph: f.finish(&outputs)?,
+        grads_of,
+        saved,
+    }))
+}
+
+/// The backward's signature: the forward's inputs, output `o`'s gradient, then the forward
+/// reductions it takes (`needed` ones), which it returns.
+fn backward_signature(fwd: &Graph, o: Value, needed: &[bool]) -> (Signature, Vec<Value>) {
     let oi = fwd.items[o];
     let mut sig = fwd.sig.clone();
     // The forward's casts are in its items; the backward's arithmetic is not autocast again.
@@ -35,7 +49,6 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
         rank: oi.rank,
         dims: oi.dims,
     });
-    let needed = fwd.live_for(&[o]);
     // The forward's reductions come from its call, as f32 (f64) values the way the kernels
     // keep them; everything else is recomputed.
     let saved: Vec<Value> = (0..fwd.items.len())
@@ -49,7 +62,13 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
             dims: it.dims,
         });
     }
-    let f = Fuser::new(fwd.name, sig);
+    (sig, saved)
+}
+
+/// The forward's `needed` values on `f`: inputs and `saved` reductions are the backward's
+/// inputs, the rest recomputed. Indexed by forward value.
+fn replay_forward(f: &Fuser, fwd: &Graph, needed: &[bool], saved: &[Value]) -> Vec<Option<Var>> {
+    let n_in = fwd.sig.inputs.len();
     let mut map: Vec<Option<Var>> = vec![None; fwd.items.len()];
     for (v, m) in map.iter_mut().enumerate().take(n_in) {
         *m = Some(Var(v));
@@ -63,6 +82,19 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
             map[v] = Some(f.push(Item { node, ..it }));
         }
     }
+    map
+}
+
+/// Each forward value's gradient (adjoint) with respect to output `o`, in reverse order of
+/// the items, applying each primitive's derivative rule. `map`: the forward values on `f`.
+fn adjoints(
+    f: &Fuser,
+    fwd: &Graph,
+    o: Value,
+    needed: &[bool],
+    map: &[Option<Var>],
+) -> Vec<Option<Var>> {
+    let n_in = fwd.sig.inputs.len();
     let x = |v: Value| map[v].expect("operands come first");
     let mut adj: Vec<Option<Var>> = vec![None; fwd.items.len()];
     adj[o] = Some(Var(n_in));
@@ -74,79 +106,17 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
         let mut to = |u: Value, c: Var| {
             // The contribution is broadcast over the consumer (a reduction: over its operand).
             let span = fwd.items[v].dims.union(fwd.items[u].dims);
-            add_adjoint(&f, fwd, &mut adj, u, c, span)
+            add_adjoint(f, fwd, &mut adj, u, c, span)
         };
         match fwd.items[v].node {
             Node::Input(_) | Node::Const(_) | Node::Size(_) => {}
-            Node::Unary(op, a) => {
-                let xa = x(a);
-                let c = match op {
-                    UnaryFn::Neg => f.neg(g),
-                    UnaryFn::Exp => f.mul(g, y),
-                    UnaryFn::Log => f.div(g, xa),
-                    UnaryFn::Tanh => {
-                        let y2 = f.sqr(y);
-                        let one = f.scalar(1.0);
-                        let d = f.sub(one, y2);
-                        f.mul(g, d)
-                    }
-                    UnaryFn::Erf => {
-                        let x2 = f.sqr(xa);
-                        let e = f.exp(f.neg(x2));
-                        let d = f.mul_scalar(e, std::f64::consts::FRAC_2_SQRT_PI);
-                        f.mul(g, d)
-                    }
-                    UnaryFn::Sqrt => {
-                        let h = f.mul_scalar(g, 0.5);
-                        f.div(h, y)
-                    }
-                    UnaryFn::Rsqrt => {
-                        let y3 = f.mul(f.sqr(y), y);
-                        let d = f.mul_scalar(y3, -0.5);
-                        f.mul(g, d)
-                    }
-                    UnaryFn::Abs => {
-                        let zero = f.scalar(0.0);
-                        let s = f.sub(f.gt(xa, zero), f.lt(xa, zero));
-                        f.mul(g, s)
-                    }
-                    UnaryFn::Relu => {
-                        let zero = f.scalar(0.0);
-                        f.mul(g, f.gt(xa, zero))
-                    }
-                    UnaryFn::Sigmoid => {
-                        let one = f.scalar(1.0);
-                        let d = f.mul(y, f.sub(one, y));
-                        f.mul(g, d)
-                    }
-                    UnaryFn::Recip => {
-                        let d = f.neg(f.sqr(y));
-                        f.mul(g, d)
-                    }
-                    UnaryFn::Sin => f.mul(g, f.cos(xa)),
-                    UnaryFn::Cos => f.neg(f.mul(g, f.sin(xa))),
-                };
-                to(a, c);
-            }
+            Node::Unary(op, a) => to(a, unary_rule(f, op, g, y, x(a))),
             Node::Pow(a, e) => {
                 let d = f.mul_scalar(f.powf(x(a), e - 1.0), e);
                 to(a, f.mul(g, d));
             }
             Node::Binary(op, a, b) => {
-                let (xa, xb) = (x(a), x(b));
-                let (ga, gb) = match op {
-                    BinaryFn::Add => (Some(g), Some(g)),
-                    BinaryFn::Sub => (Some(g), Some(f.neg(g))),
-                    BinaryFn::Mul => (Some(f.mul(g, xb)), Some(f.mul(g, xa))),
-                    BinaryFn::Div => {
-                        let gb = f.neg(f.div(f.mul(g, y), xb));
-                        (Some(f.div(g, xb)), Some(gb))
-                    }
-                    // Ties send the whole gradient to the left operand, as the unfused ops do.
-                    BinaryFn::Max => (Some(f.mul(g, f.ge(xa, xb))), Some(f.mul(g, f.lt(xa, xb)))),
-                    BinaryFn::Min => (Some(f.mul(g, f.le(xa, xb))), Some(f.mul(g, f.gt(xa, xb)))),
-                    _ => (None, None),
-                };
+                let (ga, gb) = binary_rule(f, op, g, y, (x(a), x(b)));
                 if let Some(ga) = ga {
                     to(a, ga);
                 }
@@ -179,6 +149,86 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
             },
         }
     }
+    adj
+}
+
+/// The gradient of a unary primitive's operand `xa`, given its result `y` and gradient `g`.
+fn unary_rule(f: &Fuser, op: UnaryFn, g: Var, y: Var, xa: Var) -> Var {
+    match op {
+        UnaryFn::Neg => f.neg(g),
+        UnaryFn::Exp => f.mul(g, y),
+        UnaryFn::Log => f.div(g, xa),
+        UnaryFn::Tanh => {
+            let y2 = f.sqr(y);
+            let one = f.scalar(1.0);
+            let d = f.sub(one, y2);
+            f.mul(g, d)
+        }
+        UnaryFn::Erf => {
+            let x2 = f.sqr(xa);
+            let e = f.exp(f.neg(x2));
+            let d = f.mul_scalar(e, std::f64::consts::FRAC_2_SQRT_PI);
+            f.mul(g, d)
+        }
+        UnaryFn::Sqrt => {
+            let h = f.mul_scalar(g, 0.5);
+            f.div(h, y)
+        }
+        UnaryFn::Rsqrt => {
+            let y3 = f.mul(f.sqr(y), y);
+            let d = f.mul_scalar(y3, -0.5);
+            f.mul(g, d)
+        }
+        UnaryFn::Abs => {
+            let zero = f.scalar(0.0);
+            let s = f.sub(f.gt(xa, zero), f.lt(xa, zero));
+            f.mul(g, s)
+        }
+        UnaryFn::Relu => {
+            let zero = f.scalar(0.0);
+            f.mul(g, f.gt(xa, zero))
+        }
+        UnaryFn::Sigmoid => {
+            let one = f.scalar(1.0);
+            let d = f.mul(y, f.sub(one, y));
+            f.mul(g, d)
+        }
+        UnaryFn::Recip => {
+            let d = f.neg(f.sqr(y));
+            f.mul(g, d)
+        }
+        UnaryFn::Sin => f.mul(g, f.cos(xa)),
+        UnaryFn::Cos => f.neg(f.mul(g, f.sin(xa))),
+    }
+}
+
+/// The gradients of a binary primitive's operands `(xa, xb)`, given its result `y` and
+/// gradient `g` (`None`: not differentiable, a comparison).
+fn binary_rule(
+    f: &Fuser,
+    op: BinaryFn,
+    g: Var,
+    y: Var,
+    (xa, xb): (Var, Var),
+) -> (Option<Var>, Option<Var>) {
+    match op {
+        BinaryFn::Add => (Some(g), Some(g)),
+        BinaryFn::Sub => (Some(g), Some(f.neg(g))),
+        BinaryFn::Mul => (Some(f.mul(g, xb)), Some(f.mul(g, xa))),
+        BinaryFn::Div => {
+            let gb = f.neg(f.div(f.mul(g, y), xb));
+            (Some(f.div(g, xb)), Some(gb))
+        }
+        // Ties send the whole gradient to the left operand, as the unfused ops do.
+        BinaryFn::Max => (Some(f.mul(g, f.ge(xa, xb))), Some(f.mul(g, f.lt(xa, xb)))),
+        BinaryFn::Min => (Some(f.mul(g, f.le(xa, xb))), Some(f.mul(g, f.gt(xa, xb)))),
+        _ => (None, None),
+    }
+}
+
+/// Each input's gradient from the adjoints, cast to the input's dtype and given its dims (the
+/// backward's outputs), with the inputs they are of; `None` where none has one.
+fn input_gradients(f: &Fuser, fwd: &Graph, adj: &[Option<Var>]) -> Option<(Vec<Var>, Vec<usize>)> {
     let mut outputs = Vec::new();
     let mut grads_of = Vec::new();
     for (i, s) in fwd.sig.inputs.iter().enumerate() {
@@ -202,14 +252,7 @@ pub(crate) fn backward_graph(fwd: &Graph, out: usize) -> Result<Option<Backward>
         outputs.push(g);
         grads_of.push(i);
     }
-    if outputs.is_empty() {
-        return Ok(None);
-    }
-    Ok(Some(Backward {
-        graph: f.finish(&outputs)?,
-        grads_of,
-        saved,
-    }))
+    (!outputs.is_empty()).then_some((outputs, grads_of))
 }
 
 /// Adds `c`, a contribution to the gradient of forward value `u` that stands for every
