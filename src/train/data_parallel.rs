@@ -23,10 +23,11 @@ use crate::io::weights::save_weights;
 use crate::nn::loss::{cross_entropy_with, CrossEntropyConfig};
 use crate::nn::resnet::ResNet;
 use crate::nn::Module;
-use crate::optim::Optimizer;
+use crate::optim::{LrSchedule, Optimizer};
 use crate::tensor::{DType, Device, MemoryFormat, Tensor};
 
 use super::config::{select_device, RunConfig};
+use super::data::JobData;
 use super::distributed::Nproc;
 use super::metrics::{EpochRecord, MetricsWriter};
 use super::model::{build_optimizer, memory_format, model_config, schedule};
@@ -62,9 +63,6 @@ fn devices(cfg: &RunConfig, replicas: Nproc) -> Result<(Vec<Device>, String)> {
 }
 
 /// Trains per `cfg` on the devices `replicas` names (see the module docs).
-///
-/// Long because it is the whole job in order (setup, the epochs' loop, evaluation, the last
-/// checkpoint), each phase a few lines over the replicas; cutting it is left for when it grows.
 pub fn run_data_parallel(
     cfg: &RunConfig,
     opts: &RunOptions,
@@ -90,19 +88,7 @@ pub fn run_data_parallel(
     let data = super::data::build(cfg, out_dev, None)?;
     println!("data: {}", data.description);
     let steps_per_epoch = data.train.num_batches() as u64;
-    if steps_per_epoch == 0 || cfg.data.batch_size < devices.len() {
-        return Err(Error::invalid_arg(
-            "train",
-            "data.batch_size",
-            cfg.data.batch_size.to_string(),
-            format!(
-                "at least one image per replica ({}) and at most the number of training images \
-                 ({})",
-                devices.len(),
-                data.train.dataset().len()
-            ),
-        ));
-    }
+    check_batch(cfg, &data, devices.len(), steps_per_epoch)?;
     let _run_dir = RunDir::open(
         &cfg.out,
         Use::Fresh {
@@ -112,28 +98,20 @@ pub fn run_data_parallel(
     let mut cfg = cfg.clone();
     cfg.data.dir = data.dir_used.clone();
     let format = memory_format(&cfg.model.memory_format, out_dev);
-    let (model_cfg, model_text) = model_config(&cfg, data.item_shape, data.num_classes);
-    let policy = cfg.policy()?;
-    println!(
-        "model: {model_text}; amp: {} ({})",
-        policy.opt_level, policy.source
-    );
-    if cfg.cuda_graph && out_dev.is_cuda() {
-        println!("note: --data-parallel runs its steps eagerly (no captured CUDA graph)");
-    }
-    let build_cfg = cfg.clone();
-    let build = move |dev: Device| -> Result<(ResNet, Box<dyn Optimizer>)> {
-        let m = ResNet::new(&model_cfg, &dev)?;
-        m.to_memory_format(format)?;
-        let o = build_optimizer(&build_cfg, m.parameters())?;
-        Ok((m, o))
-    };
-    let dp: Dp = DataParallel::new(build, &devices, out_dev, DataParallelConfig::new(policy))?;
-    // Each replica's thread applies the schedule to its own optimizer.
-    let lr_schedule = Arc::new(schedule(&cfg, steps_per_epoch));
-    let loss_cfg = CrossEntropyConfig {
-        label_smoothing: cfg.label_smoothing,
-        ..Default::default()
+    let dp = build_replicas(&cfg, &data, &devices, format)?;
+    let job = Job {
+        dp: &dp,
+        data: &data,
+        cfg: &cfg,
+        devices: &devices,
+        format,
+        // Each replica's thread applies the schedule to its own optimizer.
+        lr_schedule: Arc::new(schedule(&cfg, steps_per_epoch)),
+        loss_cfg: CrossEntropyConfig {
+            label_smoothing: cfg.label_smoothing,
+            ..Default::default()
+        },
+        steps_per_epoch,
     };
     let end_epoch = opts.stop_after.unwrap_or(cfg.epochs).min(cfg.epochs);
     let mut metrics = MetricsWriter::create(&cfg.out)?;
@@ -147,57 +125,8 @@ pub fn run_data_parallel(
     let mut step: u64 = 0;
     let mut skipped_before = 0;
     for epoch in 0..end_epoch {
-        let t0 = Instant::now();
-        let loss_sum = Tensor::scalar(0.0, DType::F32, out_dev)?;
-        let (mut images, mut lr) = (0usize, 0.0);
-        for batch in data.train.epoch(epoch) {
-            let (x, y) = batch.map_err(|e| data.explain(e))?;
-            let y = y.to_device(out_dev)?;
-            let at = step;
-            let sched = lr_schedule.clone();
-            lr = dp
-                .with_replicas(move |r| sched.apply(r.optimizer_mut().inner_mut().as_mut(), at))?
-                .first()
-                .copied()
-                .unwrap_or_default();
-            let out = dp.forward(&x.to_memory_format(format)?)?;
-            let loss = cross_entropy_with(&out, &y, loss_cfg)?;
-            dp.zero_grad()?;
-            dp.backward(&loss)?;
-            dp.step()?;
-            loss_sum.add_in_place(&loss.detach().to_dtype(DType::F32)?)?;
-            images += x.dims()[0];
-            step += 1;
-        }
-        data.check_dropped(epoch)?;
-        let seconds = t0.elapsed().as_secs_f64();
-        let [test_loss, correct, total] = evaluate(&dp, &data.test, format)?;
-        let stats = dp.with_replica(0, |r| Ok(r.optimizer().stats()?[0]))?;
-        let record = EpochRecord {
-            epoch: epoch + 1,
-            step,
-            train_loss: loss_sum.item()? / steps_per_epoch as f64,
-            train_accuracy: None,
-            test_loss: test_loss / total.max(1.0),
-            test_accuracy: correct / total.max(1.0),
-            lr,
-            images_per_s: images as f64 / seconds,
-            epoch_seconds: seconds,
-            loss_scale: stats.scale,
-            skipped_steps: stats.skipped_total - skipped_before,
-        };
-        skipped_before = stats.skipped_total;
-        println!(
-            "epoch {}/{}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}%, {:.0} images/s \
-             over {} replica(s)",
-            record.epoch,
-            cfg.epochs,
-            record.train_loss,
-            record.test_loss,
-            100.0 * record.test_accuracy,
-            record.images_per_s,
-            devices.len()
-        );
+        let trained = job.train_epoch(epoch, &mut step)?;
+        let record = job.evaluate_epoch(epoch, step, &trained, &mut skipped_before)?;
         metrics.append(&record)?;
         plot_history(
             metrics.history(),
@@ -232,6 +161,157 @@ pub fn run_data_parallel(
         rank: 0,
         stopped: None,
     })
+}
+
+/// A step's batch needs at least one image per replica, and an epoch at least one step.
+fn check_batch(
+    cfg: &RunConfig,
+    data: &JobData,
+    replicas: usize,
+    steps_per_epoch: u64,
+) -> Result<()> {
+    if steps_per_epoch == 0 || cfg.data.batch_size < replicas {
+        return Err(Error::invalid_arg(
+            "train",
+            "data.batch_size",
+            cfg.data.batch_size.to_string(),
+            format!(
+                "at least one image per replica ({}) and at most the number of training images \
+                 ({})",
+                replicas,
+                data.train.dataset().len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The model and optimizer on every device, as [`DataParallel`] replicas under the run's AMP
+/// policy.
+fn build_replicas(
+    cfg: &RunConfig,
+    data: &JobData,
+    devices: &[Device],
+    format: MemoryFormat,
+) -> Result<Dp> {
+    let out_dev = devices[0];
+    let (model_cfg, model_text) = model_config(cfg, data.item_shape, data.num_classes);
+    let policy = cfg.policy()?;
+    println!(
+        "model: {model_text}; amp: {} ({})",
+        policy.opt_level, policy.source
+    );
+    if cfg.cuda_graph && out_dev.is_cuda() {
+        println!("note: --data-parallel runs its steps eagerly (no captured CUDA graph)");
+    }
+    let build_cfg = cfg.clone();
+    let build = move |dev: Device| -> Result<(ResNet, Box<dyn Optimizer>)> {
+        let m = ResNet::new(&model_cfg, &dev)?;
+        m.to_memory_format(format)?;
+        let o = build_optimizer(&build_cfg, m.parameters())?;
+        Ok((m, o))
+    };
+    DataParallel::new(build, devices, out_dev, DataParallelConfig::new(policy))
+}
+
+/// What a run's epochs share.
+struct Job<'a> {
+    dp: &'a Dp,
+    data: &'a JobData,
+    cfg: &'a RunConfig,
+    devices: &'a [Device],
+    format: MemoryFormat,
+    lr_schedule: Arc<LrSchedule>,
+    loss_cfg: CrossEntropyConfig,
+    steps_per_epoch: u64,
+}
+
+/// An epoch's training, as its record needs it.
+struct Trained {
+    /// The training loss summed on the output device (read once, at the epoch's end).
+    loss_sum: Tensor,
+    images: usize,
+    /// The learning rate of the epoch's last step.
+    lr: f64,
+    seconds: f64,
+}
+
+impl Job<'_> {
+    /// Epoch `epoch`'s steps; `step` counts them over the run.
+    fn train_epoch(&self, epoch: usize, step: &mut u64) -> Result<Trained> {
+        let (dp, data, format) = (self.dp, self.data, self.format);
+        let out_dev = self.devices[0];
+        let t0 = Instant::now();
+        let loss_sum = Tensor::scalar(0.0, DType::F32, out_dev)?;
+        let (mut images, mut lr) = (0usize, 0.0);
+        for batch in data.train.epoch(epoch) {
+            let (x, y) = batch.map_err(|e| data.explain(e))?;
+            let y = y.to_device(out_dev)?;
+            let at = *step;
+            let sched = self.lr_schedule.clone();
+            lr = dp
+                .with_replicas(move |r| sched.apply(r.optimizer_mut().inner_mut().as_mut(), at))?
+                .first()
+                .copied()
+                .unwrap_or_default();
+            let out = dp.forward(&x.to_memory_format(format)?)?;
+            let loss = cross_entropy_with(&out, &y, self.loss_cfg)?;
+            dp.zero_grad()?;
+            dp.backward(&loss)?;
+            dp.step()?;
+            loss_sum.add_in_place(&loss.detach().to_dtype(DType::F32)?)?;
+            images += x.dims()[0];
+            *step += 1;
+        }
+        data.check_dropped(epoch)?;
+        Ok(Trained {
+            loss_sum,
+            images,
+            lr,
+            seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Epoch `epoch`'s evaluation and record, printed as one summary line; `skipped_before`:
+    /// the loss scaler's skipped steps before it (updated).
+    fn evaluate_epoch(
+        &self,
+        epoch: usize,
+        step: u64,
+        trained: &Trained,
+        skipped_before: &mut u64,
+    ) -> Result<EpochRecord> {
+        let dp = self.dp;
+        let seconds = trained.seconds;
+        let [test_loss, correct, total] = evaluate(dp, &self.data.test, self.format)?;
+        let stats = dp.with_replica(0, |r| Ok(r.optimizer().stats()?[0]))?;
+        let record = EpochRecord {
+            epoch: epoch + 1,
+            step,
+            train_loss: trained.loss_sum.item()? / self.steps_per_epoch as f64,
+            train_accuracy: None,
+            test_loss: test_loss / total.max(1.0),
+            test_accuracy: correct / total.max(1.0),
+            lr: trained.lr,
+            images_per_s: trained.images as f64 / seconds,
+            epoch_seconds: seconds,
+            loss_scale: stats.scale,
+            skipped_steps: stats.skipped_total - *skipped_before,
+        };
+        *skipped_before = stats.skipped_total;
+        println!(
+            "epoch {}/{}: train loss {:.4}, test loss {:.4}, test accuracy {:.2}%, {:.0} images/s \
+             over {} replica(s)",
+            record.epoch,
+            self.cfg.epochs,
+            record.train_loss,
+            record.test_loss,
+            100.0 * record.test_accuracy,
+            record.images_per_s,
+            self.devices.len()
+        );
+        Ok(record)
+    }
 }
 
 /// Replica 0's checkpoint as `checkpoints/last.safetensors`, with the config and history the
