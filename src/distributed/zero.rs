@@ -162,6 +162,15 @@ impl<O: ShardableOptimizer> std::fmt::Debug for ShardedOptimizer<O> {
     }
 }
 
+/// What [`ShardedOptimizer::materialize`] reads of the layout while it shards each bucket.
+struct LayoutOf<'a> {
+    layout: &'a ZeroLayout,
+    /// The parameters across the groups, by position.
+    flat_params: &'a [&'a Tensor],
+    /// Each parameter's group.
+    group_of: &'a [usize],
+}
+
 impl<O: ShardableOptimizer> ShardedOptimizer<O> {
     /// The sharded optimizer over `groups` (every rank the same parameters, in the same order).
     /// Broadcasts rank 0's parameter values to every rank (a collective), as DDP's wrap does.
@@ -352,7 +361,6 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
         }
         let _ng = crate::no_grad();
         let world = self.group.world_size();
-        let rank = self.group.rank();
         let params: Vec<Vec<Tensor>> = self.groups.iter().map(|g| g.params.clone()).collect();
         let (layout, launch) = ZeroLayout::new(&params, world, self.caps);
         let flat_params: Vec<&Tensor> = params.iter().flatten().collect();
@@ -362,83 +370,142 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             .enumerate()
             .flat_map(|(gi, g)| g.iter().map(move |_| gi))
             .collect();
+        let of = LayoutOf {
+            layout: &layout,
+            flat_params: &flat_params,
+            group_of: &group_of,
+        };
         let mut pieces = Vec::new();
         let mut grad_buckets = Vec::with_capacity(launch.len());
         let mut bucket_of = vec![0; flat_params.len()];
         let mut shard_grads = Vec::with_capacity(launch.len());
         let mut gathered = Vec::with_capacity(launch.len());
-        for (bi, &(fi, k)) in launch.iter().enumerate() {
-            let f = &layout.flats[fi];
-            let b = &f.buckets[k];
-            let (lo, hi) = (b.offset + rank * b.chunk, b.offset + (rank + 1) * b.chunk);
-            let end = b.offset + b.len;
-            let members: Vec<&FlatParam> = f
-                .params
-                .iter()
-                .filter(|fp| fp.offset >= b.offset && fp.offset < end)
-                .collect();
-            let dtype = flat_params[members[0].index].dtype();
-            let buffer = Tensor::zeros([b.padded], dtype, self.device)?;
-            let mut parts = Vec::with_capacity(members.len());
-            for fp in &members {
-                let n: usize = fp.shape.iter().product();
-                bucket_of[fp.index] = bi;
-                parts.push(buffer.narrow(0, fp.offset - b.offset, n)?);
-                let (a, z) = (fp.offset.max(lo), (fp.offset + n).min(hi));
-                if a >= z {
-                    continue;
-                }
-                let start = a - fp.offset;
-                let value = match &self.snapshot {
-                    Some(snap) => snap[fp.index]
-                        .reshape([n])?
-                        .narrow(0, start, z - a)?
-                        .to_device(self.device)?
-                        .owned()?,
-                    None => flat_params[fp.index]
-                        .detach()
-                        .reshape([n])?
-                        .narrow(0, start, z - a)?
-                        .owned()?,
-                };
-                pieces.push(Piece {
-                    flat: fi,
-                    bucket: bi,
-                    at: a - lo,
-                    share_at: b.share_offset + a - lo,
-                    param: Some(fp.index),
-                    param_start: start,
-                    len: z - a,
-                    value: value.to_variable(),
-                    group: group_of[fp.index],
-                });
+        for (bi, &at) in launch.iter().enumerate() {
+            let bucket = self.shard_bucket(&of, bi, at, &mut bucket_of, &mut pieces)?;
+            shard_grads.push(bucket.out.clone());
+            gathered.push(bucket.buffer.clone());
+            grad_buckets.push(bucket);
+        }
+        let inner = self.build_inner(&pieces, &layout)?;
+        self.buckets.set_plan(BucketPlan {
+            group: self.group.clone(),
+            params: flat_params.iter().map(|&p| p.clone()).collect(),
+            buckets: grad_buckets,
+            bucket_of,
+            one: multi_tensor::scalar_on(self.device, 1.0)?,
+            unused_flag: multi_tensor::scalar_on(self.device, 0.0)?,
+            micro_batches: self.micro_batches,
+        });
+        self.snapshot = None;
+        self.generation += 1;
+        // Pieces in the inner optimizer's order (by group, then piece order), so that positions
+        // in its state dict are indices here.
+        pieces.sort_by_key(|p| p.group);
+        self.sharded = Some(Sharded {
+            layout,
+            pieces,
+            inner,
+            shard_grads,
+            gathered,
+            launch,
+        });
+        Ok(())
+    }
+
+    /// Bucket `bi` (bucket `k` of flat buffer `fi`): its buffer and this rank's share of it as
+    /// pieces (appended to `pieces`: each parameter's part in the share, then the padding past
+    /// the bucket's end), its members' `bucket_of` set.
+    fn shard_bucket(
+        &self,
+        of: &LayoutOf,
+        bi: usize,
+        (fi, k): (usize, usize),
+        bucket_of: &mut [usize],
+        pieces: &mut Vec<Piece>,
+    ) -> Result<GradBucket> {
+        let rank = self.group.rank();
+        let f = &of.layout.flats[fi];
+        let b = &f.buckets[k];
+        let (lo, hi) = (b.offset + rank * b.chunk, b.offset + (rank + 1) * b.chunk);
+        let end = b.offset + b.len;
+        let members: Vec<&FlatParam> = f
+            .params
+            .iter()
+            .filter(|fp| fp.offset >= b.offset && fp.offset < end)
+            .collect();
+        let dtype = of.flat_params[members[0].index].dtype();
+        let buffer = Tensor::zeros([b.padded], dtype, self.device)?;
+        let mut parts = Vec::with_capacity(members.len());
+        for fp in &members {
+            let n: usize = fp.shape.iter().product();
+            bucket_of[fp.index] = bi;
+            parts.push(buffer.narrow(0, fp.offset - b.offset, n)?);
+            let (a, z) = (fp.offset.max(lo), (fp.offset + n).min(hi));
+            if a >= z {
+                continue;
             }
-            if hi > end {
-                let a = end.max(lo);
-                let dt = if self.masters { DType::F32 } else { dtype };
-                pieces.push(Piece {
-                    flat: fi,
-                    bucket: bi,
-                    at: a - lo,
-                    share_at: b.share_offset + a - lo,
-                    param: None,
-                    param_start: 0,
-                    len: hi - a,
-                    value: Tensor::zeros([hi - a], dt, self.device)?.to_variable(),
-                    group: 0,
-                });
-            }
-            let out = Tensor::zeros([b.chunk], dtype, self.device)?;
-            shard_grads.push(out.clone());
-            gathered.push(buffer.clone());
-            grad_buckets.push(GradBucket {
-                params: members.iter().map(|fp| fp.index).collect(),
-                parts,
-                buffer,
-                out,
+            let start = a - fp.offset;
+            let value = self.piece_value(of.flat_params[fp.index], fp.index, n, start, z - a)?;
+            pieces.push(Piece {
+                flat: fi,
+                bucket: bi,
+                at: a - lo,
+                share_at: b.share_offset + a - lo,
+                param: Some(fp.index),
+                param_start: start,
+                len: z - a,
+                value: value.to_variable(),
+                group: of.group_of[fp.index],
             });
         }
-        // The inner optimizer's groups: the pieces of each group, in piece order.
+        if hi > end {
+            let a = end.max(lo);
+            let dt = if self.masters { DType::F32 } else { dtype };
+            pieces.push(Piece {
+                flat: fi,
+                bucket: bi,
+                at: a - lo,
+                share_at: b.share_offset + a - lo,
+                param: None,
+                param_start: 0,
+                len: hi - a,
+                value: Tensor::zeros([hi - a], dt, self.device)?.to_variable(),
+                group: 0,
+            });
+        }
+        let out = Tensor::zeros([b.chunk], dtype, self.device)?;
+        Ok(GradBucket {
+            params: members.iter().map(|fp| fp.index).collect(),
+            parts,
+            buffer,
+            out,
+        })
+    }
+
+    /// Elements `[start, start + len)` of parameter `index` (`param`, `n` elements) as an
+    /// owned tensor on the device: from the host snapshot where there is one, else the
+    /// parameter's own.
+    fn piece_value(
+        &self,
+        param: &Tensor,
+        index: usize,
+        n: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Tensor> {
+        match &self.snapshot {
+            Some(snap) => snap[index]
+                .reshape([n])?
+                .narrow(0, start, len)?
+                .to_device(self.device)?
+                .owned(),
+            None => param.detach().reshape([n])?.narrow(0, start, len)?.owned(),
+        }
+    }
+
+    /// The inner optimizer over this rank's `pieces` (its groups: each group's pieces, in
+    /// piece order), told which parameter each piece is of.
+    fn build_inner(&self, pieces: &[Piece], layout: &ZeroLayout) -> Result<O> {
         let inner_groups = self
             .groups
             .iter()
@@ -473,29 +540,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
                 .collect(),
             group_sizes: self.groups.iter().map(|g| g.params.len()).collect(),
         })?;
-        self.buckets.set_plan(BucketPlan {
-            group: self.group.clone(),
-            params: flat_params.iter().map(|&p| p.clone()).collect(),
-            buckets: grad_buckets,
-            bucket_of,
-            one: multi_tensor::scalar_on(self.device, 1.0)?,
-            unused_flag: multi_tensor::scalar_on(self.device, 0.0)?,
-            micro_batches: self.micro_batches,
-        });
-        self.snapshot = None;
-        self.generation += 1;
-        // Pieces in the inner optimizer's order (by group, then piece order), so that positions
-        // in its state dict are indices here.
-        pieces.sort_by_key(|p| p.group);
-        self.sharded = Some(Sharded {
-            layout,
-            pieces,
-            inner,
-            shard_grads,
-            gathered,
-            launch,
-        });
-        Ok(())
+        Ok(inner)
     }
 
     fn params_flat(&self) -> Vec<Tensor> {
