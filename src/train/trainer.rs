@@ -51,6 +51,8 @@ use super::run_dir::{RunDir, Use, CHECKPOINT_DIR};
 use super::stop::StopVote;
 
 mod epoch_end;
+#[cfg(test)]
+mod stop_tests;
 
 /// How to run, beyond the configuration.
 #[derive(Clone, Debug, Default)]
@@ -523,6 +525,8 @@ impl Job {
                     return Err(self.diverged(why, at.step));
                 }
             }
+            #[cfg(test)]
+            stop_tests::signal_after(at.step);
             if let Some(signal) = vote.poll(&self.ranks, at.step)? {
                 // After the epoch's last step the epoch is whole: it ends as usual and the vote
                 // at its end stops the run there. Saved as a partial epoch of every step, it
