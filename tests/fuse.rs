@@ -357,16 +357,8 @@ fn generated_kernels_compile_with_nvrtc() {
             sources.push((n, s));
         }
         for (name, src) in sources {
-            match mixprec::backend::cuda::compile_generated_for(&name, &src, (9, 0)) {
-                Ok(()) => {}
-                Err(mixprec::Error::Cuda(msg)) if msg.starts_with("NVRTC not found") => {
-                    if std::env::var_os("MIXPREC_REQUIRE_NVRTC").is_some() {
-                        panic!("MIXPREC_REQUIRE_NVRTC is set but {msg}");
-                    }
-                    println!("skipped: {msg}");
-                    return;
-                }
-                Err(e) => panic!("{e}\n{src}"),
+            if !compiles_for_sm90(&name, &src) {
+                return;
             }
         }
     }
@@ -393,18 +385,8 @@ fn two_sums_over_the_same_axes_share_one_kernel() {
     assert_eq!(src.matches("_level").count(), 1, "{src}");
     let (bname, bsrc, bkernels) = bn.cuda_backward_source(&[&x, &w, &w], 0).unwrap().unwrap();
     assert_eq!(bkernels, 2, "{bsrc}");
-    for (name, src) in [(name, src), (bname, bsrc)] {
-        if std::env::var_os("MIXPREC_PRINT_FUSE").is_some() {
-            println!("{src}");
-        }
-        match mixprec::backend::cuda::compile_generated_for(&name, &src, (9, 0)) {
-            Ok(()) => {}
-            Err(mixprec::Error::Cuda(msg))
-                if msg.starts_with("NVRTC not found")
-                    && std::env::var_os("MIXPREC_REQUIRE_NVRTC").is_none() => {}
-            Err(e) => panic!("{e}\n{src}"),
-        }
-    }
+    compiles_for_sm90(&name, &src);
+    compiles_for_sm90(&bname, &bsrc);
 }
 
 /// Reductions over outer axes (the innermost dim kept: rows side by side in memory) and over
@@ -424,18 +406,8 @@ fn reductions_over_outer_and_inner_axes_compile() {
         let (name, src, kernels) = f.cuda_source(&[&x]).unwrap();
         assert_eq!(kernels, 2, "{axes:?}: {src}");
         let (bname, bsrc, _) = f.cuda_backward_source(&[&x], 2).unwrap().unwrap();
-        for (name, src) in [(name, src), (bname, bsrc)] {
-            if std::env::var_os("MIXPREC_PRINT_FUSE").is_some() {
-                println!("{src}");
-            }
-            match mixprec::backend::cuda::compile_generated_for(&name, &src, (9, 0)) {
-                Ok(()) => {}
-                Err(mixprec::Error::Cuda(msg))
-                    if msg.starts_with("NVRTC not found")
-                        && std::env::var_os("MIXPREC_REQUIRE_NVRTC").is_none() => {}
-                Err(e) => panic!("{e}\n{src}"),
-            }
-        }
+        compiles_for_sm90(&name, &src);
+        compiles_for_sm90(&bname, &bsrc);
         let ys = f.call(&[&x]).unwrap();
         let want = x.sum_dims(&axes, true).unwrap();
         assert!(max_rel_diff(&ys[0], &want) < 1e-5, "{axes:?}");
@@ -459,4 +431,23 @@ fn batch_norm_compiles_to_one_kernel_per_reduction_level() {
     assert_eq!(kernels, 3, "{src}");
     // (N, C, H, W) is compressed to (N, C, H·W): every size array has three entries.
     assert!(src.contains("i64 size[3]"), "{src}");
+}
+
+/// The generated source compiles with NVRTC for sm_90; false where NVRTC is missing (an
+/// error when MIXPREC_REQUIRE_NVRTC is set, as CI sets it). MIXPREC_PRINT_FUSE prints it.
+fn compiles_for_sm90(name: &str, src: &str) -> bool {
+    if std::env::var_os("MIXPREC_PRINT_FUSE").is_some() {
+        println!("{src}");
+    }
+    match mixprec::backend::cuda::compile_generated_for(name, src, (9, 0)) {
+        Ok(()) => true,
+        Err(mixprec::Error::Cuda(msg)) if msg.starts_with("NVRTC not found") => {
+            if std::env::var_os("MIXPREC_REQUIRE_NVRTC").is_some() {
+                panic!("MIXPREC_REQUIRE_NVRTC is set but {msg}");
+            }
+            println!("skipped: {msg}");
+            false
+        }
+        Err(e) => panic!("{e}\n{src}"),
+    }
 }

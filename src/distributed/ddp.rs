@@ -64,6 +64,11 @@ impl Default for DdpConfig {
     }
 }
 
+/// A bucket size in MiB as bytes (at least one), for DDP's and ZeRO's buckets.
+pub(crate) fn mib_bytes(mib: f64) -> usize {
+    ((mib * 1048576.0) as usize).max(1)
+}
+
 impl DdpConfig {
     fn validate(&self) -> Result<()> {
         let op = "DistributedDataParallel";
@@ -395,13 +400,12 @@ impl<M: Module> DistributedDataParallel<M> {
             .filter(|p| p.requires_grad())
             .collect();
         let sync = Arc::new(AtomicBool::new(true));
-        let mib = |m: f64| ((m * 1048576.0) as usize).max(1);
         let reducer = Reducer::new(
             group.clone(),
             params.clone(),
             ReducerConfig {
-                bucket_cap_bytes: mib(cfg.bucket_cap_mb),
-                first_bucket_bytes: mib(cfg.first_bucket_mb),
+                bucket_cap_bytes: mib_bytes(cfg.bucket_cap_mb),
+                first_bucket_bytes: mib_bytes(cfg.first_bucket_mb),
                 predivide: cfg.gradient_predivide_factor,
                 reduce_dtype: cfg.allreduce_dtype,
                 find_unused: cfg.find_unused_parameters,

@@ -34,6 +34,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::collective::ReduceOp;
+use super::ddp::mib_bytes;
 use super::group::ProcessGroup;
 use super::reducer::assign_buckets;
 use super::ReductionStats;
@@ -220,7 +221,6 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             })?;
             hooks.push((p.clone(), id));
         }
-        let mib = |m: f64| ((m * 1048576.0) as usize).max(1);
         let ddp = super::DdpConfig::default();
         Ok(ShardedOptimizer {
             group: group.clone(),
@@ -233,8 +233,8 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
             sharded: None,
             generation: 0,
             caps: BucketCaps {
-                first: mib(ddp.first_bucket_mb),
-                cap: mib(ddp.bucket_cap_mb),
+                first: mib_bytes(ddp.first_bucket_mb),
+                cap: mib_bytes(ddp.bucket_cap_mb),
             },
             micro_batches: 1,
             buckets,
@@ -255,18 +255,22 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
                 ));
             }
         }
+        self.before_layout("bucket sizes")?;
+        self.caps = BucketCaps {
+            first: mib_bytes(first_mb),
+            cap: mib_bytes(cap_mb),
+        };
+        Ok(())
+    }
+
+    /// Refuses a setting (`what`) once the first step or a state load has fixed the layout.
+    fn before_layout(&self, what: &str) -> Result<()> {
         if self.sharded.is_some() {
             return Err(Error::Unsupported {
                 op: O::NAME,
-                detail: "bucket sizes set after the first step or state load fixed the layout"
-                    .into(),
+                detail: format!("{what} set after the first step or state load fixed the layout"),
             });
         }
-        let bytes = |m: f64| ((m * 1048576.0) as usize).max(1);
-        self.caps = BucketCaps {
-            first: bytes(first_mb),
-            cap: bytes(cap_mb),
-        };
         Ok(())
     }
 
@@ -283,13 +287,7 @@ impl<O: ShardableOptimizer> ShardedOptimizer<O> {
                 "at least 1 backward a step",
             ));
         }
-        if self.sharded.is_some() {
-            return Err(Error::Unsupported {
-                op: O::NAME,
-                detail: "micro-batches set after the first step or state load fixed the layout"
-                    .into(),
-            });
-        }
+        self.before_layout("micro-batches")?;
         self.micro_batches = k;
         Ok(())
     }
