@@ -238,15 +238,6 @@ impl Layout {
                 offset: self.offset,
             });
         }
-        // One value seen everywhere (a scalar's gradient broadcast back by a sum): any shape of
-        // it is the same value everywhere, a view, never a copy of the broadcast.
-        if self.strides.iter().all(|&s| s == 0) {
-            return Some(Layout {
-                shape: shape.clone(),
-                strides: vec![0; shape.rank()],
-                offset: self.offset,
-            });
-        }
         // Only size-1 dims added or removed: keep the other strides in order.
         let own: Vec<(usize, usize)> = self
             .dims()
@@ -385,11 +376,6 @@ mod tests {
 
     #[test]
     fn reshape_views_only_when_strides_allow() {
-        let everywhere = Layout::contiguous(Shape::scalar()).expand(&Shape::new(vec![24]));
-        let r = everywhere
-            .reshape(&Shape::new(vec![2, 3, 4]))
-            .expect("a view");
-        assert_eq!((r.strides(), r.offset()), (&[0, 0, 0][..], 0));
         let c = Layout::contiguous(Shape::new(vec![2, 3, 4]));
         assert!(c.reshape(&Shape::new(vec![6, 4])).is_some());
         let t = c.permute(&[0, 2, 1]);
