@@ -210,6 +210,97 @@ template <typename T, typename I> __device__ void adaptive_bwd(PoolP p, const T*
     }
 }
 
+// NHWC with the channels a whole number of 16-byte packs (the host checks that, the buffers'
+// alignment and that every position fits 32 bits): one thread per pack of channels at one
+// output (forward) or input (backward) position, so the window's bounds and index arithmetic are
+// worked out once per pack instead of once per channel, and the loads and stores are 16 bytes
+// (the argmax's two i64 at a time). Per channel, the comparisons and sums are those of max_fwd /
+// max_bwd in the same order: the results are bit for bit theirs.
+template <typename T> __device__ void max_fwd_vec(PoolP p, const T* x, T* y, i64* arg) {
+    typedef typename Num<T>::acc A;
+    typedef typename Pack<T>::type P;
+    const int N = Pack<T>::N;
+    const unsigned CV = (unsigned)p.c / N, OH = (unsigned)p.oh, OW = (unsigned)p.ow;
+    const int H = (int)p.h, W = (int)p.w, KH = (int)p.kh, KW = (int)p.kw;
+    const unsigned total = (unsigned)(p.n * p.oh * p.ow) * CV;
+    for (unsigned k = (unsigned)global_tid(); k < total; k += (unsigned)global_stride()) {
+        unsigned cv = k % CV, rest = k / CV;
+        unsigned ow = rest % OW;
+        rest /= OW;
+        unsigned oh = rest % OH, n = rest / OH;
+        int h0 = (int)oh * (int)p.sh - (int)p.ph, w0 = (int)ow * (int)p.sw - (int)p.pw;
+        A best[N];
+        int bi[N];
+#pragma unroll
+        for (int l = 0; l < N; l++) { best[l] = -inf_of<A>(); bi[l] = -1; }
+        for (int i = 0; i < KH; i++) {
+            int ih = h0 + i;
+            if (ih < 0 || ih >= H) continue;
+            for (int j = 0; j < KW; j++) {
+                int iw = w0 + j;
+                if (iw < 0 || iw >= W) continue;
+                P v = *(const P*)(x + (((unsigned)n * H + ih) * W + iw) * (unsigned)p.c + cv * N);
+                int me = ih * W + iw;
+#pragma unroll
+                for (int l = 0; l < N; l++) {
+                    A a = Num<T>::to(v.v[l]);
+                    if (bi[l] < 0 || a > best[l] || (is_nan(a) && !is_nan(best[l]))) { best[l] = a; bi[l] = me; }
+                }
+            }
+        }
+        P out;
+#pragma unroll
+        for (int l = 0; l < N; l++) out.v[l] = Num<T>::from(best[l]);
+        *(P*)(y + (u64)k * N) = out;
+        longlong2* a2 = (longlong2*)(arg + (u64)k * N);
+#pragma unroll
+        for (int l = 0; l < N; l += 2) a2[l / 2] = make_longlong2(bi[l] < 0 ? 0 : bi[l], bi[l + 1] < 0 ? 0 : bi[l + 1]);
+    }
+}
+
+template <typename T> __device__ void max_bwd_vec(PoolP p, const T* g, const i64* arg, T* dx) {
+    typedef typename Num<T>::acc A;
+    typedef typename Pack<T>::type P;
+    const int N = Pack<T>::N;
+    const unsigned CV = (unsigned)p.c / N, H = (unsigned)p.h, W = (unsigned)p.w;
+    const int OH = (int)p.oh, OW = (int)p.ow, SH = (int)p.sh, SW = (int)p.sw;
+    const unsigned total = (unsigned)(p.n * p.h * p.w) * CV;
+    for (unsigned k = (unsigned)global_tid(); k < total; k += (unsigned)global_stride()) {
+        unsigned cv = k % CV, rest = k / CV;
+        int iw = (int)(rest % W);
+        rest /= W;
+        int ih = (int)(rest % H);
+        unsigned n = rest / H;
+        // covering(), in 32 bits.
+        int oh0 = ih + (int)p.ph - (int)p.kh + 1, ow0 = iw + (int)p.pw - (int)p.kw + 1;
+        oh0 = oh0 <= 0 ? 0 : (oh0 + SH - 1) / SH;
+        ow0 = ow0 <= 0 ? 0 : (ow0 + SW - 1) / SW;
+        int oh1 = (ih + (int)p.ph) / SH, ow1 = (iw + (int)p.pw) / SW;
+        if (oh1 >= OH) oh1 = OH - 1;
+        if (ow1 >= OW) ow1 = OW - 1;
+        A s[N];
+#pragma unroll
+        for (int l = 0; l < N; l++) s[l] = 0;
+        const i64 me = ih * (int)W + iw;
+        for (int oh = oh0; oh <= oh1; oh++)
+            for (int ow = ow0; ow <= ow1; ow++) {
+                unsigned o = (((unsigned)n * OH + oh) * OW + ow) * (unsigned)p.c + cv * N;
+                P gv = *(const P*)(g + o);
+                const longlong2* a2 = (const longlong2*)(arg + o);
+#pragma unroll
+                for (int l = 0; l < N; l += 2) {
+                    longlong2 a = a2[l / 2];
+                    if (a.x == me) s[l] += Num<T>::to(gv.v[l]);
+                    if (a.y == me) s[l + 1] += Num<T>::to(gv.v[l + 1]);
+                }
+            }
+        P out;
+#pragma unroll
+        for (int l = 0; l < N; l++) out.v[l] = Num<T>::from(s[l]);
+        *(P*)(dx + (u64)k * N) = out;
+    }
+}
+
 // Each kernel picks 32- or 64-bit index arithmetic once per launch (a uniform branch).
 #define BY_INDEX(F, T, ...) \
     if (fits32(p)) F<T, unsigned>(__VA_ARGS__); else F<T, u64>(__VA_ARGS__);
@@ -219,6 +310,12 @@ template <typename T, typename I> __device__ void adaptive_bwd(PoolP p, const T*
     }                                                                                              \
     extern "C" __global__ void max_pool_backward_##N(PoolP p, const T* g, const i64* arg, T* dx) { \
         BY_INDEX(max_bwd, T, p, g, arg, dx)                                                           \
+    }                                                                                              \
+    extern "C" __global__ void max_pool_vec_##N(PoolP p, const T* x, T* y, i64* arg) {             \
+        max_fwd_vec<T>(p, x, y, arg);                                                              \
+    }                                                                                              \
+    extern "C" __global__ void max_pool_backward_vec_##N(PoolP p, const T* g, const i64* arg, T* dx) { \
+        max_bwd_vec<T>(p, g, arg, dx);                                                             \
     }                                                                                              \
     extern "C" __global__ void avg_pool_##N(PoolP p, const T* x, T* y) { BY_INDEX(avg_fwd, T, p, x, y) } \
     extern "C" __global__ void avg_pool_backward_##N(PoolP p, const T* g, T* dx) {                 \
