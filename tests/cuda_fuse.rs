@@ -12,6 +12,16 @@ use mixprec::{fuse, graph, DType, Device, Tensor};
 
 const GPU: Device = Device::Cuda(0);
 
+/// The captured test holds the device alone: while a thread captures, the device's stream takes
+/// no other thread's work (a host-to-device copy of a parallel test failed with
+/// `Error::Capture` on an H200 run), and its replay counts allocations and syncs process-wide.
+/// The other tests share it.
+static DEVICE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    DEVICE.read().unwrap_or_else(|e| e.into_inner())
+}
+
 fn fused_of(p: &Program) -> Fused {
     let outs = p.outputs.clone();
     fuse("random", move |f, x| {
@@ -61,6 +71,7 @@ fn run(f: &Fused, xs: &[Tensor], seed: u64) -> (Vec<Tensor>, Vec<Option<Tensor>>
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn random_programs_on_the_gpu_match_the_cpu() {
+    let _device = shared();
     let mut rng = Rng(0x0bad_cafe_1234_5678);
     for case in 0..60u64 {
         let sizes = [2 + rng.below(6), 1 + rng.below(40), 3 + rng.below(300)];
@@ -97,6 +108,7 @@ fn random_programs_on_the_gpu_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn batch_norm_written_with_fuse_on_the_gpu() {
+    let _device = shared();
     let bn = fuse("bn_test", |f, x| {
         let axes = [0, 2, 3];
         let mean = f.mean(x[0], &axes);
@@ -124,6 +136,7 @@ fn batch_norm_written_with_fuse_on_the_gpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_captured_fused_call_replays_without_host_work() {
+    let _device = DEVICE.write().unwrap_or_else(|e| e.into_inner());
     let f = fuse("softmax_rows", |f, x| {
         let m = f.max(x[0], &[-1]);
         let e = f.exp(f.sub(x[0], m));
@@ -196,6 +209,7 @@ fn tol_of(dtype: DType) -> f64 {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn reductions_split_over_many_blocks_match_the_cpu() {
+    let _device = shared();
     let bn = fuse("bn_two_sums", |f, x| {
         let axes = [0, 2, 3];
         let mean = f.mean(x[0], &axes);
@@ -231,6 +245,7 @@ fn reductions_split_over_many_blocks_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn several_reductions_per_kernel_over_inner_and_outer_axes_match_the_cpu() {
+    let _device = shared();
     for axes in [vec![-1isize], vec![0], vec![0, 2]] {
         let ax = axes.clone();
         let f = fuse("stats", move |f, x| {
@@ -267,6 +282,7 @@ fn several_reductions_per_kernel_over_inner_and_outer_axes_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn clipping_multiplier_on_the_gpu_matches_the_cpu() {
+    let _device = shared();
     for (max_norm, planted_inf) in [(0.25, false), (100.0, false), (1.0, true)] {
         let mut results = Vec::new();
         for dev in [Device::Cpu, GPU] {
