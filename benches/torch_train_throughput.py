@@ -11,7 +11,7 @@ scaler.update. cudnn.benchmark on, TF32
 off (f32 means f32, as in mixprec). Skipped steps are counted from the scaler's scale: a step is
 skipped exactly when update() lowers the scale.
 """
-import argparse, json, time
+import argparse, json, sys, time
 
 t_start = time.perf_counter()
 import torch, torch.nn as nn, torchvision
@@ -32,6 +32,10 @@ p.add_argument("--sgd", default="auto", choices=["auto", "fused", "foreach"])
 p.add_argument("--foreach", action="store_true", help="same as --sgd foreach")
 p.add_argument("--no-benchmark", action="store_true")
 p.add_argument("--batch", type=int, default=None, help="the net's own batch unless given")
+# --profile: after the timed steps, the device time of every kernel over two more steps, one
+# JSON line per kernel name on stderr ({"profile_kernel": ...}); benches/profile_table.py groups
+# them beside mixprec's --profile rows.
+p.add_argument("--profile", action="store_true")
 a = p.parse_args()
 if a.foreach:
     a.sgd = "foreach"
@@ -106,6 +110,22 @@ for s in scales:
     if prev is not None and v < prev:
         skipped += 1
     prev = v
+if a.profile:
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n, ms = kernels.get(e.name, (0, 0.0))
+            kernels[e.name] = (n + 1, ms + e.device_time / 1000.0)
+    side = "torch" + ("-compile" if a.compile else "")
+    for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        print(json.dumps({"profile_kernel": name, "side": side, "net": a.net, "mode": a.mode,
+                          "layout": a.layout, "calls_per_step": n / 2, "ms_per_step": ms / 2}),
+              file=sys.stderr)
 free, total = torch.cuda.mem_get_info()
 print(json.dumps({
     "side": "torch" + ("-compile" if a.compile else ""), "net": a.net, "mode": a.mode,
