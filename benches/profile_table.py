@@ -38,7 +38,7 @@ def group_of_op(op):
         return "pooling"
     if op.startswith(("linear", "matmul", "cross_entropy", "softmax", "reduce", "argmax")):
         return "classifier + loss"
-    if op.startswith("multi_tensor") or op in ("fuse",):
+    if op.startswith(("multi_tensor", "Fused")) or op == "fuse":
         return "optimizer + scaler"
     if op in ("to_dtype", "copy_strided", "contiguous"):
         return "casts / copies"
@@ -54,12 +54,14 @@ def group_of_kernel(name):
         return "conv weight grad"
     if "fprop" in n:
         return "conv forward"
-    if "nchwtonhwc" in n or "nhwctonchw" in n or "conv" in n:
-        return "conv layout/other"
+    # Before "conv": Inductor names a fused kernel after every aten op in it, and a batch norm's
+    # backward fused with the residual's often carries "convolution_backward" in its name.
     if "batch_norm" in n or "batchnorm" in n or "bn_" in n or "welford" in n:
         return ("batch norm (+act, +add) backward"
                 if "backward" in n or "bwd" in n or "bw_" in n or "bwtr" in n
                 else "batch norm (+act, +add) forward")
+    if "nchwtonhwc" in n or "nhwctonchw" in n or "conv" in n:
+        return "conv layout/other"
     if "pool" in n:
         return "pooling"
     if ("multi_tensor" in n or "foreach" in n or "fused_sgd" in n or "amp_update_scale" in n
