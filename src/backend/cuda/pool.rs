@@ -78,7 +78,7 @@ fn channel_packs(p: &Pool2dParams, dtype: DType, ptrs: &[u64]) -> Option<usize> 
     let pack = 16 / dtype.size_in_bytes();
     let cells = p.n * p.c * (p.h * p.w).max(p.out_h() * p.out_w());
     (p.format == MemoryFormat::ChannelsLast
-        && p.c % pack == 0
+        && p.c.is_multiple_of(pack)
         && cells < (1 << 31)
         && ptrs.iter().all(|a| a % 16 == 0))
     .then_some(pack)
