@@ -1766,6 +1766,120 @@ fn conv2d_channels_last_matches_cpu_nchw() {
     }
 }
 
+/// The space-to-depth rewrite of strided convolutions over few channels
+/// (`backend/cuda/conv_space_to_depth.rs`), forced on, in every direction and dtype against the
+/// CPU's NCHW result: a stem (7x7/2 over 3 channels) and geometries that exercise the index maps
+/// (unequal strides and kernel sides, padding past the stride, no pad channel). With the choice
+/// timed (the default), the stem's choices are reported.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv2d_space_to_depth_matches_cpu_nchw() {
+    use mixprec::backend::cuda::{
+        conv_space_to_depth_choices, with_conv_space_to_depth, SpaceToDepth,
+    };
+    gpu();
+    let geo = |n, c, hw: (usize, usize), k, kernel: (usize, usize), stride, padding| Conv2dParams {
+        n,
+        c_in: c,
+        h: hw.0,
+        w: hw.1,
+        c_out: k,
+        kh: kernel.0,
+        kw: kernel.1,
+        stride,
+        padding,
+        dilation: (1, 1),
+        groups: 1,
+        format: MemoryFormat::Contiguous,
+    };
+    let cases = [
+        geo(4, 3, (56, 56), 64, (7, 7), (2, 2), (3, 3)),
+        geo(3, 2, (19, 22), 24, (5, 3), (3, 2), (2, 1)),
+        geo(2, 4, (17, 16), 32, (3, 3), (2, 2), (1, 1)),
+        geo(2, 1, (30, 30), 16, (4, 4), (2, 2), (0, 0)),
+    ];
+    for mode in [SpaceToDepth::Only, SpaceToDepth::Auto] {
+        for d in DTYPES {
+            for p in cases {
+                let cl = Conv2dParams {
+                    format: MemoryFormat::ChannelsLast,
+                    ..p
+                };
+                let xd = [p.n, p.c_in, p.h, p.w];
+                let wd = [p.c_out, p.c_in, p.kh, p.kw];
+                let yd = [p.n, p.c_out, p.out_h(), p.out_w()];
+                let x = randn(xd.iter().product(), d);
+                let w = randn(wd.iter().product(), d);
+                let w = w.affine(&whole(&w), 0.2, 0.0).unwrap();
+                let g = randn(yd.iter().product(), d);
+                let (lx, lw, lg) = (lay(&xd), lay(&wd), lay(&yd));
+                let (xl, wl, gl) = (
+                    up(&channels_last(&x, xd)),
+                    up(&channels_last(&w, wd)),
+                    up(&channels_last(&g, yd)),
+                );
+                let cl_lay = |dims: [usize; 4]| {
+                    Layout::with_format(Shape::new(dims.to_vec()), MemoryFormat::ChannelsLast)
+                };
+                let (lxl, lwl, lgl) = (cl_lay(xd), cl_lay(wd), cl_lay(yd));
+                let (fwd, bwd_data, bwd_filter) = with_conv_space_to_depth(mode, || {
+                    (
+                        xl.conv2d(&lxl, &wl, &lwl, &cl).unwrap(),
+                        gl.conv2d_backward_input(&lgl, &wl, &lwl, &cl).unwrap(),
+                        gl.conv2d_backward_weight(&lgl, &xl, &lxl, &cl).unwrap(),
+                    )
+                });
+                let cases = [
+                    (
+                        "forward",
+                        fwd,
+                        yd,
+                        x.conv2d(&lx, &w, &lw, &p).unwrap(),
+                        tol_gemm(d),
+                    ),
+                    (
+                        "backward-data",
+                        bwd_data,
+                        xd,
+                        g.conv2d_backward_input(&lg, &w, &lw, &p).unwrap(),
+                        tol_gemm(d),
+                    ),
+                    (
+                        "backward-filter",
+                        bwd_filter,
+                        wd,
+                        g.conv2d_backward_weight(&lg, &x, &lx, &p).unwrap(),
+                        tol_gemm(d) * 2.0,
+                    ),
+                ];
+                for (direction, got, dims, want, bound) in cases {
+                    let got = channels_first(&got.to_cpu().unwrap(), dims);
+                    let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
+                    assert!(
+                        e <= bound,
+                        "space-to-depth {mode:?} {direction} {d} {p:?}: relative error {e:e} > {bound:e}"
+                    );
+                }
+            }
+        }
+    }
+    let stem = Conv2dParams {
+        format: MemoryFormat::ChannelsLast,
+        ..cases[0]
+    };
+    let timed = conv_space_to_depth_choices(0);
+    for d in DTYPES {
+        for direction in ["forward", "backward-data", "backward-filter"] {
+            assert!(
+                timed
+                    .iter()
+                    .any(|c| c.params == stem && c.dtype == d && c.direction == direction),
+                "{d} {direction}: the stem's choice was timed and reported: {timed:?}"
+            );
+        }
+    }
+}
+
 /// Convolution plans come from cuDNN's graph API and its legacy API, the faster on the first
 /// call's buffers (`MIXPREC_CUDNN_API=graph` or `=legacy` forces one: run this binary's conv2d
 /// and resnet18 tests once each way too). This checks that the graph API really offers

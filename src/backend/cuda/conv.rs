@@ -51,6 +51,10 @@
 //! `RUST_LOG=mixprec=debug` logs every candidate's time and the choice. The workspace is one
 //! grow-only buffer per device.
 //!
+//! A strided convolution over few channels (ResNet's stem) has one more candidate, decided
+//! before the plan: its space-to-depth rewrite into a stride-1 convolution over more channels
+//! (`conv_space_to_depth.rs`), timed against the convolution as given.
+//!
 //! Here: the op's checks and its three directions. The choice is in `conv_choice.rs`, a plan and
 //! its settings in `conv_plan.rs`, the device's cuDNN state (handle, workspaces, plans, lock) in
 //! `cudnn.rs`.
@@ -129,6 +133,9 @@ fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<
                 format!("{what} must have {n} elements"),
             ));
         }
+    }
+    if let Some(out) = super::conv_space_to_depth::run_if_chosen(dir, p, a, b, n_out)? {
+        return Ok(out);
     }
     run(&a.dev, dir, p, a.dtype(), a, b, n_out)
 }

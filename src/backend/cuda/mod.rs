@@ -29,6 +29,7 @@ mod conv_choice;
 mod conv_direct;
 mod conv_plan;
 mod conv_report;
+mod conv_space_to_depth;
 mod conv_tune;
 mod cross_entropy;
 mod cudnn;
@@ -71,6 +72,9 @@ pub use batch_norm_choice::{
 pub use conv_plan::PlanSource;
 pub use conv_report::{
     clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, ConvPlanInfo,
+};
+pub use conv_space_to_depth::{
+    conv_space_to_depth_choices, with_conv_space_to_depth, SpaceToDepth, SpaceToDepthChoice,
 };
 pub use device::{
     allocation_count, deterministic, device_count, get as device, host_sync_count, set_allow_tf32,
