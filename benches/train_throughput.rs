@@ -265,6 +265,25 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
     }
 
     if args.profile {
+        for c in cuda::conv_space_to_depth_choices(0) {
+            let p = &c.params;
+            eprintln!(
+                "  space-to-depth {} {:<16} {}x{}x{}x{} -> {} {}x{}/{}: as given {:.3} ms, rewritten {:.3} ms: {}",
+                c.dtype,
+                c.direction,
+                p.n,
+                p.c_in,
+                p.h,
+                p.w,
+                p.c_out,
+                p.kh,
+                p.kw,
+                p.stride.0,
+                c.direct_ms.unwrap_or(f32::NAN),
+                c.rewritten_ms.unwrap_or(f32::NAN),
+                if c.chosen { "rewritten" } else { "as given" }
+            );
+        }
         for c in cuda::batch_norm_choices(0)? {
             eprintln!(
                 "  batch norm {} {}x{}x{} res={} relu={}: {} (forward + backward: {}){}",
