@@ -1,16 +1,19 @@
 //! Space-to-depth: a strided convolution over few input channels run as a stride-1 convolution
 //! over more (`kernels/conv.cu` has the index maps). ResNet's 7x7/2 stem over 3 channels is the
-//! case: in bf16 cuDNN's best kernels for it took 1.88 ms forward and 1.14 ms for the weight
-//! gradient of a batch-256 step (f16: 0.69 and 0.56), while the 4x4/1 convolution over 16
-//! channels it becomes fits cuDNN's ordinary NHWC kernels. The products are those of the strided
-//! convolution plus products with zeros, so the result differs only in summation order.
+//! case: in bf16 cuDNN's best kernels for it take 1.77 ms forward and 1.13 ms for the weight
+//! gradient of a batch-256 step on an H200 (f16: 0.56 and 0.55), while the 4x4/1 convolution
+//! over 16 channels it becomes fits cuDNN's ordinary NHWC kernels (0.64 and 0.46 ms in either
+//! dtype). The products are those of the strided convolution plus products with zeros, so the
+//! result differs only in summation order.
 //!
 //! Each direction is a candidate against the convolution as given: on the first call of a
 //! geometry both run on that call's buffers and the timer of the plan choice (`conv_tune.rs`)
 //! keeps the faster, per (geometry, dtype, direction, TF32 and determinism settings). The
 //! inner convolution gets its own timed plan (`conv_plan::run`). The forward and the input
-//! gradient rebuild S and w' per call (a few percent of the convolution's time), the weight
-//! gradient rebuilds S from the saved input rather than keeping it from the forward.
+//! gradient rebuild S and w' per call, the weight gradient rebuilds S from the saved input
+//! rather than keeping it from the forward. On the H200 the bf16 stem is rewritten in both
+//! directions (1.15 against 1.77 ms, 0.96 against 1.13 ms) and the f16 one is not; S's
+//! transform (a thread per pixel of S) is ~0.5 ms of those, several times what its bytes need.
 //!
 //! `MIXPREC_CONV_SPACE_TO_DEPTH=0` leaves it out, `=only` runs it wherever it applies (for
 //! tests and comparisons); [`with_conv_space_to_depth`] sets either for one thread.
