@@ -1,8 +1,8 @@
 """PyTorch's side of the block-stack twin (issue 42's second acceptance check); runs AFTER
 examples/block_twin.rs, which wrote DIR/init.safetensors (the GPT's initial weights under
 Hugging Face GPT-2 names, as examples/gpt_twin.rs writes them, plus the batch x, y) and, per
-level, DIR/ours_LEVEL.safetensors (its logits and loss as f32 and every parameter's gradient,
-unscaled, as f32; the loss scale it used in the metadata).
+level, DIR/ours_LEVEL.safetensors (its logits, loss and each token's loss as f32 and every
+parameter's gradient, unscaled, as f32; the loss scale it used in the metadata).
 
     .gpu/bin/block_twin DIR [cuda|cpu] [--small]
     python3 benches/torch_block_twin.py DIR [--device cuda|cpu]
@@ -14,7 +14,9 @@ For each level it runs the same forward/backward in PyTorch:
   O2-*     the weights cast to the half type except the layer norms' (kept f32, as mixprec's
            keep_norm_fp32), autocast on, scaled likewise
 and once in f64 (the reference, from the f32 weights). Per level it prints the relative L2 error
-against the f64 reference of the logits, the loss and the gradients (the largest over the
+against the f64 reference of the logits, the loss, the vector of each token's loss (the loss
+before its mean: a better-conditioned comparison than the scalar, whose error is a signed sum of
+the tokens' that one draw decides) and the gradients (the largest over the
 parameters, with that parameter's name), mixprec's beside PyTorch's, and the verdict: at O0,
 within fp32 rounding (relative error <= 2^-14, as examples/op_twin.rs); at the half levels,
 mixprec's error <= PyTorch's x 1.02 (ratio printed). One JSON line per row, then a table; exit
@@ -53,12 +55,16 @@ def forward(p, x, y, heads, layers):
         h = h + lin(F.gelu(lin(ln(h, pre + "ln_2"), pre + "mlp.c_fc"), approximate="tanh"),
                     pre + "mlp.c_proj")
     logits = F.linear(ln(h, "transformer.ln_f"), p["transformer.wte.weight"])
-    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-    return logits, loss
+    rows = logits.float().view(-1, logits.shape[-1])
+    loss = F.cross_entropy(rows, y.view(-1))
+    with torch.no_grad():
+        token_loss = F.cross_entropy(rows, y.view(-1), reduction="none")
+    return logits, loss, token_loss
 
 
 def run(w, x, y, heads, layers, level, scale, dev):
-    """logits (f32), loss, {name: unscaled f32 gradient} at `level` ("ref" = f64)."""
+    """logits (f32), loss, each token's loss, {name: unscaled f32 gradient} at `level` ("ref" =
+    f64)."""
     half = HALF.get(level.split("-")[-1])
     p = {}
     for k, v in w.items():
@@ -69,10 +75,10 @@ def run(w, x, y, heads, layers, level, scale, dev):
             v = v.to(half)
         p[k] = v.detach().requires_grad_(True)
     with torch.autocast(dev, dtype=half or torch.bfloat16, enabled=level.startswith(("O1", "O2"))):
-        logits, loss = forward(p, x, y, heads, layers)
+        logits, loss, token_loss = forward(p, x, y, heads, layers)
     (loss * scale).backward()
     grads = {k: (v.grad.double() / scale) for k, v in p.items()}
-    return logits.detach().double(), loss.detach().double(), grads
+    return logits.detach().double(), loss.detach().double(), token_loss.double(), grads
 
 
 def rel(a, r):
@@ -97,7 +103,7 @@ def main():
     x, y = w.pop("x").to(dev), w.pop("y").to(dev)
     layers = 1 + max(int(k.split(".")[2]) for k in w if k.startswith("transformer.h."))
     heads = int(meta["n_head"])
-    ref_logits, ref_loss, ref_grads = run(w, x, y, heads, layers, "ref", 1.0, dev)
+    ref_logits, ref_loss, ref_tokens, ref_grads = run(w, x, y, heads, layers, "ref", 1.0, dev)
     rows = []
     for level in LEVELS:
         ours_path = os.path.join(a.dir, f"ours_{level}.safetensors")
@@ -108,7 +114,7 @@ def main():
             ometa = f.metadata() or {}
         ours = load_file(ours_path, device=dev)
         scale = float(ometa.get("loss_scale", "1"))
-        t_logits, t_loss, t_grads = run(w, x, y, heads, layers, level, scale, dev)
+        t_logits, t_loss, t_tokens, t_grads = run(w, x, y, heads, layers, level, scale, dev)
 
         def grad_err(get):
             worst, name = -1.0, ""
@@ -123,6 +129,7 @@ def main():
         for what, eo, et, note in [
             ("logits", rel(ours["logits"], ref_logits), rel(t_logits, ref_logits), ""),
             ("loss", rel(ours["loss"], ref_loss), rel(t_loss, ref_loss), ""),
+            ("token losses", rel(ours["token_loss"], ref_tokens), rel(t_tokens, ref_tokens), ""),
             ("grads (max)", g_ours, g_torch, f"ours worst {n_ours}; torch worst {n_torch}"),
         ]:
             if level == "O0":

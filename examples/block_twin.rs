@@ -12,8 +12,9 @@
 //!    Hugging Face GPT-2 names and the batch to `DIR/init.safetensors` (as `gpt_twin` does).
 //!    For each of O0, O1 bf16, O1 f16, O2 bf16 and O2 f16 a fresh copy (the same seed) runs one
 //!    forward and the scaled backward of the mean cross-entropy; `DIR/ours_LEVEL.safetensors`
-//!    gets the logits (f32), the loss and every parameter's gradient, unscaled, as f32, with the
-//!    loss scale and the attention path in the metadata.
+//!    gets the logits (f32), the loss, each token's loss (no reduction, from the same logits) and
+//!    every parameter's gradient, unscaled, as f32, with the loss scale and the attention path in
+//!    the metadata.
 //! 2. The captured step bitwise equal to the eager one: per level, two models from the same seed
 //!    take N optimizer steps (FusedAdam, clip 1.0) on the batch, one eagerly and one through
 //!    `amp::CapturedStep` (1 eager warm-up step, then the capture and its replays), and every
@@ -41,7 +42,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use mixprec::amp::{self, OptLevel, Policy};
-use mixprec::nn::{cross_entropy, Gpt, GptConfig, Module};
+use mixprec::nn::{
+    cross_entropy, cross_entropy_with, CrossEntropyConfig, Gpt, GptConfig, Module, Reduction,
+};
 use mixprec::optim::{AdamConfig, FusedAdam};
 use mixprec::tensor::SdpaOptions;
 use mixprec::{DType, Device, Error, Result, Tensor};
@@ -227,13 +230,24 @@ fn twin_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<()> {
     let dev = args.device;
     let (model, mut opt) = make(cfg, args.seeds.0, level, false, &dev)?;
     let n = b * t;
-    let (logits, loss) = model.scope(|m| {
+    let (logits, loss, token_loss) = model.scope(|m| {
         let logits = m.forward(x)?;
-        let loss = cross_entropy(
-            &logits.reshape(vec![n, cfg.vocab_size])?,
-            &y.reshape(vec![n])?,
-        )?;
-        Ok((logits, loss))
+        let (rows, targets) = (
+            logits.reshape(vec![n, cfg.vocab_size])?,
+            y.reshape(vec![n])?,
+        );
+        let loss = cross_entropy(&rows, &targets)?;
+        // Each token's loss (no reduction), from the same logits, outside the graph: the
+        // scalar loss is their mean, whose error is a signed sum that one seed draws once.
+        let token_loss = {
+            let _g = mixprec::no_grad();
+            let none = CrossEntropyConfig {
+                reduction: Reduction::None,
+                ..Default::default()
+            };
+            cross_entropy_with(&rows, &targets, none)?
+        };
+        Ok((logits, loss, token_loss))
     })?;
     opt.zero_grad()?;
     opt.backward(&loss)?;
@@ -241,6 +255,7 @@ fn twin_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<()> {
     let mut out = vec![
         ("logits".to_string(), logits.detach().to_dtype(DType::F32)?),
         ("loss".to_string(), loss.detach().to_dtype(DType::F32)?),
+        ("token_loss".to_string(), token_loss.to_dtype(DType::F32)?),
     ];
     let mut param_dtypes = BTreeMap::new();
     for (name, p) in model.inner().named_parameters() {
