@@ -1699,6 +1699,83 @@ fn resnet50_conv_cases() -> Vec<Conv2dParams> {
     ]
 }
 
+/// One convolution's three directions run by `run` on the GPU in channels_last (NHWC activations,
+/// KRSC weights: the input, weight and output gradient with their layouts), against the CPU's
+/// NCHW results (the GPU's outputs permuted back); `what(direction)` names a failure.
+fn check_conv_channels_last(
+    p: Conv2dParams,
+    d: DType,
+    run: impl FnOnce(&Conv2dParams, [(&CudaStorage, &Layout); 3]) -> [CudaStorage; 3],
+    what: impl Fn(&str) -> String,
+) {
+    let cl = Conv2dParams {
+        format: MemoryFormat::ChannelsLast,
+        ..p
+    };
+    let xd = [p.n, p.c_in, p.h, p.w];
+    let wd = [p.c_out, p.c_in / p.groups, p.kh, p.kw];
+    let yd = [p.n, p.c_out, p.out_h(), p.out_w()];
+    let x = randn(xd.iter().product(), d);
+    let w = randn(wd.iter().product(), d);
+    let w = w.affine(&whole(&w), 0.2, 0.0).unwrap();
+    let g = randn(yd.iter().product(), d);
+    let (lx, lw, lg) = (lay(&xd), lay(&wd), lay(&yd));
+    let (xl, wl, gl) = (
+        up(&channels_last(&x, xd)),
+        up(&channels_last(&w, wd)),
+        up(&channels_last(&g, yd)),
+    );
+    let cl_lay = |dims: [usize; 4]| {
+        Layout::with_format(Shape::new(dims.to_vec()), MemoryFormat::ChannelsLast)
+    };
+    let (lxl, lwl, lgl) = (cl_lay(xd), cl_lay(wd), cl_lay(yd));
+    let [fwd, bwd_data, bwd_filter] = run(&cl, [(&xl, &lxl), (&wl, &lwl), (&gl, &lgl)]);
+    let cases = [
+        (
+            "forward",
+            fwd,
+            yd,
+            x.conv2d(&lx, &w, &lw, &p).unwrap(),
+            tol_gemm(d),
+        ),
+        (
+            "backward-data",
+            bwd_data,
+            xd,
+            g.conv2d_backward_input(&lg, &w, &lw, &p).unwrap(),
+            tol_gemm(d),
+        ),
+        (
+            "backward-filter",
+            bwd_filter,
+            wd,
+            g.conv2d_backward_weight(&lg, &x, &lx, &p).unwrap(),
+            tol_gemm(d) * 2.0,
+        ),
+    ];
+    for (direction, got, dims, want, bound) in cases {
+        let got = channels_first(&got.to_cpu().unwrap(), dims);
+        let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
+        assert!(
+            e <= bound,
+            "{}: relative error {e:e} > {bound:e}",
+            what(direction)
+        );
+    }
+}
+
+/// The three directions of a convolution as the backend runs them, on channels_last operands.
+fn conv_directions(
+    cl: &Conv2dParams,
+    [(x, lx), (w, lw), (g, lg)]: [(&CudaStorage, &Layout); 3],
+) -> [CudaStorage; 3] {
+    [
+        x.conv2d(lx, w, lw, cl).unwrap(),
+        g.conv2d_backward_input(lg, w, lw, cl).unwrap(),
+        g.conv2d_backward_weight(lg, x, lx, cl).unwrap(),
+    ]
+}
+
 /// channels_last convolutions (NHWC activations, KRSC weights) in every direction and dtype,
 /// through whichever API the choice picks, against the CPU's NCHW result (the GPU's output
 /// permuted back). `MIXPREC_CUDNN_API=graph` / `=legacy` runs them through one API.
@@ -1708,60 +1785,16 @@ fn conv2d_channels_last_matches_cpu_nchw() {
     gpu();
     for d in DTYPES {
         for p in resnet50_conv_cases() {
-            let cl = Conv2dParams {
-                format: MemoryFormat::ChannelsLast,
-                ..p
-            };
-            let xd = [p.n, p.c_in, p.h, p.w];
-            let wd = [p.c_out, p.c_in / p.groups, p.kh, p.kw];
-            let yd = [p.n, p.c_out, p.out_h(), p.out_w()];
-            let x = randn(xd.iter().product(), d);
-            let w = randn(wd.iter().product(), d);
-            let w = w.affine(&whole(&w), 0.2, 0.0).unwrap();
-            let g = randn(yd.iter().product(), d);
-            let (lx, lw, lg) = (lay(&xd), lay(&wd), lay(&yd));
-            // The GPU's operands, channels-last, and their layouts.
-            let (xl, wl, gl) = (
-                up(&channels_last(&x, xd)),
-                up(&channels_last(&w, wd)),
-                up(&channels_last(&g, yd)),
-            );
-            let cl_lay = |dims: [usize; 4]| {
-                Layout::with_format(Shape::new(dims.to_vec()), MemoryFormat::ChannelsLast)
-            };
-            let (lxl, lwl, lgl) = (cl_lay(xd), cl_lay(wd), cl_lay(yd));
-            let cases = [
-                (
-                    "forward",
-                    xl.conv2d(&lxl, &wl, &lwl, &cl).unwrap(),
-                    yd,
-                    x.conv2d(&lx, &w, &lw, &p).unwrap(),
-                    tol_gemm(d),
-                ),
-                (
-                    "backward-data",
-                    gl.conv2d_backward_input(&lgl, &wl, &lwl, &cl).unwrap(),
-                    xd,
-                    g.conv2d_backward_input(&lg, &w, &lw, &p).unwrap(),
-                    tol_gemm(d),
-                ),
-                (
-                    "backward-filter",
-                    gl.conv2d_backward_weight(&lgl, &xl, &lxl, &cl).unwrap(),
-                    wd,
-                    g.conv2d_backward_weight(&lg, &x, &lx, &p).unwrap(),
-                    tol_gemm(d) * 2.0,
-                ),
-            ];
-            for (direction, got, dims, want, bound) in cases {
-                let got = channels_first(&got.to_cpu().unwrap(), dims);
-                let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
-                assert!(
-                    e <= bound,
-                    "channels_last {direction} {d} {p:?} ({}): relative error {e:e} > {bound:e}",
+            check_conv_channels_last(p, d, conv_directions, |direction| {
+                let cl = Conv2dParams {
+                    format: MemoryFormat::ChannelsLast,
+                    ..p
+                };
+                format!(
+                    "channels_last {direction} {d} {p:?} ({})",
                     conv_algorithm(&cl, d, direction)
-                );
-            }
+                )
+            });
         }
     }
 }
@@ -1801,65 +1834,12 @@ fn conv2d_space_to_depth_matches_cpu_nchw() {
     for mode in [SpaceToDepth::Only, SpaceToDepth::Auto] {
         for d in DTYPES {
             for p in cases {
-                let cl = Conv2dParams {
-                    format: MemoryFormat::ChannelsLast,
-                    ..p
-                };
-                let xd = [p.n, p.c_in, p.h, p.w];
-                let wd = [p.c_out, p.c_in, p.kh, p.kw];
-                let yd = [p.n, p.c_out, p.out_h(), p.out_w()];
-                let x = randn(xd.iter().product(), d);
-                let w = randn(wd.iter().product(), d);
-                let w = w.affine(&whole(&w), 0.2, 0.0).unwrap();
-                let g = randn(yd.iter().product(), d);
-                let (lx, lw, lg) = (lay(&xd), lay(&wd), lay(&yd));
-                let (xl, wl, gl) = (
-                    up(&channels_last(&x, xd)),
-                    up(&channels_last(&w, wd)),
-                    up(&channels_last(&g, yd)),
+                check_conv_channels_last(
+                    p,
+                    d,
+                    |cl, ops| with_conv_space_to_depth(mode, || conv_directions(cl, ops)),
+                    |direction| format!("space-to-depth {mode:?} {direction} {d} {p:?}"),
                 );
-                let cl_lay = |dims: [usize; 4]| {
-                    Layout::with_format(Shape::new(dims.to_vec()), MemoryFormat::ChannelsLast)
-                };
-                let (lxl, lwl, lgl) = (cl_lay(xd), cl_lay(wd), cl_lay(yd));
-                let (fwd, bwd_data, bwd_filter) = with_conv_space_to_depth(mode, || {
-                    (
-                        xl.conv2d(&lxl, &wl, &lwl, &cl).unwrap(),
-                        gl.conv2d_backward_input(&lgl, &wl, &lwl, &cl).unwrap(),
-                        gl.conv2d_backward_weight(&lgl, &xl, &lxl, &cl).unwrap(),
-                    )
-                });
-                let cases = [
-                    (
-                        "forward",
-                        fwd,
-                        yd,
-                        x.conv2d(&lx, &w, &lw, &p).unwrap(),
-                        tol_gemm(d),
-                    ),
-                    (
-                        "backward-data",
-                        bwd_data,
-                        xd,
-                        g.conv2d_backward_input(&lg, &w, &lw, &p).unwrap(),
-                        tol_gemm(d),
-                    ),
-                    (
-                        "backward-filter",
-                        bwd_filter,
-                        wd,
-                        g.conv2d_backward_weight(&lg, &x, &lx, &p).unwrap(),
-                        tol_gemm(d) * 2.0,
-                    ),
-                ];
-                for (direction, got, dims, want, bound) in cases {
-                    let got = channels_first(&got.to_cpu().unwrap(), dims);
-                    let e = rel_err(&got.to_f64_vec(), &want.to_f64_vec());
-                    assert!(
-                        e <= bound,
-                        "space-to-depth {mode:?} {direction} {d} {p:?}: relative error {e:e} > {bound:e}"
-                    );
-                }
             }
         }
     }

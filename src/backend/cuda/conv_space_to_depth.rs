@@ -423,46 +423,17 @@ mod tests {
         }
     }
 
-    /// y[n][oy][ox][k] of a channels_last convolution (KRSC weights).
-    fn conv(p: &Conv2dParams, x: &[f64], w: &[f64]) -> Vec<f64> {
+    /// A channels_last convolution (KRSC weights) and the gradients of Σ y·dy, by one loop:
+    /// (y, dx, dw).
+    fn conv(p: &Conv2dParams, x: &[f64], w: &[f64], dy: &[f64]) -> [Vec<f64>; 3] {
         let (oh, ow) = (p.out_h(), p.out_w());
         let mut y = vec![0.0; p.n * oh * ow * p.c_out];
-        for n in 0..p.n {
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    for k in 0..p.c_out {
-                        let mut acc = 0.0;
-                        for r in 0..p.kh {
-                            for s in 0..p.kw {
-                                let iy = (oy * p.stride.0 + r) as isize - p.padding.0 as isize;
-                                let ix = (ox * p.stride.1 + s) as isize - p.padding.1 as isize;
-                                if iy < 0 || ix < 0 || iy >= p.h as isize || ix >= p.w as isize {
-                                    continue;
-                                }
-                                for c in 0..p.c_in {
-                                    let xi =
-                                        ((n * p.h + iy as usize) * p.w + ix as usize) * p.c_in + c;
-                                    acc += x[xi] * w[((k * p.kh + r) * p.kw + s) * p.c_in + c];
-                                }
-                            }
-                        }
-                        y[((n * oh + oy) * ow + ox) * p.c_out + k] = acc;
-                    }
-                }
-            }
-        }
-        y
-    }
-
-    /// The gradients of Σ y·dy: (dx, dw), by the same loops.
-    fn conv_grads(p: &Conv2dParams, x: &[f64], w: &[f64], dy: &[f64]) -> (Vec<f64>, Vec<f64>) {
-        let (oh, ow) = (p.out_h(), p.out_w());
         let (mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; w.len()]);
         for n in 0..p.n {
             for oy in 0..oh {
                 for ox in 0..ow {
                     for k in 0..p.c_out {
-                        let g = dy[((n * oh + oy) * ow + ox) * p.c_out + k];
+                        let yi = ((n * oh + oy) * ow + ox) * p.c_out + k;
                         for r in 0..p.kh {
                             for s in 0..p.kw {
                                 let iy = (oy * p.stride.0 + r) as isize - p.padding.0 as isize;
@@ -474,8 +445,9 @@ mod tests {
                                     let xi =
                                         ((n * p.h + iy as usize) * p.w + ix as usize) * p.c_in + c;
                                     let wi = ((k * p.kh + r) * p.kw + s) * p.c_in + c;
-                                    dx[xi] += g * w[wi];
-                                    dw[wi] += g * x[xi];
+                                    y[yi] += x[xi] * w[wi];
+                                    dx[xi] += dy[yi] * w[wi];
+                                    dw[wi] += dy[yi] * x[xi];
                                 }
                             }
                         }
@@ -483,7 +455,7 @@ mod tests {
                 }
             }
         }
-        (dx, dw)
+        [y, dx, dw]
     }
 
     // The host twins of conv.cu's s2d_input, s2d_weight, s2d_weight_grad, s2d_input_grad.
@@ -590,13 +562,9 @@ mod tests {
             let w = values(p.c_out * p.kh * p.kw * p.c_in, 11 + i as u64);
             let dy = values(p.n * p.out_h() * p.out_w() * p.c_out, 21 + i as u64);
             let (s, w2) = (s_of(&r.g, &x), w2_of(&r.g, &w));
-            close(
-                &conv(inner, &s, &w2),
-                &conv(p, &x, &w),
-                &format!("case {i} forward"),
-            );
-            let (dx, dw) = conv_grads(p, &x, &w, &dy);
-            let (ds, dw2) = conv_grads(inner, &s, &w2, &dy);
+            let [y, dx, dw] = conv(p, &x, &w, &dy);
+            let [y2, ds, dw2] = conv(inner, &s, &w2, &dy);
+            close(&y2, &y, &format!("case {i} forward"));
             close(
                 &dw_of(&r.g, &dw2),
                 &dw,
