@@ -80,6 +80,19 @@ template <typename T> struct Pack {
     struct __align__(16) type { T v[16 / sizeof(T)]; };
 };
 
+// Stores 8 values of a 2-byte type (f16, bf16) as one 16-byte access; `dst` must be 16-byte
+// aligned, in global memory. A pack built one value at a time and stored as a struct was split
+// by NVVM into 16-bit or 32-bit pieces (up to 7 stores for 16 bytes, even through a union), so
+// the pairs go into 32-bit words and one st.global.v4.
+template <typename T> __device__ __forceinline__ void store_pack8(T* dst, const T (&v)[8]) {
+    static_assert(sizeof(T) == 2, "store_pack8 packs 2-byte values");
+    unsigned w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) asm("mov.b32 %0, {%1, %2};" : "=r"(w[k]) : "h"(v[2 * k].x), "h"(v[2 * k + 1].x));
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                 : "memory");
+}
+
 __device__ __forceinline__ u64 global_tid() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ u64 global_stride() { return (u64)gridDim.x * blockDim.x; }
 

@@ -210,8 +210,8 @@ impl Rewrite {
 
     fn s_of(&self, x: &CudaStorage) -> Result<CudaStorage> {
         let s = CudaStorage::alloc(&x.dev, x.dtype(), self.s_len())?;
-        let g = &self.g;
-        self.map("s2d_input", (g.n * g.hs * g.ws) as usize, x, &s)?;
+        // A thread per 8 channels of a pixel of S.
+        self.map("s2d_input", self.s_len() / 8, x, &s)?;
         Ok(s)
     }
 
@@ -460,15 +460,28 @@ mod tests {
 
     // The host twins of conv.cu's s2d_input, s2d_weight, s2d_weight_grad, s2d_input_grad.
     fn s_of(g: &S2dP, x: &[f64]) -> Vec<f64> {
+        // As the kernel walks it: 8 channels of a pixel per item, stepped one channel at a time.
         let mut out = vec![0.0; (g.n * g.hs * g.ws * g.cp) as usize];
-        for i in 0..(g.n * g.hs * g.ws) {
-            let (xx, y, n) = (i % g.ws, (i / g.ws) % g.hs, i / (g.ws * g.hs));
-            for q0 in 0..g.cs {
-                let (ci, pq) = (q0 % g.c, q0 / g.c);
-                let (iy, ix) = (g.s0 * y + pq / g.s1 - g.ph, g.s1 * xx + pq % g.s1 - g.pw);
-                if iy >= 0 && iy < g.h && ix >= 0 && ix < g.w {
-                    out[(i * g.cp + q0) as usize] =
+        let chunks = g.cp / 8;
+        for i in 0..(g.n * g.hs * g.ws * chunks) {
+            let (q0, pix) = ((i % chunks) * 8, i / chunks);
+            let (xx, y, n) = (pix % g.ws, (pix / g.ws) % g.hs, pix / (g.ws * g.hs));
+            let (mut ci, pq) = (q0 % g.c, q0 / g.c);
+            let (mut pr, mut qc) = (pq / g.s1, pq % g.s1);
+            for e in 0..8 {
+                let (iy, ix) = (g.s0 * y + pr - g.ph, g.s1 * xx + qc - g.pw);
+                if q0 + e < g.cs && iy >= 0 && iy < g.h && ix >= 0 && ix < g.w {
+                    out[(pix * g.cp + q0 + e) as usize] =
                         x[(((n * g.h + iy) * g.w + ix) * g.c + ci) as usize];
+                }
+                ci += 1;
+                if ci == g.c {
+                    ci = 0;
+                    qc += 1;
+                    if qc == g.s1 {
+                        qc = 0;
+                        pr += 1;
+                    }
                 }
             }
         }
