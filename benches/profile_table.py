@@ -25,7 +25,7 @@ def group_of_op(op):
     """mixprec's op names (tensor/storage.rs, multi_tensor.rs, fuse)."""
     if op == "conv2d":
         return "conv forward"
-    if op == "conv2d_backward_input":
+    if op in ("conv2d_backward_input", "conv2d_backward_input_add"):
         return "conv data grad"
     if op == "conv2d_backward_weight":
         return "conv weight grad"

@@ -323,3 +323,26 @@ fn conv_handles_empty_dimensions() -> Result<()> {
     }
     Ok(())
 }
+
+/// An input read by two convolutions (a residual network's downsampling block) gets its
+/// gradient as the sum of both data gradients: the second is added into the first as it is
+/// computed (the engine's offer, cuDNN's beta = 1 on a GPU), and the sum is still right.
+#[test]
+fn conv_data_gradient_added_into_the_other_consumers() -> Result<()> {
+    let c1 = case(2, 3, (5, 5), 4, (3, 3)).with(cfg(1, 1, 1, 1));
+    let (x, w1, _) = c1.tensors(41, DType::F64)?;
+    let (_, w2, _) = case(2, 3, (5, 5), 4, (1, 1)).tensors(43, DType::F64)?;
+    let f = |t: &[Tensor]| -> Result<Tensor> {
+        // A node, not the variable itself: the engine sums a node's gradients.
+        let a = t[0].affine(1.5, 0.25)?;
+        a.conv2d(&t[1], None, c1.cfg)?
+            .add(&a.conv2d(&t[2], None, Conv2dConfig::default())?)
+    };
+    let before = mixprec::autograd::gradients_added_in_place();
+    check_gradients(&[x, w1, w2], f);
+    assert!(
+        mixprec::autograd::gradients_added_in_place() > before,
+        "the second data gradient was added by a separate add, not into the first"
+    );
+    Ok(())
+}

@@ -486,3 +486,94 @@ fn direct_weight_gradient_matches_the_cpu_and_repeats() {
     std::env::remove_var("MIXPREC_CONV_DIRECT");
     clear_conv_plans(0).unwrap();
 }
+
+/// An input read by two convolutions (a downsampling residual block): the second data gradient
+/// is added into the first by the convolution itself (a `backward-data-add` plan, cuDNN's
+/// beta = 1), and the input's gradient matches the CPU's (where the engine adds the two) in
+/// every dtype and both memory formats.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_data_gradient_is_added_into_the_other_consumers() {
+    use mixprec::autograd::gradients_added_in_place;
+    use mixprec::{Conv2dConfig, Tensor};
+    let _lock = setup();
+    let gpu = Device::cuda(0).unwrap();
+    let pad1 = Conv2dConfig {
+        padding: (1, 1),
+        ..Conv2dConfig::default()
+    };
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        for format in [MemoryFormat::Contiguous, MemoryFormat::ChannelsLast] {
+            let rand = |dims: &[usize], seed: u64| {
+                Tensor::randn(dims, 0.0, 1.0, seed, DType::F32, Device::Cpu)
+                    .and_then(|t| t.to_dtype(d))
+                    .unwrap()
+            };
+            let (x, w1, w2) = (
+                rand(&[4, 16, 12, 12], 1),
+                rand(&[32, 16, 3, 3], 2),
+                rand(&[32, 16, 1, 1], 3),
+            );
+            let gy = rand(&[4, 32, 12, 12], 4);
+            let grad_of_x = |dev: Device| {
+                let on = |t: &Tensor| {
+                    t.to_device(dev)
+                        .and_then(|t| t.to_memory_format(format))
+                        .unwrap()
+                };
+                let (x, w1, w2, gy) = (on(&x).to_variable(), on(&w1), on(&w2), on(&gy));
+                let before = gradients_added_in_place();
+                let a = x.affine(0.5, 0.25).unwrap();
+                let y = a
+                    .conv2d(&w1, None, pad1)
+                    .unwrap()
+                    .add(&a.conv2d(&w2, None, Conv2dConfig::default()).unwrap())
+                    .unwrap();
+                y.mul(&gy).unwrap().sum_all().unwrap().backward().unwrap();
+                let added = gradients_added_in_place() - before;
+                (x.grad().unwrap(), added)
+            };
+            let (want, _) = grad_of_x(Device::Cpu);
+            let (got, added) = grad_of_x(gpu);
+            let what = format!("{d} {format:?}");
+            assert_eq!(added, 1, "{what}: data gradients added in place");
+            let e = rel_err(
+                &got.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap(),
+                &want.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap(),
+            );
+            let bound = match d {
+                DType::F32 => 1e-5,
+                DType::F16 => 4e-3,
+                _ => 3e-2,
+            };
+            assert!(e <= bound, "{what}: relative error {e:e} > {bound:e}");
+            let p = Conv2dParams {
+                n: 4,
+                c_in: 16,
+                h: 12,
+                w: 12,
+                c_out: 32,
+                kh: 3,
+                kw: 3,
+                stride: (1, 1),
+                padding: (1, 1),
+                dilation: (1, 1),
+                groups: 1,
+                format,
+            };
+            let p1 = Conv2dParams {
+                kh: 1,
+                kw: 1,
+                padding: (0, 0),
+                ..p
+            };
+            let add_plans = conv_plans(0)
+                .unwrap()
+                .into_iter()
+                .filter(|i| (i.params == p || i.params == p1) && i.dtype == d)
+                .filter(|i| i.direction == "backward-data-add")
+                .count();
+            assert_eq!(add_plans, 1, "{what}: backward-data-add plans");
+        }
+    }
+}

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 pub use checkpoint::{checkpoint, checkpoint_arc, CheckpointFn};
 pub(crate) use hooks::Hooks;
 pub use hooks::{custom_function, queue_callback, HookId};
-pub(crate) use op::Op;
+pub(crate) use op::{AddInto, Op};
 
 use crate::base::error::{Error, Result};
 use crate::tensor::{DType, GradAdd, Tensor, TensorId};
@@ -261,6 +261,21 @@ impl Deferred {
     }
 }
 
+thread_local! {
+    /// How many gradients backward passes on this thread have added into a sum in place
+    /// (`AddInto`).
+    static ADDED_IN_PLACE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many input gradients backward passes on this thread have added in place into the sum of
+/// a tensor's other gradients (a convolution's data gradient into a residual network's shortcut
+/// gradient: cuDNN's beta = 1) rather than adding two tensors: a diagnostic for tests that the
+/// path is taken.
+#[doc(hidden)]
+pub fn gradients_added_in_place() -> u64 {
+    ADDED_IN_PLACE.with(Cell::get)
+}
+
 /// Computes the gradients of the one-element `root` and adds them to the variables' `grad`.
 /// Unless `retain_graph`, each node's saved tensors are released once its formula has run (as
 /// PyTorch does), so a second backward through the same graph is an error.
@@ -421,6 +436,8 @@ fn walk(
             })
             .collect();
         let mut beside = Vec::new();
+        let mut add_into = AddInto::default();
+        let mut offers_made = 0u64;
         let input_grads = {
             let mut slot = node.op.lock().unwrap_or_else(|e| e.into_inner());
             let op = slot.as_ref().ok_or_else(|| {
@@ -434,13 +451,42 @@ fn walk(
                 // A user's backward (a recompute) may read gradients.
                 pending.flush()?;
             }
-            let r = op.backward(&g, &needs, &may_beside, &mut beside)?;
+            // A gradient already summed for an input that the formula can add into: nothing
+            // else holds it, it is of the input's dtype and not still being computed beside.
+            for (i, edge) in node.edges.iter().enumerate() {
+                let offer = match edge {
+                    Some(Edge::Node(n)) if needs[i] && op.adds_into(i) => {
+                        let key = n.key();
+                        let fits = grads
+                            .get(&key)
+                            .is_some_and(|prev| prev.dtype() == n.dtype && prev.is_sole_handle())
+                            && !pending.from_side.contains(&key);
+                        if fits {
+                            offers_made += 1;
+                            grads.remove(&key)
+                        } else {
+                            None
+                        }
+                    }
+                    _ => None,
+                };
+                add_into.offered.push(offer);
+            }
+            let r = op.backward(&g, &needs, &may_beside, &mut beside, &mut add_into)?;
             if !retain_graph {
                 *slot = None;
             }
             r
         };
         drop(g);
+        // Offers not taken go back: the formula's results are added to them below.
+        for (edge, offer) in node.edges.iter().zip(add_into.offered) {
+            if let (Some(Edge::Node(n)), Some(t)) = (edge, offer) {
+                grads.insert(n.key(), t);
+                offers_made -= 1;
+            }
+        }
+        ADDED_IN_PLACE.with(|n| n.set(n.get() + offers_made));
         let anomaly = crate::anomaly::is_enabled();
         for (i, (edge, gi)) in node.edges.iter().zip(input_grads).enumerate() {
             let (Some(edge), Some(gi)) = (edge, gi) else {

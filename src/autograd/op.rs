@@ -229,19 +229,22 @@ impl Op {
     /// The gradient of each input (in the order the op recorded them) whose `needs` entry is
     /// true, given `g`, the gradient of the output; `None` for the others. An input whose
     /// `may_beside` entry is true may get its gradient computed beside the main stream
-    /// (`beside.rs`); those that did are added to `beside`. Each op family's formulas are in
-    /// the module of its name.
+    /// (`beside.rs`); those that did are added to `beside`. An input offered in `add_into`
+    /// may get its gradient added into the one offered (see [`AddInto`]). Each op family's
+    /// formulas are in the module of its name.
     pub(crate) fn backward(
         &self,
         g: &Tensor,
         needs: &[bool],
         may_beside: &[bool],
         beside: &mut Vec<usize>,
+        add_into: &mut AddInto,
     ) -> Result<Vec<Option<Tensor>>> {
         let w = &mut Wanted {
             needs,
             may_beside,
             beside,
+            add_into,
         };
         match self {
             Op::ToDType { .. } | Op::ToDevice { .. } => cast::backward(self, g, w),
@@ -286,14 +289,49 @@ impl Op {
     }
 }
 
+/// Gradients the engine has already summed for some inputs of a node (another consumer's part
+/// came first), offered so that the formula adds its own part into them in place rather than
+/// returning a new tensor for the engine to add: a residual network's block input gets the
+/// shortcut's gradient first and the convolution's second, and cuDNN adds the second as it
+/// writes it (beta = 1), a pass over the activation fewer per block. The engine offers only
+/// tensors nothing else holds ([`Op::adds_into`] says which inputs may take one).
+/// A formula that takes an offer returns that tensor, its own part added, as the input's
+/// gradient; the engine puts the offers not taken back and adds to them as to any sum.
+#[derive(Default)]
+pub(crate) struct AddInto {
+    /// Per input: the gradient summed so far, when offered and not taken.
+    pub(crate) offered: Vec<Option<Tensor>>,
+}
+
+impl Op {
+    /// Whether the formula can add input `i`'s gradient into one offered (`AddInto`).
+    pub(crate) fn adds_into(&self, i: usize) -> bool {
+        matches!(self, Op::Conv2d { .. }) && i == 0
+    }
+}
+
 /// Which input gradients a formula computes, and which of them may run beside the main stream.
 pub(super) struct Wanted<'a> {
     needs: &'a [bool],
     may_beside: &'a [bool],
     beside: &'a mut Vec<usize>,
+    add_into: &'a mut AddInto,
 }
 
 impl Wanted<'_> {
+    /// The gradient summed so far for input `i`, when the engine offers one: the formula
+    /// returns it with its own part added, or gives it back with [`Wanted::decline`].
+    fn take_offer(&mut self, i: usize) -> Option<Tensor> {
+        self.add_into.offered.get_mut(i).and_then(Option::take)
+    }
+
+    /// Gives an offer back untouched: the engine adds the formula's result to it.
+    fn decline(&mut self, i: usize, t: Tensor) {
+        if let Some(slot) = self.add_into.offered.get_mut(i) {
+            *slot = Some(t);
+        }
+    }
+
     /// Whether input `i`'s gradient is wanted.
     fn need(&self, i: usize) -> bool {
         self.needs.get(i).copied().unwrap_or(false)

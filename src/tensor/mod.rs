@@ -278,6 +278,12 @@ impl Tensor {
         Arc::strong_count(&self.0.storage)
     }
 
+    /// Whether this is the only handle to the tensor and to its buffer: writing into it in place
+    /// changes nothing anyone else can see.
+    pub(crate) fn is_sole_handle(&self) -> bool {
+        Arc::strong_count(&self.0) == 1 && Arc::strong_count(&self.0.storage) == 1
+    }
+
     /// Whether this tensor and `other` share one buffer (a reshape of the other, say).
     pub fn same_storage(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.0.storage, &other.0.storage)

@@ -611,6 +611,43 @@ backend_ops! {
         -> Option<Self>;
 }
 
+impl Storage {
+    /// `dx += ` the input gradient of a convolution, called on the output gradient `self`
+    /// (what [`Storage::conv2d_backward_input`] returns, added into `dx` instead): on CUDA in the
+    /// convolution itself (cuDNN's beta = 1), on the CPU by an add after it. Written out rather
+    /// than in the table above, whose ops return new storages.
+    pub(crate) fn conv2d_backward_input_add(
+        &self,
+        l: &Layout,
+        w: &Self,
+        wl: &Layout,
+        p: &Conv2dParams,
+        dx: &mut Storage,
+    ) -> Result<()> {
+        let op = "conv2d_backward_input_add";
+        if crate::anomaly::is_enabled() {
+            crate::anomaly::before_op()?;
+        }
+        let _timer = timer_with(self, op, || conv_detail(p));
+        match (self, w, dx) {
+            (Storage::Cpu(g), Storage::Cpu(w), Storage::Cpu(dx)) => {
+                cuda::refuse_host_op(op)?;
+                dx.add_assign(&g.conv2d_backward_input(l, w, wl, p)?)
+            }
+            (Storage::Cuda(g), Storage::Cuda(w), Storage::Cuda(dx)) => {
+                cuda::conv2d_backward_input_add(g, l, w, wl, p, dx)
+            }
+            (g, w, dx) => {
+                let other = [w.device(), dx.device()]
+                    .into_iter()
+                    .find(|d| *d != g.device())
+                    .unwrap_or(g.device());
+                Err(mismatch(op, g.device(), other))
+            }
+        }
+    }
+}
+
 fn bn_detail(p: &BatchNormParams) -> String {
     format!(
         "{}x{}x{} {}{}{}",

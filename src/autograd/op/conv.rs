@@ -45,18 +45,31 @@ pub(super) fn backward(op: &Op, g: &Tensor, w: &mut Wanted<'_>) -> Result<Vec<Op
     } else {
         None
     };
-    let dx = w.maybe(0, || {
-        let weight = weight.as_ref().ok_or_else(|| missing("weight"))?;
-        let s = g.storage().conv2d_backward_input(
-            &g.layout(),
-            &weight.storage(),
-            &weight.layout(),
-            p,
-        )?;
-        Ok(Tensor::from_storage(
-            s,
-            Layout::with_format(x_shape.clone(), p.format),
-        ))
-    })?;
-    Ok(vec![dx, dw])
+    if !w.need(0) {
+        return Ok(vec![None, dw]);
+    }
+    let weight = weight.as_ref().ok_or_else(|| missing("weight"))?;
+    let dx_layout = Layout::with_format(x_shape.clone(), p.format);
+    // Added into the gradient summed so far when the engine offers one laid out as ours.
+    if let Some(sum) = w.take_offer(0) {
+        let fits = sum.dtype() == g.dtype()
+            && *sum.layout() == dx_layout
+            && sum.storage().len() == dx_layout.elem_count();
+        if !fits {
+            w.decline(0, sum);
+        } else {
+            g.storage().conv2d_backward_input_add(
+                &g.layout(),
+                &weight.storage(),
+                &weight.layout(),
+                p,
+                &mut sum.storage_mut(),
+            )?;
+            return Ok(vec![Some(sum), dw]);
+        }
+    }
+    let s =
+        g.storage()
+            .conv2d_backward_input(&g.layout(), &weight.storage(), &weight.layout(), p)?;
+    Ok(vec![Some(Tensor::from_storage(s, dx_layout)), dw])
 }

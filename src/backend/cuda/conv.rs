@@ -116,12 +116,15 @@ fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<
         Dir::Forward => "conv2d",
         Dir::BackwardData => "conv2d_backward_input",
         Dir::BackwardFilter => "conv2d_backward_weight",
+        Dir::BackwardDataAdd => "conv2d_backward_input_add",
     };
     check(op, p)?;
     let (nx, nw, ny) = sizes(p);
     let (na, a_what, nb, b_what, n_out) = match dir {
         Dir::Forward => (nx, "the input", nw, "the weight", ny),
-        Dir::BackwardData => (ny, "the output gradient", nw, "the weight", nx),
+        Dir::BackwardData | Dir::BackwardDataAdd => {
+            (ny, "the output gradient", nw, "the weight", nx)
+        }
         Dir::BackwardFilter => (ny, "the output gradient", nx, "the input", nw),
     };
     for (s, n, what) in [(a, na, a_what), (b, nb, b_what)] {
@@ -182,6 +185,46 @@ pub(crate) fn conv2d_backward_input(
     packed("conv2d_backward_input", g, lg)?;
     packed("conv2d_backward_input", w, lw)?;
     conv(Dir::BackwardData, g, w, p)
+}
+
+/// `g` is the output gradient; adds the input gradient into `dx` (cuDNN's beta = 1), which is
+/// packed in the params' format and of `g`'s dtype.
+pub(crate) fn conv2d_backward_input_add(
+    g: &CudaStorage,
+    lg: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    p: &Conv2dParams,
+    dx: &CudaStorage,
+) -> Result<()> {
+    const OP: &str = "conv2d_backward_input_add";
+    packed(OP, g, lg)?;
+    packed(OP, w, lw)?;
+    check(OP, p)?;
+    let (nx, nw, ny) = sizes(p);
+    for (s, n, what) in [
+        (g, ny, "the output gradient"),
+        (w, nw, "the weight"),
+        (dx, nx, "the input gradient"),
+    ] {
+        if s.len() != n {
+            return Err(Error::invalid_arg(
+                OP,
+                "len",
+                s.len(),
+                format!("{what} must have {n} elements"),
+            ));
+        }
+    }
+    if dx.dtype() != g.dtype() || w.dtype() != g.dtype() {
+        return Err(Error::invalid_arg(
+            OP,
+            "dtype",
+            format!("{} / {} / {}", g.dtype(), w.dtype(), dx.dtype()),
+            "one dtype for the output gradient, the weight and the input gradient",
+        ));
+    }
+    run_into(&g.dev, Dir::BackwardDataAdd, p, g.dtype(), g, w, dx)
 }
 
 /// `g` is the output gradient; returns the weight gradient.

@@ -14,7 +14,8 @@ pub struct ConvPlanInfo {
     /// The geometry, its memory format included.
     pub params: Conv2dParams,
     pub dtype: DType,
-    /// "forward", "backward-data" or "backward-filter".
+    /// "forward", "backward-data", "backward-filter" or "backward-data-add" (the data gradient
+    /// added into the input's other gradients).
     pub direction: &'static str,
     /// Whether it runs through cuDNN's graph API (else the legacy API, or our own kernel).
     pub graph_api: bool,

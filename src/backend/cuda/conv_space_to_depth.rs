@@ -30,7 +30,7 @@ use super::registry::Family;
 use super::side_stream;
 use super::storage::CudaStorage;
 use crate::backend::{BackendStorage, Conv2dParams};
-use crate::base::error::Result;
+use crate::base::error::{Error, Result};
 use crate::base::{DType, MemoryFormat};
 
 /// The most channels S may have (s0·s1·c_in rounded up to a multiple of 8): beyond this the
@@ -250,6 +250,10 @@ impl Rewrite {
                 self.map("s2d_input_grad", out_len, &ds, &dx)?;
                 Ok(dx)
             }
+            // `run_if_chosen` leaves it to the convolution as given.
+            Dir::BackwardDataAdd => Err(Error::Cuda(
+                "space-to-depth: a data gradient added into is not rewritten".into(),
+            )),
         }
     }
 }
@@ -295,6 +299,10 @@ pub(super) fn run_if_chosen(
 ) -> Result<Option<CudaStorage>> {
     let dtype = a.dtype();
     let m = mode();
+    if dir == Dir::BackwardDataAdd {
+        // Adding into the gradient saves a pass only where cuDNN writes it.
+        return Ok(None);
+    }
     let rewrite = match (m, Rewrite::new(p, dtype)) {
         (SpaceToDepth::Off, _) | (_, None) => return Ok(None),
         (_, Some(r)) => r,

@@ -360,7 +360,7 @@ impl GraphConv {
                 ],
                 [UID_X, UID_W, UID_Y],
             ),
-            Dir::BackwardData => (
+            Dir::BackwardData | Dir::BackwardDataAdd => (
                 D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
                 [
                     A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
@@ -391,13 +391,14 @@ impl GraphConv {
         op.set_descs(w_name, &[&w])?;
         op.set_descs(y_name, &[&y])?;
         op.set_descs(conv_name, &[&conv])?;
-        // y = 1 * conv + 0 * y, the scalars in the compute type.
+        // y = 1 * conv + beta * y, the scalars in the compute type.
+        let beta = dir.beta();
         if dtype == DType::F64 {
             op.set(alpha_name, T::CUDNN_TYPE_DOUBLE, &[1.0f64])?;
-            op.set(beta_name, T::CUDNN_TYPE_DOUBLE, &[0.0f64])?;
+            op.set(beta_name, T::CUDNN_TYPE_DOUBLE, &[beta])?;
         } else {
             op.set(alpha_name, T::CUDNN_TYPE_FLOAT, &[1.0f32])?;
-            op.set(beta_name, T::CUDNN_TYPE_FLOAT, &[0.0f32])?;
+            op.set(beta_name, T::CUDNN_TYPE_FLOAT, &[beta as f32])?;
         }
         let op = op.finalize("the convolution operation")?;
         let graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;

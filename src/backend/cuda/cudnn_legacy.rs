@@ -306,7 +306,7 @@ impl LegacyConv {
                 w,
                 y
             ),
-            Dir::BackwardData => listed!(
+            Dir::BackwardData | Dir::BackwardDataAdd => listed!(
                 dsys::cudnnConvolutionBwdDataAlgoPerf_t,
                 dnn::get_convolution_backward_data_algorithm,
                 Algo::BwdData,
@@ -410,12 +410,13 @@ impl LegacyConv {
             )));
         }
         self.set_math(a.math)?;
-        let (a1, b0) = (1.0f32, 0.0f32);
-        let (a1d, b0d) = (1.0f64, 0.0f64);
+        // y = 1 * conv + beta * y, the scalars in the compute type.
+        let (a1d, bd) = (1.0f64, self.dir.beta());
+        let (a1, b) = (1.0f32, bd as f32);
         let (alpha, beta): (*const c_void, *const c_void) = if self.dtype == DType::F64 {
-            (&a1d as *const f64 as _, &b0d as *const f64 as _)
+            (&a1d as *const f64 as _, &bd as *const f64 as _)
         } else {
-            (&a1 as *const f32 as _, &b0 as *const f32 as _)
+            (&a1 as *const f32 as _, &b as *const f32 as _)
         };
         let [ap, bp, op] = ptrs;
         let (ap, bp) = (ap as *const c_void, bp as *const c_void);

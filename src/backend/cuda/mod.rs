@@ -69,6 +69,7 @@ pub use batch_norm_choice::{
     batch_norm_choices, batch_norm_impl, set_batch_norm_impl, with_batch_norm_impl,
     BatchNormChoice, BatchNormImpl,
 };
+pub(crate) use conv::conv2d_backward_input_add;
 pub use conv_plan::PlanSource;
 pub use conv_report::{
     clear_conv_plans, conv_plan_cache_dir, conv_plans, conv_timing_runs, ConvPlanInfo,
