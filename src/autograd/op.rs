@@ -295,6 +295,7 @@ impl Op {
 /// shortcut's gradient first and the convolution's second, and cuDNN adds the second as it
 /// writes it (beta = 1), a pass over the activation fewer per block. The engine offers only
 /// tensors nothing else holds ([`Op::adds_into`] says which inputs may take one).
+///
 /// A formula that takes an offer returns that tensor, its own part added, as the input's
 /// gradient; the engine puts the offers not taken back and adds to them as to any sum.
 #[derive(Default)]
