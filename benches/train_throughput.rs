@@ -104,6 +104,14 @@ fn policy(mode: &str) -> mixprec::Result<amp::Policy> {
 }
 
 /// Device memory in use (all processes; the benchmark runs alone), in MiB.
+/// A convolution's geometry as the op table shows it: `n×c×h×w -> c_out kh×kw/stride`.
+fn geometry(p: &mixprec::backend::Conv2dParams) -> String {
+    format!(
+        "{}x{}x{}x{} -> {} {}x{}/{}",
+        p.n, p.c_in, p.h, p.w, p.c_out, p.kh, p.kw, p.stride.0
+    )
+}
+
 fn device_used_mib() -> mixprec::Result<f64> {
     let (free, total) = cuda::mem_get_info(0)?;
     Ok((total - free) as f64 / (1 << 20) as f64)
@@ -248,14 +256,12 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
             let op = match c.direction {
                 "forward" => "conv2d",
                 "backward-data" => "conv2d_backward_input",
+                "backward-data-add" => "conv2d_backward_input_add",
                 _ => "conv2d_backward_weight",
             };
             eprintln!(
                 "  plan {op:<24} {:<48} {:>8.3} ms alone ({:?}) {} {}",
-                format!(
-                    "{}x{}x{}x{} -> {} {}x{}/{}",
-                    p.n, p.c_in, p.h, p.w, p.c_out, p.kh, p.kw, p.stride.0
-                ),
+                geometry(p),
                 c.time_ms.unwrap_or(f32::NAN),
                 c.source,
                 c.dtype,
@@ -266,19 +272,11 @@ fn run(args: &Args, start: Instant) -> mixprec::Result<()> {
 
     if args.profile {
         for c in cuda::conv_space_to_depth_choices(0) {
-            let p = &c.params;
             eprintln!(
-                "  space-to-depth {} {:<16} {}x{}x{}x{} -> {} {}x{}/{}: as given {:.3} ms, rewritten {:.3} ms: {}",
+                "  space-to-depth {} {:<16} {}: as given {:.3} ms, rewritten {:.3} ms: {}",
                 c.dtype,
                 c.direction,
-                p.n,
-                p.c_in,
-                p.h,
-                p.w,
-                p.c_out,
-                p.kh,
-                p.kw,
-                p.stride.0,
+                geometry(&c.params),
                 c.direct_ms.unwrap_or(f32::NAN),
                 c.rewritten_ms.unwrap_or(f32::NAN),
                 if c.chosen { "rewritten" } else { "as given" }

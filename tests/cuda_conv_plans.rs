@@ -547,26 +547,8 @@ fn a_data_gradient_is_added_into_the_other_consumers() {
                 _ => 3e-2,
             };
             assert!(e <= bound, "{what}: relative error {e:e} > {bound:e}");
-            let p = Conv2dParams {
-                n: 4,
-                c_in: 16,
-                h: 12,
-                w: 12,
-                c_out: 32,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                padding: (1, 1),
-                dilation: (1, 1),
-                groups: 1,
-                format,
-            };
-            let p1 = Conv2dParams {
-                kh: 1,
-                kw: 1,
-                padding: (0, 0),
-                ..p
-            };
+            let p = geometry(4, 16, 12, 32, 3, 1, 1, format);
+            let p1 = geometry(4, 16, 12, 32, 1, 1, 0, format);
             let add_plans = conv_plans(0)
                 .unwrap()
                 .into_iter()

@@ -110,8 +110,14 @@ fn sizes(p: &Conv2dParams) -> (usize, usize, usize) {
     )
 }
 
-/// The checks and the run of one direction: `a`, `b` as [`run`] takes them.
-fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+/// The checks of one direction: the geometry, and `a`, `b` (as [`run`] takes them) of its sizes.
+/// Returns the op's name and the output's length.
+fn checked(
+    dir: Dir,
+    a: &CudaStorage,
+    b: &CudaStorage,
+    p: &Conv2dParams,
+) -> Result<(&'static str, usize)> {
     let op = match dir {
         Dir::Forward => "conv2d",
         Dir::BackwardData => "conv2d_backward_input",
@@ -137,6 +143,12 @@ fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<
             ));
         }
     }
+    Ok((op, n_out))
+}
+
+/// The checks and the run of one direction: `a`, `b` as [`run`] takes them.
+fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
+    let (_, n_out) = checked(dir, a, b, p)?;
     if let Some(out) = super::conv_space_to_depth::run_if_chosen(dir, p, a, b, n_out)? {
         return Ok(out);
     }
@@ -197,28 +209,20 @@ pub(crate) fn conv2d_backward_input_add(
     p: &Conv2dParams,
     dx: &CudaStorage,
 ) -> Result<()> {
-    const OP: &str = "conv2d_backward_input_add";
-    packed(OP, g, lg)?;
-    packed(OP, w, lw)?;
-    check(OP, p)?;
-    let (nx, nw, ny) = sizes(p);
-    for (s, n, what) in [
-        (g, ny, "the output gradient"),
-        (w, nw, "the weight"),
-        (dx, nx, "the input gradient"),
-    ] {
-        if s.len() != n {
-            return Err(Error::invalid_arg(
-                OP,
-                "len",
-                s.len(),
-                format!("{what} must have {n} elements"),
-            ));
-        }
+    packed("conv2d_backward_input_add", g, lg)?;
+    packed("conv2d_backward_input_add", w, lw)?;
+    let (op, nx) = checked(Dir::BackwardDataAdd, g, w, p)?;
+    if dx.len() != nx {
+        return Err(Error::invalid_arg(
+            op,
+            "len",
+            dx.len(),
+            format!("the input gradient must have {nx} elements"),
+        ));
     }
     if dx.dtype() != g.dtype() || w.dtype() != g.dtype() {
         return Err(Error::invalid_arg(
-            OP,
+            op,
             "dtype",
             format!("{} / {} / {}", g.dtype(), w.dtype(), dx.dtype()),
             "one dtype for the output gradient, the weight and the input gradient",
