@@ -32,6 +32,21 @@ def main():
         print(f"{level:<8} {what:<12} {len(rs):>5} {o:>10.3e} {t:>10.3e} {ratio:>7.3f} {wins:>20} of {len(rs)}")
         print(json.dumps(dict(level=level, quantity=what, seeds=len(rs), ours_rms=o, torch_rms=t,
                               ratio=ratio, seeds_within=wins)), file=sys.stderr)
+    # The loss's signed errors per seed (rows of torch_block_twin.py that carry them): a shared
+    # sign across seeds, or token errors whose mean sits many standard errors from zero, is a
+    # bias rather than chance.
+    signed = [(lv, r) for (lv, what), rs in rows.items() if what == "loss" for r in rs
+              if "ours_loss_err" in r]
+    if signed:
+        print("\nthe loss's signed error per level: mean over seeds (ours / torch), seeds with ours > 0,"
+              " mean z of the token errors' mean (ours / torch), mean correlation of the token errors")
+        for level in dict.fromkeys(lv for lv, _ in signed):
+            rs = [r for lv, r in signed if lv == level]
+            mean = lambda k: sum(r[k] for r in rs) / len(rs)
+            pos = sum(r["ours_loss_err"] > 0 for r in rs)
+            print(f"{level:<8} {mean('ours_loss_err'):>+10.3e} / {mean('torch_loss_err'):>+10.3e}  "
+                  f"{pos:>2} of {len(rs)}  z {mean('ours_token_z'):>+6.2f} / {mean('torch_token_z'):>+6.2f}  "
+                  f"corr {mean('token_err_corr'):.3f}")
 
 
 if __name__ == "__main__":

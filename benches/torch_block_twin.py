@@ -124,6 +124,19 @@ def main():
                     worst, name = e, k
             return worst, name
 
+        # The loss's error is the mean of the tokens' (signed): how much of it is a shared sign
+        # rather than chance shows in each side's mean token error against its spread (a
+        # z-score: the mean over the standard error of N independent errors), and in how much
+        # the two sides' token errors agree.
+        e_ours = ours["token_loss"].double().flatten() - ref_tokens.flatten()
+        e_torch = t_tokens.flatten() - ref_tokens.flatten()
+        n_tok = e_ours.numel()
+        z = lambda e: (e.mean() / (e.std() / n_tok ** 0.5)).item()
+        signed = dict(ours_loss_err=(ours["loss"].double() - ref_loss).item(),
+                      torch_loss_err=(t_loss - ref_loss).item(),
+                      ours_token_mean=e_ours.mean().item(), torch_token_mean=e_torch.mean().item(),
+                      ours_token_z=z(e_ours), torch_token_z=z(e_torch),
+                      token_err_corr=torch.corrcoef(torch.stack([e_ours, e_torch]))[0, 1].item())
         g_ours, n_ours = grad_err(lambda k: ours["grad." + k])
         g_torch, n_torch = grad_err(lambda k: t_grads[k])
         for what, eo, et, note in [
@@ -140,6 +153,8 @@ def main():
             row = dict(level=level, quantity=what, ours_rel_err=eo, torch_rel_err=et, ratio=ratio,
                        criterion=crit, pass_=ok and eo == eo, loss_scale=scale,
                        attention=ometa.get("attention", ""), note=note)
+            if what == "loss":
+                row.update(signed)
             rows.append(row)
             print(json.dumps({k.rstrip("_"): v for k, v in row.items()}), flush=True)
         del ours, t_logits, t_grads

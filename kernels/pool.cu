@@ -1,8 +1,9 @@
 // pool.cu: max / average / adaptive-average 2-D pooling over NCHW or NHWC, forward and
 // backward. Backward passes are gathers (each input cell sums the windows that contain it):
 // deterministic, no atomics, every element written. Threads walk the buffers in memory order
-// (channels innermost in NHWC), so loads and stores coalesce in both formats; max pooling's
-// argmax is the flat h·w index in the plane either way.
+// (channels innermost in NHWC), so loads and stores coalesce in both formats. Max pooling's
+// argmax is the flat h·w index in the plane (an i64 per output), except on the channel-pack path
+// (max_fwd_vec), which keeps a byte per output.
 
 struct PoolP {
     i64 n, c, h, w, kh, kw, sh, sw, ph, pw, oh, ow, count_include_pad, nhwc;
@@ -211,15 +212,31 @@ template <typename T, typename I> __device__ void adaptive_bwd(PoolP p, const T*
 }
 
 // NHWC with the channels a whole number of 16-byte packs (the host checks that, the buffers'
-// alignment and that every position fits 32 bits): one thread per pack of channels at one
-// output (forward) or input (backward) position, so the window's bounds and index arithmetic are
-// worked out once per pack instead of once per channel, and the loads and stores are 16 bytes
-// (the argmax's two i64 at a time). Per channel, the comparisons and sums are those of max_fwd /
-// max_bwd in the same order: the results are bit for bit theirs.
-template <typename T> __device__ void max_fwd_vec(PoolP p, const T* x, T* y, i64* arg) {
+// alignment, that every position fits 32 bits and that a window has at most 255 cells): one
+// thread per pack of channels at one output (forward) or input (backward) position, so the
+// window's bounds and index arithmetic are worked out once per pack instead of once per channel,
+// and the values move 16 bytes at a time. The argmax is kept as a byte per output, the winner's
+// offset i·kw + j in its window (row i, column j from the window's padded corner), N bytes per
+// pack: ResNet-50's stem pool read and wrote 8-byte flat indices, 8 times the bytes of the
+// values themselves. Per channel, the comparisons and sums are those of max_fwd / max_bwd in
+// the same order: the results are bit for bit theirs.
+template <int N> struct OffsetPack;
+template <> struct OffsetPack<8> { typedef unsigned long long type; };
+template <> struct OffsetPack<4> { typedef unsigned type; };
+template <> struct OffsetPack<2> { typedef unsigned short type; };
+
+template <typename T> __device__ __forceinline__ void store_values(T* dst, const typename Pack<T>::type& v) {
+    if constexpr (sizeof(T) == 2)
+        store_pack8(dst, v.v);
+    else
+        *(typename Pack<T>::type*)dst = v;
+}
+
+template <typename T> __device__ void max_fwd_vec(PoolP p, const T* x, T* y, unsigned char* off) {
     typedef typename Num<T>::acc A;
     typedef typename Pack<T>::type P;
     const int N = Pack<T>::N;
+    typedef typename OffsetPack<N>::type O;
     const unsigned CV = (unsigned)p.c / N, OH = (unsigned)p.oh, OW = (unsigned)p.ow;
     const int H = (int)p.h, W = (int)p.w, KH = (int)p.kh, KW = (int)p.kw;
     const unsigned total = (unsigned)(p.n * p.oh * p.ow) * CV;
@@ -240,7 +257,7 @@ template <typename T> __device__ void max_fwd_vec(PoolP p, const T* x, T* y, i64
                 int iw = w0 + j;
                 if (iw < 0 || iw >= W) continue;
                 P v = *(const P*)(x + (((unsigned)n * H + ih) * W + iw) * (unsigned)p.c + cv * N);
-                int me = ih * W + iw;
+                int me = i * KW + j;
 #pragma unroll
                 for (int l = 0; l < N; l++) {
                     A a = Num<T>::to(v.v[l]);
@@ -249,21 +266,26 @@ template <typename T> __device__ void max_fwd_vec(PoolP p, const T* x, T* y, i64
             }
         }
         P out;
+        O o = 0;
 #pragma unroll
-        for (int l = 0; l < N; l++) out.v[l] = Num<T>::from(best[l]);
-        *(P*)(y + (u64)k * N) = out;
-        longlong2* a2 = (longlong2*)(arg + (u64)k * N);
-#pragma unroll
-        for (int l = 0; l < N; l += 2) a2[l / 2] = make_longlong2(bi[l] < 0 ? 0 : bi[l], bi[l + 1] < 0 ? 0 : bi[l + 1]);
+        for (int l = 0; l < N; l++) {
+            out.v[l] = Num<T>::from(best[l]);
+            // A window with no cell inside the input (the host rules it out) would keep 255,
+            // which no cell's offset equals.
+            o |= (O)(bi[l] < 0 ? 255 : bi[l]) << (8 * l);
+        }
+        store_values<T>(y + (u64)k * N, out);
+        *(O*)(off + (u64)k * N) = o;
     }
 }
 
-template <typename T> __device__ void max_bwd_vec(PoolP p, const T* g, const i64* arg, T* dx) {
+template <typename T> __device__ void max_bwd_vec(PoolP p, const T* g, const unsigned char* off, T* dx) {
     typedef typename Num<T>::acc A;
     typedef typename Pack<T>::type P;
     const int N = Pack<T>::N;
+    typedef typename OffsetPack<N>::type O;
     const unsigned CV = (unsigned)p.c / N, H = (unsigned)p.h, W = (unsigned)p.w;
-    const int OH = (int)p.oh, OW = (int)p.ow, SH = (int)p.sh, SW = (int)p.sw;
+    const int OH = (int)p.oh, OW = (int)p.ow, SH = (int)p.sh, SW = (int)p.sw, KW = (int)p.kw;
     const unsigned total = (unsigned)(p.n * p.h * p.w) * CV;
     for (unsigned k = (unsigned)global_tid(); k < total; k += (unsigned)global_stride()) {
         unsigned cv = k % CV, rest = k / CV;
@@ -281,23 +303,21 @@ template <typename T> __device__ void max_bwd_vec(PoolP p, const T* g, const i64
         A s[N];
 #pragma unroll
         for (int l = 0; l < N; l++) s[l] = 0;
-        const i64 me = ih * (int)W + iw;
         for (int oh = oh0; oh <= oh1; oh++)
             for (int ow = ow0; ow <= ow1; ow++) {
+                // This cell's offset in window (oh, ow).
+                const unsigned me = (unsigned)((ih - (oh * SH - (int)p.ph)) * KW + (iw - (ow * SW - (int)p.pw)));
                 unsigned o = (((unsigned)n * OH + oh) * OW + ow) * (unsigned)p.c + cv * N;
+                O a = *(const O*)(off + o);
                 P gv = *(const P*)(g + o);
-                const longlong2* a2 = (const longlong2*)(arg + o);
 #pragma unroll
-                for (int l = 0; l < N; l += 2) {
-                    longlong2 a = a2[l / 2];
-                    if (a.x == me) s[l] += Num<T>::to(gv.v[l]);
-                    if (a.y == me) s[l + 1] += Num<T>::to(gv.v[l + 1]);
-                }
+                for (int l = 0; l < N; l++)
+                    if (((unsigned)(a >> (8 * l)) & 255u) == me) s[l] += Num<T>::to(gv.v[l]);
             }
         P out;
 #pragma unroll
         for (int l = 0; l < N; l++) out.v[l] = Num<T>::from(s[l]);
-        *(P*)(dx + (u64)k * N) = out;
+        store_values<T>(dx + (u64)k * N, out);
     }
 }
 
@@ -311,11 +331,11 @@ template <typename T> __device__ void max_bwd_vec(PoolP p, const T* g, const i64
     extern "C" __global__ void max_pool_backward_##N(PoolP p, const T* g, const i64* arg, T* dx) { \
         BY_INDEX(max_bwd, T, p, g, arg, dx)                                                           \
     }                                                                                              \
-    extern "C" __global__ void max_pool_vec_##N(PoolP p, const T* x, T* y, i64* arg) {             \
-        max_fwd_vec<T>(p, x, y, arg);                                                              \
+    extern "C" __global__ void max_pool_vec_##N(PoolP p, const T* x, T* y, unsigned char* off) {   \
+        max_fwd_vec<T>(p, x, y, off);                                                              \
     }                                                                                              \
-    extern "C" __global__ void max_pool_backward_vec_##N(PoolP p, const T* g, const i64* arg, T* dx) { \
-        max_bwd_vec<T>(p, g, arg, dx);                                                             \
+    extern "C" __global__ void max_pool_backward_vec_##N(PoolP p, const T* g, const unsigned char* off, T* dx) { \
+        max_bwd_vec<T>(p, g, off, dx);                                                             \
     }                                                                                              \
     extern "C" __global__ void avg_pool_##N(PoolP p, const T* x, T* y) { BY_INDEX(avg_fwd, T, p, x, y) } \
     extern "C" __global__ void avg_pool_backward_##N(PoolP p, const T* g, T* dx) {                 \

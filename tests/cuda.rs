@@ -1465,7 +1465,9 @@ fn nchw_nhwc(n: usize, c: usize, h: usize, w: usize) -> (Layout, Layout) {
 }
 
 /// Pooling in NHWC on the GPU against the CPU's NCHW reference (values moved between the
-/// layouts on the host; argmax, the flat h·w index, is the same in both).
+/// layouts on the host). The GPU's argmax is the flat h·w index, as the CPU's, or, where the
+/// channels fill 16-byte packs, a byte per output (the window offset): then each side's
+/// backward reads its own record, from a gradient aligned and (copied first) unaligned.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pooling_channels_last() {
@@ -1500,16 +1502,44 @@ fn pooling_channels_last() {
             let (y, idx) = x.max_pool2d(&ci, &p).unwrap();
             let (gy, gidx) = gx.max_pool2d(&li, &gp).unwrap();
             assert_eq!(back(&gy, &lo, &co), y, "max_pool2d {what}");
-            if d == DType::F32 {
+            let packed = p.c % (16 / d.size_in_bytes()) == 0;
+            let record = if packed { y.len().div_ceil(8) } else { y.len() };
+            assert_eq!(gidx.len(), record, "max_pool2d argmax record {what}");
+            if !packed && d == DType::F32 {
                 assert_eq!(back(&gidx, &lo, &co), idx, "max_pool2d argmax {what}");
             }
             let g = randn(y.len(), d);
             let want = g.max_pool2d_backward(&co, &idx, &co, &p).unwrap();
-            let got = to_gpu(&g, &co, &lo)
+            let g_nhwc = g.copy_strided(&co, &lo).unwrap();
+            // The CPU's flat indices, moved to NHWC order, through the flat-index kernel.
+            let got = up(&g_nhwc)
                 .max_pool2d_backward(&lo, &to_gpu(&idx, &co, &lo), &lo, &gp)
                 .unwrap();
             let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
             assert!(e <= tol(d), "max_pool2d_backward {what}: {e:e}");
+            // The GPU's own record.
+            let got = up(&g_nhwc)
+                .max_pool2d_backward(&lo, &gidx, &whole(&gidx), &gp)
+                .unwrap();
+            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
+            assert!(
+                e <= tol(d),
+                "max_pool2d_backward, own record, {what}: {e:e}"
+            );
+            // And from a gradient one element into its buffer.
+            let shifted: Vec<f32> = std::iter::once(0.0)
+                .chain(g_nhwc.to_f64_vec().into_iter().map(|v| v as f32))
+                .collect();
+            let shifted = up(&cast(&CpuStorage::F32(shifted), d));
+            let lo1 = Layout::new(lo.shape().clone(), lo.strides().to_vec(), 1);
+            let got = shifted
+                .max_pool2d_backward(&lo1, &gidx, &whole(&gidx), &gp)
+                .unwrap();
+            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
+            assert!(
+                e <= tol(d),
+                "max_pool2d_backward, unaligned gradient, {what}: {e:e}"
+            );
             let want = x.avg_pool2d(&ci, &p).unwrap();
             let got = gx.avg_pool2d(&li, &gp).unwrap();
             let e = rel_err(&back(&got, &lo, &co).to_f64_vec(), &want.to_f64_vec());

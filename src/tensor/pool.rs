@@ -72,7 +72,10 @@ impl Tensor {
         let x = self.packed_as(run)?;
         let (s, argmax) = x.storage().max_pool2d(&x.layout(), &p)?;
         let out = Layout::with_format(Shape::new(vec![p.n, p.c, p.out_h(), p.out_w()]), run);
-        let argmax = Tensor::from_storage(argmax, out.clone());
+        // The argmax record is the backend's own (ops::PoolOps::max_pool2d): kept whole, as
+        // one dimension of its own length, for its backward.
+        let record = Layout::contiguous(Shape::new(vec![argmax.len()]));
+        let argmax = Tensor::from_storage(argmax, record);
         Tensor::from_op(s, out, &[self], || Op::MaxPool2d {
             from: self.shape().clone(),
             argmax,

@@ -47,9 +47,11 @@ pub struct AdaptivePoolParams {
 /// Pooling. Operands contiguous, or channels_last where
 /// [`BackendStorage::channels_last_native`] says so (`p.format`).
 pub trait PoolOps: BackendStorage {
-    /// Returns `(out, argmax)` where argmax (I64) is the flat `h·w` index of each maximum.
+    /// Returns `(out, argmax)`: argmax (I64) records where each window's maximum was, in a form
+    /// of the backend's own that only its `max_pool2d_backward` reads (the CPU's: the flat `h·w`
+    /// index of each maximum; CUDA may pack a byte per output). The caller keeps it whole.
     fn max_pool2d(&self, l: &Layout, p: &Pool2dParams) -> Result<(Self, Self)>;
-    /// Called on the output gradient.
+    /// Called on the output gradient; `argmax`, `al`: the record the forward returned, whole.
     fn max_pool2d_backward(
         &self,
         l: &Layout,
