@@ -35,8 +35,8 @@
 //! `benches/block_twin_seeds.sh` runs the twin over several seeds, for the scalar loss, whose
 //! error from one draw says little.
 //! `--small`: 2 layers, 2 heads, d 64, context 32, vocabulary 128, batch 2 x 32 (a CPU run).
-//! `--no-capture` / `--no-twin` skip a part. Exit status 1 when a level fails to run or a
-//! bitwise comparison fails.
+//! `--no-capture` / `--no-twin` skip a part; `--levels O2-bf16,O1-bf16` runs only those levels.
+//! Exit status 1 when a level fails to run or a bitwise comparison fails.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -64,6 +64,8 @@ struct Args {
     capture: bool,
     /// The captured part with flash attention left on (a diagnostic: does it stay bitwise?).
     keep_flash: bool,
+    /// The levels to run (`--levels`; all by default).
+    levels: Vec<&'static str>,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -73,6 +75,7 @@ fn parse_args() -> std::result::Result<Args, String> {
     let (mut small, mut steps, mut twin, mut capture) = (false, 3usize, true, true);
     let mut keep_flash = false;
     let mut seeds = SEEDS;
+    let mut levels = LEVELS.to_vec();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--small" => small = true,
@@ -85,6 +88,20 @@ fn parse_args() -> std::result::Result<Args, String> {
                     .parse()
                     .map_err(|_| format!("--seed needs a whole number, not '{v}'"))?;
                 seeds = (n, n);
+            }
+            "--levels" => {
+                let v = it
+                    .next()
+                    .ok_or("--levels needs a list, e.g. O2-bf16,O1-bf16")?;
+                levels = v
+                    .split(',')
+                    .map(|l| {
+                        LEVELS.iter().copied().find(|k| *k == l).ok_or(format!(
+                            "--levels: unknown level '{l}' (known: {})",
+                            LEVELS.join(", ")
+                        ))
+                    })
+                    .collect::<std::result::Result<_, _>>()?;
             }
             "--steps" => {
                 let v = it.next().ok_or("--steps needs a value")?;
@@ -99,7 +116,9 @@ fn parse_args() -> std::result::Result<Args, String> {
             other => return Err(format!("unexpected argument '{other}'")),
         }
     }
-    let dir = dir.ok_or("usage: block_twin DIR [cuda|cpu] [--small] [--steps N] [--seed N]")?;
+    let dir = dir.ok_or(
+        "usage: block_twin DIR [cuda|cpu] [--small] [--steps N] [--seed N] [--levels L,..]",
+    )?;
     let device = match device {
         Some(d) => d,
         None => Device::cuda(0).map_err(|e| format!("no CUDA device ({e}); pass `cpu`"))?,
@@ -113,6 +132,7 @@ fn parse_args() -> std::result::Result<Args, String> {
         twin,
         capture,
         keep_flash,
+        levels,
     })
 }
 
@@ -430,7 +450,7 @@ fn run(args: &Args) -> Result<bool> {
         .collect();
         write(&args.dir.join("init.safetensors"), &state, &meta)?;
         drop(model);
-        for level in LEVELS {
+        for &level in &args.levels {
             if let Err(e) = twin_level(args, level, &x, &y) {
                 eprintln!("block_twin: {level} failed: {e}");
                 ok = false;
@@ -455,6 +475,9 @@ fn run(args: &Args) -> Result<bool> {
         if args.keep_flash {
             cmd.arg("--keep-flash");
         }
+        if args.levels.len() < LEVELS.len() {
+            cmd.args(["--levels", &args.levels.join(",")]);
+        }
         let status = cmd
             .status()
             .map_err(|e| Error::io("running the captured part", e))?;
@@ -477,7 +500,7 @@ fn run(args: &Args) -> Result<bool> {
                 " (CPU: CapturedStep::eager, no graph)"
             }
         );
-        for level in LEVELS {
+        for &level in &args.levels {
             match captured_level(args, level, &x, &y) {
                 Ok(pass) => ok &= pass,
                 Err(e) => {
