@@ -1511,35 +1511,22 @@ fn pooling_channels_last() {
             let g = randn(y.len(), d);
             let want = g.max_pool2d_backward(&co, &idx, &co, &p).unwrap();
             let g_nhwc = g.copy_strided(&co, &lo).unwrap();
+            let agrees = |g: &CudaStorage, gl: &Layout, idx: &CudaStorage, il: &Layout, how| {
+                let got = g.max_pool2d_backward(gl, idx, il, &gp).unwrap();
+                let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
+                assert!(e <= tol(d), "max_pool2d_backward, {how}, {what}: {e:e}");
+            };
             // The CPU's flat indices, moved to NHWC order, through the flat-index kernel.
-            let got = up(&g_nhwc)
-                .max_pool2d_backward(&lo, &to_gpu(&idx, &co, &lo), &lo, &gp)
-                .unwrap();
-            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
-            assert!(e <= tol(d), "max_pool2d_backward {what}: {e:e}");
-            // The GPU's own record.
-            let got = up(&g_nhwc)
-                .max_pool2d_backward(&lo, &gidx, &whole(&gidx), &gp)
-                .unwrap();
-            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
-            assert!(
-                e <= tol(d),
-                "max_pool2d_backward, own record, {what}: {e:e}"
-            );
+            let flat = to_gpu(&idx, &co, &lo);
+            agrees(&up(&g_nhwc), &lo, &flat, &lo, "CPU's flat indices");
+            agrees(&up(&g_nhwc), &lo, &gidx, &whole(&gidx), "own record");
             // And from a gradient one element into its buffer.
             let shifted: Vec<f32> = std::iter::once(0.0)
                 .chain(g_nhwc.to_f64_vec().into_iter().map(|v| v as f32))
                 .collect();
             let shifted = up(&cast(&CpuStorage::F32(shifted), d));
             let lo1 = Layout::new(lo.shape().clone(), lo.strides().to_vec(), 1);
-            let got = shifted
-                .max_pool2d_backward(&lo1, &gidx, &whole(&gidx), &gp)
-                .unwrap();
-            let e = rel_err(&back(&got, &li, &ci).to_f64_vec(), &want.to_f64_vec());
-            assert!(
-                e <= tol(d),
-                "max_pool2d_backward, unaligned gradient, {what}: {e:e}"
-            );
+            agrees(&shifted, &lo1, &gidx, &whole(&gidx), "unaligned gradient");
             let want = x.avg_pool2d(&ci, &p).unwrap();
             let got = gx.avg_pool2d(&li, &gp).unwrap();
             let e = rel_err(&back(&got, &lo, &co).to_f64_vec(), &want.to_f64_vec());
