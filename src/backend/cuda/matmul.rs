@@ -255,6 +255,14 @@ fn vector_ptr(
     v.ptr_at(l)
 }
 
+/// Whether `linear_bias_gelu` may run the activation in cuBLASLt's epilogue.
+/// `MIXPREC_LT_GELU=0` turns it off, for diagnosis: the biased product is then rounded to the
+/// input type and the activation kernel runs on it, PyTorch's two roundings. Read once.
+fn gelu_epilogue_on() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("MIXPREC_LT_GELU").is_ok_and(|v| v == "0"))
+}
+
 impl MatmulOps for CudaStorage {
     fn linear_bias(
         &self,
@@ -294,7 +302,7 @@ impl MatmulOps for CudaStorage {
     ) -> Result<(Self, Self)> {
         let pv = vector_ptr("linear", bias, bl, self.dtype(), dims.n)?;
         let fits = self.len() >= dims.m * dims.k && w.len() >= dims.k * dims.n;
-        if fits && w.dtype() == self.dtype() {
+        if fits && w.dtype() == self.dtype() && gelu_epilogue_on() {
             let out = CudaStorage::alloc(&self.dev, self.dtype(), dims.m * dims.n)?;
             let pre = CudaStorage::alloc(&self.dev, self.dtype(), dims.m * dims.n)?;
             let ptrs = (self.ptr_at(l)?, w.ptr_at(wl)?, pv);
