@@ -8,7 +8,8 @@
 # Stage here:  scripts/gpu-stage --no-tests --example block_twin
 # Run there:   SEEDS="1 2 3 4 5 6 7 8" bash benches/block_twin_seeds.sh [DIR]
 #   (DIR default $OUT/block_twin_seeds or /tmp/block_twin_seeds; BLOCK_TWIN_BIN, DEVICE=cuda|cpu,
-#   TWIN_ARGS: more flags for block_twin, e.g. --small for a CPU run)
+#   TWIN_ARGS: more flags for block_twin, e.g. --small for a CPU run; DEADLINE: epoch seconds
+#   after which no further seed starts)
 set -u
 cd "$(dirname "$0")/.."
 dir=${1:-${OUT:-/tmp}/block_twin_seeds}
@@ -16,6 +17,11 @@ bin=${BLOCK_TWIN_BIN:-.gpu/bin/block_twin}
 device=${DEVICE:-cuda}
 mkdir -p "$dir"
 for s in ${SEEDS:-1 2 3 4 5 6 7 8}; do
+  # DEADLINE (seconds since the epoch): start no seed after it (a device call has a time limit).
+  if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
+    echo "deadline reached: seeds from $s on not run" >&2
+    break
+  fi
   # shellcheck disable=SC2086
   if ! "$bin" "$dir/seed$s" "$device" --seed "$s" --no-capture ${TWIN_ARGS:-} > "$dir/seed$s.ours.log" 2>&1; then
     echo "seed $s: block_twin failed (see $dir/seed$s.ours.log)" >&2

@@ -4,6 +4,7 @@ ratio, and in how many seeds mixprec's error was within PyTorch's x 1.02 (the pe
 of benches/torch_block_twin.py).
 
     python3 benches/block_twin_table.py DIR/seed*.jsonl
+    python3 benches/block_twin_table.py FILE.jsonl     (one file of many seeds' rows)
 """
 import json
 import math
@@ -13,12 +14,14 @@ from collections import defaultdict
 
 def main():
     rows = defaultdict(list)
-    seeds = 0
+    seeds = set()
     for path in sys.argv[1:]:
         lines = [json.loads(l) for l in open(path) if l.startswith("{")]
-        seeds += bool(lines)
         for r in lines:
+            # A file per seed (block_twin_seeds.sh), or one file of many (--seeds, --loss-only).
+            seeds.add((path, r.get("seed", "")))
             rows[(r["level"], r["quantity"])].append(r)
+    seeds = len(seeds)
     if not rows:
         print("no rows: did every seed fail?", file=sys.stderr)
         sys.exit(1)
@@ -47,6 +50,24 @@ def main():
             print(f"{level:<8} {mean('ours_loss_err'):>+10.3e} / {mean('torch_loss_err'):>+10.3e}  "
                   f"{pos:>2} of {len(rs)}  z {mean('ours_token_z'):>+6.2f} / {mean('torch_token_z'):>+6.2f}  "
                   f"corr {mean('token_err_corr'):.3f}")
+
+    # Where the loss's error comes from, through the logits (rows that carry the parts): per
+    # part, the RMS over seeds on each side and the RMS of ours minus torch's.
+    parts = [(lv, r) for lv, r in signed if "ours_lse_part" in r]
+    if parts:
+        print("\nthe loss's error through the logits, RMS over seeds: ours / torch / (ours - torch)")
+        names = ["from_logits", "lse_part", "target_part", "second_order", "scale_part"]
+        for level in dict.fromkeys(lv for lv, _ in parts):
+            rs = [r for lv, r in parts if lv == level]
+            cells = []
+            for n in names:
+                o = rms([r["ours_" + n] for r in rs])
+                t = rms([r["torch_" + n] for r in rs])
+                d = rms([r["ours_" + n] - r["torch_" + n] for r in rs])
+                cells.append(f"{n} {o:.2e} / {t:.2e} / {d:.2e}")
+            print(f"{level:<8} " + "\n         ".join(cells))
+            sc = rms([r["ours_scale"] for r in rs]), rms([r["torch_scale"] for r in rs])
+            print(f"         logit stretch (RMS over seeds) {sc[0]:.2e} / {sc[1]:.2e}")
 
 
 if __name__ == "__main__":

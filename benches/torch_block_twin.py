@@ -7,6 +7,12 @@ parameter's gradient, unscaled, as f32; the loss scale it used in the metadata).
     .gpu/bin/block_twin DIR [cuda|cpu] [--small]
     python3 benches/torch_block_twin.py DIR [--device cuda|cpu]
 
+Many seeds in one process each (the scalar loss over hundreds of draws):
+
+    .gpu/bin/block_twin DIR cuda --seeds 1-200 --loss-only --levels O2-bf16
+    python3 benches/torch_block_twin.py DIR/seed* --loss-only --remove > rows.jsonl
+    python3 benches/block_twin_table.py rows.jsonl
+
 For each level it runs the same forward/backward in PyTorch:
   O0       f32, TF32 off
   O1-*     f32 weights, torch.autocast(half), the loss scaled by the scale mixprec used
@@ -62,9 +68,9 @@ def forward(p, x, y, heads, layers):
     return logits, loss, token_loss
 
 
-def run(w, x, y, heads, layers, level, scale, dev):
+def run(w, x, y, heads, layers, level, scale, dev, backward=True):
     """logits (f32), loss, each token's loss, {name: unscaled f32 gradient} at `level` ("ref" =
-    f64)."""
+    f64); without `backward`, the forward only and no gradients."""
     half = HALF.get(level.split("-")[-1])
     p = {}
     for k, v in w.items():
@@ -73,12 +79,44 @@ def run(w, x, y, heads, layers, level, scale, dev):
             v = v.double()
         elif level.startswith("O2") and ".ln_" not in k:
             v = v.to(half)
-        p[k] = v.detach().requires_grad_(True)
+        p[k] = v.detach().requires_grad_(backward)
     with torch.autocast(dev, dtype=half or torch.bfloat16, enabled=level.startswith(("O1", "O2"))):
-        logits, loss, token_loss = forward(p, x, y, heads, layers)
+        with torch.set_grad_enabled(backward):
+            logits, loss, token_loss = forward(p, x, y, heads, layers)
+    if not backward:
+        return logits.detach().double(), loss.detach().double(), token_loss.double(), {}
     (loss * scale).backward()
     grads = {k: (v.grad.double() / scale) for k, v in p.items()}
     return logits.detach().double(), loss.detach().double(), token_loss.double(), grads
+
+
+def loss_parts(side, logits, ref_logits, y, ref_tokens):
+    """Where one side's loss error comes from, through its logits (f64 throughout): the loss
+    recomputed from its logits minus the reference, split to first order into the
+    log-sum-exp's part (sum_v p_v dz_v, p the reference softmax) and the target logit's
+    (-dz_y), each a mean over tokens; the rest is second order. `scale` is the least-squares
+    factor of the token-centred logit error on the token-centred reference logits (a shared
+    stretch of every token's logits moves every token's loss the same way), and `scale_part`
+    the loss it moves."""
+    v = ref_logits.shape[-1]
+    ref = ref_logits.reshape(-1, v)
+    d = logits.double().reshape(-1, v) - ref
+    yy = y.reshape(-1, 1)
+    p = torch.softmax(ref, dim=1)
+    lse = (p * d).sum(1)
+    tgt = -d.gather(1, yy).squeeze(1)
+    from_logits = F.cross_entropy(logits.double().reshape(-1, v), y.reshape(-1), reduction="none")
+    total = (from_logits - ref_tokens.flatten()).mean().item()
+    zc = ref - ref.mean(1, keepdim=True)
+    dc = d - d.mean(1, keepdim=True)
+    scale = ((dc * zc).sum() / (zc * zc).sum()).item()
+    stretch = ((p * zc).sum(1) - zc.gather(1, yy).squeeze(1)).mean().item()
+    out = {f"{side}_from_logits": total, f"{side}_lse_part": lse.mean().item(),
+           f"{side}_target_part": tgt.mean().item(),
+           f"{side}_second_order": total - lse.mean().item() - tgt.mean().item(),
+           f"{side}_scale": scale, f"{side}_scale_part": scale * stretch}
+    del d, p, zc, dc
+    return out
 
 
 def rel(a, r):
@@ -88,25 +126,20 @@ def rel(a, r):
     return num / den if den else num
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("dir")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dev = a.device
-    path = os.path.join(a.dir, "init.safetensors")
+def compare(directory, dev, loss_only):
+    """The rows of one seed's directory (printed as JSON lines as they come) and the shape."""
+    path = os.path.join(directory, "init.safetensors")
     with safe_open(path, "pt") as f:
         meta = f.metadata() or {}
     w = load_file(path)
     x, y = w.pop("x").to(dev), w.pop("y").to(dev)
     layers = 1 + max(int(k.split(".")[2]) for k in w if k.startswith("transformer.h."))
     heads = int(meta["n_head"])
-    ref_logits, ref_loss, ref_tokens, ref_grads = run(w, x, y, heads, layers, "ref", 1.0, dev)
+    ref_logits, ref_loss, ref_tokens, ref_grads = run(w, x, y, heads, layers, "ref", 1.0, dev,
+                                                      backward=not loss_only)
     rows = []
     for level in LEVELS:
-        ours_path = os.path.join(a.dir, f"ours_{level}.safetensors")
+        ours_path = os.path.join(directory, f"ours_{level}.safetensors")
         if not os.path.exists(ours_path):
             print(f"{ours_path} missing: {level} skipped", file=sys.stderr)
             continue
@@ -114,7 +147,8 @@ def main():
             ometa = f.metadata() or {}
         ours = load_file(ours_path, device=dev)
         scale = float(ometa.get("loss_scale", "1"))
-        t_logits, t_loss, t_tokens, t_grads = run(w, x, y, heads, layers, level, scale, dev)
+        t_logits, t_loss, t_tokens, t_grads = run(w, x, y, heads, layers, level, scale, dev,
+                                                  backward=not loss_only)
 
         def grad_err(get):
             worst, name = -1.0, ""
@@ -137,20 +171,28 @@ def main():
                       ours_token_mean=e_ours.mean().item(), torch_token_mean=e_torch.mean().item(),
                       ours_token_z=z(e_ours), torch_token_z=z(e_torch),
                       token_err_corr=torch.corrcoef(torch.stack([e_ours, e_torch]))[0, 1].item())
-        g_ours, n_ours = grad_err(lambda k: ours["grad." + k])
-        g_torch, n_torch = grad_err(lambda k: t_grads[k])
-        for what, eo, et, note in [
-            ("logits", rel(ours["logits"], ref_logits), rel(t_logits, ref_logits), ""),
+        quantities = [
             ("loss", rel(ours["loss"], ref_loss), rel(t_loss, ref_loss), ""),
             ("token losses", rel(ours["token_loss"], ref_tokens), rel(t_tokens, ref_tokens), ""),
-            ("grads (max)", g_ours, g_torch, f"ours worst {n_ours}; torch worst {n_torch}"),
-        ]:
+        ]
+        if not loss_only:
+            signed.update(loss_parts("ours", ours["logits"], ref_logits, y, ref_tokens))
+            signed.update(loss_parts("torch", t_logits, ref_logits, y, ref_tokens))
+            g_ours, n_ours = grad_err(lambda k: ours["grad." + k])
+            g_torch, n_torch = grad_err(lambda k: t_grads[k])
+            quantities = [
+                ("logits", rel(ours["logits"], ref_logits), rel(t_logits, ref_logits), ""),
+                *quantities,
+                ("grads (max)", g_ours, g_torch, f"ours worst {n_ours}; torch worst {n_torch}"),
+            ]
+        for what, eo, et, note in quantities:
             if level == "O0":
                 crit, ok = "ours <= 2^-14", eo <= F32_BOUND
             else:
                 crit, ok = "ours <= torch x 1.02", eo <= et * (1 + HALF_SLACK)
             ratio = eo / et if et else (1.0 if eo == 0 else float("inf"))
-            row = dict(level=level, quantity=what, ours_rel_err=eo, torch_rel_err=et, ratio=ratio,
+            row = dict(seed=os.path.basename(os.path.normpath(directory)), level=level,
+                       quantity=what, ours_rel_err=eo, torch_rel_err=et, ratio=ratio,
                        criterion=crit, pass_=ok and eo == eo, loss_scale=scale,
                        attention=ometa.get("attention", ""), note=note)
             if what == "loss":
@@ -158,8 +200,36 @@ def main():
             rows.append(row)
             print(json.dumps({k.rstrip("_"): v for k, v in row.items()}), flush=True)
         del ours, t_logits, t_grads
+    return rows, (layers, heads, tuple(x.shape))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dirs", nargs="+", help="one directory per seed (block_twin's DIR)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--loss-only", action="store_true",
+                    help="the forward only: the loss and each token's loss (block_twin --loss-only)")
+    ap.add_argument("--remove", action="store_true",
+                    help="delete each directory's .safetensors once compared (many seeds, one disk)")
+    a = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = a.device
+    rows = []
+    for d in a.dirs:
+        r, (layers, heads, shape) = compare(d, dev, a.loss_only)
+        rows += r
+        if a.remove:
+            for f in os.listdir(d):
+                if f.endswith(".safetensors"):
+                    os.remove(os.path.join(d, f))
+    if len(a.dirs) > 1:
+        # Many seeds: the summary is benches/block_twin_table.py's, over the JSON lines.
+        failed = sum(not r["pass_"] for r in rows)
+        print(f"{len(a.dirs)} seeds, {len(rows)} rows, {len(rows) - failed} pass, {failed} fail")
+        sys.exit(0 if rows else 1)
     print()
-    print(f"block-stack twin ({layers} layers, {heads} heads, batch {tuple(x.shape)}, {dev}): "
+    print(f"block-stack twin ({layers} layers, {heads} heads, batch {shape}, {dev}): "
           "relative L2 error against torch's f64 reference")
     print(f"{'level':<8} {'quantity':<12} {'ours':>10} {'torch':>10} {'ratio':>7}  {'':<6} criterion / note")
     for r in rows:

@@ -36,6 +36,10 @@
 //! error from one draw says little.
 //! `--small`: 2 layers, 2 heads, d 64, context 32, vocabulary 128, batch 2 x 32 (a CPU run).
 //! `--no-capture` / `--no-twin` skip a part; `--levels O2-bf16,O1-bf16` runs only those levels.
+//! `--seeds A-B`: the twin part for every seed from A to B in one process, into `DIR/seedS`
+//! (`torch_block_twin.py DIR/seed*` reads them in one process too); with `--loss-only` each level
+//! runs the forward only and writes the loss and each token's loss (no logits, no gradients):
+//! the scalar loss over hundreds of seeds, a few megabytes each.
 //! Exit status 1 when a level fails to run or a bitwise comparison fails.
 
 use std::collections::BTreeMap;
@@ -53,6 +57,7 @@ const LEVELS: [&str; 5] = ["O0", "O1-bf16", "O1-f16", "O2-bf16", "O2-f16"];
 /// The weights' seed and the batch's without `--seed` (the figures in benches/RESULTS.md).
 const SEEDS: (u64, u64) = (7, 3);
 
+#[derive(Clone)]
 struct Args {
     dir: PathBuf,
     device: Device,
@@ -66,6 +71,10 @@ struct Args {
     keep_flash: bool,
     /// The levels to run (`--levels`; all by default).
     levels: Vec<&'static str>,
+    /// `--seeds A-B`: the twin part for each seed in one process, into DIR/seedS.
+    seed_range: Option<(u64, u64)>,
+    /// The forward only: the loss and each token's loss.
+    loss_only: bool,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -76,12 +85,26 @@ fn parse_args() -> std::result::Result<Args, String> {
     let mut keep_flash = false;
     let mut seeds = SEEDS;
     let mut levels = LEVELS.to_vec();
+    let (mut seed_range, mut loss_only) = (None, false);
     while let Some(a) = it.next() {
         match a.as_str() {
             "--small" => small = true,
             "--no-twin" => twin = false,
             "--no-capture" => capture = false,
             "--keep-flash" => keep_flash = true,
+            "--loss-only" => loss_only = true,
+            "--seeds" => {
+                let v = it.next().ok_or("--seeds needs a range, e.g. 1-64")?;
+                let bad =
+                    || format!("--seeds needs a range A-B of whole numbers, A <= B, not '{v}'");
+                let (a, b) = v.split_once('-').ok_or_else(bad)?;
+                let (a, b): (u64, u64) =
+                    (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+                if a > b {
+                    return Err(bad());
+                }
+                seed_range = Some((a, b));
+            }
             "--seed" => {
                 let v = it.next().ok_or("--seed needs a value")?;
                 let n: u64 = v
@@ -117,7 +140,8 @@ fn parse_args() -> std::result::Result<Args, String> {
         }
     }
     let dir = dir.ok_or(
-        "usage: block_twin DIR [cuda|cpu] [--small] [--steps N] [--seed N] [--levels L,..]",
+        "usage: block_twin DIR [cuda|cpu] [--small] [--steps N] [--seed N | --seeds A-B] \
+         [--loss-only] [--levels L,..]",
     )?;
     let device = match device {
         Some(d) => d,
@@ -133,6 +157,8 @@ fn parse_args() -> std::result::Result<Args, String> {
         capture,
         keep_flash,
         levels,
+        seed_range,
+        loss_only,
     })
 }
 
@@ -244,12 +270,14 @@ fn attention_path(cfg: &GptConfig, level: &str, b: usize, t: usize, dev: Device)
     }
 }
 
-/// One forward and scaled backward at `level`; writes DIR/ours_LEVEL.safetensors.
+/// One forward and scaled backward at `level` (the forward only with `--loss-only`); writes
+/// DIR/ours_LEVEL.safetensors.
 fn twin_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<()> {
     let (cfg, b, t) = config(args.small);
     let dev = args.device;
     let (model, mut opt) = make(cfg, args.seeds.0, level, false, &dev)?;
     let n = b * t;
+    let _no_grad = args.loss_only.then(mixprec::no_grad);
     let (logits, loss, token_loss) = model.scope(|m| {
         let logits = m.forward(x)?;
         let (rows, targets) = (
@@ -269,22 +297,27 @@ fn twin_level(args: &Args, level: &str, x: &Tensor, y: &Tensor) -> Result<()> {
         };
         Ok((logits, loss, token_loss))
     })?;
-    opt.zero_grad()?;
-    opt.backward(&loss)?;
-    let scale = opt.stats()?.first().map_or(1.0, |s| s.scale);
     let mut out = vec![
-        ("logits".to_string(), logits.detach().to_dtype(DType::F32)?),
         ("loss".to_string(), loss.detach().to_dtype(DType::F32)?),
         ("token_loss".to_string(), token_loss.to_dtype(DType::F32)?),
     ];
+    if !args.loss_only {
+        opt.zero_grad()?;
+        opt.backward(&loss)?;
+        out.push(("logits".to_string(), logits.detach().to_dtype(DType::F32)?));
+    }
+    let scale = opt.stats()?.first().map_or(1.0, |s| s.scale);
     let mut param_dtypes = BTreeMap::new();
     for (name, p) in model.inner().named_parameters() {
-        let g = p.grad().ok_or_else(|| {
-            Error::invalid_arg("block_twin", "gradient", name.clone(), "one per parameter")
-        })?;
         *param_dtypes
             .entry(format!("{:?}", p.dtype()))
             .or_insert(0usize) += 1;
+        if args.loss_only {
+            continue;
+        }
+        let g = p.grad().ok_or_else(|| {
+            Error::invalid_arg("block_twin", "gradient", name.clone(), "one per parameter")
+        })?;
         out.push((
             format!("grad.{name}"),
             g.to_dtype(DType::F32)?.mul_scalar(1.0 / scale)?,
@@ -526,12 +559,29 @@ fn main() {
             std::process::exit(2);
         }
     };
-    match run(&args) {
-        Ok(true) => {}
-        Ok(false) => std::process::exit(1),
-        Err(e) => {
-            eprintln!("block_twin: {e}");
-            std::process::exit(1);
+    let runs: Vec<Args> = match args.seed_range {
+        None => vec![args],
+        // One process for every seed: each into DIR/seedS, its twin part only.
+        Some((a, b)) => (a..=b)
+            .map(|s| Args {
+                dir: args.dir.join(format!("seed{s}")),
+                seeds: (s, s),
+                capture: false,
+                ..args.clone()
+            })
+            .collect(),
+    };
+    let mut ok = true;
+    for a in &runs {
+        match run(a) {
+            Ok(pass) => ok &= pass,
+            Err(e) => {
+                eprintln!("block_twin: {}: {e}", a.dir.display());
+                ok = false;
+            }
         }
+    }
+    if !ok {
+        std::process::exit(1);
     }
 }
