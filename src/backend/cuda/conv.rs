@@ -110,20 +110,16 @@ fn sizes(p: &Conv2dParams) -> (usize, usize, usize) {
     )
 }
 
-/// The checks of one direction: the geometry, and `a`, `b` (as [`run`] takes them) of its sizes.
-/// Returns the op's name and the output's length.
+/// The checks of one direction: the geometry, and `a`, `b` (as [`run`] takes them) and `into`
+/// (the buffer an add-into direction adds to) of its sizes. Returns the output's length.
 fn checked(
     dir: Dir,
     a: &CudaStorage,
     b: &CudaStorage,
+    into: Option<&CudaStorage>,
     p: &Conv2dParams,
-) -> Result<(&'static str, usize)> {
-    let op = match dir {
-        Dir::Forward => "conv2d",
-        Dir::BackwardData => "conv2d_backward_input",
-        Dir::BackwardFilter => "conv2d_backward_weight",
-        Dir::BackwardDataAdd => "conv2d_backward_input_add",
-    };
+) -> Result<usize> {
+    let op = op_name(dir);
     check(op, p)?;
     let (nx, nw, ny) = sizes(p);
     let (na, a_what, nb, b_what, n_out) = match dir {
@@ -133,7 +129,8 @@ fn checked(
         }
         Dir::BackwardFilter => (ny, "the output gradient", nx, "the input", nw),
     };
-    for (s, n, what) in [(a, na, a_what), (b, nb, b_what)] {
+    let into = into.map(|s| (s, n_out, "the input gradient"));
+    for (s, n, what) in [(a, na, a_what), (b, nb, b_what)].into_iter().chain(into) {
         if s.len() != n {
             return Err(Error::invalid_arg(
                 op,
@@ -143,12 +140,21 @@ fn checked(
             ));
         }
     }
-    Ok((op, n_out))
+    Ok(n_out)
+}
+
+fn op_name(dir: Dir) -> &'static str {
+    match dir {
+        Dir::Forward => "conv2d",
+        Dir::BackwardData => "conv2d_backward_input",
+        Dir::BackwardFilter => "conv2d_backward_weight",
+        Dir::BackwardDataAdd => "conv2d_backward_input_add",
+    }
 }
 
 /// The checks and the run of one direction: `a`, `b` as [`run`] takes them.
 fn conv(dir: Dir, a: &CudaStorage, b: &CudaStorage, p: &Conv2dParams) -> Result<CudaStorage> {
-    let (_, n_out) = checked(dir, a, b, p)?;
+    let n_out = checked(dir, a, b, None, p)?;
     if let Some(out) = super::conv_space_to_depth::run_if_chosen(dir, p, a, b, n_out)? {
         return Ok(out);
     }
@@ -211,18 +217,10 @@ pub(crate) fn conv2d_backward_input_add(
 ) -> Result<()> {
     packed("conv2d_backward_input_add", g, lg)?;
     packed("conv2d_backward_input_add", w, lw)?;
-    let (op, nx) = checked(Dir::BackwardDataAdd, g, w, p)?;
-    if dx.len() != nx {
-        return Err(Error::invalid_arg(
-            op,
-            "len",
-            dx.len(),
-            format!("the input gradient must have {nx} elements"),
-        ));
-    }
+    checked(Dir::BackwardDataAdd, g, w, Some(dx), p)?;
     if dx.dtype() != g.dtype() || w.dtype() != g.dtype() {
         return Err(Error::invalid_arg(
-            op,
+            op_name(Dir::BackwardDataAdd),
             "dtype",
             format!("{} / {} / {}", g.dtype(), w.dtype(), dx.dtype()),
             "one dtype for the output gradient, the weight and the input gradient",
