@@ -39,7 +39,8 @@
 //! `--seeds A-B`: the twin part for every seed from A to B in one process, into `DIR/seedS`
 //! (`torch_block_twin.py DIR/seed*` reads them in one process too); with `--loss-only` each level
 //! runs the forward only and writes the loss and each token's loss (no logits, no gradients):
-//! the scalar loss over hundreds of seeds, a few megabytes each.
+//! the scalar loss over hundreds of seeds. Each seed's weights take 215 MB at full size:
+//! `torch_block_twin.py --remove` deletes a seed's files once compared.
 //! Exit status 1 when a level fails to run or a bitwise comparison fails.
 
 use std::collections::BTreeMap;
